@@ -1,0 +1,239 @@
+//! The per-child hand-off and the prefill result that carries one per child.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvxfer_proto::v1;
+
+use crate::error::HandoffError;
+use crate::ids::LeaseToken;
+use crate::BlockId;
+
+/// Where a lease can be pulled from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineInfo {
+    /// The prefill engine's id.
+    pub engine_id: String,
+    /// Host the prefill agent listens on.
+    pub host: String,
+    /// Port the prefill agent listens on.
+    pub port: u16,
+    /// Tensor-parallel size of the prefill engine.
+    pub tp_size: u32,
+}
+
+/// What a decode worker needs to pull one child and to tell the prefill side it is done.
+///
+/// On the prefill side the only way to get one is [`crate::LeaseTable::lease`], which
+/// registers the lease first; on the decode side one is parsed from the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildHandoff {
+    parent_request_id: Arc<str>,
+    child_index: u32,
+    n: u32,
+    remote_request_id: Arc<str>,
+    token: LeaseToken,
+    blocks: Arc<[BlockId]>,
+    engine: Arc<EngineInfo>,
+    expected_consumers: u32,
+    ttl: Duration,
+}
+
+impl ChildHandoff {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn issued(
+        parent_request_id: Arc<str>,
+        child_index: u32,
+        n: u32,
+        remote_request_id: Arc<str>,
+        token: LeaseToken,
+        blocks: Arc<[BlockId]>,
+        engine: Arc<EngineInfo>,
+        expected_consumers: u32,
+        ttl: Duration,
+    ) -> Self {
+        ChildHandoff {
+            parent_request_id,
+            child_index,
+            n,
+            remote_request_id,
+            token,
+            blocks,
+            engine,
+            expected_consumers,
+            ttl,
+        }
+    }
+
+    /// The parent request id.
+    pub fn parent_request_id(&self) -> &str {
+        &self.parent_request_id
+    }
+    /// This child's index.
+    pub fn child_index(&self) -> u32 {
+        self.child_index
+    }
+    /// The parent's number of children.
+    pub fn n(&self) -> u32 {
+        self.n
+    }
+    /// The id the prefill side expects back.
+    pub fn remote_request_id(&self) -> &str {
+        &self.remote_request_id
+    }
+    /// The lease token.
+    pub fn token(&self) -> &LeaseToken {
+        &self.token
+    }
+    /// The prefill blocks to pull.
+    pub fn remote_block_ids(&self) -> &[BlockId] {
+        &self.blocks
+    }
+    /// Where to pull from.
+    pub fn engine(&self) -> &EngineInfo {
+        &self.engine
+    }
+    /// Consumers that must notify.
+    pub fn expected_consumers(&self) -> u32 {
+        self.expected_consumers
+    }
+    /// The lease's time-to-live (the decode side heartbeats every ttl/6 while pulling).
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The wire form.
+    pub fn to_wire(&self) -> v1::ChildHandoff {
+        v1::ChildHandoff {
+            parent_request_id: self.parent_request_id.to_string(),
+            child_index: self.child_index,
+            n: self.n,
+            remote_request_id: self.remote_request_id.to_string(),
+            lease_token: self.token.as_bytes().to_vec(),
+            remote_block_ids: self.blocks.to_vec(),
+            remote_engine_id: self.engine.engine_id.clone(),
+            remote_host: self.engine.host.clone(),
+            remote_port: u32::from(self.engine.port),
+            expected_consumers: self.expected_consumers,
+            lease_ttl_ms: u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX),
+            tp_size: self.engine.tp_size,
+        }
+    }
+
+    /// Parses the wire form: every field a pull needs present and well formed.
+    pub fn from_wire(w: v1::ChildHandoff) -> Result<Self, HandoffError> {
+        if w.remote_request_id.is_empty() {
+            return Err(HandoffError::MissingField("remote_request_id"));
+        }
+        if w.parent_request_id.is_empty() {
+            return Err(HandoffError::MissingField("parent_request_id"));
+        }
+        if w.remote_host.is_empty() {
+            return Err(HandoffError::MissingField("remote_host"));
+        }
+        if w.remote_block_ids.is_empty() {
+            return Err(HandoffError::MissingField("remote_block_ids"));
+        }
+        if w.expected_consumers == 0 {
+            return Err(HandoffError::NoConsumers(w.remote_request_id));
+        }
+        let port = u16::try_from(w.remote_port)
+            .ok()
+            .filter(|&p| p != 0)
+            .ok_or(HandoffError::BadPort { request: w.remote_request_id.clone(), port: w.remote_port })?;
+        let token = LeaseToken::from_wire(&w.lease_token)?;
+        Ok(ChildHandoff {
+            parent_request_id: Arc::from(w.parent_request_id),
+            child_index: w.child_index,
+            n: w.n,
+            remote_request_id: Arc::from(w.remote_request_id),
+            token,
+            blocks: Arc::from(w.remote_block_ids),
+            engine: Arc::new(EngineInfo {
+                engine_id: w.remote_engine_id,
+                host: w.remote_host,
+                port,
+                tp_size: w.tp_size,
+            }),
+            expected_consumers: w.expected_consumers,
+            ttl: Duration::from_millis(w.lease_ttl_ms),
+        })
+    }
+}
+
+/// A prefill result with exactly one hand-off for each child `0..n`, in index order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillResult {
+    parent_request_id: String,
+    n: u32,
+    children: Vec<ChildHandoff>,
+}
+
+impl PrefillResult {
+    /// Checks that `children` are exactly the children `0..n` of `parent`, naming what is
+    /// missing, duplicated, out of range or of another parent.
+    pub fn new(
+        parent_request_id: impl Into<String>,
+        n: u32,
+        children: Vec<ChildHandoff>,
+    ) -> Result<Self, HandoffError> {
+        let parent = parent_request_id.into();
+        if n == 0 {
+            return Err(HandoffError::ZeroChildren { parent });
+        }
+        let mut by_index: BTreeMap<u32, ChildHandoff> = BTreeMap::new();
+        let (mut duplicated, mut out_of_range, mut foreign) = (Vec::new(), Vec::new(), Vec::new());
+        for child in children {
+            if *child.parent_request_id != *parent || child.n != n {
+                foreign.push(child.remote_request_id.to_string());
+            } else if child.child_index >= n {
+                out_of_range.push(child.child_index);
+            } else if by_index.contains_key(&child.child_index) {
+                duplicated.push(child.child_index);
+            } else {
+                by_index.insert(child.child_index, child);
+            }
+        }
+        // Bounded: at most as many entries as were listed, so a huge `n` allocates nothing.
+        let missing: Vec<u32> = if by_index.len() as u64 == u64::from(n) {
+            Vec::new()
+        } else {
+            (0..n).filter(|i| !by_index.contains_key(i)).take(64).collect()
+        };
+        if !missing.is_empty() || !duplicated.is_empty() || !out_of_range.is_empty() || !foreign.is_empty() {
+            duplicated.dedup();
+            return Err(HandoffError::IncompleteResult { parent, n, missing, duplicated, out_of_range, foreign });
+        }
+        Ok(PrefillResult { parent_request_id: parent, n, children: by_index.into_values().collect() })
+    }
+
+    /// Parses and validates the wire form.
+    pub fn from_wire(w: v1::PrefillResult) -> Result<Self, HandoffError> {
+        let children =
+            w.children.into_iter().map(ChildHandoff::from_wire).collect::<Result<Vec<_>, _>>()?;
+        Self::new(w.parent_request_id, w.n, children)
+    }
+
+    /// The wire form.
+    pub fn to_wire(&self) -> v1::PrefillResult {
+        v1::PrefillResult {
+            parent_request_id: self.parent_request_id.clone(),
+            n: self.n,
+            children: self.children.iter().map(ChildHandoff::to_wire).collect(),
+        }
+    }
+
+    /// The parent request id.
+    pub fn parent_request_id(&self) -> &str {
+        &self.parent_request_id
+    }
+    /// Number of children.
+    pub fn n(&self) -> u32 {
+        self.n
+    }
+    /// The hand-offs, child 0 first.
+    pub fn children(&self) -> &[ChildHandoff] {
+        &self.children
+    }
+}

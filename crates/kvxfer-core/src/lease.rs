@@ -1,0 +1,709 @@
+//! The prefill side's lease table.
+//!
+//! Every lease ends exactly once — pulled, released or expired — and its blocks are handed
+//! back exactly once, through [`LeaseTable::ended`], only when no read of them is in flight.
+//!
+//! Concurrency: the table is split into shards, each a `Mutex` over a map of leases and an
+//! ordered deadline index. A lease lives in the shard its id hashes to, so operations on
+//! different leases rarely contend, and each shard's deadline index is a `BTreeMap` keyed by
+//! `(deadline, sequence)`: expiry pops from the front (O(log n) per expired lease, never a
+//! scan), and a heartbeat moves one entry, so an old lease that was extended never holds
+//! back younger ones. Ended leases go to one channel, drained by the owner.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use rand::SeedableRng;
+use rand_chacha::ChaCha12Rng;
+
+use crate::error::{LeaseError, MAX_IDS_SHOWN};
+use crate::handoff::{ChildHandoff, EngineInfo};
+use crate::ids::{child_request_id, fnv1a, LeaseToken, FNV_OFFSET};
+use crate::plan::BlockRange;
+use crate::BlockId;
+
+/// Settings of a [`LeaseTable`].
+#[derive(Debug, Clone)]
+pub struct LeaseConfig {
+    /// Lease time-to-live when a request does not name one (vLLM: 30 s).
+    pub default_ttl: Duration,
+    /// Blocks in the prefill side's layout; leases and reads outside it are refused.
+    pub num_blocks: u32,
+    /// Who serves these leases; copied into every hand-off.
+    pub engine: EngineInfo,
+    /// Number of shards (rounded up to a power of two, at least 1).
+    pub shards: usize,
+}
+
+impl LeaseConfig {
+    /// A config with vLLM's default lease of 30 s and 16 shards.
+    pub fn new(engine: EngineInfo, num_blocks: u32) -> Self {
+        LeaseConfig { default_ttl: Duration::from_secs(30), num_blocks, engine, shards: 16 }
+    }
+}
+
+/// What to lease: one child's blocks.
+#[derive(Debug, Clone)]
+pub struct LeaseRequest {
+    /// The parent request id (before parallel-sampling fan-out).
+    pub parent_request_id: String,
+    /// This child's index, below `n`.
+    pub child_index: u32,
+    /// The parent's number of children.
+    pub n: u32,
+    /// The prefill blocks holding this child's KV cache.
+    pub blocks: Vec<BlockId>,
+    /// Distinct consumers that must notify before the lease ends as pulled.
+    pub expected_consumers: u32,
+    /// Lease time-to-live; the table's default when `None`.
+    pub ttl: Option<Duration>,
+}
+
+impl LeaseRequest {
+    /// A request for one consumer and the default ttl.
+    pub fn new(parent: impl Into<String>, child_index: u32, n: u32, blocks: Vec<BlockId>) -> Self {
+        LeaseRequest {
+            parent_request_id: parent.into(),
+            child_index,
+            n,
+            blocks,
+            expected_consumers: 1,
+            ttl: None,
+        }
+    }
+
+    /// Sets the number of consumers (decode ranks) that must notify.
+    pub fn consumers(mut self, expected: u32) -> Self {
+        self.expected_consumers = expected;
+        self
+    }
+
+    /// Sets the time-to-live.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+}
+
+/// How a lease ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EndKind {
+    /// Every expected consumer notified.
+    Pulled,
+    /// Cancelled by the decode side or the owner.
+    Released,
+    /// The deadline passed with consumers missing.
+    Expired,
+}
+
+/// A lease that ended and whose blocks are now the owner's again. Delivered once per lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseEnd {
+    /// The request id the lease was made under.
+    pub remote_request_id: Arc<str>,
+    /// The parent request id.
+    pub parent_request_id: Arc<str>,
+    /// The child index.
+    pub child_index: u32,
+    /// The parent's n.
+    pub n: u32,
+    /// How it ended.
+    pub kind: EndKind,
+    /// The blocks to hand back, as leased.
+    pub blocks: Arc<[BlockId]>,
+    /// Distinct consumers that had notified.
+    pub consumers_seen: u32,
+    /// Consumers that were expected.
+    pub expected_consumers: u32,
+}
+
+/// Result of [`LeaseTable::notify`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotifyOutcome {
+    /// Counted; this many consumers are still expected.
+    Counted {
+        /// Consumers still expected.
+        remaining: u32,
+    },
+    /// The last expected consumer: the lease ended as pulled (blocks follow on [`LeaseTable::ended`]).
+    Pulled,
+    /// This consumer already notified; nothing changed.
+    Duplicate,
+    /// No live lease has this id; nothing changed.
+    Unrecognized,
+    /// The token is wrong; nothing changed.
+    BadToken,
+}
+
+/// Result of [`LeaseTable::heartbeat`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeartbeatOutcome {
+    /// The lease now ends no earlier than this.
+    Extended {
+        /// The new deadline.
+        deadline: Instant,
+    },
+    /// No live lease has this id.
+    Unrecognized,
+    /// The token is wrong; nothing changed.
+    BadToken,
+}
+
+/// Result of [`LeaseTable::cancel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The lease ended as released.
+    Released,
+    /// No live lease has this id.
+    Unrecognized,
+    /// The token is wrong; nothing changed.
+    BadToken,
+}
+
+/// Why a read was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReadRefused {
+    /// No lease has this id.
+    #[error("no lease for request {0}")]
+    Unknown(String),
+    /// The token is wrong.
+    #[error("wrong lease token for request {0}")]
+    BadToken(String),
+    /// The lease has ended.
+    #[error("the lease for request {0} has ended")]
+    Ended(String),
+    /// Block ids outside the layout.
+    #[error("read for request {request}: block ids {ids:?} are outside the layout of {num_blocks} blocks")]
+    OutOfRange {
+        /// The request id.
+        request: String,
+        /// Offending ids (at most 16).
+        ids: Vec<BlockId>,
+        /// Blocks in the layout.
+        num_blocks: u32,
+    },
+    /// Block ids in the layout but not in this lease.
+    #[error("read for request {request}: block ids {ids:?} are not part of its lease")]
+    NotLeased {
+        /// The request id.
+        request: String,
+        /// Offending ids (at most 16).
+        ids: Vec<BlockId>,
+    },
+    /// The read names no blocks, or more blocks than the lease holds.
+    #[error("read for request {request}: {requested} blocks requested, lease holds {leased}")]
+    BadSize {
+        /// The request id.
+        request: String,
+        /// Blocks requested.
+        requested: u64,
+        /// Blocks leased.
+        leased: usize,
+    },
+}
+
+/// Counters of a [`LeaseTable`]. `leased == pulled + released + expired + live`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseStats {
+    /// Leases made.
+    pub leased: u64,
+    /// Leases ended as pulled.
+    pub pulled: u64,
+    /// Leases ended as released.
+    pub released: u64,
+    /// Leases ended as expired.
+    pub expired: u64,
+    /// Leases not yet ended.
+    pub live: u64,
+    /// Ended leases whose blocks wait for reads in flight.
+    pub draining: u64,
+    /// Notifications, heartbeats and cancels for ids with no live lease.
+    pub unrecognized: u64,
+    /// Operations with a wrong token.
+    pub bad_token: u64,
+    /// Notifications from a consumer that had already notified.
+    pub duplicate: u64,
+    /// Reads refused for any reason.
+    pub reads_refused: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    leased: AtomicU64,
+    pulled: AtomicU64,
+    released: AtomicU64,
+    expired: AtomicU64,
+    draining: AtomicU64,
+    unrecognized: AtomicU64,
+    bad_token: AtomicU64,
+    duplicate: AtomicU64,
+    reads_refused: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+struct Lease {
+    token: LeaseToken,
+    parent: Arc<str>,
+    child_index: u32,
+    n: u32,
+    blocks: Arc<[BlockId]>,
+    /// Sorted, deduplicated copy of `blocks` when `blocks` is not already sorted.
+    sorted: Option<Box<[BlockId]>>,
+    expected: u32,
+    /// Consumers that notified (kept only while more than one is expected).
+    consumers: Vec<Box<str>>,
+    ttl: Duration,
+    deadline: Instant,
+    seq: u64,
+    readers: u32,
+    ended: Option<EndKind>,
+}
+
+impl Lease {
+    fn sorted_blocks(&self) -> &[BlockId] {
+        self.sorted.as_deref().unwrap_or(&self.blocks)
+    }
+
+    fn holds(&self, id: BlockId) -> bool {
+        self.sorted_blocks().binary_search(&id).is_ok()
+    }
+}
+
+struct Shard {
+    leases: HashMap<Arc<str>, Lease>,
+    deadlines: BTreeMap<(Instant, u64), Arc<str>>,
+    rng: ChaCha12Rng,
+    next_seq: u64,
+}
+
+/// The lease table. Shared by every connection of a prefill agent (`Arc<LeaseTable>`).
+pub struct LeaseTable {
+    shards: Box<[Mutex<Shard>]>,
+    shard_mask: u64,
+    config: LeaseConfig,
+    engine: Arc<EngineInfo>,
+    ended_tx: Sender<LeaseEnd>,
+    ended_rx: Receiver<LeaseEnd>,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for LeaseTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseTable").field("stats", &self.stats()).finish_non_exhaustive()
+    }
+}
+
+/// Outcome of looking a lease up by id and token, expiring it first if its deadline passed.
+enum Found<'a> {
+    Live(&'a mut Lease),
+    Missing,
+    Ended,
+    BadToken,
+}
+
+impl LeaseTable {
+    /// A table whose tokens come from a ChaCha generator seeded with `seed` (the engine seeds
+    /// it from the OS; tests pass a fixed seed).
+    pub fn new(config: LeaseConfig, seed: [u8; 32]) -> Self {
+        let shards = config.shards.max(1).next_power_of_two();
+        let (ended_tx, ended_rx) = crossbeam_channel::unbounded();
+        let mut master = ChaCha12Rng::from_seed(seed);
+        let shards: Box<[Mutex<Shard>]> = (0..shards)
+            .map(|_| {
+                Mutex::new(Shard {
+                    leases: HashMap::new(),
+                    deadlines: BTreeMap::new(),
+                    rng: ChaCha12Rng::from_rng(&mut master),
+                    next_seq: 0,
+                })
+            })
+            .collect();
+        LeaseTable {
+            shard_mask: shards.len() as u64 - 1,
+            shards,
+            engine: Arc::new(config.engine.clone()),
+            config,
+            ended_tx,
+            ended_rx,
+            counters: Counters::default(),
+        }
+    }
+
+    /// The table's settings.
+    pub fn config(&self) -> &LeaseConfig {
+        &self.config
+    }
+
+    fn shard_of(&self, id: &str) -> usize {
+        (fnv1a(id.as_bytes(), FNV_OFFSET) & self.shard_mask) as usize
+    }
+
+    fn lock(&self, index: usize) -> MutexGuard<'_, Shard> {
+        // A panic while holding a shard lock cannot leave a lease half-updated in a way that
+        // breaks exactly-once (each update is a single map operation), so poisoning is ignored.
+        self.shards[index].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a lease and only then returns its hand-off, with a fresh 128-bit token.
+    pub fn lease(&self, req: LeaseRequest, now: Instant) -> Result<ChildHandoff, LeaseError> {
+        let id = child_request_id(&req.parent_request_id, req.child_index, req.n);
+        if req.n == 0 || req.child_index >= req.n {
+            return Err(LeaseError::BadChildIndex { request: id, index: req.child_index, n: req.n });
+        }
+        if req.blocks.is_empty() {
+            return Err(LeaseError::NoBlocks(id));
+        }
+        if req.expected_consumers == 0 {
+            return Err(LeaseError::NoConsumers(id));
+        }
+        let num_blocks = self.config.num_blocks;
+        if req.blocks.iter().any(|&b| b >= num_blocks) {
+            let ids = req.blocks.iter().copied().filter(|&b| b >= num_blocks).take(MAX_IDS_SHOWN);
+            return Err(LeaseError::BlocksOutOfRange { request: id, ids: ids.collect(), num_blocks });
+        }
+        let sorted = if req.blocks.windows(2).all(|w| w[0] < w[1]) {
+            None
+        } else {
+            let mut s = req.blocks.clone();
+            s.sort_unstable();
+            s.dedup();
+            Some(s.into_boxed_slice())
+        };
+        let ttl = req.ttl.unwrap_or(self.config.default_ttl);
+        let deadline = now + ttl;
+        let key: Arc<str> = Arc::from(id);
+        let parent: Arc<str> = Arc::from(req.parent_request_id);
+        let blocks: Arc<[BlockId]> = Arc::from(req.blocks);
+
+        let mut shard = self.lock(self.shard_of(&key));
+        if shard.leases.contains_key(&key) {
+            return Err(LeaseError::AlreadyLeased(key.to_string()));
+        }
+        let token = LeaseToken::generate(&mut shard.rng);
+        let seq = shard.next_seq;
+        shard.next_seq += 1;
+        shard.deadlines.insert((deadline, seq), key.clone());
+        shard.leases.insert(
+            key.clone(),
+            Lease {
+                token,
+                parent: parent.clone(),
+                child_index: req.child_index,
+                n: req.n,
+                blocks: blocks.clone(),
+                sorted,
+                expected: req.expected_consumers,
+                consumers: Vec::new(),
+                ttl,
+                deadline,
+                seq,
+                readers: 0,
+                ended: None,
+            },
+        );
+        drop(shard);
+        bump(&self.counters.leased);
+        Ok(ChildHandoff::issued(
+            parent,
+            req.child_index,
+            req.n,
+            key,
+            token,
+            blocks,
+            self.engine.clone(),
+            req.expected_consumers,
+            ttl,
+        ))
+    }
+
+    /// Looks up `id`, expiring it first when its deadline is at or before `now`.
+    fn find<'s>(&self, shard: &'s mut Shard, id: &str, token: &[u8], now: Instant) -> Found<'s> {
+        let expired = match shard.leases.get(id) {
+            None => return Found::Missing,
+            Some(l) if l.ended.is_some() => return Found::Ended,
+            Some(l) if !l.token.matches(token) => return Found::BadToken,
+            Some(l) => l.deadline <= now,
+        };
+        if expired {
+            self.end(shard, id, EndKind::Expired);
+            return Found::Ended;
+        }
+        match shard.leases.get_mut(id) {
+            Some(l) => Found::Live(l),
+            None => Found::Missing,
+        }
+    }
+
+    /// Ends the live lease `id`: counts it, removes its deadline, and hands its blocks back
+    /// now, or when its last read finishes.
+    fn end(&self, shard: &mut Shard, id: &str, kind: EndKind) {
+        let Some(lease) = shard.leases.get_mut(id) else { return };
+        debug_assert!(lease.ended.is_none(), "a lease ends once");
+        if lease.ended.is_some() {
+            return;
+        }
+        lease.ended = Some(kind);
+        let (deadline, seq, readers) = (lease.deadline, lease.seq, lease.readers);
+        shard.deadlines.remove(&(deadline, seq));
+        bump(match kind {
+            EndKind::Pulled => &self.counters.pulled,
+            EndKind::Released => &self.counters.released,
+            EndKind::Expired => &self.counters.expired,
+        });
+        if readers == 0 {
+            self.hand_back(shard, id);
+        } else {
+            bump(&self.counters.draining);
+        }
+    }
+
+    fn hand_back(&self, shard: &mut Shard, id: &str) {
+        let Some(lease) = shard.leases.remove(id) else { return };
+        let Some(kind) = lease.ended else { return };
+        let consumers_seen = if lease.expected > 1 {
+            lease.consumers.len() as u32
+        } else {
+            u32::from(kind == EndKind::Pulled)
+        };
+        let end = LeaseEnd {
+            remote_request_id: Arc::from(id),
+            parent_request_id: lease.parent,
+            child_index: lease.child_index,
+            n: lease.n,
+            kind,
+            blocks: lease.blocks,
+            consumers_seen,
+            expected_consumers: lease.expected,
+        };
+        // The receiver lives in `self`, so the channel is never disconnected.
+        let _ = self.ended_tx.send(end);
+    }
+
+    /// A consumer finished pulling `id`. The lease ends as pulled when every expected
+    /// consumer has notified. Unknown ids, wrong tokens and duplicates change nothing.
+    pub fn notify(&self, id: &str, token: &[u8], consumer: &str, now: Instant) -> NotifyOutcome {
+        let mut shard = self.lock(self.shard_of(id));
+        let lease = match self.find(&mut shard, id, token, now) {
+            Found::Live(l) => l,
+            Found::Missing | Found::Ended => {
+                bump(&self.counters.unrecognized);
+                return NotifyOutcome::Unrecognized;
+            }
+            Found::BadToken => {
+                bump(&self.counters.bad_token);
+                return NotifyOutcome::BadToken;
+            }
+        };
+        let remaining = if lease.expected == 1 {
+            0
+        } else {
+            if lease.consumers.iter().any(|c| &**c == consumer) {
+                bump(&self.counters.duplicate);
+                return NotifyOutcome::Duplicate;
+            }
+            lease.consumers.push(consumer.into());
+            lease.expected - lease.consumers.len() as u32
+        };
+        if remaining > 0 {
+            return NotifyOutcome::Counted { remaining };
+        }
+        self.end(&mut shard, id, EndKind::Pulled);
+        NotifyOutcome::Pulled
+    }
+
+    /// Extends a live lease to `max(deadline, now + 2/3 ttl)`.
+    pub fn heartbeat(&self, id: &str, token: &[u8], now: Instant) -> HeartbeatOutcome {
+        let mut shard = self.lock(self.shard_of(id));
+        let lease = match self.find(&mut shard, id, token, now) {
+            Found::Live(l) => l,
+            Found::Missing | Found::Ended => {
+                bump(&self.counters.unrecognized);
+                return HeartbeatOutcome::Unrecognized;
+            }
+            Found::BadToken => {
+                bump(&self.counters.bad_token);
+                return HeartbeatOutcome::BadToken;
+            }
+        };
+        let old = (lease.deadline, lease.seq);
+        let new = lease.deadline.max(now + lease.ttl * 2 / 3);
+        lease.deadline = new;
+        if new != old.0 {
+            if let Some(key) = shard.deadlines.remove(&old) {
+                shard.deadlines.insert((new, old.1), key);
+            }
+        }
+        HeartbeatOutcome::Extended { deadline: new }
+    }
+
+    /// Releases a live lease at once (the decode side or the owner dropped the child).
+    pub fn cancel(&self, id: &str, token: &[u8], now: Instant) -> CancelOutcome {
+        let mut shard = self.lock(self.shard_of(id));
+        match self.find(&mut shard, id, token, now) {
+            Found::Live(_) => {}
+            Found::Missing | Found::Ended => {
+                bump(&self.counters.unrecognized);
+                return CancelOutcome::Unrecognized;
+            }
+            Found::BadToken => {
+                bump(&self.counters.bad_token);
+                return CancelOutcome::BadToken;
+            }
+        }
+        self.end(&mut shard, id, EndKind::Released);
+        CancelOutcome::Released
+    }
+
+    /// Ends every lease whose deadline is at or before `now`; returns how many ended.
+    /// Costs O(log n) per expired lease; unexpired leases are not visited.
+    pub fn expire(&self, now: Instant) -> usize {
+        let mut count = 0;
+        for index in 0..self.shards.len() {
+            let mut shard = self.lock(index);
+            while let Some(entry) = shard.deadlines.first_entry() {
+                if entry.key().0 > now {
+                    break;
+                }
+                let key = entry.get().clone();
+                self.end(&mut shard, &key, EndKind::Expired);
+                count += 1;
+            }
+        }
+        count
+    }
+
+    /// The earliest deadline of any live lease: when the driver should call [`Self::expire`].
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        (0..self.shards.len())
+            .filter_map(|i| self.lock(i).deadlines.first_key_value().map(|(k, _)| k.0))
+            .min()
+    }
+
+    /// Leases that ended and whose blocks are free again, each delivered once. Receive from
+    /// it (blocking or not) to learn how each lease ended.
+    pub fn ended(&self) -> &Receiver<LeaseEnd> {
+        &self.ended_rx
+    }
+
+    /// Starts a read of `ranges` of lease `id`. While the returned guard lives, the lease's
+    /// blocks are not handed back even if the lease ends. Refused for unknown or ended leases,
+    /// wrong tokens, and blocks outside the layout or the lease.
+    pub fn begin_read(
+        self: &Arc<Self>,
+        id: &str,
+        token: &[u8],
+        ranges: &[BlockRange],
+        now: Instant,
+    ) -> Result<ReadGuard, ReadRefused> {
+        let index = self.shard_of(id);
+        let mut shard = self.lock(index);
+        let refused = |r: ReadRefused| {
+            bump(&self.counters.reads_refused);
+            Err(r)
+        };
+        let lease = match self.find(&mut shard, id, token, now) {
+            Found::Live(l) => l,
+            Found::Missing => return refused(ReadRefused::Unknown(id.to_owned())),
+            Found::Ended => return refused(ReadRefused::Ended(id.to_owned())),
+            Found::BadToken => {
+                bump(&self.counters.bad_token);
+                return refused(ReadRefused::BadToken(id.to_owned()));
+            }
+        };
+        let requested: u64 = ranges.iter().map(|r| u64::from(r.count)).sum();
+        if requested == 0 || requested > lease.blocks.len() as u64 {
+            let leased = lease.blocks.len();
+            return refused(ReadRefused::BadSize { request: id.to_owned(), requested, leased });
+        }
+        let num_blocks = self.config.num_blocks;
+        let out_of_range: Vec<BlockId> = ranges
+            .iter()
+            .filter(|r| u64::from(r.start) + u64::from(r.count) > u64::from(num_blocks))
+            .flat_map(|r| r.iter_u64().filter(|&b| b >= u64::from(num_blocks)))
+            .map(|b| u32::try_from(b).unwrap_or(u32::MAX))
+            .take(MAX_IDS_SHOWN)
+            .collect();
+        if !out_of_range.is_empty() {
+            return refused(ReadRefused::OutOfRange {
+                request: id.to_owned(),
+                ids: out_of_range,
+                num_blocks,
+            });
+        }
+        let not_leased: Vec<BlockId> = ranges
+            .iter()
+            .flat_map(BlockRange::iter)
+            .filter(|&b| !lease.holds(b))
+            .take(MAX_IDS_SHOWN)
+            .collect();
+        if !not_leased.is_empty() {
+            return refused(ReadRefused::NotLeased { request: id.to_owned(), ids: not_leased });
+        }
+        lease.readers += 1;
+        let seq = lease.seq;
+        Ok(ReadGuard { table: Arc::clone(self), shard: index, key: Arc::from(id), seq })
+    }
+
+    fn end_read(&self, shard_index: usize, key: &str, seq: u64) {
+        let mut shard = self.lock(shard_index);
+        let Some(lease) = shard.leases.get_mut(key) else { return };
+        if lease.seq != seq {
+            return;
+        }
+        lease.readers -= 1;
+        if lease.readers == 0 && lease.ended.is_some() {
+            self.counters.draining.fetch_sub(1, Ordering::Relaxed);
+            self.hand_back(&mut shard, key);
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> LeaseStats {
+        let c = &self.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (leased, pulled, released, expired) =
+            (load(&c.leased), load(&c.pulled), load(&c.released), load(&c.expired));
+        LeaseStats {
+            leased,
+            pulled,
+            released,
+            expired,
+            live: leased.saturating_sub(pulled + released + expired),
+            draining: load(&c.draining),
+            unrecognized: load(&c.unrecognized),
+            bad_token: load(&c.bad_token),
+            duplicate: load(&c.duplicate),
+            reads_refused: load(&c.reads_refused),
+        }
+    }
+}
+
+/// A read in flight on a lease. While it lives the lease's blocks stay pinned, even if the
+/// lease ends; dropping the last guard of an ended lease hands its blocks back.
+#[derive(Debug)]
+pub struct ReadGuard {
+    table: Arc<LeaseTable>,
+    shard: usize,
+    key: Arc<str>,
+    seq: u64,
+}
+
+impl ReadGuard {
+    /// The request id being read.
+    pub fn request_id(&self) -> &str {
+        &self.key
+    }
+}
+
+impl Drop for ReadGuard {
+    fn drop(&mut self) {
+        self.table.end_read(self.shard, &self.key, self.seq);
+    }
+}

@@ -1,0 +1,35 @@
+//! The sans-IO core of kvxfer.
+//!
+//! Everything here is plain data and state machines: no sockets, no threads, no clock reads.
+//! Time is an argument (`now: Instant`); randomness for lease tokens comes from a seeded
+//! generator the caller provides. The engine crate drives it with real I/O.
+//!
+//! - [`LeaseTable`]: the prefill side's leases, exactly-once endings, read guards, expiry.
+//! - [`ParentTracker`]: per parent request, which children are pending / pulled / released / expired.
+//! - [`ChildHandoff`] / [`PrefillResult`]: the per-child hand-off and its validation.
+//! - [`BlockLayout`] and [`plan`]: block layouts, compatibility hashes, coalesced transfer plans.
+//! - [`KvTransferParams`]: vLLM's `kv_transfer_params` dict, read and written with serde.
+#![forbid(unsafe_code)]
+
+mod error;
+mod handoff;
+mod ids;
+mod layout;
+mod lease;
+mod params;
+mod parent;
+pub mod plan;
+
+pub use error::{Error, HandoffError, LayoutError, LeaseError, ParamsError, PlanError};
+pub use handoff::{ChildHandoff, EngineInfo, PrefillResult};
+pub use ids::{child_request_id, LeaseToken};
+pub use layout::{BlockLayout, Segment};
+pub use lease::{
+    EndKind, HeartbeatOutcome, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats, LeaseTable,
+    NotifyOutcome, CancelOutcome, ReadGuard, ReadRefused,
+};
+pub use params::{KvTransferParams, RemoteBlockIds};
+pub use parent::{ChildState, ParentStatus, ParentTracker};
+
+/// A block id: an index into a [`BlockLayout`].
+pub type BlockId = u32;

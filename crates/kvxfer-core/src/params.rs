@@ -1,0 +1,210 @@
+//! vLLM's `kv_transfer_params` dict, read and written with the same field names.
+
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ParamsError;
+use crate::handoff::ChildHandoff;
+use crate::ids::LeaseToken;
+use crate::BlockId;
+
+/// `remote_block_ids` as vLLM writes it: a flat list, or one list per KV-cache group
+/// (hybrid models).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RemoteBlockIds {
+    /// One list of block ids.
+    Flat(Vec<BlockId>),
+    /// One list per KV-cache group.
+    Grouped(Vec<Vec<BlockId>>),
+}
+
+/// vLLM's `kv_transfer_params`, plus kvxfer's own `kvxfer_*` fields. Every field may be
+/// null or absent (the request-side form has most of them null); unknown fields are kept
+/// and written back.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvTransferParams {
+    /// The decode side should pull from a remote prefill.
+    #[serde(default, deserialize_with = "null_as_false")]
+    pub do_remote_prefill: bool,
+    /// The prefill side should keep the blocks for a remote decode.
+    #[serde(default, deserialize_with = "null_as_false")]
+    pub do_remote_decode: bool,
+    /// The prefill blocks holding the request's KV cache.
+    #[serde(default)]
+    pub remote_block_ids: Option<RemoteBlockIds>,
+    /// The prefill engine's id.
+    #[serde(default)]
+    pub remote_engine_id: Option<String>,
+    /// The id the prefill side expects in the done-notification.
+    #[serde(default)]
+    pub remote_request_id: Option<String>,
+    /// The prefill agent's host.
+    #[serde(default)]
+    pub remote_host: Option<String>,
+    /// The prefill agent's port.
+    #[serde(default)]
+    pub remote_port: Option<u32>,
+    /// Tensor-parallel size of the prefill engine.
+    #[serde(default)]
+    pub tp_size: Option<u32>,
+    /// kvxfer: the lease token, 32 hex digits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_lease_token: Option<String>,
+    /// kvxfer: the parent request id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_parent_request_id: Option<String>,
+    /// kvxfer: this child's index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_child_index: Option<u32>,
+    /// kvxfer: the parent's number of children.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_n: Option<u32>,
+    /// kvxfer: consumers that must notify.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_expected_consumers: Option<u32>,
+    /// kvxfer: lease time-to-live in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_lease_ttl_ms: Option<u64>,
+    /// Fields neither vLLM's connector nor kvxfer define, kept as they came.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+fn null_as_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
+impl KvTransferParams {
+    /// Parses the dict from JSON.
+    pub fn from_json(s: &str) -> Result<Self, ParamsError> {
+        Ok(serde_json::from_str(s)?)
+    }
+
+    /// Writes the dict as JSON.
+    pub fn to_json(&self) -> String {
+        // Serializing plain data to a string cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The dict a decode worker receives for a child.
+    pub fn from_handoff(h: &ChildHandoff) -> Self {
+        KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_block_ids: Some(RemoteBlockIds::Flat(h.remote_block_ids().to_vec())),
+            remote_engine_id: Some(h.engine().engine_id.clone()),
+            remote_request_id: Some(h.remote_request_id().to_owned()),
+            remote_host: Some(h.engine().host.clone()),
+            remote_port: Some(u32::from(h.engine().port)),
+            tp_size: Some(h.engine().tp_size),
+            kvxfer_lease_token: Some(h.token().to_hex()),
+            kvxfer_parent_request_id: Some(h.parent_request_id().to_owned()),
+            kvxfer_child_index: Some(h.child_index()),
+            kvxfer_n: Some(h.n()),
+            kvxfer_expected_consumers: Some(h.expected_consumers()),
+            kvxfer_lease_ttl_ms: Some(u64::try_from(h.ttl().as_millis()).unwrap_or(u64::MAX)),
+            extra: serde_json::Map::new(),
+        }
+    }
+
+    /// The hand-off these params describe. A dict written by plain vLLM (no `kvxfer_*`
+    /// fields) has no lease token and cannot be pulled through kvxfer.
+    pub fn to_handoff(&self) -> Result<ChildHandoff, ParamsError> {
+        fn need<T>(o: Option<T>, name: &'static str) -> Result<T, ParamsError> {
+            o.ok_or(ParamsError::Missing(name))
+        }
+        let request = need(self.remote_request_id.clone(), "remote_request_id")?;
+        let blocks = match need(self.remote_block_ids.clone(), "remote_block_ids")? {
+            RemoteBlockIds::Flat(v) => v,
+            RemoteBlockIds::Grouped(groups) => groups.into_iter().flatten().collect(),
+        };
+        let port = need(self.remote_port, "remote_port")?;
+        let token = LeaseToken::from_hex(&need(self.kvxfer_lease_token.clone(), "kvxfer_lease_token")?)?;
+        let n = self.kvxfer_n.unwrap_or(1);
+        let wire = kvxfer_proto::v1::ChildHandoff {
+            parent_request_id: self.kvxfer_parent_request_id.clone().unwrap_or_else(|| request.clone()),
+            child_index: self.kvxfer_child_index.unwrap_or(0),
+            n,
+            remote_request_id: request,
+            lease_token: token.as_bytes().to_vec(),
+            remote_block_ids: blocks,
+            remote_engine_id: need(self.remote_engine_id.clone(), "remote_engine_id")?,
+            remote_host: need(self.remote_host.clone(), "remote_host")?,
+            remote_port: port,
+            expected_consumers: self.kvxfer_expected_consumers.unwrap_or(1),
+            lease_ttl_ms: self.kvxfer_lease_ttl_ms.unwrap_or(30_000),
+            tp_size: self.tp_size.unwrap_or(1),
+        };
+        Ok(ChildHandoff::from_wire(wire)?)
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::HandoffError;
+    use crate::{EngineInfo, LeaseConfig, LeaseRequest, LeaseTable};
+    use std::time::Instant;
+
+    const DECODE_SIDE: &str = r#"{"do_remote_prefill": true, "do_remote_decode": false,
+        "remote_block_ids": [91], "remote_engine_id": "75192ab7-d1c6-48cf-bd82-ccef4ba0e1d6",
+        "remote_request_id": "cmpl-b9d6c33a-482061a8-551f-4964-925d-fc0925e9261b-0",
+        "remote_host": "localhost", "remote_port": 5559, "tp_size": 1}"#;
+
+    #[test]
+    fn reads_vllm_decode_side_dict() {
+        let p = KvTransferParams::from_json(DECODE_SIDE).expect("parses");
+        assert!(p.do_remote_prefill);
+        assert_eq!(p.remote_block_ids, Some(RemoteBlockIds::Flat(vec![91])));
+        assert_eq!(p.remote_port, Some(5559));
+        // Plain vLLM params carry no lease token: kvxfer says which field is missing.
+        assert!(matches!(p.to_handoff(), Err(ParamsError::Missing("kvxfer_lease_token"))));
+    }
+
+    #[test]
+    fn reads_request_side_form_with_nulls_and_keeps_unknown_fields() {
+        let s = r#"{"do_remote_decode": true, "do_remote_prefill": null, "remote_engine_id": null,
+            "remote_block_ids": null, "remote_host": null, "remote_port": null,
+            "some_future_field": {"x": 1}}"#;
+        let p = KvTransferParams::from_json(s).expect("parses");
+        assert!(p.do_remote_decode && !p.do_remote_prefill);
+        assert_eq!(p.remote_block_ids, None);
+        assert_eq!(p.extra.get("some_future_field"), Some(&serde_json::json!({"x": 1})));
+        let back: serde_json::Value = serde_json::from_str(&p.to_json()).expect("json");
+        assert_eq!(back["some_future_field"]["x"], 1);
+        assert_eq!(back["remote_host"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn grouped_block_ids_parse() {
+        let p = KvTransferParams::from_json(r#"{"remote_block_ids": [[1, 2], [7]]}"#).expect("parses");
+        assert_eq!(p.remote_block_ids, Some(RemoteBlockIds::Grouped(vec![vec![1, 2], vec![7]])));
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert!(KvTransferParams::from_json("[1,2").is_err());
+        assert!(KvTransferParams::from_json(r#"{"remote_port": "x"}"#).is_err());
+    }
+
+    #[test]
+    fn handoff_round_trips_through_params() {
+        let engine = EngineInfo { engine_id: "e1".into(), host: "127.0.0.1".into(), port: 7000, tp_size: 2 };
+        let table = LeaseTable::new(LeaseConfig::new(engine, 64), [1; 32]);
+        let h = table
+            .lease(LeaseRequest::new("R", 2, 3, vec![5, 6]).consumers(2), Instant::now())
+            .expect("lease");
+        let json = KvTransferParams::from_handoff(&h).to_json();
+        let p = KvTransferParams::from_json(&json).expect("parses");
+        assert_eq!(p.remote_request_id.as_deref(), Some("2_R"));
+        assert_eq!(p.to_handoff().expect("handoff"), h);
+        let mut bad = p.clone();
+        bad.kvxfer_lease_token = Some("nothex".into());
+        assert!(matches!(bad.to_handoff(), Err(ParamsError::Invalid(HandoffError::BadTokenHex(_)))));
+        bad = p;
+        bad.remote_port = Some(70000);
+        assert!(matches!(bad.to_handoff(), Err(ParamsError::Invalid(HandoffError::BadPort { .. }))));
+    }
+}

@@ -1,0 +1,266 @@
+//! Lease table outcomes, driven with a fake clock (`t0 + offsets`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer_core::plan::BlockRange;
+use kvxfer_core::{
+    CancelOutcome, ChildState, EndKind, EngineInfo, HeartbeatOutcome, LeaseConfig, LeaseEnd,
+    LeaseError, LeaseRequest, LeaseTable, NotifyOutcome, ParentTracker, ReadRefused,
+};
+
+const TTL: Duration = Duration::from_secs(30);
+
+fn table() -> Arc<LeaseTable> {
+    let engine = EngineInfo { engine_id: "prefill-0".into(), host: "127.0.0.1".into(), port: 5559, tp_size: 1 };
+    Arc::new(LeaseTable::new(LeaseConfig::new(engine, 1024), [42; 32]))
+}
+
+fn ended(t: &LeaseTable) -> Vec<LeaseEnd> {
+    t.ended().try_iter().collect()
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+#[test]
+fn notify_pulls_and_hands_blocks_back_once() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![3, 4]), t0).expect("lease");
+    assert_eq!(h.remote_request_id(), "R");
+    assert_eq!(t.notify("R", h.token().as_bytes(), "d0", t0), NotifyOutcome::Pulled);
+    let e = ended(&t);
+    assert_eq!(e.len(), 1);
+    assert_eq!((e[0].kind, &*e[0].blocks, e[0].consumers_seen), (EndKind::Pulled, &[3, 4][..], 1));
+    // A second notification finds nothing: unrecognized, no second hand-back.
+    assert_eq!(t.notify("R", h.token().as_bytes(), "d0", t0), NotifyOutcome::Unrecognized);
+    assert!(ended(&t).is_empty());
+    let s = t.stats();
+    assert_eq!((s.leased, s.pulled, s.live, s.unrecognized), (1, 1, 0, 1));
+}
+
+#[test]
+fn expected_consumers_count_down_and_duplicates_change_nothing() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 1, 2, vec![1]).consumers(3), t0).expect("lease");
+    let tok = h.token().as_bytes();
+    assert_eq!(t.notify("1_R", tok, "rank0", t0), NotifyOutcome::Counted { remaining: 2 });
+    assert_eq!(t.notify("1_R", tok, "rank0", t0), NotifyOutcome::Duplicate);
+    assert_eq!(t.notify("1_R", tok, "rank1", t0), NotifyOutcome::Counted { remaining: 1 });
+    assert!(ended(&t).is_empty());
+    assert_eq!(t.notify("1_R", tok, "rank2", t0), NotifyOutcome::Pulled);
+    let e = ended(&t);
+    assert_eq!((e[0].consumers_seen, e[0].expected_consumers), (3, 3));
+    assert_eq!(t.stats().duplicate, 1);
+}
+
+#[test]
+fn wrong_token_and_unknown_id_change_nothing() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![1]), t0).expect("lease");
+    let mut bad = *h.token().as_bytes();
+    bad[0] ^= 0xff;
+    assert_eq!(t.notify("R", &bad, "d", t0), NotifyOutcome::BadToken);
+    assert_eq!(t.notify("R", &bad[..3], "d", t0), NotifyOutcome::BadToken);
+    assert_eq!(t.heartbeat("R", &bad, t0), HeartbeatOutcome::BadToken);
+    assert_eq!(t.cancel("R", &bad, t0), CancelOutcome::BadToken);
+    assert_eq!(t.notify("nope", &bad, "d", t0), NotifyOutcome::Unrecognized);
+    assert_eq!(t.cancel("nope", &bad, t0), CancelOutcome::Unrecognized);
+    assert_eq!(t.heartbeat("nope", &bad, t0), HeartbeatOutcome::Unrecognized);
+    assert!(ended(&t).is_empty());
+    let s = t.stats();
+    assert_eq!((s.live, s.bad_token, s.unrecognized), (1, 4, 3));
+}
+
+#[test]
+fn cancel_releases_at_once() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![9]), t0).expect("lease");
+    assert_eq!(t.cancel("R", h.token().as_bytes(), t0), CancelOutcome::Released);
+    assert_eq!(ended(&t)[0].kind, EndKind::Released);
+    assert_eq!(t.cancel("R", h.token().as_bytes(), t0), CancelOutcome::Unrecognized);
+    assert_eq!(t.poll_timeout(), None);
+}
+
+#[test]
+fn expiry_reports_consumers_seen_and_poll_timeout_tracks_deadlines() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![1]).consumers(2).ttl(ms(100)), t0).expect("lease");
+    t.lease(LeaseRequest::new("S", 0, 1, vec![2]).ttl(ms(500)), t0).expect("lease");
+    assert_eq!(t.poll_timeout(), Some(t0 + ms(100)));
+    t.notify("R", h.token().as_bytes(), "rank0", t0);
+    assert_eq!(t.expire(t0 + ms(99)), 0);
+    assert_eq!(t.expire(t0 + ms(100)), 1);
+    let e = ended(&t);
+    assert_eq!((e[0].kind, e[0].consumers_seen, e[0].expected_consumers), (EndKind::Expired, 1, 2));
+    assert_eq!(t.poll_timeout(), Some(t0 + ms(500)));
+    assert_eq!(t.stats().expired, 1);
+}
+
+#[test]
+fn heartbeat_extends_to_two_thirds_ttl_and_never_shortens() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![1]).ttl(ms(300)), t0).expect("lease");
+    let tok = h.token().as_bytes();
+    // now + 200ms = 210 < deadline 300: unchanged.
+    assert_eq!(t.heartbeat("R", tok, t0 + ms(10)), HeartbeatOutcome::Extended { deadline: t0 + ms(300) });
+    assert_eq!(t.heartbeat("R", tok, t0 + ms(250)), HeartbeatOutcome::Extended { deadline: t0 + ms(450) });
+    assert_eq!(t.expire(t0 + ms(400)), 0);
+    assert_eq!(t.expire(t0 + ms(450)), 1);
+}
+
+#[test]
+fn a_heartbeated_old_lease_does_not_hold_back_younger_ones() {
+    let t = table();
+    let t0 = Instant::now();
+    let old = t.lease(LeaseRequest::new("old", 0, 1, vec![1]).ttl(ms(100)), t0).expect("lease");
+    t.lease(LeaseRequest::new("young", 0, 1, vec![2]).ttl(ms(100)), t0 + ms(10)).expect("lease");
+    t.heartbeat("old", old.token().as_bytes(), t0 + ms(90)); // old now ends at 90 + 66 = 156
+    assert_eq!(t.expire(t0 + ms(120)), 1);
+    assert_eq!(&*ended(&t)[0].remote_request_id, "young");
+}
+
+#[test]
+fn operations_after_the_deadline_see_an_expired_lease() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![1]).ttl(ms(100)), t0).expect("lease");
+    // The driver has not called expire yet; the notify still must not resurrect the lease.
+    assert_eq!(t.notify("R", h.token().as_bytes(), "d", t0 + ms(100)), NotifyOutcome::Unrecognized);
+    let e = ended(&t);
+    assert_eq!((e.len(), e[0].kind), (1, EndKind::Expired));
+    assert_eq!(t.expire(t0 + ms(1000)), 0);
+}
+
+#[test]
+fn leases_are_refused_when_malformed() {
+    let t = table();
+    let t0 = Instant::now();
+    assert!(matches!(
+        t.lease(LeaseRequest::new("R", 0, 1, vec![1, 5000, 7000]), t0),
+        Err(LeaseError::BlocksOutOfRange { ids, num_blocks: 1024, .. }) if ids == vec![5000, 7000]
+    ));
+    assert!(matches!(t.lease(LeaseRequest::new("R", 0, 1, vec![]), t0), Err(LeaseError::NoBlocks(_))));
+    assert!(matches!(t.lease(LeaseRequest::new("R", 3, 3, vec![1]), t0), Err(LeaseError::BadChildIndex { .. })));
+    assert!(matches!(
+        t.lease(LeaseRequest::new("R", 0, 1, vec![1]).consumers(0), t0),
+        Err(LeaseError::NoConsumers(_))
+    ));
+    t.lease(LeaseRequest::new("R", 0, 1, vec![1]), t0).expect("lease");
+    assert!(matches!(t.lease(LeaseRequest::new("R", 0, 1, vec![2]), t0), Err(LeaseError::AlreadyLeased(_))));
+    assert_eq!(t.stats().leased, 1);
+}
+
+#[test]
+fn overlapping_block_sets_are_normal_and_each_hands_back_its_own_list() {
+    let t = table();
+    let t0 = Instant::now();
+    let hs: Vec<_> = (0..3)
+        .map(|i| t.lease(LeaseRequest::new("R", i, 3, vec![0, 1, 2, 10 + i]), t0).expect("lease"))
+        .collect();
+    for h in &hs {
+        assert_eq!(t.notify(h.remote_request_id(), h.token().as_bytes(), "d", t0), NotifyOutcome::Pulled);
+    }
+    let mut e = ended(&t);
+    e.sort_by_key(|e| e.child_index);
+    assert_eq!(e.iter().map(|e| e.blocks.to_vec()).collect::<Vec<_>>(), vec![
+        vec![0, 1, 2, 10],
+        vec![0, 1, 2, 11],
+        vec![0, 1, 2, 12]
+    ]);
+}
+
+#[test]
+fn read_guards_pin_blocks_past_the_end_of_the_lease() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![7, 8, 9]), t0).expect("lease");
+    let tok = h.token().as_bytes();
+    let all = [BlockRange { start: 7, count: 3 }];
+    let g1 = t.begin_read("R", tok, &all, t0).expect("read");
+    let g2 = t.begin_read("R", tok, &[BlockRange { start: 8, count: 1 }], t0).expect("read");
+    assert_eq!(t.cancel("R", tok, t0), CancelOutcome::Released);
+    assert!(ended(&t).is_empty(), "blocks must not be handed back while reads are in flight");
+    assert_eq!(t.stats().draining, 1);
+    // A new read of an ended lease is refused; so is a re-lease of the same id.
+    assert_eq!(t.begin_read("R", tok, &all, t0).err(), Some(ReadRefused::Ended("R".into())));
+    assert!(matches!(t.lease(LeaseRequest::new("R", 0, 1, vec![1]), t0), Err(LeaseError::AlreadyLeased(_))));
+    drop(g1);
+    assert!(ended(&t).is_empty());
+    drop(g2);
+    let e = ended(&t);
+    assert_eq!((e.len(), e[0].kind), (1, EndKind::Released));
+    assert_eq!(t.stats().draining, 0);
+}
+
+#[test]
+fn reads_are_refused_for_bad_ids_tokens_and_blocks() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![5, 3, 4]), t0).expect("lease");
+    let tok = h.token().as_bytes();
+    let r = |start, count| [BlockRange { start, count }];
+    assert_eq!(t.begin_read("X", tok, &r(3, 1), t0).err(), Some(ReadRefused::Unknown("X".into())));
+    assert_eq!(t.begin_read("R", &[0; 16], &r(3, 1), t0).err(), Some(ReadRefused::BadToken("R".into())));
+    assert!(matches!(
+        t.begin_read("R", tok, &r(1023, 2), t0),
+        Err(ReadRefused::OutOfRange { ids, .. }) if ids == vec![1024]
+    ));
+    assert!(matches!(
+        t.begin_read("R", tok, &r(u32::MAX, 1), t0),
+        Err(ReadRefused::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        t.begin_read("R", tok, &r(2, 2), t0),
+        Err(ReadRefused::NotLeased { ids, .. }) if ids == vec![2]
+    ));
+    assert!(matches!(t.begin_read("R", tok, &r(3, 0), t0), Err(ReadRefused::BadSize { .. })));
+    assert!(matches!(t.begin_read("R", tok, &r(0, u32::MAX), t0), Err(ReadRefused::BadSize { .. })));
+    // Unsorted lease blocks are still found.
+    drop(t.begin_read("R", tok, &r(3, 3), t0).expect("read of leased blocks"));
+    assert_eq!(t.stats().reads_refused, 7);
+}
+
+/// The bug kvxfer exists to end: n = 3, the decode side notifies only child 1.
+#[test]
+fn motivating_scenario_n3_only_child_1_notified() {
+    let t = table();
+    let mut tracker = ParentTracker::new();
+    let t0 = Instant::now();
+    tracker.track("R", 3);
+    let hs: Vec<_> = (0..3)
+        .map(|i| t.lease(LeaseRequest::new("R", i, 3, vec![10 * i, 10 * i + 1]), t0).expect("lease"))
+        .collect();
+    assert_eq!(hs[1].remote_request_id(), "1_R");
+    assert_eq!(t.notify("1_R", hs[1].token().as_bytes(), "decode-0", t0 + ms(5)), NotifyOutcome::Pulled);
+    for e in t.ended().try_iter() {
+        tracker.on_end(&e);
+    }
+    let status = tracker.status("R").expect("parent still tracked");
+    assert_eq!(status.indices(ChildState::Pulled), vec![1]);
+    // Known at once, not after the lease runs out.
+    assert_eq!(status.pending(), vec![0, 2]);
+    // A notification for an id that was never leased: unrecognized, nothing changes.
+    let before = t.stats();
+    assert_eq!(t.notify("3_R", hs[1].token().as_bytes(), "decode-0", t0 + ms(6)), NotifyOutcome::Unrecognized);
+    let after = t.stats();
+    assert_eq!((after.live, after.pulled, after.unrecognized), (before.live, before.pulled, before.unrecognized + 1));
+    assert!(t.ended().try_recv().is_err());
+    // The others end loudly at the deadline, and the parent completes.
+    assert_eq!(t.expire(t0 + TTL), 2);
+    let mut last = None;
+    for e in t.ended().try_iter() {
+        assert_eq!((e.kind, e.consumers_seen), (EndKind::Expired, 0));
+        last = tracker.on_end(&e).or(last);
+    }
+    let done = last.expect("parent completed");
+    assert_eq!(done.indices(ChildState::Expired), vec![0, 2]);
+    assert!(tracker.is_empty());
+}
