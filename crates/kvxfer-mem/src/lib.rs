@@ -1,1 +1,403 @@
-//! placeholder
+//! Registered memory for kvxfer.
+//!
+//! A [`Region`] is a span of memory the engine reads from (prefill) or writes into
+//! (decode): either owned here (page-aligned, for tests, examples and the bench) or borrowed
+//! from the inference engine that owns the KV cache. A [`KvMemory`] pairs a
+//! [`BlockLayout`] with one region per segment and maps block ids to byte ranges.
+//!
+//! # The access contract
+//! The bytes of a region are shared with the worker that owns the KV cache, so the engine
+//! cannot borrow-check them. Instead, the lease protocol decides who may touch a block:
+//! - prefill: from the moment a block is leased until its lease ends (and its last read
+//!   guard is dropped), the owner does not write it; the engine only reads it;
+//! - decode: from `submit` until the pull reports a child, the engine is the only one
+//!   writing that child's destination blocks, and nobody reads them.
+//!
+//! The raw accessors are `unsafe` and state that contract; every other crate calls them
+//! with a `// SAFETY:` comment naming the lease or pull that makes the call sound.
+
+use std::alloc::{self, Layout};
+use std::any::Any;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use kvxfer_core::{BlockId, BlockLayout};
+
+/// Errors of registered memory.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemError {
+    /// The allocator could not provide the region.
+    #[error("could not allocate a region of {0} bytes")]
+    Alloc(usize),
+    /// A region is shorter than its segment of the layout needs.
+    #[error("segment {segment}: region has {have} bytes, layout needs {need}")]
+    RegionTooShort {
+        /// Segment index.
+        segment: usize,
+        /// Bytes in the region.
+        have: usize,
+        /// Bytes the layout needs.
+        need: u64,
+    },
+    /// Not one region per segment.
+    #[error("layout has {segments} segments but {regions} regions were given")]
+    RegionCount {
+        /// Segments in the layout.
+        segments: usize,
+        /// Regions given.
+        regions: usize,
+    },
+    /// A block id outside the layout.
+    #[error("block {block} is outside the layout of {num_blocks} blocks")]
+    BlockOutOfRange {
+        /// The block id.
+        block: BlockId,
+        /// Blocks in the layout.
+        num_blocks: u32,
+    },
+    /// Data of the wrong length for a block.
+    #[error("block data is {have} bytes, a block is {need}")]
+    BlockLength {
+        /// Bytes given.
+        have: usize,
+        /// Bytes per block.
+        need: u64,
+    },
+}
+
+/// Size and alignment of owned regions: a page.
+pub const PAGE: usize = 4096;
+
+enum Keeper {
+    Owned(Layout),
+    Borrowed(#[allow(dead_code)] Option<Box<dyn Any + Send + Sync>>),
+}
+
+/// A span of memory registered with the engine.
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    keeper: Keeper,
+}
+
+// SAFETY: a Region is a pointer and a length; the memory it names is shared under the
+// access contract in the crate docs, which is what makes cross-thread use sound. Owned
+// regions are plain heap memory; borrowed ones promise (in `Region::borrowed`) to be valid
+// from any thread.
+unsafe impl Send for Region {}
+// SAFETY: as above: shared access goes through the unsafe accessors and their contract.
+unsafe impl Sync for Region {}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.keeper {
+            Keeper::Owned(_) => "owned",
+            Keeper::Borrowed(_) => "borrowed",
+        };
+        f.debug_struct("Region").field("len", &self.len).field("kind", &kind).finish()
+    }
+}
+
+impl Region {
+    /// A zeroed, page-aligned region owned by the engine.
+    pub fn alloc(len: usize) -> Result<Self, MemError> {
+        let size = len.max(1).div_ceil(PAGE) * PAGE;
+        let layout = Layout::from_size_align(size, PAGE).map_err(|_| MemError::Alloc(len))?;
+        // SAFETY: `layout` has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(MemError::Alloc(len))?;
+        Ok(Region { ptr, len, keeper: Keeper::Owned(layout) })
+    }
+
+    /// A region over memory the worker already owns (its KV cache).
+    ///
+    /// # Safety
+    /// - `ptr` is valid for reads and writes of `len` bytes from any thread, for as long as
+    ///   this region (and every `Arc` of a [`KvMemory`] holding it) lives; `keep_alive`, if
+    ///   given, is dropped with the region and may own that memory.
+    /// - The caller follows the access contract in the crate docs: it does not write a
+    ///   block while the block is leased (prefill) and does not touch a destination block
+    ///   while a pull into it is under way (decode).
+    pub unsafe fn borrowed(
+        ptr: NonNull<u8>,
+        len: usize,
+        keep_alive: Option<Box<dyn Any + Send + Sync>>,
+    ) -> Self {
+        Region { ptr, len, keeper: Keeper::Borrowed(keep_alive) }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The start address (for registering with UCX or verbs).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    fn check(&self, offset: usize, len: usize) {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "range {offset}+{len} outside region of {} bytes",
+            self.len
+        );
+    }
+
+    /// The bytes `offset .. offset + len`.
+    ///
+    /// # Safety
+    /// Nobody writes these bytes while the returned slice lives (for the engine: the block
+    /// is leased and a read guard is held).
+    ///
+    /// # Panics
+    /// If the range is outside the region.
+    pub unsafe fn slice(&self, offset: usize, len: usize) -> &[u8] {
+        self.check(offset, len);
+        // SAFETY: in bounds (checked above); no concurrent writer (caller's contract).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) }
+    }
+
+    /// The bytes `offset .. offset + len`, writable.
+    ///
+    /// # Safety
+    /// Nobody else reads or writes these bytes while the returned slice lives (for the
+    /// engine: they are destination blocks of a pull under way).
+    ///
+    /// # Panics
+    /// If the range is outside the region.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+        self.check(offset, len);
+        // SAFETY: in bounds (checked above); exclusive access (caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset), len) }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Keeper::Owned(layout) = self.keeper {
+            // SAFETY: allocated in `alloc` with this very layout, freed once here.
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+/// One contiguous piece of a transfer: `len` bytes at `offset` in region `region`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    /// Index of the region (= segment).
+    pub region: usize,
+    /// Byte offset in the region.
+    pub offset: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// A KV cache: a block layout and one region per segment, checked to fit.
+#[derive(Debug)]
+pub struct KvMemory {
+    layout: BlockLayout,
+    regions: Vec<Region>,
+}
+
+impl KvMemory {
+    /// Pairs a layout with its regions (one per segment, each long enough).
+    pub fn new(layout: BlockLayout, regions: Vec<Region>) -> Result<Self, MemError> {
+        if regions.len() != layout.segments().len() {
+            return Err(MemError::RegionCount { segments: layout.segments().len(), regions: regions.len() });
+        }
+        for (segment, region) in regions.iter().enumerate() {
+            let need = layout.region_len(segment).unwrap_or(0);
+            if (region.len() as u64) < need {
+                return Err(MemError::RegionTooShort { segment, have: region.len(), need });
+            }
+        }
+        Ok(KvMemory { layout, regions })
+    }
+
+    /// Owned, zeroed regions for every segment of `layout`.
+    pub fn alloc(layout: BlockLayout) -> Result<Self, MemError> {
+        let regions = (0..layout.segments().len())
+            .map(|s| {
+                let need = layout.region_len(s).unwrap_or(0);
+                Region::alloc(usize::try_from(need).map_err(|_| MemError::Alloc(usize::MAX))?)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::new(layout, regions)
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+
+    /// The regions, one per segment.
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+
+    /// The chunks of blocks `start .. start + count`, in wire order: segment by segment,
+    /// and within a segment one chunk for the whole run when blocks are packed, else one
+    /// per block. The caller has checked the range against the layout.
+    pub fn run_chunks(&self, start: BlockId, count: u32) -> impl Iterator<Item = Chunk> + '_ {
+        self.layout.segments().iter().enumerate().flat_map(move |(region, seg)| {
+            let stride = seg.stride as usize;
+            let block_len = seg.block_len as usize;
+            let packed = seg.is_packed();
+            let pieces = if packed { 1 } else { count as usize };
+            (0..pieces).map(move |i| {
+                let first = start as usize + i;
+                let len = if packed { block_len * count as usize } else { block_len };
+                Chunk { region, offset: first * stride, len }
+            })
+        })
+    }
+
+    /// The bytes of a chunk.
+    ///
+    /// # Safety
+    /// As [`Region::slice`]: nobody writes these bytes while the slice lives.
+    pub unsafe fn chunk(&self, c: Chunk) -> &[u8] {
+        // SAFETY: forwarded contract.
+        unsafe { self.regions[c.region].slice(c.offset, c.len) }
+    }
+
+    /// The bytes of a chunk, writable.
+    ///
+    /// # Safety
+    /// As [`Region::slice_mut`]: nobody else touches these bytes while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn chunk_mut(&self, c: Chunk) -> &mut [u8] {
+        // SAFETY: forwarded contract.
+        unsafe { self.regions[c.region].slice_mut(c.offset, c.len) }
+    }
+
+    fn check_block(&self, block: BlockId) -> Result<(), MemError> {
+        if self.layout.contains(block) {
+            Ok(())
+        } else {
+            Err(MemError::BlockOutOfRange { block, num_blocks: self.layout.num_blocks() })
+        }
+    }
+
+    /// Writes a whole block (all segments, in layout order) — how an owner fills its cache.
+    ///
+    /// # Safety
+    /// The block is not leased and no pull is writing it (the access contract).
+    pub unsafe fn write_block(&self, block: BlockId, data: &[u8]) -> Result<(), MemError> {
+        self.check_block(block)?;
+        if data.len() as u64 != self.layout.block_bytes() {
+            return Err(MemError::BlockLength { have: data.len(), need: self.layout.block_bytes() });
+        }
+        let mut rest = data;
+        for c in self.run_chunks(block, 1) {
+            let (head, tail) = rest.split_at(c.len);
+            // SAFETY: the caller guarantees nobody else touches this block.
+            unsafe { self.chunk_mut(c) }.copy_from_slice(head);
+            rest = tail;
+        }
+        Ok(())
+    }
+
+    /// Copies a whole block out (all segments, in layout order).
+    ///
+    /// # Safety
+    /// Nobody writes the block meanwhile (the access contract).
+    pub unsafe fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), MemError> {
+        self.check_block(block)?;
+        if out.len() as u64 != self.layout.block_bytes() {
+            return Err(MemError::BlockLength { have: out.len(), need: self.layout.block_bytes() });
+        }
+        let mut rest = out;
+        for c in self.run_chunks(block, 1) {
+            let (head, tail) = rest.split_at_mut(c.len);
+            // SAFETY: the caller guarantees no concurrent writer.
+            head.copy_from_slice(unsafe { self.chunk(c) });
+            rest = tail;
+        }
+        Ok(())
+    }
+
+    /// Copies block `src` to block `dst` of this memory (siblings sharing a prompt block).
+    ///
+    /// # Safety
+    /// Nobody writes `src` and nobody else touches `dst` meanwhile; `src != dst`.
+    pub unsafe fn copy_block(&self, src: BlockId, dst: BlockId) -> Result<(), MemError> {
+        self.check_block(src)?;
+        self.check_block(dst)?;
+        if src == dst {
+            return Ok(());
+        }
+        for (s, d) in self.run_chunks(src, 1).zip(self.run_chunks(dst, 1)) {
+            // SAFETY: distinct blocks never overlap (stride >= block_len); contract as above.
+            unsafe { self.chunk_mut(d) }.copy_from_slice(unsafe { self.chunk(s) });
+        }
+        Ok(())
+    }
+}
+
+/// A shared handle to registered memory.
+pub type SharedKvMemory = Arc<KvMemory>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvxfer_core::Segment;
+
+    #[test]
+    fn owned_regions_are_page_aligned_and_zeroed() {
+        let r = Region::alloc(10_000).expect("alloc");
+        assert_eq!(r.as_ptr() as usize % PAGE, 0);
+        // SAFETY: nobody else has this region.
+        assert!(unsafe { r.slice(0, 10_000) }.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn chunks_coalesce_packed_segments_and_split_strided_ones() {
+        let layout = BlockLayout::new(
+            8,
+            vec![Segment::packed(16), Segment { block_len: 8, stride: 32 }],
+            "u8",
+            16,
+        )
+        .expect("layout");
+        let mem = KvMemory::alloc(layout).expect("alloc");
+        let chunks: Vec<_> = mem.run_chunks(2, 3).collect();
+        assert_eq!(
+            chunks,
+            vec![
+                Chunk { region: 0, offset: 32, len: 48 },
+                Chunk { region: 1, offset: 64, len: 8 },
+                Chunk { region: 1, offset: 96, len: 8 },
+                Chunk { region: 1, offset: 128, len: 8 },
+            ]
+        );
+        let data: Vec<u8> = (0..24).collect();
+        // SAFETY: nobody else has this memory.
+        unsafe {
+            mem.write_block(5, &data).expect("write");
+            mem.copy_block(5, 1).expect("copy");
+            let mut out = vec![0; 24];
+            mem.read_block(1, &mut out).expect("read");
+            assert_eq!(out, data);
+            assert!(matches!(mem.write_block(8, &data), Err(MemError::BlockOutOfRange { .. })));
+            assert!(matches!(mem.write_block(1, &data[..3]), Err(MemError::BlockLength { .. })));
+        }
+    }
+
+    #[test]
+    fn regions_must_fit_the_layout() {
+        let layout = BlockLayout::single(4, 100).expect("layout");
+        let short = Region::alloc(399).expect("alloc");
+        assert!(matches!(KvMemory::new(layout.clone(), vec![short]), Err(MemError::RegionTooShort { .. })));
+        assert!(matches!(KvMemory::new(layout, vec![]), Err(MemError::RegionCount { .. })));
+    }
+}

@@ -1,1 +1,33 @@
-//! placeholder
+//! kvxfer's TCP data path.
+//!
+//! - [`frame`]: the length-prefixed frame codec of `proto/kvxfer/v1/kvxfer.proto`.
+//! - [`server`]: one accepted connection of a prefill agent: handshake, then reads served
+//!   straight from registered memory with vectored writes, and notify / heartbeat / cancel
+//!   applied to the lease table.
+//! - [`client`]: one connection of a decode agent: handshake, reads straight into the
+//!   destination blocks, and the small request/response messages.
+
+pub mod client;
+pub mod frame;
+pub mod server;
+
+pub use client::{ClientError, Connection};
+pub use frame::{Frame, FrameError};
+pub use server::{serve_connection, ServeContext, ServerCounters, ServerStats};
+
+use std::time::Duration;
+
+/// Limits and timeouts of one connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest frame accepted (type byte + body), checked before anything is allocated.
+    pub max_frame_len: u32,
+    /// A read or write that makes no progress for this long fails the connection.
+    pub io_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_frame_len: 1 << 20, io_timeout: Duration::from_secs(10) }
+    }
+}

@@ -1,0 +1,299 @@
+//! The decode side of one connection.
+
+use std::time::Duration;
+
+use kvxfer_core::plan::BlockRun;
+use kvxfer_mem::KvMemory;
+use kvxfer_proto::v1::{self, ErrorCode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::frame::{self, Frame, FrameError};
+use crate::Limits;
+
+/// Why a client operation failed. The connection is unusable after any error except
+/// [`ClientError::Refused`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The connection broke, timed out, or carried a bad frame.
+    #[error("connection to {peer}: {source}")]
+    Frame {
+        /// The peer's address.
+        peer: String,
+        /// What went wrong.
+        #[source]
+        source: FrameError,
+    },
+    /// The peer refused the handshake (version or compatibility mismatch).
+    #[error("handshake with {peer} refused: {message}")]
+    Handshake {
+        /// The peer's address.
+        peer: String,
+        /// The peer's message, naming both values.
+        message: String,
+    },
+    /// The peer refused a request; the connection stays usable.
+    #[error("{peer} refused the request ({code:?}): {message}")]
+    Refused {
+        /// The peer's address.
+        peer: String,
+        /// The error code.
+        code: ErrorCode,
+        /// The peer's message.
+        message: String,
+    },
+    /// The peer answered with something the protocol does not allow here.
+    #[error("protocol violation by {peer}: {message}")]
+    Protocol {
+        /// The peer's address.
+        peer: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// Could not connect.
+    #[error("connecting to {peer}: {source}")]
+    Connect {
+        /// The address.
+        peer: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl ClientError {
+    /// Whether the connection can still be used.
+    pub fn connection_usable(&self) -> bool {
+        matches!(self, ClientError::Refused { .. })
+    }
+}
+
+/// A handshaken connection to a prefill agent. One request at a time.
+#[derive(Debug)]
+pub struct Connection {
+    stream: TcpStream,
+    peer: String,
+    limits: Limits,
+    buf: Vec<u8>,
+    scratch: Vec<u8>,
+    next_seq: u64,
+    ack: v1::HelloAck,
+}
+
+impl Connection {
+    /// Connects to `addr`, sends `hello` and waits for the answer. A mismatch fails with the
+    /// peer's message, which names both sides' values.
+    pub async fn connect(addr: &str, hello: &v1::Hello, limits: Limits) -> Result<Self, ClientError> {
+        let connect = TcpStream::connect(addr);
+        let stream = match tokio::time::timeout(limits.io_timeout, connect).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(source)) => return Err(ClientError::Connect { peer: addr.to_owned(), source }),
+            Err(_) => {
+                return Err(ClientError::Connect {
+                    peer: addr.to_owned(),
+                    source: std::io::ErrorKind::TimedOut.into(),
+                })
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let mut c = Connection {
+            stream,
+            peer: addr.to_owned(),
+            limits,
+            buf: Vec::new(),
+            scratch: Vec::new(),
+            next_seq: 1,
+            ack: v1::HelloAck::default(),
+        };
+        c.send(&Frame::Hello(hello.clone())).await?;
+        match c.recv().await? {
+            Frame::HelloAck(ack) => {
+                // Check the answer too: a peer must not accept what we would refuse.
+                let ours = v1::HelloAck {
+                    protocol_version: hello.protocol_version,
+                    engine_id: hello.engine_id.clone(),
+                    agent_name: hello.agent_name.clone(),
+                    compat_hash: hello.compat_hash,
+                    ..Default::default()
+                };
+                let theirs = v1::Hello {
+                    protocol_version: ack.protocol_version,
+                    engine_id: ack.engine_id.clone(),
+                    agent_name: ack.agent_name.clone(),
+                    compat_hash: ack.compat_hash,
+                    ..Default::default()
+                };
+                if let Some((_, message)) = crate::server::check_hello(&theirs, &ours) {
+                    return Err(ClientError::Handshake { peer: c.peer, message });
+                }
+                c.ack = ack;
+                Ok(c)
+            }
+            Frame::Error(e) => Err(ClientError::Handshake { peer: c.peer, message: e.message }),
+            other => Err(c.unexpected(&other)),
+        }
+    }
+
+    /// The peer's handshake answer (its engine id, layout and transports).
+    pub fn peer_hello(&self) -> &v1::HelloAck {
+        &self.ack
+    }
+
+    /// The peer's address.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn frame_err(&self, source: FrameError) -> ClientError {
+        ClientError::Frame { peer: self.peer.clone(), source }
+    }
+
+    fn unexpected(&self, f: &Frame) -> ClientError {
+        ClientError::Protocol { peer: self.peer.clone(), message: format!("unexpected {:?} frame", f.frame_type()) }
+    }
+
+    async fn send(&mut self, f: &Frame) -> Result<(), ClientError> {
+        let io = frame::write_frame(&mut self.stream, f, &mut self.scratch);
+        match tokio::time::timeout(self.limits.io_timeout, io).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(self.frame_err(e.into())),
+            Err(_) => Err(self.frame_err(FrameError::Timeout)),
+        }
+    }
+
+    async fn recv(&mut self) -> Result<Frame, ClientError> {
+        let io = frame::read_frame(&mut self.stream, self.limits.max_frame_len, &mut self.buf);
+        match tokio::time::timeout(self.limits.io_timeout, io).await {
+            Ok(Ok(f)) => Ok(f),
+            Ok(Err(e)) => Err(self.frame_err(e)),
+            Err(_) => Err(self.frame_err(FrameError::Timeout)),
+        }
+    }
+
+    fn refused(&self, e: v1::Error) -> ClientError {
+        ClientError::Refused {
+            peer: self.peer.clone(),
+            code: ErrorCode::try_from(e.code).unwrap_or(ErrorCode::Unspecified),
+            message: e.message,
+        }
+    }
+
+    /// Reads the remote blocks of `runs` of lease `id` straight into their local blocks in
+    /// `dest`. Returns the payload bytes received.
+    ///
+    /// # Safety
+    /// Nobody else reads or writes the local blocks of `runs` in `dest` until this returns
+    /// (they are the destination of a pull under way), and their ids are inside `dest`'s
+    /// layout.
+    pub async unsafe fn read_into(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        runs: &[BlockRun],
+        dest: &KvMemory,
+    ) -> Result<u64, ClientError> {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let req = v1::ReadRequest {
+            seq,
+            remote_request_id: id.to_owned(),
+            lease_token: token.to_vec(),
+            ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
+        };
+        self.send(&Frame::ReadRequest(req)).await?;
+        let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
+        match self.recv().await? {
+            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {}
+            Frame::ReadResponse(resp) => {
+                return Err(ClientError::Protocol {
+                    peer: self.peer.clone(),
+                    message: format!(
+                        "read {seq} answered as read {} with {} bytes, expected {expected}",
+                        resp.seq, resp.payload_len
+                    ),
+                })
+            }
+            Frame::Error(e) if e.seq == seq => return Err(self.refused(e)),
+            other => return Err(self.unexpected(&other)),
+        }
+        let timeout = self.limits.io_timeout;
+        for run in runs {
+            for c in dest.run_chunks(run.local_start, run.count) {
+                // SAFETY: the caller guarantees exclusive access to these destination
+                // blocks for the duration of this call, and that they are in the layout.
+                let dst = unsafe { dest.chunk_mut(c) };
+                read_exact_with_progress(&mut self.stream, dst, timeout)
+                    .await
+                    .map_err(|e| self.frame_err(e))?;
+            }
+        }
+        Ok(expected)
+    }
+
+    /// Tells the prefill side `consumer` finished pulling lease `id`.
+    pub async fn notify(&mut self, id: &str, token: &[u8], consumer: &str) -> Result<v1::NotifyAck, ClientError> {
+        let n = v1::Notify {
+            remote_request_id: id.to_owned(),
+            lease_token: token.to_vec(),
+            consumer_id: consumer.to_owned(),
+        };
+        self.send(&Frame::Notify(n)).await?;
+        match self.recv().await? {
+            Frame::NotifyAck(a) => Ok(a),
+            Frame::Error(e) => Err(self.refused(e)),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Keeps leases alive while their pulls are slow; one outcome per lease.
+    pub async fn heartbeat(&mut self, leases: Vec<v1::LeaseRef>) -> Result<Vec<v1::LeaseOutcome>, ClientError> {
+        let count = leases.len();
+        self.send(&Frame::Heartbeat(v1::Heartbeat { leases })).await?;
+        match self.recv().await? {
+            Frame::HeartbeatAck(a) if a.outcomes.len() == count => Ok(a
+                .outcomes
+                .into_iter()
+                .map(|o| v1::LeaseOutcome::try_from(o).unwrap_or(v1::LeaseOutcome::Unspecified))
+                .collect()),
+            Frame::Error(e) => Err(self.refused(e)),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Releases lease `id` now.
+    pub async fn cancel(&mut self, id: &str, token: &[u8]) -> Result<v1::LeaseOutcome, ClientError> {
+        let c = v1::Cancel { remote_request_id: id.to_owned(), lease_token: token.to_vec() };
+        self.send(&Frame::Cancel(c)).await?;
+        match self.recv().await? {
+            Frame::CancelAck(a) => Ok(v1::LeaseOutcome::try_from(a.outcome).unwrap_or(v1::LeaseOutcome::Unspecified)),
+            Frame::Error(e) => Err(self.refused(e)),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Sends raw bytes (tests of malformed input use this to break the protocol on purpose).
+    pub async fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(bytes).await
+    }
+}
+
+/// Fills `buf` from `stream`, failing when no byte arrives for `timeout`.
+async fn read_exact_with_progress(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    timeout: Duration,
+) -> Result<(), FrameError> {
+    let mut pos = 0;
+    while pos < buf.len() {
+        let n = tokio::time::timeout(timeout, stream.read(&mut buf[pos..]))
+            .await
+            .map_err(|_| FrameError::Timeout)??;
+        if n == 0 {
+            return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        pos += n;
+    }
+    Ok(())
+}
+

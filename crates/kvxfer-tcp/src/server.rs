@@ -1,0 +1,301 @@
+//! The prefill side of one connection.
+
+use std::io::IoSlice;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvxfer_core::plan::BlockRange;
+use kvxfer_core::{CancelOutcome, HeartbeatOutcome, LeaseTable, NotifyOutcome, ReadRefused};
+use kvxfer_mem::KvMemory;
+use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tracing::{debug, info, warn};
+
+use crate::frame::{self, Frame, FrameError};
+use crate::Limits;
+
+/// Counters of a prefill agent's connections.
+#[derive(Debug, Default)]
+pub struct ServerCounters {
+    /// Payload bytes written for reads.
+    pub bytes_served: AtomicU64,
+    /// Reads served.
+    pub reads_served: AtomicU64,
+    /// Reads refused (unknown or ended lease, bad token, blocks outside layout or lease).
+    pub reads_refused: AtomicU64,
+    /// Connections accepted.
+    pub connections: AtomicU64,
+    /// Handshakes refused (version or compatibility mismatch, or no hello first).
+    pub handshakes_refused: AtomicU64,
+    /// Connections closed for a protocol violation (oversized, unknown or malformed frame).
+    pub protocol_errors: AtomicU64,
+}
+
+/// A snapshot of [`ServerCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct ServerStats {
+    pub bytes_served: u64,
+    pub reads_served: u64,
+    pub reads_refused: u64,
+    pub connections: u64,
+    pub handshakes_refused: u64,
+    pub protocol_errors: u64,
+}
+
+impl ServerCounters {
+    /// A snapshot.
+    pub fn snapshot(&self) -> ServerStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ServerStats {
+            bytes_served: l(&self.bytes_served),
+            reads_served: l(&self.reads_served),
+            reads_refused: l(&self.reads_refused),
+            connections: l(&self.connections),
+            handshakes_refused: l(&self.handshakes_refused),
+            protocol_errors: l(&self.protocol_errors),
+        }
+    }
+}
+
+/// Everything a connection of a prefill agent needs.
+#[derive(Debug)]
+pub struct ServeContext {
+    /// The lease table.
+    pub table: Arc<LeaseTable>,
+    /// The registered KV cache reads are served from.
+    pub memory: Arc<KvMemory>,
+    /// What this agent answers a compatible hello with.
+    pub hello_ack: v1::HelloAck,
+    /// Limits and timeouts.
+    pub limits: Limits,
+    /// Counters.
+    pub counters: Arc<ServerCounters>,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The reason a hello is refused, or `None` when the peer is compatible.
+pub fn check_hello(hello: &v1::Hello, ours: &v1::HelloAck) -> Option<(ErrorCode, String)> {
+    if hello.protocol_version != ours.protocol_version {
+        return Some((
+            ErrorCode::VersionMismatch,
+            format!(
+                "protocol version mismatch: peer {} ({}) speaks v{}, {} ({}) speaks v{}",
+                hello.agent_name, hello.engine_id, hello.protocol_version, ours.agent_name, ours.engine_id,
+                ours.protocol_version
+            ),
+        ));
+    }
+    if hello.compat_hash != ours.compat_hash {
+        return Some((
+            ErrorCode::CompatMismatch,
+            format!(
+                "compatibility hash mismatch: peer {} ({}) has {:#018x}, {} ({}) has {:#018x} \
+                 (block size, segments, dtype or tokens per block differ)",
+                hello.agent_name, hello.engine_id, hello.compat_hash, ours.agent_name, ours.engine_id,
+                ours.compat_hash
+            ),
+        ));
+    }
+    None
+}
+
+fn refusal_code(r: &ReadRefused) -> ErrorCode {
+    match r {
+        ReadRefused::Unknown(_) => ErrorCode::UnknownLease,
+        ReadRefused::BadToken(_) => ErrorCode::BadToken,
+        ReadRefused::Ended(_) => ErrorCode::LeaseEnded,
+        ReadRefused::OutOfRange { .. } | ReadRefused::NotLeased { .. } | ReadRefused::BadSize { .. } => {
+            ErrorCode::BlockOutOfRange
+        }
+        _ => ErrorCode::Internal,
+    }
+}
+
+/// Serves one accepted connection until the peer closes it or breaks the protocol.
+pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
+    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    bump(&ctx.counters.connections);
+    let _ = stream.set_nodelay(true);
+    match serve_inner(&mut stream, &ctx).await {
+        Ok(()) => debug!(%peer, "connection closed"),
+        Err(e) => debug!(%peer, error = %e, "connection ended"),
+    }
+}
+
+/// Sends an error frame and reports the connection as finished.
+async fn refuse(stream: &mut TcpStream, code: ErrorCode, msg: String, seq: u64) -> Result<(), FrameError> {
+    let mut scratch = Vec::new();
+    frame::write_frame(stream, &Frame::error(code, msg, seq), &mut scratch).await?;
+    let _ = stream.shutdown().await;
+    Ok(())
+}
+
+async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), FrameError> {
+    let max = ctx.limits.max_frame_len;
+    let mut buf = Vec::new();
+    let mut scratch = Vec::new();
+
+    // Handshake: the first frame must be a compatible hello.
+    let first = tokio::time::timeout(ctx.limits.io_timeout, frame::read_frame(stream, max, &mut buf))
+        .await
+        .map_err(|_| FrameError::Timeout)?;
+    match first {
+        Ok(Frame::Hello(hello)) => {
+            if let Some((code, msg)) = check_hello(&hello, &ctx.hello_ack) {
+                bump(&ctx.counters.handshakes_refused);
+                warn!(peer_engine = %hello.engine_id, "handshake refused: {msg}");
+                return refuse(stream, code, msg, 0).await;
+            }
+            debug!(peer_engine = %hello.engine_id, peer_agent = %hello.agent_name, "handshake ok");
+            frame::write_frame(stream, &Frame::HelloAck(ctx.hello_ack.clone()), &mut scratch).await?;
+        }
+        Ok(other) => {
+            bump(&ctx.counters.handshakes_refused);
+            let msg = format!("expected a hello first, got {:?}", other.frame_type());
+            return refuse(stream, ErrorCode::HandshakeRequired, msg, 0).await;
+        }
+        Err(e) => return protocol_error(stream, ctx, e).await,
+    }
+
+    loop {
+        let f = match frame::read_frame(stream, max, &mut buf).await {
+            Ok(f) => f,
+            Err(FrameError::Closed) => return Ok(()),
+            Err(e) => return protocol_error(stream, ctx, e).await,
+        };
+        let now = Instant::now();
+        let reply = match f {
+            Frame::ReadRequest(req) => {
+                serve_read(stream, ctx, req, &mut scratch).await?;
+                continue;
+            }
+            Frame::Notify(n) => {
+                let out = ctx.table.notify(&n.remote_request_id, &n.lease_token, &n.consumer_id, now);
+                let (outcome, remaining) = match out {
+                    NotifyOutcome::Counted { remaining } => (LeaseOutcome::Counted, remaining),
+                    NotifyOutcome::Pulled => (LeaseOutcome::Pulled, 0),
+                    NotifyOutcome::Duplicate => (LeaseOutcome::Duplicate, 0),
+                    NotifyOutcome::Unrecognized => (LeaseOutcome::Unrecognized, 0),
+                    NotifyOutcome::BadToken => (LeaseOutcome::BadToken, 0),
+                };
+                match out {
+                    NotifyOutcome::Unrecognized => warn!(
+                        remote_request_id = %n.remote_request_id, consumer = %n.consumer_id,
+                        "notification for unrecognized request; nothing changed"
+                    ),
+                    NotifyOutcome::BadToken => warn!(
+                        remote_request_id = %n.remote_request_id, consumer = %n.consumer_id,
+                        "notification with a wrong lease token; nothing changed"
+                    ),
+                    NotifyOutcome::Duplicate => info!(
+                        remote_request_id = %n.remote_request_id, consumer = %n.consumer_id,
+                        "duplicate notification; nothing changed"
+                    ),
+                    _ => debug!(remote_request_id = %n.remote_request_id, consumer = %n.consumer_id, ?out, "notified"),
+                }
+                Frame::NotifyAck(v1::NotifyAck { outcome: outcome as i32, remaining })
+            }
+            Frame::Heartbeat(hb) => {
+                let outcomes = hb
+                    .leases
+                    .iter()
+                    .map(|l| {
+                        let o = match ctx.table.heartbeat(&l.remote_request_id, &l.lease_token, now) {
+                            HeartbeatOutcome::Extended { .. } => LeaseOutcome::Extended,
+                            HeartbeatOutcome::Unrecognized => LeaseOutcome::Unrecognized,
+                            HeartbeatOutcome::BadToken => LeaseOutcome::BadToken,
+                        };
+                        debug!(remote_request_id = %l.remote_request_id, outcome = ?o, "heartbeat");
+                        o as i32
+                    })
+                    .collect();
+                Frame::HeartbeatAck(v1::HeartbeatAck { outcomes })
+            }
+            Frame::Cancel(c) => {
+                let o = match ctx.table.cancel(&c.remote_request_id, &c.lease_token, now) {
+                    CancelOutcome::Released => LeaseOutcome::Released,
+                    CancelOutcome::Unrecognized => LeaseOutcome::Unrecognized,
+                    CancelOutcome::BadToken => LeaseOutcome::BadToken,
+                };
+                info!(remote_request_id = %c.remote_request_id, outcome = ?o, "cancel");
+                Frame::CancelAck(v1::CancelAck { outcome: o as i32 })
+            }
+            other => {
+                bump(&ctx.counters.protocol_errors);
+                let msg = format!("unexpected {:?} frame from a decode peer", other.frame_type());
+                return refuse(stream, ErrorCode::Malformed, msg, 0).await;
+            }
+        };
+        frame::write_frame(stream, &reply, &mut scratch).await?;
+    }
+}
+
+async fn protocol_error(stream: &mut TcpStream, ctx: &ServeContext, e: FrameError) -> Result<(), FrameError> {
+    let code = match &e {
+        FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
+        FrameError::UnknownType(_) => ErrorCode::UnknownFrameType,
+        FrameError::Malformed { .. } | FrameError::Empty => ErrorCode::Malformed,
+        // The peer is gone or silent: nobody to tell.
+        FrameError::Closed | FrameError::Io(_) | FrameError::Timeout => return Err(e),
+    };
+    bump(&ctx.counters.protocol_errors);
+    warn!(error = %e, "closing connection after a protocol error");
+    refuse(stream, code, e.to_string(), 0).await
+}
+
+async fn serve_read(
+    stream: &mut TcpStream,
+    ctx: &ServeContext,
+    req: v1::ReadRequest,
+    scratch: &mut Vec<u8>,
+) -> Result<(), FrameError> {
+    let ranges: Vec<BlockRange> =
+        req.ranges.iter().map(|r| BlockRange { start: r.start, count: r.count }).collect();
+    let guard = match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now()) {
+        Ok(g) => g,
+        Err(refused) => {
+            bump(&ctx.counters.reads_refused);
+            warn!(remote_request_id = %req.remote_request_id, "read refused: {refused}");
+            let f = Frame::error(refusal_code(&refused), refused.to_string(), req.seq);
+            frame::write_frame(stream, &f, scratch).await?;
+            return Ok(());
+        }
+    };
+    let mem = &ctx.memory;
+    let payload_len: u64 = ranges.iter().map(|r| u64::from(r.count) * mem.layout().block_bytes()).sum();
+    scratch.clear();
+    Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(1 + ranges.len() * mem.layout().segments().len());
+    slices.push(IoSlice::new(scratch));
+    for r in &ranges {
+        for c in mem.run_chunks(r.start, r.count) {
+            // SAFETY: `guard` pins the lease, and every block of `ranges` was checked by
+            // `begin_read` to belong to it; the owner does not write leased blocks (the
+            // access contract of kvxfer-mem). The slices die before `guard` is dropped.
+            slices.push(IoSlice::new(unsafe { mem.chunk(c) }));
+        }
+    }
+    let io_timeout = ctx.limits.io_timeout;
+    let mut rest: &mut [IoSlice<'_>] = &mut slices;
+    while !rest.is_empty() {
+        let n = tokio::time::timeout(io_timeout, stream.write_vectored(rest))
+            .await
+            .map_err(|_| FrameError::Timeout)??;
+        if n == 0 {
+            return Err(FrameError::Io(std::io::ErrorKind::WriteZero.into()));
+        }
+        IoSlice::advance_slices(&mut rest, n);
+    }
+    drop(slices);
+    drop(guard);
+    ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);
+    bump(&ctx.counters.reads_served);
+    debug!(remote_request_id = %req.remote_request_id, bytes = payload_len, "read served");
+    Ok(())
+}

@@ -1,0 +1,82 @@
+//! Agent settings.
+
+use std::time::Duration;
+
+use kvxfer_tcp::Limits;
+
+/// Settings shared by prefill and decode agents.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// A name for logs and handshakes.
+    pub agent_name: String,
+    /// This engine's id (the prefill side's is copied into every hand-off). Random by default.
+    pub engine_id: String,
+    /// Host written into hand-offs (prefill); defaults to the listen address's IP.
+    pub advertise_host: Option<String>,
+    /// Lease time-to-live when a lease request names none (vLLM: 30 s).
+    pub lease_ttl: Duration,
+    /// Frame size limit and I/O timeout of every connection.
+    pub limits: Limits,
+    /// Threads of the agent's tokio runtime.
+    pub worker_threads: usize,
+    /// Data connections a decode agent opens to one prefill agent (pulls of different
+    /// children run in parallel over them). Reused across pulls.
+    pub connections_per_peer: usize,
+    /// How often a decode agent heartbeats pending pulls; `None`: the lease ttl / 6.
+    pub heartbeat_interval: Option<Duration>,
+    /// Tensor-parallel size written into hand-offs.
+    pub tp_size: u32,
+    /// Protocol version sent in handshakes. Only tests of mismatched peers change it.
+    pub protocol_version: u32,
+}
+
+impl AgentConfig {
+    /// Defaults: 30 s leases, 1 MiB frames, 10 s I/O timeout, 2 threads, 2 connections per peer.
+    pub fn new(agent_name: impl Into<String>) -> Self {
+        let mut id = [0u8; 16];
+        rand::fill(&mut id);
+        let engine_id = id.iter().map(|b| format!("{b:02x}")).collect();
+        AgentConfig {
+            agent_name: agent_name.into(),
+            engine_id,
+            advertise_host: None,
+            lease_ttl: Duration::from_secs(30),
+            limits: Limits::default(),
+            worker_threads: 2,
+            connections_per_peer: 2,
+            heartbeat_interval: None,
+            tp_size: 1,
+            protocol_version: kvxfer_proto::PROTOCOL_VERSION,
+        }
+    }
+
+    /// Sets the engine id.
+    pub fn engine_id(mut self, id: impl Into<String>) -> Self {
+        self.engine_id = id.into();
+        self
+    }
+
+    /// Sets the default lease time-to-live.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// Sets the I/O timeout.
+    pub fn io_timeout(mut self, t: Duration) -> Self {
+        self.limits.io_timeout = t;
+        self
+    }
+
+    /// Sets the number of data connections per peer (at least 1).
+    pub fn connections_per_peer(mut self, n: usize) -> Self {
+        self.connections_per_peer = n.max(1);
+        self
+    }
+
+    /// Sets the runtime's thread count (at least 1).
+    pub fn worker_threads(mut self, n: usize) -> Self {
+        self.worker_threads = n.max(1);
+        self
+    }
+}

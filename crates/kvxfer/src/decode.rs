@@ -1,0 +1,685 @@
+//! The decode agent and its pull worker.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use kvxfer_core::plan::ResultPlan;
+use kvxfer_core::{BlockId, BlockLayout, ChildHandoff, PrefillResult};
+use kvxfer_mem::KvMemory;
+use kvxfer_proto::v1::{self, LeaseOutcome};
+use kvxfer_tcp::{ClientError, Connection};
+use tokio::runtime::Runtime;
+use tokio::sync::{watch, Semaphore};
+use tracing::{debug, info, warn};
+
+use crate::{AgentConfig, Error, SubmitError};
+
+/// How one child's pull ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChildOutcome {
+    /// Every block is in place and the prefill side was notified.
+    Done {
+        /// Bytes written into this child's local blocks (wire or local copy).
+        bytes_delivered: u64,
+        /// Whether the prefill side counted the notification (false: its lease had already
+        /// ended, e.g. expired, after the data was read under the lease).
+        acknowledged: bool,
+    },
+    /// The pull failed; these local blocks hold no valid data and must be recomputed.
+    Failed {
+        /// Why.
+        reason: String,
+        /// The child's local blocks, now invalid.
+        invalid_local_blocks: Vec<BlockId>,
+    },
+    /// The caller cancelled the child; its lease was released (if the cancel got through).
+    Cancelled {
+        /// Whether the prefill side released the lease on our cancel.
+        released: bool,
+        /// The child's local blocks, not valid.
+        invalid_local_blocks: Vec<BlockId>,
+    },
+}
+
+/// One child's report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildReport {
+    /// The child index.
+    pub child_index: u32,
+    /// The prefill side's id for the child.
+    pub remote_request_id: String,
+    /// How it ended.
+    pub outcome: ChildOutcome,
+}
+
+/// All children's reports of one pull.
+#[derive(Debug, Clone)]
+pub struct PullReport {
+    /// The parent request id.
+    pub parent_request_id: String,
+    /// One report per child, child 0 first.
+    pub children: Vec<ChildReport>,
+    /// Bytes that crossed the wire.
+    pub wire_bytes: u64,
+    /// Bytes delivered into local blocks (wire + local copies for siblings).
+    pub delivered_bytes: u64,
+    /// From submit to the last report.
+    pub elapsed: Duration,
+}
+
+impl PullReport {
+    /// Whether every child is done.
+    pub fn all_done(&self) -> bool {
+        self.children.iter().all(|c| matches!(c.outcome, ChildOutcome::Done { .. }))
+    }
+}
+
+/// Counters of a decode agent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Pulls submitted.
+    pub pulls: u64,
+    /// Children done.
+    pub children_done: u64,
+    /// Children failed.
+    pub children_failed: u64,
+    /// Children cancelled.
+    pub children_cancelled: u64,
+    /// Bytes on the wire.
+    pub bytes_pulled: u64,
+    /// Bytes delivered into local blocks (wire + local copies).
+    pub bytes_delivered: u64,
+    /// Notifications the prefill side did not count (unrecognized / bad token).
+    pub notifications_unacknowledged: u64,
+    /// Connections opened.
+    pub connections_opened: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    pulls: AtomicU64,
+    children_done: AtomicU64,
+    children_failed: AtomicU64,
+    children_cancelled: AtomicU64,
+    bytes_pulled: AtomicU64,
+    bytes_delivered: AtomicU64,
+    notifications_unacknowledged: AtomicU64,
+    connections_opened: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A prefill agent this decode agent talks to: pooled data connections and one control
+/// connection (notify / heartbeat / cancel never wait behind a large read).
+struct Peer {
+    addr: String,
+    idle: Mutex<Vec<Connection>>,
+    permits: Semaphore,
+    control: tokio::sync::Mutex<Option<Connection>>,
+}
+
+struct Inner {
+    config: AgentConfig,
+    memory: Arc<KvMemory>,
+    hello: v1::Hello,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    busy: Mutex<HashSet<BlockId>>,
+    counters: Counters,
+}
+
+/// A decode worker's agent: pulls prefill results into its registered KV cache.
+pub struct DecodeAgent {
+    inner: Arc<Inner>,
+    runtime: Option<Runtime>,
+}
+
+impl std::fmt::Debug for DecodeAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeAgent").field("agent", &self.inner.config.agent_name).finish_non_exhaustive()
+    }
+}
+
+/// A pull under way: receive its reports, or cancel children.
+pub struct PullHandle {
+    parent: String,
+    count: usize,
+    reports: Receiver<ChildReport>,
+    cancel: Arc<watch::Sender<Vec<bool>>>,
+    done: Receiver<(u64, u64, Duration)>,
+}
+
+impl std::fmt::Debug for PullHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PullHandle").field("parent", &self.parent).field("children", &self.count).finish_non_exhaustive()
+    }
+}
+
+impl PullHandle {
+    /// The decode side drops child `index`: its lease is released now (or as soon as reads
+    /// that siblings need from it finish). Its local blocks are not written after its
+    /// report arrives.
+    pub fn cancel_child(&self, index: u32) {
+        self.cancel.send_modify(|v| {
+            if let Some(c) = v.get_mut(index as usize) {
+                *c = true;
+            }
+        });
+    }
+
+    /// Children this pull covers.
+    pub fn children(&self) -> usize {
+        self.count
+    }
+
+    /// The next child report, as children finish.
+    pub fn next_report(&self, timeout: Duration) -> Option<ChildReport> {
+        self.reports.recv_timeout(timeout).ok()
+    }
+
+    /// Waits for every child's report.
+    pub fn wait(self) -> PullReport {
+        let mut children: Vec<ChildReport> = self.reports.iter().take(self.count).collect();
+        children.sort_by_key(|c| c.child_index);
+        let (wire_bytes, delivered_bytes, elapsed) = self.done.recv().unwrap_or_default();
+        PullReport { parent_request_id: self.parent, children, wire_bytes, delivered_bytes, elapsed }
+    }
+}
+
+impl DecodeAgent {
+    /// Starts an agent that pulls into `memory`.
+    pub fn start(config: AgentConfig, memory: KvMemory) -> Result<Self, Error> {
+        let runtime = crate::runtime::build(&config.agent_name, config.worker_threads)?;
+        let layout = memory.layout();
+        let hello = v1::Hello {
+            protocol_version: config.protocol_version,
+            engine_id: config.engine_id.clone(),
+            agent_name: config.agent_name.clone(),
+            compat_hash: layout.compat_hash(),
+            layout: Some(layout.to_wire()),
+            transports: vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }],
+        };
+        let inner = Arc::new(Inner {
+            config,
+            memory: Arc::new(memory),
+            hello,
+            peers: Mutex::new(HashMap::new()),
+            busy: Mutex::new(HashSet::new()),
+            counters: Counters::default(),
+        });
+        Ok(DecodeAgent { inner, runtime: Some(runtime) })
+    }
+
+    /// The registered KV cache pulls write into.
+    pub fn memory(&self) -> &Arc<KvMemory> {
+        &self.inner.memory
+    }
+
+    /// The consumer id this agent notifies with.
+    pub fn consumer_id(&self) -> &str {
+        &self.inner.config.engine_id
+    }
+
+    /// Pulls every child of `result` into `local_blocks[i]` (one list per child, same
+    /// length as the child's remote blocks). Refused before any I/O when the lists do not
+    /// fit, the children span several engines, or a local block is already the
+    /// destination of another pull.
+    pub fn submit(&self, result: PrefillResult, local_blocks: Vec<Vec<BlockId>>) -> Result<PullHandle, Error> {
+        if local_blocks.len() != result.n() as usize {
+            let (parent, n, given) = (result.parent_request_id().to_owned(), result.n(), local_blocks.len());
+            return Err(SubmitError::LocalBlockLists { parent, n, given }.into());
+        }
+        let selection = (0u32..).zip(local_blocks).collect();
+        self.submit_subset(&result, selection)
+    }
+
+    /// Pulls only the children `(index, local blocks)` of a complete `result` — for parents
+    /// whose children are spread over several decode workers. The other children are
+    /// another worker's to pull or cancel; if nobody does, their leases expire (loudly).
+    pub fn submit_subset(&self, result: &PrefillResult, selection: Vec<(u32, Vec<BlockId>)>) -> Result<PullHandle, Error> {
+        let parent = result.parent_request_id().to_owned();
+        let n = result.n();
+        let mut seen = HashSet::new();
+        let mut children = Vec::with_capacity(selection.len());
+        let mut local = Vec::with_capacity(selection.len());
+        for (index, blocks) in selection {
+            let Some(child) = result.children().get(index as usize).filter(|_| seen.insert(index)) else {
+                return Err(SubmitError::BadChild { parent, n, index }.into());
+            };
+            children.push(child.clone());
+            local.push(blocks);
+        }
+        if children.is_empty() {
+            return Err(SubmitError::NothingSelected { parent }.into());
+        }
+        let engines: HashSet<(&str, &str, u16)> = children
+            .iter()
+            .map(|c| (c.engine().engine_id.as_str(), c.engine().host.as_str(), c.engine().port))
+            .collect();
+        if engines.len() > 1 {
+            let engines = engines.iter().map(|(id, h, p)| format!("{id}@{h}:{p}")).collect();
+            return Err(SubmitError::MixedEngines { parent, engines }.into());
+        }
+        let pairs: Vec<(&[BlockId], &[BlockId])> =
+            children.iter().zip(&local).map(|(c, l)| (c.remote_block_ids(), l.as_slice())).collect();
+        let local_num = self.inner.memory.layout().num_blocks();
+        let plan = ResultPlan::build(&pairs, u32::MAX, local_num)
+            .map_err(|source| SubmitError::Plan { parent: parent.clone(), source })?;
+        // Claim the destination blocks: no two pulls write the same local block.
+        let claimed: HashSet<BlockId> = local.iter().flatten().copied().collect();
+        {
+            let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
+            let taken: Vec<BlockId> = claimed.iter().copied().filter(|b| busy.contains(b)).take(16).collect();
+            if !taken.is_empty() {
+                return Err(SubmitError::LocalBlocksBusy { parent, blocks: taken }.into());
+            }
+            busy.extend(claimed.iter().copied());
+        }
+        add(&self.inner.counters.pulls, 1);
+        let count = children.len();
+        let (report_tx, reports) = crossbeam_channel::unbounded();
+        let (done_tx, done) = crossbeam_channel::bounded(1);
+        let (cancel, cancel_rx) = watch::channel(vec![false; n as usize]);
+        let pull = Pull {
+            inner: self.inner.clone(),
+            children,
+            local,
+            plan,
+            reports: report_tx,
+            cancel: cancel_rx,
+            started: Instant::now(),
+            claimed,
+        };
+        if let Some(rt) = self.runtime.as_ref() {
+            rt.spawn(pull.run(done_tx));
+        }
+        Ok(PullHandle { parent, count, reports, cancel: Arc::new(cancel), done })
+    }
+
+    /// Parses a wire prefill result (refusing incomplete ones, naming the missing children)
+    /// and submits it.
+    pub fn submit_wire(&self, result: v1::PrefillResult, local_blocks: Vec<Vec<BlockId>>) -> Result<PullHandle, Error> {
+        let result = PrefillResult::from_wire(result).map_err(SubmitError::from)?;
+        self.submit(result, local_blocks)
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> DecodeStats {
+        let c = &self.inner.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DecodeStats {
+            pulls: l(&c.pulls),
+            children_done: l(&c.children_done),
+            children_failed: l(&c.children_failed),
+            children_cancelled: l(&c.children_cancelled),
+            bytes_pulled: l(&c.bytes_pulled),
+            bytes_delivered: l(&c.bytes_delivered),
+            notifications_unacknowledged: l(&c.notifications_unacknowledged),
+            connections_opened: l(&c.connections_opened),
+        }
+    }
+}
+
+impl Drop for DecodeAgent {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            crate::runtime::shutdown(rt);
+        }
+    }
+}
+
+impl Inner {
+    fn peer(&self, addr: &str) -> Arc<Peer> {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers
+            .entry(addr.to_owned())
+            .or_insert_with(|| {
+                Arc::new(Peer {
+                    addr: addr.to_owned(),
+                    idle: Mutex::new(Vec::new()),
+                    permits: Semaphore::new(self.config.connections_per_peer.max(1)),
+                    control: tokio::sync::Mutex::new(None),
+                })
+            })
+            .clone()
+    }
+
+    async fn connect(&self, addr: &str) -> Result<Connection, ClientError> {
+        let c = Connection::connect(addr, &self.hello, self.config.limits).await?;
+        add(&self.counters.connections_opened, 1);
+        Ok(c)
+    }
+}
+
+impl Peer {
+    fn take_idle(&self) -> Option<Connection> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    }
+
+    fn put_idle(&self, c: Connection) {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+    }
+
+    /// Runs `op` on the control connection, connecting (again) if needed. A failed
+    /// connection is dropped so the next call reconnects.
+    async fn control<T>(
+        &self,
+        inner: &Inner,
+        op: impl AsyncFnOnce(&mut Connection) -> Result<T, ClientError>,
+    ) -> Result<T, ClientError> {
+        let mut slot = self.control.lock().await;
+        if slot.is_none() {
+            *slot = Some(inner.connect(&self.addr).await?);
+        }
+        let Some(conn) = slot.as_mut() else { unreachable!("connected above") };
+        let r = op(conn).await;
+        if let Err(e) = &r {
+            if !e.connection_usable() {
+                *slot = None;
+            }
+        }
+        r
+    }
+}
+
+#[derive(Debug, Clone)]
+enum ReadState {
+    Ok(u64),
+    Failed(String),
+    Cancelled,
+}
+
+struct Pull {
+    inner: Arc<Inner>,
+    children: Vec<ChildHandoff>,
+    local: Vec<Vec<BlockId>>,
+    plan: ResultPlan,
+    reports: Sender<ChildReport>,
+    cancel: watch::Receiver<Vec<bool>>,
+    started: Instant,
+    claimed: HashSet<BlockId>,
+}
+
+impl Pull {
+    /// Whether the caller cancelled the `i`-th child of this pull.
+    fn is_cancelled(&self, i: usize) -> bool {
+        let index = self.children[i].child_index() as usize;
+        self.cancel.borrow().get(index).copied().unwrap_or(false)
+    }
+
+    fn report(&self, i: usize, outcome: ChildOutcome) {
+        let c = &self.inner.counters;
+        match &outcome {
+            ChildOutcome::Done { bytes_delivered, .. } => {
+                add(&c.children_done, 1);
+                add(&c.bytes_delivered, *bytes_delivered);
+            }
+            ChildOutcome::Failed { reason, .. } => {
+                add(&c.children_failed, 1);
+                warn!(remote_request_id = %self.children[i].remote_request_id(), %reason, "child pull failed");
+            }
+            ChildOutcome::Cancelled { .. } => add(&c.children_cancelled, 1),
+        }
+        // The handle may have been dropped: the pull still completes and releases leases.
+        let _ = self.reports.send(ChildReport {
+            child_index: self.children[i].child_index(),
+            remote_request_id: self.children[i].remote_request_id().to_owned(),
+            outcome,
+        });
+    }
+
+    async fn run(self, done: Sender<(u64, u64, Duration)>) {
+        let n = self.children.len();
+        let addr = {
+            let e = self.children[0].engine();
+            format!("{}:{}", e.host, e.port)
+        };
+        let peer = self.inner.peer(&addr);
+        let states = self.pull_all(&peer).await;
+
+        // Heartbeats stop once reads are done; notifications follow at once.
+        let mut wire_bytes = 0;
+        let mut delivered = 0;
+        for (i, child) in self.children.iter().enumerate() {
+            let local = &self.local[i];
+            let bpb = self.inner.memory.layout().block_bytes();
+            let failed_dep = self.plan.children[i].depends_on.iter().find_map(|&d| match &states[d] {
+                ReadState::Ok(_) => None,
+                ReadState::Failed(r) => Some(if d == i {
+                    r.clone()
+                } else {
+                    format!("shared blocks were read for sibling {d}, which failed: {r}")
+                }),
+                ReadState::Cancelled => Some(format!("shared blocks were to be read for sibling {d}, which was cancelled")),
+            });
+            if let ReadState::Ok(b) = states[i] {
+                wire_bytes += b;
+            }
+            if self.is_cancelled(i) || matches!(states[i], ReadState::Cancelled) {
+                let released = self.cancel_lease(&peer, child).await;
+                self.report(i, ChildOutcome::Cancelled { released, invalid_local_blocks: local.clone() });
+                continue;
+            }
+            if let Some(reason) = failed_dep {
+                // Best effort: release the lease now rather than at expiry.
+                self.cancel_lease(&peer, child).await;
+                self.report(i, ChildOutcome::Failed { reason, invalid_local_blocks: local.clone() });
+                continue;
+            }
+            for &(src, dst) in &self.plan.children[i].copies {
+                // SAFETY: `src` and `dst` are destination blocks claimed by this pull (no
+                // other pull writes them and the caller does not touch them until its
+                // report), and every wire read has finished.
+                #[allow(unsafe_code)]
+                let r = unsafe { self.inner.memory.copy_block(src, dst) };
+                if let Err(e) = r {
+                    warn!(error = %e, "local copy failed");
+                }
+            }
+            let acknowledged = self.notify(&peer, child).await;
+            let bytes = local.len() as u64 * bpb;
+            delivered += bytes;
+            self.report(i, ChildOutcome::Done { bytes_delivered: bytes, acknowledged });
+        }
+        add(&self.inner.counters.bytes_pulled, wire_bytes);
+        {
+            let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
+            for b in &self.claimed {
+                busy.remove(b);
+            }
+        }
+        debug!(children = n, wire_bytes, delivered, "pull finished");
+        let _ = done.send((wire_bytes, delivered, self.started.elapsed()));
+    }
+
+    /// Reads every child's wire runs concurrently over the peer's pooled connections,
+    /// heartbeating the leases meanwhile.
+    async fn pull_all(&self, peer: &Arc<Peer>) -> Vec<ReadState> {
+        let n = self.children.len();
+        // Handshake (once per peer connection) and check the remote ids against its layout.
+        let remote_layout = match self.remote_layout(peer).await {
+            Ok(l) => l,
+            Err(reason) => return vec![ReadState::Failed(reason); n],
+        };
+        let out_of_range: Vec<BlockId> = self
+            .children
+            .iter()
+            .flat_map(|c| remote_layout.out_of_range(c.remote_block_ids().iter().copied()))
+            .take(16)
+            .collect();
+        if !out_of_range.is_empty() {
+            let reason = format!(
+                "remote block ids {out_of_range:?} are outside the prefill layout of {} blocks",
+                remote_layout.num_blocks()
+            );
+            return vec![ReadState::Failed(reason); n];
+        }
+
+        let heartbeat = self.heartbeat_loop(peer.clone());
+        let reads = async {
+            let mut futs = Vec::with_capacity(n);
+            for i in 0..n {
+                futs.push(self.read_child(peer, i));
+            }
+            join_all(futs).await
+        };
+        tokio::select! {
+            states = reads => states,
+            _ = heartbeat => unreachable!("the heartbeat loop never returns"),
+        }
+    }
+
+    async fn remote_layout(&self, peer: &Peer) -> Result<BlockLayout, String> {
+        let ack = peer
+            .control(&self.inner, async |c: &mut Connection| Ok(c.peer_hello().clone()))
+            .await
+            .map_err(|e| e.to_string())?;
+        let want = &self.children[0].engine().engine_id;
+        if &ack.engine_id != want {
+            return Err(format!(
+                "{} is engine {}, but the hand-off names engine {want} (the prefill worker restarted?)",
+                peer.addr, ack.engine_id
+            ));
+        }
+        let wire = ack.layout.ok_or("the prefill agent sent no block layout")?;
+        BlockLayout::from_wire(&wire).map_err(|e| format!("the prefill agent's layout is malformed: {e}"))
+    }
+
+    async fn read_child(&self, peer: &Peer, i: usize) -> ReadState {
+        let runs = &self.plan.children[i].wire;
+        if runs.is_empty() {
+            return ReadState::Ok(0);
+        }
+        let has_dependents = self.plan.children.iter().enumerate().any(|(j, c)| j != i && c.depends_on.contains(&i));
+        let mut cancel = self.cancel.clone();
+        let index = self.children[i].child_index() as usize;
+        let cancelled = async move {
+            if has_dependents {
+                // Siblings need these blocks: finish the read, then release the lease.
+                std::future::pending::<()>().await;
+            }
+            if cancel.wait_for(|v| v.get(index).copied().unwrap_or(false)).await.is_err() {
+                // The handle is gone: nobody can cancel any more.
+                std::future::pending::<()>().await;
+            }
+        };
+        let child = &self.children[i];
+        let read = async {
+            let _permit = peer.permits.acquire().await.map_err(|e| e.to_string())?;
+            let mut conn = match peer.take_idle() {
+                Some(c) => c,
+                None => self.inner.connect(&peer.addr).await.map_err(|e| e.to_string())?,
+            };
+            let id = child.remote_request_id();
+            // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
+            // other pull writes them; the caller does not touch them until their report),
+            // and `ResultPlan::build` checked them against the local layout.
+            #[allow(unsafe_code)]
+            let r = unsafe { conn.read_into(id, child.token().as_bytes(), runs, &self.inner.memory) }.await;
+            match r {
+                Ok(bytes) => {
+                    peer.put_idle(conn);
+                    debug!(remote_request_id = %id, bytes, "child read");
+                    Ok(bytes)
+                }
+                Err(e) => {
+                    if e.connection_usable() {
+                        peer.put_idle(conn);
+                    }
+                    Err(e.to_string())
+                }
+            }
+        };
+        tokio::select! {
+            r = read => match r {
+                Ok(b) => ReadState::Ok(b),
+                Err(e) => ReadState::Failed(e),
+            },
+            // Dropping the read drops its connection mid-transfer: it is never reused.
+            _ = cancelled => ReadState::Cancelled,
+        }
+    }
+
+    async fn heartbeat_loop(&self, peer: Arc<Peer>) {
+        let min_ttl = self.children.iter().map(|c| c.ttl()).min().unwrap_or(Duration::from_secs(30));
+        let every = self.inner.config.heartbeat_interval.unwrap_or(min_ttl / 6).max(Duration::from_millis(10));
+        let leases: Vec<v1::LeaseRef> = self
+            .children
+            .iter()
+            .map(|c| v1::LeaseRef {
+                remote_request_id: c.remote_request_id().to_owned(),
+                lease_token: c.token().as_bytes().to_vec(),
+            })
+            .collect();
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tick.tick().await;
+            let leases = leases.clone();
+            match peer.control(&self.inner, async move |c: &mut Connection| c.heartbeat(leases).await).await {
+                Ok(outcomes) => {
+                    for (l, o) in self.children.iter().zip(outcomes) {
+                        if o != LeaseOutcome::Extended {
+                            debug!(remote_request_id = %l.remote_request_id(), outcome = ?o, "heartbeat not extended");
+                        }
+                    }
+                }
+                Err(e) => debug!(error = %e, "heartbeat failed"),
+            }
+        }
+    }
+
+    async fn notify(&self, peer: &Peer, child: &ChildHandoff) -> bool {
+        let id = child.remote_request_id().to_owned();
+        let token = child.token().as_bytes().to_vec();
+        let consumer = self.inner.config.engine_id.clone();
+        let r = peer.control(&self.inner, async move |c: &mut Connection| c.notify(&id, &token, &consumer).await).await;
+        let ok = match &r {
+            Ok(ack) => matches!(
+                LeaseOutcome::try_from(ack.outcome),
+                Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted)
+            ),
+            Err(_) => false,
+        };
+        if !ok {
+            add(&self.inner.counters.notifications_unacknowledged, 1);
+            warn!(remote_request_id = %child.remote_request_id(), result = ?r, "notification not acknowledged");
+        }
+        ok
+    }
+
+    async fn cancel_lease(&self, peer: &Peer, child: &ChildHandoff) -> bool {
+        let id = child.remote_request_id().to_owned();
+        let token = child.token().as_bytes().to_vec();
+        let r = peer.control(&self.inner, async move |c: &mut Connection| c.cancel(&id, &token).await).await;
+        info!(remote_request_id = %child.remote_request_id(), result = ?r, "cancel sent");
+        matches!(r, Ok(LeaseOutcome::Released))
+    }
+}
+
+/// Polls futures concurrently on the current task and returns their outputs in order.
+async fn join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output> {
+    let mut futs: Vec<_> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = (0..futs.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, slot) in futs.iter_mut().zip(out.iter_mut()) {
+            if slot.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *slot = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
+}

@@ -1,0 +1,102 @@
+//! The engine's error type.
+
+use kvxfer_core::{BlockId, HandoffError, PlanError};
+
+/// Any error of the engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// From the sans-IO core (leases, hand-offs, layouts, plans, params).
+    #[error(transparent)]
+    Core(#[from] kvxfer_core::Error),
+    /// From registered memory.
+    #[error(transparent)]
+    Mem(#[from] kvxfer_mem::MemError),
+    /// From a connection to a peer.
+    #[error(transparent)]
+    Transport(#[from] kvxfer_tcp::ClientError),
+    /// A pull was refused before any I/O.
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    /// Binding the listener or starting the runtime failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl From<kvxfer_core::LeaseError> for Error {
+    fn from(e: kvxfer_core::LeaseError) -> Self {
+        Error::Core(e.into())
+    }
+}
+
+impl From<HandoffError> for Error {
+    fn from(e: HandoffError) -> Self {
+        Error::Core(e.into())
+    }
+}
+
+/// Why [`crate::DecodeAgent::submit`] refused a pull, before any I/O.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// The prefill result is not exactly the children `0..n` (names what is missing).
+    #[error(transparent)]
+    Result(#[from] HandoffError),
+    /// Not one list of local blocks per child.
+    #[error("prefill result for {parent} has {n} children but {given} lists of local blocks were given")]
+    LocalBlockLists {
+        /// The parent request id.
+        parent: String,
+        /// Children.
+        n: u32,
+        /// Lists given.
+        given: usize,
+    },
+    /// A selected child index is not below n, or is selected twice.
+    #[error("prefill result for {parent} with n = {n}: child {index} is out of range or selected twice")]
+    BadChild {
+        /// The parent request id.
+        parent: String,
+        /// Children.
+        n: u32,
+        /// The index.
+        index: u32,
+    },
+    /// No child selected.
+    #[error("prefill result for {parent}: no child selected")]
+    NothingSelected {
+        /// The parent request id.
+        parent: String,
+    },
+    /// A child's local blocks do not fit the plan (count, layout, conflicting destinations).
+    #[error("prefill result for {parent}: {source}")]
+    Plan {
+        /// The parent request id.
+        parent: String,
+        /// What is wrong.
+        #[source]
+        source: PlanError,
+    },
+    /// The children do not all come from one prefill engine.
+    #[error("prefill result for {parent}: children come from several engines ({engines:?}); submit one result per engine")]
+    MixedEngines {
+        /// The parent request id.
+        parent: String,
+        /// The engines named.
+        engines: Vec<String>,
+    },
+    /// Local blocks already being written by another pull.
+    #[error("prefill result for {parent}: local blocks {blocks:?} are destinations of a pull still under way")]
+    LocalBlocksBusy {
+        /// The parent request id.
+        parent: String,
+        /// The busy blocks (at most 16).
+        blocks: Vec<BlockId>,
+    },
+}

@@ -1,0 +1,270 @@
+//! The prefill agent: leases, serves reads, applies notifications, runs expiry.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use kvxfer_core::{
+    CancelOutcome, ChildHandoff, EndKind, EngineInfo, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats,
+    LeaseTable, ParentStatus, ParentTracker, PrefillResult,
+};
+use kvxfer_mem::KvMemory;
+use kvxfer_proto::v1;
+use kvxfer_tcp::{serve_connection, ServeContext, ServerCounters, ServerStats};
+use tokio::net::TcpListener;
+use tokio::runtime::Runtime;
+use tokio::sync::Notify;
+use tracing::{debug, info, warn};
+
+use crate::{AgentConfig, Error};
+
+/// Counters of a prefill agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillStats {
+    /// Leases: made, pulled, released, expired, live; unrecognized notifications; bad tokens.
+    pub leases: LeaseStats,
+    /// Connections: bytes and reads served, refusals, protocol errors.
+    pub server: ServerStats,
+}
+
+/// A prefill worker's agent: owns the lease table and serves the registered KV cache.
+pub struct PrefillAgent {
+    table: Arc<LeaseTable>,
+    memory: Arc<KvMemory>,
+    counters: Arc<ServerCounters>,
+    tracker: Arc<Mutex<ParentTracker>>,
+    events: Receiver<LeaseEnd>,
+    wake: Arc<Notify>,
+    addr: SocketAddr,
+    stop: Option<Sender<()>>,
+    event_thread: Option<JoinHandle<()>>,
+    runtime: Option<Runtime>,
+}
+
+impl std::fmt::Debug for PrefillAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillAgent").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+impl PrefillAgent {
+    /// Starts an agent over `memory`, listening on `listen` (port 0 picks a free port).
+    pub fn start(config: AgentConfig, listen: &str, memory: KvMemory) -> Result<Self, Error> {
+        let runtime = crate::runtime::build(&config.agent_name, config.worker_threads)?;
+        let listener = runtime
+            .block_on(TcpListener::bind(listen))
+            .map_err(|source| Error::Io { what: format!("binding {listen}"), source })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| Error::Io { what: "reading the listen address".into(), source })?;
+        let host = config.advertise_host.clone().unwrap_or_else(|| addr.ip().to_string());
+        let engine = EngineInfo { engine_id: config.engine_id.clone(), host, port: addr.port(), tp_size: config.tp_size };
+        let layout = memory.layout().clone();
+        let mut lease_config = LeaseConfig::new(engine, layout.num_blocks());
+        lease_config.default_ttl = config.lease_ttl;
+        let mut seed = [0u8; 32];
+        rand::fill(&mut seed);
+        let table = Arc::new(LeaseTable::new(lease_config, seed));
+        let memory = Arc::new(memory);
+        let counters = Arc::new(ServerCounters::default());
+        let ctx = Arc::new(ServeContext {
+            table: table.clone(),
+            memory: memory.clone(),
+            hello_ack: v1::HelloAck {
+                protocol_version: config.protocol_version,
+                engine_id: config.engine_id.clone(),
+                agent_name: config.agent_name.clone(),
+                compat_hash: layout.compat_hash(),
+                layout: Some(layout.to_wire()),
+                transports: vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }],
+            },
+            limits: config.limits,
+            counters: counters.clone(),
+        });
+        runtime.spawn(accept_loop(listener, ctx));
+        let wake = Arc::new(Notify::new());
+        runtime.spawn(expiry_loop(table.clone(), wake.clone()));
+
+        let tracker = Arc::new(Mutex::new(ParentTracker::new()));
+        let (events_tx, events) = crossbeam_channel::unbounded();
+        let (stop, stop_rx) = crossbeam_channel::bounded(1);
+        let event_thread = {
+            let (table, tracker) = (table.clone(), tracker.clone());
+            std::thread::Builder::new()
+                .name(format!("kvxfer-{}-events", config.agent_name))
+                .spawn(move || forward_events(&table, &tracker, &events_tx, &stop_rx))
+                .map_err(|source| Error::Io { what: "starting the lease event thread".into(), source })?
+        };
+        info!(%addr, engine_id = %config.engine_id, "prefill agent listening");
+        Ok(PrefillAgent {
+            table,
+            memory,
+            counters,
+            tracker,
+            events,
+            wake,
+            addr,
+            stop: Some(stop),
+            event_thread: Some(event_thread),
+            runtime: Some(runtime),
+        })
+    }
+
+    /// The address the agent listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The registered KV cache the agent serves.
+    pub fn memory(&self) -> &Arc<KvMemory> {
+        &self.memory
+    }
+
+    /// Leases one child's blocks: the lease is registered before the hand-off is returned.
+    /// The owner must not write those blocks until the lease's end arrives on [`Self::events`].
+    pub fn lease(&self, req: LeaseRequest) -> Result<ChildHandoff, Error> {
+        let now = Instant::now();
+        let parent = req.parent_request_id.clone();
+        let n = req.n;
+        self.lock_tracker().track(&parent, n);
+        let h = self.table.lease(req, now)?;
+        debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "leased");
+        // The expiry task sleeps until the earliest deadline; this one may be earlier.
+        self.wake.notify_one();
+        Ok(h)
+    }
+
+    /// Leases every child of a parent (`blocks[i]` for child i) and returns the prefill
+    /// result to hand to the decode side. If one lease fails, the ones made are released.
+    pub fn lease_parent(
+        &self,
+        parent: &str,
+        blocks: Vec<Vec<kvxfer_core::BlockId>>,
+        expected_consumers: u32,
+        ttl: Option<Duration>,
+    ) -> Result<PrefillResult, Error> {
+        let n = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
+        let mut handoffs = Vec::with_capacity(blocks.len());
+        for (i, b) in (0u32..).zip(blocks) {
+            let mut req = LeaseRequest::new(parent, i, n, b).consumers(expected_consumers);
+            req.ttl = ttl;
+            match self.lease(req) {
+                Ok(h) => handoffs.push(h),
+                Err(e) => {
+                    for h in &handoffs {
+                        self.cancel(h);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(PrefillResult::new(parent, n, handoffs)?)
+    }
+
+    /// Releases a lease from the owner's side (the request was aborted).
+    pub fn cancel(&self, h: &ChildHandoff) -> CancelOutcome {
+        self.table.cancel(h.remote_request_id(), h.token().as_bytes(), Instant::now())
+    }
+
+    /// How each lease ended, once per lease, with the blocks to free. Drain it: ends queue
+    /// up here until received.
+    pub fn events(&self) -> &Receiver<LeaseEnd> {
+        &self.events
+    }
+
+    /// The children states of a parent that still has pending children.
+    pub fn parent_status(&self, parent: &str) -> Option<ParentStatus> {
+        self.lock_tracker().status(parent).cloned()
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> PrefillStats {
+        PrefillStats { leases: self.table.stats(), server: self.counters.snapshot() }
+    }
+
+    fn lock_tracker(&self) -> std::sync::MutexGuard<'_, ParentTracker> {
+        self.tracker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for PrefillAgent {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            crate::runtime::shutdown(rt);
+        }
+        drop(self.stop.take());
+        if let Some(t) = self.event_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(serve_connection(stream, ctx.clone()));
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Sleeps until the table's next deadline (or a new lease wakes it), then expires.
+async fn expiry_loop(table: Arc<LeaseTable>, wake: Arc<Notify>) {
+    loop {
+        let next = table.poll_timeout();
+        let sleep = match next {
+            Some(t) => tokio::time::sleep_until(t.into()),
+            None => tokio::time::sleep(Duration::from_secs(3600)),
+        };
+        tokio::select! {
+            _ = sleep => {
+                let n = table.expire(Instant::now());
+                if n > 0 {
+                    debug!(expired = n, "expired leases");
+                }
+            }
+            _ = wake.notified() => {}
+        }
+    }
+}
+
+/// Moves lease ends from the table to the owner, updating the parent tracker and logging
+/// each one with its request id.
+fn forward_events(
+    table: &LeaseTable,
+    tracker: &Mutex<ParentTracker>,
+    out: &Sender<LeaseEnd>,
+    stop: &Receiver<()>,
+) {
+    loop {
+        crossbeam_channel::select! {
+            recv(table.ended()) -> end => {
+                let Ok(end) = end else { return };
+                match end.kind {
+                    EndKind::Pulled => debug!(remote_request_id = %end.remote_request_id, consumers = end.consumers_seen, "lease ended: pulled"),
+                    EndKind::Released => info!(remote_request_id = %end.remote_request_id, "lease ended: released"),
+                    EndKind::Expired => warn!(
+                        remote_request_id = %end.remote_request_id,
+                        "Releasing expired KV blocks for request {} which were retrieved by {} of {} remote worker(s) before lease expired",
+                        end.remote_request_id, end.consumers_seen, end.expected_consumers
+                    ),
+                }
+                let done = tracker.lock().unwrap_or_else(|p| p.into_inner()).on_end(&end);
+                if let Some(status) = done {
+                    debug!(parent = %end.parent_request_id, ?status, "parent complete");
+                }
+                // The owner may have dropped its receiver; the ends are then simply dropped.
+                let _ = out.send(end);
+            }
+            recv(stop) -> _ => return,
+        }
+    }
+}
