@@ -14,6 +14,7 @@ use clap::Parser;
 use kvxfer::{
     AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent,
 };
+use kvxfer_mem::pattern;
 
 #[derive(Parser, Debug)]
 #[command(about = "Hand one parent request with n children from a prefill to a decode agent on 127.0.0.1")]
@@ -50,18 +51,6 @@ struct Args {
     json: bool,
 }
 
-/// The byte at `offset` of remote block `block`: a pattern no two blocks share.
-fn pattern(block: BlockId, out: &mut [u8]) {
-    let mut x = u64::from(block).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for chunk in out.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let bytes = x.to_le_bytes();
-        chunk.copy_from_slice(&bytes[..chunk.len()]);
-    }
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -96,12 +85,8 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let decode_mem = KvMemory::alloc(BlockLayout::single(n * bpc, args.block_bytes)?)?;
 
     // Fill the prefill cache before anything is leased.
-    let mut buf = vec![0u8; args.block_bytes as usize];
-    for b in 0..remote_blocks {
-        pattern(b, &mut buf);
-        // SAFETY: nothing is leased yet and no agent holds this memory.
-        unsafe { prefill_mem.write_block(b, &buf)? };
-    }
+    // SAFETY: nothing is leased yet and no agent holds this memory.
+    unsafe { pattern::fill_blocks(&prefill_mem, 0..remote_blocks)? };
 
     let ttl = Duration::from_millis(args.lease_ms);
     let prefill = PrefillAgent::start(
@@ -135,21 +120,17 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
 
     // Verify every pulled child's local blocks against the pattern of its remote blocks.
     let mut verified = true;
-    let mut expected = vec![0u8; args.block_bytes as usize];
-    let mut got = vec![0u8; args.block_bytes as usize];
     for c in &report.children {
         let i = c.child_index as usize;
         let want = if Some(c.child_index) == args.cancel_child { "cancelled" } else { "done" };
         let ok = match (&c.outcome, want) {
             (ChildOutcome::Done { .. }, "done") => {
-                let mut ok = true;
-                for (&r, &l) in remote[i].iter().zip(&local[i]) {
-                    pattern(r, &mut expected);
-                    // SAFETY: the pull reported this child; nothing writes its blocks now.
-                    unsafe { decode.memory().read_block(l, &mut got)? };
-                    ok &= got == expected;
+                // SAFETY: the pull reported this child; nothing writes its blocks now.
+                let bad = unsafe { pattern::check_blocks(decode.memory(), &remote[i], &local[i])? };
+                if let Some(b) = bad {
+                    eprintln!("child {i}: local block {b} does not hold its remote block's bytes");
                 }
-                ok
+                bad.is_none()
             }
             (ChildOutcome::Cancelled { .. }, "cancelled") => true,
             (other, _) => {

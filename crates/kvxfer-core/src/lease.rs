@@ -10,7 +10,7 @@
 //! scan), and a heartbeat moves one entry, so an old lease that was extended never holds
 //! back younger ones. Ended leases go to one channel, drained by the owner.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -24,6 +24,9 @@ use crate::handoff::{ChildHandoff, EngineInfo};
 use crate::ids::{child_request_id, fnv1a, LeaseToken, FNV_OFFSET};
 use crate::plan::BlockRange;
 use crate::BlockId;
+
+/// Ended lease ids remembered per shard to tell a late read "ended" rather than "unknown".
+const RECENT_PER_SHARD: usize = 256;
 
 /// Settings of a [`LeaseTable`].
 #[derive(Debug, Clone)]
@@ -279,6 +282,10 @@ impl Lease {
 struct Shard {
     leases: HashMap<Arc<str>, Lease>,
     deadlines: BTreeMap<(Instant, u64), Arc<str>>,
+    /// Ids of recently ended leases (bounded, oldest dropped first), so a late read can be
+    /// told "ended" rather than "unknown".
+    recent: HashMap<Arc<str>, EndKind>,
+    recent_order: VecDeque<Arc<str>>,
     rng: ChaCha12Rng,
     next_seq: u64,
 }
@@ -320,6 +327,8 @@ impl LeaseTable {
                 Mutex::new(Shard {
                     leases: HashMap::new(),
                     deadlines: BTreeMap::new(),
+                    recent: HashMap::new(),
+                    recent_order: VecDeque::new(),
                     rng: ChaCha12Rng::from_rng(&mut master),
                     next_seq: 0,
                 })
@@ -386,6 +395,7 @@ impl LeaseTable {
         if shard.leases.contains_key(&key) {
             return Err(LeaseError::AlreadyLeased(key.to_string()));
         }
+        shard.recent.remove(&key);
         let token = LeaseToken::generate(&mut shard.rng);
         let seq = shard.next_seq;
         shard.next_seq += 1;
@@ -467,13 +477,21 @@ impl LeaseTable {
     fn hand_back(&self, shard: &mut Shard, id: &str) {
         let Some(lease) = shard.leases.remove(id) else { return };
         let Some(kind) = lease.ended else { return };
+        let key: Arc<str> = Arc::from(id);
+        if shard.recent_order.len() >= RECENT_PER_SHARD {
+            if let Some(old) = shard.recent_order.pop_front() {
+                shard.recent.remove(&old);
+            }
+        }
+        shard.recent.insert(key.clone(), kind);
+        shard.recent_order.push_back(key.clone());
         let consumers_seen = if lease.expected > 1 {
             lease.consumers.len() as u32
         } else {
             u32::from(kind == EndKind::Pulled)
         };
         let end = LeaseEnd {
-            remote_request_id: Arc::from(id),
+            remote_request_id: key,
             parent_request_id: lease.parent,
             child_index: lease.child_index,
             n: lease.n,
@@ -608,8 +626,10 @@ impl LeaseTable {
             bump(&self.counters.reads_refused);
             Err(r)
         };
+        let recently_ended = shard.recent.contains_key(id);
         let lease = match self.find(&mut shard, id, token, now) {
             Found::Live(l) => l,
+            Found::Missing if recently_ended => return refused(ReadRefused::Ended(id.to_owned())),
             Found::Missing => return refused(ReadRefused::Unknown(id.to_owned())),
             Found::Ended => return refused(ReadRefused::Ended(id.to_owned())),
             Found::BadToken => {

@@ -401,3 +401,54 @@ mod tests {
         assert!(matches!(KvMemory::new(layout, vec![]), Err(MemError::RegionCount { .. })));
     }
 }
+
+/// A verifiable byte pattern for tests, the loopback example and the benchmark: every
+/// block gets bytes no other block has, so a block landing in the wrong place is caught.
+pub mod pattern {
+    use super::{KvMemory, MemError};
+    use kvxfer_core::BlockId;
+
+    /// Fills `out` with the pattern of `block`.
+    pub fn fill(block: BlockId, out: &mut [u8]) {
+        let mut x = u64::from(block).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        for chunk in out.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+        }
+    }
+
+    /// Writes the pattern of each block into it.
+    ///
+    /// # Safety
+    /// None of `blocks` is leased or the destination of a pull (the access contract).
+    pub unsafe fn fill_blocks(mem: &KvMemory, blocks: impl IntoIterator<Item = BlockId>) -> Result<(), MemError> {
+        let mut buf = vec![0u8; mem.layout().block_bytes() as usize];
+        for b in blocks {
+            fill(b, &mut buf);
+            // SAFETY: forwarded contract.
+            unsafe { mem.write_block(b, &buf)? };
+        }
+        Ok(())
+    }
+
+    /// Checks that local block `local[i]` holds the pattern of remote block `remote[i]`;
+    /// returns the first local block that does not.
+    ///
+    /// # Safety
+    /// Nobody writes the `local` blocks meanwhile (their pull has reported).
+    pub unsafe fn check_blocks(mem: &KvMemory, remote: &[BlockId], local: &[BlockId]) -> Result<Option<BlockId>, MemError> {
+        let len = mem.layout().block_bytes() as usize;
+        let (mut want, mut got) = (vec![0u8; len], vec![0u8; len]);
+        for (&r, &l) in remote.iter().zip(local) {
+            fill(r, &mut want);
+            // SAFETY: forwarded contract.
+            unsafe { mem.read_block(l, &mut got)? };
+            if want != got {
+                return Ok(Some(l));
+            }
+        }
+        Ok(None)
+    }
+}

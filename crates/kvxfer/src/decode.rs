@@ -1,7 +1,7 @@
 //! The decode agent and its pull worker.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -293,6 +293,7 @@ impl DecodeAgent {
             cancel: cancel_rx,
             started: Instant::now(),
             claimed,
+            reachable: AtomicBool::new(true),
         };
         if let Some(rt) = self.runtime.as_ref() {
             rt.spawn(pull.run(done_tx));
@@ -402,9 +403,28 @@ struct Pull {
     cancel: watch::Receiver<Vec<bool>>,
     started: Instant,
     claimed: HashSet<BlockId>,
+    /// Cleared when the peer refuses a handshake or its control connection breaks: later
+    /// notifies and cancels of this pull are skipped instead of each waiting out a timeout.
+    reachable: AtomicBool,
 }
 
 impl Pull {
+    /// Runs `op` on the peer's control connection unless the peer was found unreachable.
+    async fn control<T>(
+        &self,
+        peer: &Peer,
+        op: impl AsyncFnOnce(&mut Connection) -> Result<T, ClientError>,
+    ) -> Option<Result<T, ClientError>> {
+        if !self.reachable.load(Ordering::Relaxed) {
+            return None;
+        }
+        let r = peer.control(&self.inner, op).await;
+        if matches!(&r, Err(e) if !e.connection_usable()) {
+            self.reachable.store(false, Ordering::Relaxed);
+        }
+        Some(r)
+    }
+
     /// Whether the caller cancelled the `i`-th child of this pull.
     fn is_cancelled(&self, i: usize) -> bool {
         let index = self.children[i].child_index() as usize;
@@ -465,7 +485,8 @@ impl Pull {
                 continue;
             }
             if let Some(reason) = failed_dep {
-                // Best effort: release the lease now rather than at expiry.
+                // Best effort: release the lease now rather than at expiry (skipped once the
+                // peer is known unreachable).
                 self.cancel_lease(&peer, child).await;
                 self.report(i, ChildOutcome::Failed { reason, invalid_local_blocks: local.clone() });
                 continue;
@@ -503,7 +524,10 @@ impl Pull {
         // Handshake (once per peer connection) and check the remote ids against its layout.
         let remote_layout = match self.remote_layout(peer).await {
             Ok(l) => l,
-            Err(reason) => return vec![ReadState::Failed(reason); n],
+            Err(reason) => {
+                self.reachable.store(false, Ordering::Relaxed);
+                return vec![ReadState::Failed(reason); n];
+            }
         };
         let out_of_range: Vec<BlockId> = self
             .children
@@ -619,15 +643,16 @@ impl Pull {
         loop {
             tick.tick().await;
             let leases = leases.clone();
-            match peer.control(&self.inner, async move |c: &mut Connection| c.heartbeat(leases).await).await {
-                Ok(outcomes) => {
+            match self.control(&peer, async move |c: &mut Connection| c.heartbeat(leases).await).await {
+                None => {}
+                Some(Ok(outcomes)) => {
                     for (l, o) in self.children.iter().zip(outcomes) {
                         if o != LeaseOutcome::Extended {
                             debug!(remote_request_id = %l.remote_request_id(), outcome = ?o, "heartbeat not extended");
                         }
                     }
                 }
-                Err(e) => debug!(error = %e, "heartbeat failed"),
+                Some(Err(e)) => debug!(error = %e, "heartbeat failed"),
             }
         }
     }
@@ -636,13 +661,13 @@ impl Pull {
         let id = child.remote_request_id().to_owned();
         let token = child.token().as_bytes().to_vec();
         let consumer = self.inner.config.engine_id.clone();
-        let r = peer.control(&self.inner, async move |c: &mut Connection| c.notify(&id, &token, &consumer).await).await;
+        let r = self.control(peer, async move |c: &mut Connection| c.notify(&id, &token, &consumer).await).await;
         let ok = match &r {
-            Ok(ack) => matches!(
+            Some(Ok(ack)) => matches!(
                 LeaseOutcome::try_from(ack.outcome),
                 Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted)
             ),
-            Err(_) => false,
+            _ => false,
         };
         if !ok {
             add(&self.inner.counters.notifications_unacknowledged, 1);
@@ -654,9 +679,12 @@ impl Pull {
     async fn cancel_lease(&self, peer: &Peer, child: &ChildHandoff) -> bool {
         let id = child.remote_request_id().to_owned();
         let token = child.token().as_bytes().to_vec();
-        let r = peer.control(&self.inner, async move |c: &mut Connection| c.cancel(&id, &token).await).await;
-        info!(remote_request_id = %child.remote_request_id(), result = ?r, "cancel sent");
-        matches!(r, Ok(LeaseOutcome::Released))
+        let r = self.control(peer, async move |c: &mut Connection| c.cancel(&id, &token).await).await;
+        match &r {
+            None => info!(remote_request_id = %child.remote_request_id(), "peer unreachable: lease left to expire"),
+            Some(r) => info!(remote_request_id = %child.remote_request_id(), result = ?r, "cancel sent"),
+        }
+        matches!(r, Some(Ok(LeaseOutcome::Released)))
     }
 }
 

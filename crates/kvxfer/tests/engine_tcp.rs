@@ -1,0 +1,335 @@
+//! The engine end to end over TCP on 127.0.0.1: every child pulled, released or expired
+//! exactly once, every byte verified, bad input refused.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use kvxfer::{
+    AgentConfig, BlockId, BlockLayout, ChildOutcome, EndKind, Error, LeaseRequest, PrefillResult, Segment,
+    SubmitError,
+};
+use kvxfer_core::HandoffError;
+use support::*;
+
+const TTL: Duration = Duration::from_secs(30);
+
+/// n children with distinct, shuffled, non-contiguous blocks, leased in random order.
+fn pull_n(n: u32, seed: u64) {
+    let bpc = 6u32;
+    let prefill = prefill(n * bpc * 2, TTL);
+    let decode = decode(n * bpc * 2);
+    let mut remote_pool: Vec<BlockId> = (0..n * bpc * 2).collect();
+    let mut local_pool: Vec<BlockId> = (0..n * bpc * 2).collect();
+    shuffle(&mut remote_pool, seed);
+    shuffle(&mut local_pool, seed.wrapping_mul(31));
+    let remote: Vec<Vec<BlockId>> = (0..n as usize).map(|i| remote_pool[i * bpc as usize..][..bpc as usize].to_vec()).collect();
+    let local: Vec<Vec<BlockId>> = (0..n as usize).map(|i| local_pool[i * bpc as usize..][..bpc as usize].to_vec()).collect();
+
+    let mut order: Vec<u32> = (0..n).collect();
+    shuffle(&mut order, seed ^ 0x55);
+    let mut handoffs: Vec<_> = order
+        .iter()
+        .map(|&i| prefill.lease(LeaseRequest::new("R", i, n, remote[i as usize].clone())).expect("lease"))
+        .collect();
+    shuffle(&mut handoffs, seed ^ 0xaa);
+    let result = PrefillResult::new("R", n, handoffs).expect("complete result");
+
+    let report = decode.submit(result, local.clone()).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    for i in 0..n as usize {
+        assert!(verify(&decode, &remote[i], &local[i]), "child {i} bytes");
+    }
+    let ends = wait_ends(&prefill, n as usize, Duration::from_secs(10));
+    assert!(ends.iter().all(|e| e.kind == EndKind::Pulled && e.consumers_seen == 1), "{ends:?}");
+    for e in &ends {
+        assert_eq!(&*e.blocks, &remote[e.child_index as usize][..]);
+    }
+    let p = prefill.stats();
+    let d = decode.stats();
+    let bytes = u64::from(n * bpc) * BLOCK;
+    assert_eq!((p.leases.leased, p.leases.pulled, p.leases.live), (u64::from(n), u64::from(n), 0));
+    assert_eq!(p.leases.leased, p.leases.pulled + p.leases.released + p.leases.expired + p.leases.live);
+    assert_eq!((p.leases.unrecognized, p.leases.bad_token), (0, 0));
+    assert_eq!((p.server.bytes_served, d.bytes_pulled, d.bytes_delivered), (bytes, bytes, bytes));
+    assert_eq!((d.children_done, d.children_failed), (u64::from(n), 0));
+    assert_no_more_ends(&prefill, Duration::from_millis(50));
+}
+
+#[test]
+fn n1_pulled_and_verified() {
+    pull_n(1, 1);
+}
+#[test]
+fn n2_pulled_and_verified() {
+    pull_n(2, 2);
+}
+#[test]
+fn n3_pulled_and_verified() {
+    pull_n(3, 3);
+}
+#[test]
+fn n8_pulled_and_verified() {
+    pull_n(8, 8);
+}
+
+#[test]
+fn siblings_sharing_prompt_blocks_cross_the_wire_once() {
+    let prefill = prefill(16, TTL);
+    let decode = decode(64);
+    let prompt: Vec<BlockId> = vec![3, 4, 5, 9, 10];
+    let result = prefill.lease_parent("S", vec![prompt.clone(); 4], 1, None).expect("lease");
+    let local: Vec<Vec<BlockId>> = (0..4).map(|i| (i * 8..i * 8 + 5).collect()).collect();
+    let report = decode.submit(result, local.clone()).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    let one_child = prompt.len() as u64 * BLOCK;
+    assert_eq!(report.wire_bytes, one_child);
+    assert_eq!(report.delivered_bytes, 4 * one_child);
+    for l in &local {
+        assert!(verify(&decode, &prompt, l));
+    }
+    let ends = wait_ends(&prefill, 4, Duration::from_secs(10));
+    assert!(ends.iter().all(|e| e.kind == EndKind::Pulled));
+    assert_eq!(prefill.stats().server.bytes_served, one_child);
+    assert_eq!(decode.stats().bytes_pulled, one_child);
+}
+
+#[test]
+fn siblings_sharing_local_blocks_too() {
+    // Prefix caching on both sides: the same local prompt blocks for every child.
+    let prefill = prefill(16, TTL);
+    let decode = decode(16);
+    let result = prefill
+        .lease_parent("S", vec![vec![0, 1, 2, 7], vec![0, 1, 2, 8], vec![0, 1, 2, 9]], 1, None)
+        .expect("lease");
+    let local = vec![vec![4, 5, 6, 0], vec![4, 5, 6, 1], vec![4, 5, 6, 2]];
+    let report = decode.submit(result, local.clone()).expect("submit").wait();
+    assert!(report.all_done());
+    assert_eq!(report.wire_bytes, 6 * BLOCK);
+    assert!(verify(&decode, &[0, 1, 2, 7, 8, 9], &[4, 5, 6, 0, 1, 2]));
+    assert_eq!(wait_ends(&prefill, 3, Duration::from_secs(10)).iter().filter(|e| e.kind == EndKind::Pulled).count(), 3);
+}
+
+#[test]
+fn cancelled_child_is_released_at_once_and_skipped_child_expires() {
+    let ttl = Duration::from_millis(600);
+    let prefill = prefill(64, ttl);
+    let decode = decode(64);
+    let remote: Vec<Vec<BlockId>> = (0..4).map(|i| (i * 8..i * 8 + 8).collect()).collect();
+    let started = Instant::now();
+    let result = prefill.lease_parent("C", remote.clone(), 1, None).expect("lease");
+    // Child 2 is this worker's but is dropped; child 3 is assigned to a worker that never pulls.
+    let selection = (0..3).map(|i| (i, remote[i as usize].clone())).collect();
+    let handle = decode.submit_subset(&result, selection).expect("submit");
+    handle.cancel_child(2);
+    let report = handle.wait();
+    assert!(matches!(report.children[2].outcome, ChildOutcome::Cancelled { released: true, .. }), "{report:?}");
+    if let ChildOutcome::Cancelled { invalid_local_blocks, .. } = &report.children[2].outcome {
+        assert_eq!(invalid_local_blocks, &remote[2]);
+    }
+    for i in 0..2 {
+        assert!(matches!(report.children[i].outcome, ChildOutcome::Done { acknowledged: true, .. }));
+        assert!(verify(&decode, &remote[i], &remote[i]));
+    }
+    // Pulled and released arrive before the lease could have run out.
+    let first = wait_ends(&prefill, 3, Duration::from_secs(5));
+    assert!(started.elapsed() < ttl, "released at once, not at expiry");
+    assert_eq!(first.iter().map(|e| e.kind).collect::<Vec<_>>(), vec![EndKind::Pulled, EndKind::Pulled, EndKind::Released]);
+    let status = prefill.parent_status("C").expect("child 3 still pending");
+    assert_eq!(status.pending(), vec![3]);
+    // The never-pulled child expires, loudly, with 0 consumers; nothing else changes.
+    let last = wait_ends(&prefill, 1, Duration::from_secs(5));
+    assert_eq!((last[0].child_index, last[0].kind, last[0].consumers_seen), (3, EndKind::Expired, 0));
+    assert!(started.elapsed() >= ttl);
+    assert!(prefill.parent_status("C").is_none(), "parent complete");
+    let s = prefill.stats().leases;
+    assert_eq!((s.pulled, s.released, s.expired, s.live), (2, 1, 1, 0));
+}
+
+#[test]
+fn stray_and_wrong_token_notifications_change_nothing() {
+    let prefill = prefill(16, TTL);
+    let h = prefill.lease(LeaseRequest::new("R", 0, 2, vec![1, 2])).expect("lease");
+    let addr = prefill.local_addr().to_string();
+    let layout = prefill.memory().layout().clone();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let mut c = raw_connection(&addr, &layout, 1).await.expect("connect");
+        let ack = c.notify("7_R", h.token().as_bytes(), "d").await.expect("ack");
+        assert_eq!(ack.outcome, kvxfer_proto::v1::LeaseOutcome::Unrecognized as i32);
+        let ack = c.notify("0_R", &[0u8; 16], "d").await.expect("ack");
+        assert_eq!(ack.outcome, kvxfer_proto::v1::LeaseOutcome::BadToken as i32);
+        let out = c.cancel("0_R", &[1u8; 16]).await.expect("cancel ack");
+        assert_eq!(out, kvxfer_proto::v1::LeaseOutcome::BadToken);
+    });
+    assert_no_more_ends(&prefill, Duration::from_millis(100));
+    let s = prefill.stats().leases;
+    assert_eq!((s.unrecognized, s.bad_token, s.live, s.pulled), (1, 2, 1, 0));
+}
+
+#[test]
+fn reads_of_bad_leases_tokens_and_blocks_get_specific_errors() {
+    use kvxfer_core::plan::BlockRun;
+    use kvxfer_proto::v1::ErrorCode;
+    let prefill = prefill(16, TTL);
+    let h = prefill.lease(LeaseRequest::new("R", 0, 1, vec![1, 2])).expect("lease");
+    let ended = prefill.lease(LeaseRequest::new("E", 0, 1, vec![3])).expect("lease");
+    prefill.cancel(&ended);
+    let dest = kvxfer::KvMemory::alloc(BlockLayout::single(16, BLOCK).expect("layout")).expect("alloc");
+    let addr = prefill.local_addr().to_string();
+    let layout = prefill.memory().layout().clone();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let mut c = raw_connection(&addr, &layout, 1).await.expect("connect");
+        let run = |start, count| [BlockRun { remote_start: start, local_start: 0, count }];
+        let code = |e: kvxfer_tcp::ClientError| match e {
+            kvxfer_tcp::ClientError::Refused { code, .. } => code,
+            other => panic!("expected a refusal, got {other}"),
+        };
+        let tok = h.token().as_bytes();
+        // SAFETY: `dest` is this test's own memory, untouched by anyone else.
+        unsafe {
+            assert_eq!(code(c.read_into("X", tok, &run(1, 1), &dest).await.unwrap_err()), ErrorCode::UnknownLease);
+            assert_eq!(code(c.read_into("R", &[9; 16], &run(1, 1), &dest).await.unwrap_err()), ErrorCode::BadToken);
+            assert_eq!(code(c.read_into("E", ended.token().as_bytes(), &run(3, 1), &dest).await.unwrap_err()), ErrorCode::LeaseEnded);
+            assert_eq!(code(c.read_into("R", tok, &run(15, 2), &dest).await.unwrap_err()), ErrorCode::BlockOutOfRange);
+            assert_eq!(code(c.read_into("R", tok, &run(5, 1), &dest).await.unwrap_err()), ErrorCode::BlockOutOfRange);
+            // The connection survives refusals and still serves a good read.
+            assert_eq!(c.read_into("R", tok, &run(1, 2), &dest).await.expect("read"), 2 * BLOCK);
+        }
+    });
+    let s = prefill.stats();
+    assert_eq!((s.server.reads_refused, s.server.reads_served), (5, 1));
+    assert_eq!(s.leases.live, 1, "refused reads change no lease");
+}
+
+#[test]
+fn incomplete_prefill_result_is_refused_before_any_io() {
+    let prefill = prefill(16, TTL);
+    let decode = decode(16);
+    let result = prefill.lease_parent("R", vec![vec![1], vec![2], vec![3]], 1, None).expect("lease");
+    let mut wire = result.to_wire();
+    wire.children.remove(1);
+    let err = decode.submit_wire(wire, vec![vec![0], vec![2]]).expect_err("incomplete");
+    match &err {
+        Error::Submit(SubmitError::Result(HandoffError::IncompleteResult { missing, .. })) => assert_eq!(missing, &vec![1]),
+        other => panic!("wrong error: {other}"),
+    }
+    assert!(err.to_string().contains("missing children [1]"), "{err}");
+    // Local lists that do not fit are refused too, before any I/O.
+    assert!(matches!(
+        decode.submit(result.clone(), vec![vec![0], vec![1]]),
+        Err(Error::Submit(SubmitError::LocalBlockLists { .. }))
+    ));
+    assert!(matches!(
+        decode.submit(result, vec![vec![0], vec![1, 2], vec![3]]),
+        Err(Error::Submit(SubmitError::Plan { .. }))
+    ));
+    assert_eq!(decode.stats().connections_opened, 0);
+    assert_eq!(prefill.stats().server.connections, 0);
+}
+
+fn mismatch_pull(decode_config: AgentConfig, decode_layout: BlockLayout, needles: &[&str]) {
+    let prefill = prefill(16, TTL);
+    let decode = decode_with(decode_config, decode_layout);
+    let result = prefill.lease_parent("M", vec![vec![1]], 1, None).expect("lease");
+    let report = decode.submit(result, vec![vec![1]]).expect("submit").wait();
+    let ChildOutcome::Failed { reason, invalid_local_blocks } = &report.children[0].outcome else {
+        panic!("expected failure: {report:?}")
+    };
+    for n in needles {
+        assert!(reason.contains(n), "{reason:?} should contain {n:?}");
+    }
+    assert_eq!(invalid_local_blocks, &vec![1]);
+    assert_eq!(prefill.stats().server.handshakes_refused, 1);
+    assert_eq!(prefill.stats().leases.pulled, 0);
+}
+
+#[test]
+fn protocol_version_mismatch_fails_on_both_sides_naming_both_versions() {
+    let mut config = AgentConfig::new("decode-v2");
+    config.protocol_version = 2;
+    mismatch_pull(config, BlockLayout::single(16, BLOCK).expect("layout"), &["v2", "v1", "decode-v2", "prefill"]);
+}
+
+#[test]
+fn compatibility_hash_mismatch_fails_on_both_sides_naming_both_hashes() {
+    let prefill_hash = BlockLayout::single(16, BLOCK).expect("layout").compat_hash();
+    let other = BlockLayout::new(16, vec![Segment::packed(BLOCK)], "bf16", 32).expect("layout");
+    let decode_hash = format!("{:#018x}", other.compat_hash());
+    mismatch_pull(AgentConfig::new("decode"), other, &[&format!("{prefill_hash:#018x}"), &decode_hash]);
+}
+
+#[test]
+fn expected_consumers_two_frees_only_after_both_decode_agents_notified() {
+    let prefill = prefill(16, TTL);
+    let rank0 = decode(16);
+    let rank1 = decode(16);
+    let result = prefill.lease_parent("TP", vec![vec![1, 2, 3]], 2, None).expect("lease");
+    assert!(rank0.submit(result.clone(), vec![vec![0, 1, 2]]).expect("submit").wait().all_done());
+    assert_no_more_ends(&prefill, Duration::from_millis(100));
+    assert_eq!(prefill.stats().leases.live, 1);
+    assert!(rank1.submit(result, vec![vec![5, 6, 7]]).expect("submit").wait().all_done());
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
+    assert_eq!((ends[0].kind, ends[0].consumers_seen, ends[0].expected_consumers), (EndKind::Pulled, 2, 2));
+    assert!(verify(&rank0, &[1, 2, 3], &[0, 1, 2]) && verify(&rank1, &[1, 2, 3], &[5, 6, 7]));
+}
+
+#[test]
+fn multi_segment_layouts_with_strides_round_trip() {
+    // Two layers, K and V each: four segments, one of them strided on the decode side only.
+    let seg = |len, stride| Segment { block_len: len, stride };
+    let p_layout = BlockLayout::new(32, vec![seg(256, 256), seg(256, 256), seg(512, 512), seg(128, 128)], "bf16", 16).expect("layout");
+    let d_layout = BlockLayout::new(40, vec![seg(256, 256), seg(256, 1024), seg(512, 512), seg(128, 4096)], "bf16", 16).expect("layout");
+    let prefill = prefill_with(AgentConfig::new("prefill"), p_layout);
+    let decode = decode_with(AgentConfig::new("decode"), d_layout);
+    let remote = vec![vec![0, 1, 2, 3, 20, 21], vec![4, 5, 30, 31, 6, 7]];
+    let local = vec![vec![10, 11, 12, 13, 14, 15], vec![39, 38, 37, 36, 0, 1]];
+    let result = prefill.lease_parent("L", remote.clone(), 1, None).expect("lease");
+    let report = decode.submit(result, local.clone()).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    for i in 0..2 {
+        assert!(verify(&decode, &remote[i], &local[i]), "child {i}");
+    }
+}
+
+async fn raw_connection(addr: &str, layout: &BlockLayout, version: u32) -> Result<kvxfer_tcp::Connection, kvxfer_tcp::ClientError> {
+    let hello = kvxfer_proto::v1::Hello {
+        protocol_version: version,
+        engine_id: "raw".into(),
+        agent_name: "raw-test-client".into(),
+        compat_hash: layout.compat_hash(),
+        layout: Some(layout.to_wire()),
+        transports: vec![],
+    };
+    kvxfer_tcp::Connection::connect(addr, &hello, kvxfer_tcp::Limits::default()).await
+}
+
+#[test]
+fn heartbeats_keep_a_slow_pull_alive_past_its_ttl() {
+    let ttl = Duration::from_millis(300);
+    let prefill = prefill(16, ttl);
+    let h = prefill.lease(LeaseRequest::new("H", 0, 1, vec![1])).expect("lease");
+    let addr = prefill.local_addr().to_string();
+    let layout = prefill.memory().layout().clone();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    let started = Instant::now();
+    rt.block_on(async {
+        let mut c = raw_connection(&addr, &layout, 1).await.expect("connect");
+        let lease = kvxfer_proto::v1::LeaseRef {
+            remote_request_id: "H".into(),
+            lease_token: h.token().as_bytes().to_vec(),
+        };
+        // Heartbeat every ttl/6 for three ttls.
+        while started.elapsed() < ttl * 3 {
+            let out = c.heartbeat(vec![lease.clone()]).await.expect("heartbeat");
+            assert_eq!(out, vec![kvxfer_proto::v1::LeaseOutcome::Extended]);
+            tokio::time::sleep(ttl / 6).await;
+        }
+        let ack = c.notify("H", h.token().as_bytes(), "slow-decode").await.expect("notify");
+        assert_eq!(ack.outcome, kvxfer_proto::v1::LeaseOutcome::Pulled as i32);
+    });
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(2));
+    assert_eq!(ends[0].kind, EndKind::Pulled);
+    assert_eq!(prefill.stats().leases.expired, 0);
+}
