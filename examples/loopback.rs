@@ -11,9 +11,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvxfer::{
-    AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent,
-};
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent};
 use kvxfer_mem::pattern;
 
 #[derive(Parser, Debug)]
@@ -89,15 +87,10 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     unsafe { pattern::fill_blocks(&prefill_mem, 0..remote_blocks)? };
 
     let ttl = Duration::from_millis(args.lease_ms);
-    let prefill = PrefillAgent::start(
-        AgentConfig::new("prefill").lease_ttl(ttl),
-        "127.0.0.1:0",
-        prefill_mem,
-    )?;
-    let decode = DecodeAgent::start(
-        AgentConfig::new("decode").connections_per_peer(args.connections),
-        decode_mem,
-    )?;
+    let prefill =
+        PrefillAgent::start(AgentConfig::new("prefill").lease_ttl(ttl), "127.0.0.1:0", prefill_mem)?;
+    let decode =
+        DecodeAgent::start(AgentConfig::new("decode").connections_per_peer(args.connections), decode_mem)?;
 
     let remote: Vec<Vec<BlockId>> = (0..n)
         .map(|i| {
@@ -152,7 +145,8 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         }
     }
     let count = |k| ends.iter().filter(|e| e.kind == k).count();
-    let (pulled, released, expired) = (count(EndKind::Pulled), count(EndKind::Released), count(EndKind::Expired));
+    let (pulled, released, expired) =
+        (count(EndKind::Pulled), count(EndKind::Released), count(EndKind::Expired));
     let mut as_asked = ends.len() == n as usize;
     for e in &ends {
         let want = if Some(e.child_index) == args.cancel_child {

@@ -189,7 +189,13 @@ pub enum ParamsError {
     Missing(&'static str),
     /// A field holds a value kvxfer cannot use.
     #[error("kv_transfer_params: {0}")]
-    Invalid(#[from] HandoffError),
+    Invalid(Box<HandoffError>),
+}
+
+impl From<HandoffError> for ParamsError {
+    fn from(e: HandoffError) -> Self {
+        ParamsError::Invalid(Box::new(e))
+    }
 }
 
 /// At most this many offending ids are kept in an error.

@@ -189,10 +189,13 @@ impl PrefillResult {
                 foreign.push(child.remote_request_id.to_string());
             } else if child.child_index >= n {
                 out_of_range.push(child.child_index);
-            } else if by_index.contains_key(&child.child_index) {
-                duplicated.push(child.child_index);
             } else {
-                by_index.insert(child.child_index, child);
+                match by_index.entry(child.child_index) {
+                    std::collections::btree_map::Entry::Occupied(_) => duplicated.push(child.child_index),
+                    std::collections::btree_map::Entry::Vacant(v) => {
+                        v.insert(child);
+                    }
+                }
             }
         }
         // Bounded: at most as many entries as were listed, so a huge `n` allocates nothing.
@@ -203,15 +206,21 @@ impl PrefillResult {
         };
         if !missing.is_empty() || !duplicated.is_empty() || !out_of_range.is_empty() || !foreign.is_empty() {
             duplicated.dedup();
-            return Err(HandoffError::IncompleteResult { parent, n, missing, duplicated, out_of_range, foreign });
+            return Err(HandoffError::IncompleteResult {
+                parent,
+                n,
+                missing,
+                duplicated,
+                out_of_range,
+                foreign,
+            });
         }
         Ok(PrefillResult { parent_request_id: parent, n, children: by_index.into_values().collect() })
     }
 
     /// Parses and validates the wire form.
     pub fn from_wire(w: v1::PrefillResult) -> Result<Self, HandoffError> {
-        let children =
-            w.children.into_iter().map(ChildHandoff::from_wire).collect::<Result<Vec<_>, _>>()?;
+        let children = w.children.into_iter().map(ChildHandoff::from_wire).collect::<Result<Vec<_>, _>>()?;
         Self::new(w.parent_request_id, w.n, children)
     }
 

@@ -17,7 +17,7 @@ pub fn child_request_id(parent: &str, index: u32, n: u32) -> String {
 }
 
 /// An unguessable 128-bit lease token. Compared in constant time; shown in hex.
-#[derive(Clone, Copy, Hash)]
+#[derive(Clone, Copy)]
 pub struct LeaseToken([u8; 16]);
 
 impl LeaseToken {
@@ -38,9 +38,7 @@ impl LeaseToken {
 
     /// Parses a token from its 16 wire bytes.
     pub fn from_wire(bytes: &[u8]) -> Result<Self, HandoffError> {
-        let arr: [u8; 16] = bytes
-            .try_into()
-            .map_err(|_| HandoffError::BadTokenLength(bytes.len()))?;
+        let arr: [u8; 16] = bytes.try_into().map_err(|_| HandoffError::BadTokenLength(bytes.len()))?;
         Ok(LeaseToken(arr))
     }
 

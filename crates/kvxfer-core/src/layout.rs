@@ -51,15 +51,9 @@ impl BlockLayout {
         }
         for (index, s) in segments.iter().enumerate() {
             if s.block_len == 0 || s.block_len > s.stride {
-                return Err(LayoutError::BadSegment {
-                    index,
-                    block_len: s.block_len,
-                    stride: s.stride,
-                });
+                return Err(LayoutError::BadSegment { index, block_len: s.block_len, stride: s.stride });
             }
-            s.stride
-                .checked_mul(u64::from(num_blocks))
-                .ok_or(LayoutError::Overflow)?;
+            s.stride.checked_mul(u64::from(num_blocks)).ok_or(LayoutError::Overflow)?;
         }
         let layout = BlockLayout { num_blocks, segments, dtype: dtype.into(), block_tokens };
         layout
@@ -117,10 +111,7 @@ impl BlockLayout {
 
     /// The ids in `ids` outside this layout (at most 16 listed).
     pub fn out_of_range(&self, ids: impl IntoIterator<Item = BlockId>) -> Vec<BlockId> {
-        ids.into_iter()
-            .filter(|&id| !self.contains(id))
-            .take(crate::error::MAX_IDS_SHOWN)
-            .collect()
+        ids.into_iter().filter(|&id| !self.contains(id)).take(crate::error::MAX_IDS_SHOWN).collect()
     }
 
     /// Hash of everything two peers must agree on to move blocks between them: per-segment
@@ -155,10 +146,7 @@ impl BlockLayout {
     pub fn from_wire(w: &v1::BlockLayout) -> Result<Self, LayoutError> {
         Self::new(
             w.num_blocks,
-            w.segments
-                .iter()
-                .map(|s| Segment { block_len: s.block_len, stride: s.stride })
-                .collect(),
+            w.segments.iter().map(|s| Segment { block_len: s.block_len, stride: s.stride }).collect(),
             w.dtype.clone(),
             w.block_tokens,
         )
@@ -188,8 +176,8 @@ mod tests {
 
     #[test]
     fn compat_hash_covers_what_peers_share_only() {
-        let a = BlockLayout::new(10, vec![Segment::packed(64), Segment::packed(64)], "bf16", 16)
-            .expect("valid");
+        let a =
+            BlockLayout::new(10, vec![Segment::packed(64), Segment::packed(64)], "bf16", 16).expect("valid");
         let more_blocks = BlockLayout::new(
             99,
             vec![Segment { block_len: 64, stride: 128 }, Segment::packed(64)],
@@ -199,8 +187,7 @@ mod tests {
         .expect("valid");
         assert_eq!(a.compat_hash(), more_blocks.compat_hash());
         let other_dtype =
-            BlockLayout::new(10, vec![Segment::packed(64), Segment::packed(64)], "fp8", 16)
-                .expect("valid");
+            BlockLayout::new(10, vec![Segment::packed(64), Segment::packed(64)], "fp8", 16).expect("valid");
         assert_ne!(a.compat_hash(), other_dtype.compat_hash());
         let one_segment = BlockLayout::new(10, vec![Segment::packed(128)], "bf16", 16).expect("valid");
         assert_ne!(a.compat_hash(), one_segment.compat_hash());
@@ -210,8 +197,7 @@ mod tests {
 
     #[test]
     fn wire_round_trip() {
-        let a = BlockLayout::new(7, vec![Segment { block_len: 3, stride: 5 }], "bf16", 32)
-            .expect("valid");
+        let a = BlockLayout::new(7, vec![Segment { block_len: 3, stride: 5 }], "bf16", 32).expect("valid");
         assert_eq!(BlockLayout::from_wire(&a.to_wire()), Ok(a.clone()));
         assert_eq!(a.out_of_range([1, 7, 9, 6]), vec![7, 9]);
     }

@@ -257,7 +257,8 @@ struct Lease {
     child_index: u32,
     n: u32,
     blocks: Arc<[BlockId]>,
-    /// Sorted, deduplicated copy of `blocks` when `blocks` is not already sorted.
+    /// Sorted, deduplicated copy of `blocks`, made on the first read when `blocks` is not
+    /// already sorted (leasing stays cheap; reads check membership by binary search).
     sorted: Option<Box<[BlockId]>>,
     expected: u32,
     /// Consumers that notified (kept only while more than one is expected).
@@ -270,21 +271,28 @@ struct Lease {
 }
 
 impl Lease {
-    fn sorted_blocks(&self) -> &[BlockId] {
+    /// The lease's blocks, sorted and deduplicated (sorting once, on first use).
+    fn sorted_blocks(&mut self) -> &[BlockId] {
+        if self.sorted.is_none() && !self.blocks.windows(2).all(|w| w[0] < w[1]) {
+            let mut s = self.blocks.to_vec();
+            s.sort_unstable();
+            s.dedup();
+            self.sorted = Some(s.into_boxed_slice());
+        }
         self.sorted.as_deref().unwrap_or(&self.blocks)
-    }
-
-    fn holds(&self, id: BlockId) -> bool {
-        self.sorted_blocks().binary_search(&id).is_ok()
     }
 }
 
+/// Maps keyed by request id use foldhash with a random per-process seed: much faster than
+/// SipHash on short ids, and still keyed so ids cannot be chosen to collide.
+type IdMap<V> = HashMap<Arc<str>, V, foldhash::fast::RandomState>;
+
 struct Shard {
-    leases: HashMap<Arc<str>, Lease>,
+    leases: IdMap<Lease>,
     deadlines: BTreeMap<(Instant, u64), Arc<str>>,
     /// Ids of recently ended leases (bounded, oldest dropped first), so a late read can be
     /// told "ended" rather than "unknown".
-    recent: HashMap<Arc<str>, EndKind>,
+    recent: IdMap<EndKind>,
     recent_order: VecDeque<Arc<str>>,
     rng: ChaCha12Rng,
     next_seq: u64,
@@ -325,9 +333,9 @@ impl LeaseTable {
         let shards: Box<[Mutex<Shard>]> = (0..shards)
             .map(|_| {
                 Mutex::new(Shard {
-                    leases: HashMap::new(),
+                    leases: IdMap::default(),
                     deadlines: BTreeMap::new(),
-                    recent: HashMap::new(),
+                    recent: IdMap::default(),
                     recent_order: VecDeque::new(),
                     rng: ChaCha12Rng::from_rng(&mut master),
                     next_seq: 0,
@@ -377,14 +385,6 @@ impl LeaseTable {
             let ids = req.blocks.iter().copied().filter(|&b| b >= num_blocks).take(MAX_IDS_SHOWN);
             return Err(LeaseError::BlocksOutOfRange { request: id, ids: ids.collect(), num_blocks });
         }
-        let sorted = if req.blocks.windows(2).all(|w| w[0] < w[1]) {
-            None
-        } else {
-            let mut s = req.blocks.clone();
-            s.sort_unstable();
-            s.dedup();
-            Some(s.into_boxed_slice())
-        };
         let ttl = req.ttl.unwrap_or(self.config.default_ttl);
         let deadline = now + ttl;
         let key: Arc<str> = Arc::from(id);
@@ -408,7 +408,7 @@ impl LeaseTable {
                 child_index: req.child_index,
                 n: req.n,
                 blocks: blocks.clone(),
-                sorted,
+                sorted: None,
                 expected: req.expected_consumers,
                 consumers: Vec::new(),
                 ttl,
@@ -475,9 +475,8 @@ impl LeaseTable {
     }
 
     fn hand_back(&self, shard: &mut Shard, id: &str) {
-        let Some(lease) = shard.leases.remove(id) else { return };
+        let Some((key, lease)) = shard.leases.remove_entry(id) else { return };
         let Some(kind) = lease.ended else { return };
-        let key: Arc<str> = Arc::from(id);
         if shard.recent_order.len() >= RECENT_PER_SHARD {
             if let Some(old) = shard.recent_order.pop_front() {
                 shard.recent.remove(&old);
@@ -657,10 +656,11 @@ impl LeaseTable {
                 num_blocks,
             });
         }
+        let held = lease.sorted_blocks();
         let not_leased: Vec<BlockId> = ranges
             .iter()
             .flat_map(BlockRange::iter)
-            .filter(|&b| !lease.holds(b))
+            .filter(|b| held.binary_search(b).is_err())
             .take(MAX_IDS_SHOWN)
             .collect();
         if !not_leased.is_empty() {

@@ -25,8 +25,8 @@ pub use handoff::{ChildHandoff, EngineInfo, PrefillResult};
 pub use ids::{child_request_id, LeaseToken};
 pub use layout::{BlockLayout, Segment};
 pub use lease::{
-    EndKind, HeartbeatOutcome, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats, LeaseTable,
-    NotifyOutcome, CancelOutcome, ReadGuard, ReadRefused,
+    CancelOutcome, EndKind, HeartbeatOutcome, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats, LeaseTable,
+    NotifyOutcome, ReadGuard, ReadRefused,
 };
 pub use params::{KvTransferParams, RemoteBlockIds};
 pub use parent::{ChildState, ParentStatus, ParentTracker};

@@ -42,11 +42,7 @@ impl ParentStatus {
 
     /// Indices of the children in `state`.
     pub fn indices(&self, state: ChildState) -> Vec<u32> {
-        (0u32..)
-            .zip(&self.children)
-            .filter(|(_, s)| **s == state)
-            .map(|(i, _)| i)
-            .collect()
+        (0u32..).zip(&self.children).filter(|(_, s)| **s == state).map(|(i, _)| i).collect()
     }
 
     /// Whether every child has ended.

@@ -48,8 +48,7 @@ impl BlockRun {
 }
 
 fn check_range(ids: &[BlockId], num_blocks: u32, side: Side) -> Result<(), PlanError> {
-    let bad: Vec<BlockId> =
-        ids.iter().copied().filter(|&b| b >= num_blocks).take(MAX_IDS_SHOWN).collect();
+    let bad: Vec<BlockId> = ids.iter().copied().filter(|&b| b >= num_blocks).take(MAX_IDS_SHOWN).collect();
     if bad.is_empty() {
         Ok(())
     } else {
@@ -138,11 +137,7 @@ impl ResultPlan {
             for (&r, &l) in remote.iter().zip(local.iter()) {
                 if let Some(&prev) = dest.get(&l) {
                     if prev != r {
-                        return Err(PlanError::ConflictingDestination {
-                            local: l,
-                            first: prev,
-                            second: r,
-                        });
+                        return Err(PlanError::ConflictingDestination { local: l, first: prev, second: r });
                     }
                 } else {
                     dest.insert(l, r);
@@ -169,11 +164,7 @@ impl ResultPlan {
 
     /// Blocks that cross the wire.
     pub fn wire_blocks(&self) -> u64 {
-        self.children
-            .iter()
-            .flat_map(|c| c.wire.iter())
-            .map(|r| u64::from(r.count))
-            .sum()
+        self.children.iter().flat_map(|c| c.wire.iter()).map(|r| u64::from(r.count)).sum()
     }
 }
 
@@ -211,10 +202,7 @@ mod tests {
             coalesce(&[1], &[8], 16, 8),
             Err(PlanError::OutOfRange { side: Side::Local, ids: vec![8], num_blocks: 8 })
         );
-        assert_eq!(
-            coalesce(&[1, 2], &[0], 16, 16),
-            Err(PlanError::LengthMismatch { remote: 2, local: 1 })
-        );
+        assert_eq!(coalesce(&[1, 2], &[0], 16, 16), Err(PlanError::LengthMismatch { remote: 2, local: 1 }));
     }
 
     #[test]

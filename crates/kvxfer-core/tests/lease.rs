@@ -5,14 +5,15 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::{
-    CancelOutcome, ChildState, EndKind, EngineInfo, HeartbeatOutcome, LeaseConfig, LeaseEnd,
-    LeaseError, LeaseRequest, LeaseTable, NotifyOutcome, ParentTracker, ReadRefused,
+    CancelOutcome, ChildState, EndKind, EngineInfo, HeartbeatOutcome, LeaseConfig, LeaseEnd, LeaseError,
+    LeaseRequest, LeaseTable, NotifyOutcome, ParentTracker, ReadRefused,
 };
 
 const TTL: Duration = Duration::from_secs(30);
 
 fn table() -> Arc<LeaseTable> {
-    let engine = EngineInfo { engine_id: "prefill-0".into(), host: "127.0.0.1".into(), port: 5559, tp_size: 1 };
+    let engine =
+        EngineInfo { engine_id: "prefill-0".into(), host: "127.0.0.1".into(), port: 5559, tp_size: 1 };
     Arc::new(LeaseTable::new(LeaseConfig::new(engine, 1024), [42; 32]))
 }
 
@@ -148,7 +149,10 @@ fn leases_are_refused_when_malformed() {
         Err(LeaseError::BlocksOutOfRange { ids, num_blocks: 1024, .. }) if ids == vec![5000, 7000]
     ));
     assert!(matches!(t.lease(LeaseRequest::new("R", 0, 1, vec![]), t0), Err(LeaseError::NoBlocks(_))));
-    assert!(matches!(t.lease(LeaseRequest::new("R", 3, 3, vec![1]), t0), Err(LeaseError::BadChildIndex { .. })));
+    assert!(matches!(
+        t.lease(LeaseRequest::new("R", 3, 3, vec![1]), t0),
+        Err(LeaseError::BadChildIndex { .. })
+    ));
     assert!(matches!(
         t.lease(LeaseRequest::new("R", 0, 1, vec![1]).consumers(0), t0),
         Err(LeaseError::NoConsumers(_))
@@ -170,11 +174,10 @@ fn overlapping_block_sets_are_normal_and_each_hands_back_its_own_list() {
     }
     let mut e = ended(&t);
     e.sort_by_key(|e| e.child_index);
-    assert_eq!(e.iter().map(|e| e.blocks.to_vec()).collect::<Vec<_>>(), vec![
-        vec![0, 1, 2, 10],
-        vec![0, 1, 2, 11],
-        vec![0, 1, 2, 12]
-    ]);
+    assert_eq!(
+        e.iter().map(|e| e.blocks.to_vec()).collect::<Vec<_>>(),
+        vec![vec![0, 1, 2, 10], vec![0, 1, 2, 11], vec![0, 1, 2, 12]]
+    );
 }
 
 #[test]
@@ -213,10 +216,7 @@ fn reads_are_refused_for_bad_ids_tokens_and_blocks() {
         t.begin_read("R", tok, &r(1023, 2), t0),
         Err(ReadRefused::OutOfRange { ids, .. }) if ids == vec![1024]
     ));
-    assert!(matches!(
-        t.begin_read("R", tok, &r(u32::MAX, 1), t0),
-        Err(ReadRefused::OutOfRange { .. })
-    ));
+    assert!(matches!(t.begin_read("R", tok, &r(u32::MAX, 1), t0), Err(ReadRefused::OutOfRange { .. })));
     assert!(matches!(
         t.begin_read("R", tok, &r(2, 2), t0),
         Err(ReadRefused::NotLeased { ids, .. }) if ids == vec![2]
@@ -249,9 +249,15 @@ fn motivating_scenario_n3_only_child_1_notified() {
     assert_eq!(status.pending(), vec![0, 2]);
     // A notification for an id that was never leased: unrecognized, nothing changes.
     let before = t.stats();
-    assert_eq!(t.notify("3_R", hs[1].token().as_bytes(), "decode-0", t0 + ms(6)), NotifyOutcome::Unrecognized);
+    assert_eq!(
+        t.notify("3_R", hs[1].token().as_bytes(), "decode-0", t0 + ms(6)),
+        NotifyOutcome::Unrecognized
+    );
     let after = t.stats();
-    assert_eq!((after.live, after.pulled, after.unrecognized), (before.live, before.pulled, before.unrecognized + 1));
+    assert_eq!(
+        (after.live, after.pulled, after.unrecognized),
+        (before.live, before.pulled, before.unrecognized + 1)
+    );
     assert!(t.ended().try_recv().is_err());
     // The others end loudly at the deadline, and the parent completes.
     assert_eq!(t.expire(t0 + TTL), 2);

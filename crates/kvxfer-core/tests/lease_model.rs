@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::{
-    CancelOutcome, ChildHandoff, EndKind, EngineInfo, HeartbeatOutcome, LeaseConfig, LeaseRequest, LeaseTable,
-    NotifyOutcome, ReadGuard,
+    CancelOutcome, ChildHandoff, EndKind, EngineInfo, HeartbeatOutcome, LeaseConfig, LeaseRequest,
+    LeaseTable, NotifyOutcome, ReadGuard,
 };
 use proptest::prelude::*;
 
@@ -27,8 +27,11 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         (0u8..6, 1u32..4, 1u64..200).prop_map(|(id, consumers, ttl_ms)| Op::Lease { id, consumers, ttl_ms }),
-        (0u8..7, 0u8..4, proptest::bool::weighted(0.85))
-            .prop_map(|(id, consumer, good_token)| Op::Notify { id, consumer, good_token }),
+        (0u8..7, 0u8..4, proptest::bool::weighted(0.85)).prop_map(|(id, consumer, good_token)| Op::Notify {
+            id,
+            consumer,
+            good_token
+        }),
         (0u8..6).prop_map(|id| Op::Heartbeat { id }),
         (0u8..7, proptest::bool::weighted(0.85)).prop_map(|(id, good_token)| Op::Cancel { id, good_token }),
         (0u8..6).prop_map(|id| Op::BeginRead { id }),

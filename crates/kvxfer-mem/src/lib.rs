@@ -362,13 +362,9 @@ mod tests {
 
     #[test]
     fn chunks_coalesce_packed_segments_and_split_strided_ones() {
-        let layout = BlockLayout::new(
-            8,
-            vec![Segment::packed(16), Segment { block_len: 8, stride: 32 }],
-            "u8",
-            16,
-        )
-        .expect("layout");
+        let layout =
+            BlockLayout::new(8, vec![Segment::packed(16), Segment { block_len: 8, stride: 32 }], "u8", 16)
+                .expect("layout");
         let mem = KvMemory::alloc(layout).expect("alloc");
         let chunks: Vec<_> = mem.run_chunks(2, 3).collect();
         assert_eq!(
@@ -423,7 +419,10 @@ pub mod pattern {
     ///
     /// # Safety
     /// None of `blocks` is leased or the destination of a pull (the access contract).
-    pub unsafe fn fill_blocks(mem: &KvMemory, blocks: impl IntoIterator<Item = BlockId>) -> Result<(), MemError> {
+    pub unsafe fn fill_blocks(
+        mem: &KvMemory,
+        blocks: impl IntoIterator<Item = BlockId>,
+    ) -> Result<(), MemError> {
         let mut buf = vec![0u8; mem.layout().block_bytes() as usize];
         for b in blocks {
             fill(b, &mut buf);
@@ -438,7 +437,11 @@ pub mod pattern {
     ///
     /// # Safety
     /// Nobody writes the `local` blocks meanwhile (their pull has reported).
-    pub unsafe fn check_blocks(mem: &KvMemory, remote: &[BlockId], local: &[BlockId]) -> Result<Option<BlockId>, MemError> {
+    pub unsafe fn check_blocks(
+        mem: &KvMemory,
+        remote: &[BlockId],
+        local: &[BlockId],
+    ) -> Result<Option<BlockId>, MemError> {
         let len = mem.layout().block_bytes() as usize;
         let (mut want, mut got) = (vec![0u8; len], vec![0u8; len]);
         for (&r, &l) in remote.iter().zip(local) {

@@ -150,7 +150,10 @@ impl Connection {
     }
 
     fn unexpected(&self, f: &Frame) -> ClientError {
-        ClientError::Protocol { peer: self.peer.clone(), message: format!("unexpected {:?} frame", f.frame_type()) }
+        ClientError::Protocol {
+            peer: self.peer.clone(),
+            message: format!("unexpected {:?} frame", f.frame_type()),
+        }
     }
 
     async fn send(&mut self, f: &Frame) -> Result<(), ClientError> {
@@ -232,7 +235,12 @@ impl Connection {
     }
 
     /// Tells the prefill side `consumer` finished pulling lease `id`.
-    pub async fn notify(&mut self, id: &str, token: &[u8], consumer: &str) -> Result<v1::NotifyAck, ClientError> {
+    pub async fn notify(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        consumer: &str,
+    ) -> Result<v1::NotifyAck, ClientError> {
         let n = v1::Notify {
             remote_request_id: id.to_owned(),
             lease_token: token.to_vec(),
@@ -247,7 +255,10 @@ impl Connection {
     }
 
     /// Keeps leases alive while their pulls are slow; one outcome per lease.
-    pub async fn heartbeat(&mut self, leases: Vec<v1::LeaseRef>) -> Result<Vec<v1::LeaseOutcome>, ClientError> {
+    pub async fn heartbeat(
+        &mut self,
+        leases: Vec<v1::LeaseRef>,
+    ) -> Result<Vec<v1::LeaseOutcome>, ClientError> {
         let count = leases.len();
         self.send(&Frame::Heartbeat(v1::Heartbeat { leases })).await?;
         match self.recv().await? {
@@ -266,7 +277,9 @@ impl Connection {
         let c = v1::Cancel { remote_request_id: id.to_owned(), lease_token: token.to_vec() };
         self.send(&Frame::Cancel(c)).await?;
         match self.recv().await? {
-            Frame::CancelAck(a) => Ok(v1::LeaseOutcome::try_from(a.outcome).unwrap_or(v1::LeaseOutcome::Unspecified)),
+            Frame::CancelAck(a) => {
+                Ok(v1::LeaseOutcome::try_from(a.outcome).unwrap_or(v1::LeaseOutcome::Unspecified))
+            }
             Frame::Error(e) => Err(self.refused(e)),
             other => Err(self.unexpected(&other)),
         }
@@ -296,4 +309,3 @@ async fn read_exact_with_progress(
     }
     Ok(())
 }
-

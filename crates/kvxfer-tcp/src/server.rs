@@ -86,7 +86,11 @@ pub fn check_hello(hello: &v1::Hello, ours: &v1::HelloAck) -> Option<(ErrorCode,
             ErrorCode::VersionMismatch,
             format!(
                 "protocol version mismatch: peer {} ({}) speaks v{}, {} ({}) speaks v{}",
-                hello.agent_name, hello.engine_id, hello.protocol_version, ours.agent_name, ours.engine_id,
+                hello.agent_name,
+                hello.engine_id,
+                hello.protocol_version,
+                ours.agent_name,
+                ours.engine_id,
                 ours.protocol_version
             ),
         ));
@@ -97,7 +101,11 @@ pub fn check_hello(hello: &v1::Hello, ours: &v1::HelloAck) -> Option<(ErrorCode,
             format!(
                 "compatibility hash mismatch: peer {} ({}) has {:#018x}, {} ({}) has {:#018x} \
                  (block size, segments, dtype or tokens per block differ)",
-                hello.agent_name, hello.engine_id, hello.compat_hash, ours.agent_name, ours.engine_id,
+                hello.agent_name,
+                hello.engine_id,
+                hello.compat_hash,
+                ours.agent_name,
+                ours.engine_id,
                 ours.compat_hash
             ),
         ));
@@ -197,7 +205,9 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
                         remote_request_id = %n.remote_request_id, consumer = %n.consumer_id,
                         "duplicate notification; nothing changed"
                     ),
-                    _ => debug!(remote_request_id = %n.remote_request_id, consumer = %n.consumer_id, ?out, "notified"),
+                    _ => {
+                        debug!(remote_request_id = %n.remote_request_id, consumer = %n.consumer_id, ?out, "notified")
+                    }
                 }
                 Frame::NotifyAck(v1::NotifyAck { outcome: outcome as i32, remaining })
             }
@@ -257,7 +267,8 @@ async fn serve_read(
 ) -> Result<(), FrameError> {
     let ranges: Vec<BlockRange> =
         req.ranges.iter().map(|r| BlockRange { start: r.start, count: r.count }).collect();
-    let guard = match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now()) {
+    let guard = match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now())
+    {
         Ok(g) => g,
         Err(refused) => {
             bump(&ctx.counters.reads_refused);

@@ -155,7 +155,10 @@ pub struct PullHandle {
 
 impl std::fmt::Debug for PullHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PullHandle").field("parent", &self.parent).field("children", &self.count).finish_non_exhaustive()
+        f.debug_struct("PullHandle")
+            .field("parent", &self.parent)
+            .field("children", &self.count)
+            .finish_non_exhaustive()
     }
 }
 
@@ -201,7 +204,10 @@ impl DecodeAgent {
             agent_name: config.agent_name.clone(),
             compat_hash: layout.compat_hash(),
             layout: Some(layout.to_wire()),
-            transports: vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }],
+            transports: vec![v1::TransportOffer {
+                transport: v1::Transport::Tcp as i32,
+                connection_info: vec![],
+            }],
         };
         let inner = Arc::new(Inner {
             config,
@@ -228,7 +234,11 @@ impl DecodeAgent {
     /// length as the child's remote blocks). Refused before any I/O when the lists do not
     /// fit, the children span several engines, or a local block is already the
     /// destination of another pull.
-    pub fn submit(&self, result: PrefillResult, local_blocks: Vec<Vec<BlockId>>) -> Result<PullHandle, Error> {
+    pub fn submit(
+        &self,
+        result: PrefillResult,
+        local_blocks: Vec<Vec<BlockId>>,
+    ) -> Result<PullHandle, Error> {
         if local_blocks.len() != result.n() as usize {
             let (parent, n, given) = (result.parent_request_id().to_owned(), result.n(), local_blocks.len());
             return Err(SubmitError::LocalBlockLists { parent, n, given }.into());
@@ -240,7 +250,11 @@ impl DecodeAgent {
     /// Pulls only the children `(index, local blocks)` of a complete `result` — for parents
     /// whose children are spread over several decode workers. The other children are
     /// another worker's to pull or cancel; if nobody does, their leases expire (loudly).
-    pub fn submit_subset(&self, result: &PrefillResult, selection: Vec<(u32, Vec<BlockId>)>) -> Result<PullHandle, Error> {
+    pub fn submit_subset(
+        &self,
+        result: &PrefillResult,
+        selection: Vec<(u32, Vec<BlockId>)>,
+    ) -> Result<PullHandle, Error> {
         let parent = result.parent_request_id().to_owned();
         let n = result.n();
         let mut seen = HashSet::new();
@@ -303,7 +317,11 @@ impl DecodeAgent {
 
     /// Parses a wire prefill result (refusing incomplete ones, naming the missing children)
     /// and submits it.
-    pub fn submit_wire(&self, result: v1::PrefillResult, local_blocks: Vec<Vec<BlockId>>) -> Result<PullHandle, Error> {
+    pub fn submit_wire(
+        &self,
+        result: v1::PrefillResult,
+        local_blocks: Vec<Vec<BlockId>>,
+    ) -> Result<PullHandle, Error> {
         let result = PrefillResult::from_wire(result).map_err(SubmitError::from)?;
         self.submit(result, local_blocks)
     }
@@ -474,7 +492,9 @@ impl Pull {
                 } else {
                     format!("shared blocks were read for sibling {d}, which failed: {r}")
                 }),
-                ReadState::Cancelled => Some(format!("shared blocks were to be read for sibling {d}, which was cancelled")),
+                ReadState::Cancelled => {
+                    Some(format!("shared blocks were to be read for sibling {d}, which was cancelled"))
+                }
             });
             if let ReadState::Ok(b) = states[i] {
                 wire_bytes += b;
@@ -578,7 +598,8 @@ impl Pull {
         if runs.is_empty() {
             return ReadState::Ok(0);
         }
-        let has_dependents = self.plan.children.iter().enumerate().any(|(j, c)| j != i && c.depends_on.contains(&i));
+        let has_dependents =
+            self.plan.children.iter().enumerate().any(|(j, c)| j != i && c.depends_on.contains(&i));
         let mut cancel = self.cancel.clone();
         let index = self.children[i].child_index() as usize;
         let cancelled = async move {
@@ -630,7 +651,8 @@ impl Pull {
 
     async fn heartbeat_loop(&self, peer: Arc<Peer>) {
         let min_ttl = self.children.iter().map(|c| c.ttl()).min().unwrap_or(Duration::from_secs(30));
-        let every = self.inner.config.heartbeat_interval.unwrap_or(min_ttl / 6).max(Duration::from_millis(10));
+        let every =
+            self.inner.config.heartbeat_interval.unwrap_or(min_ttl / 6).max(Duration::from_millis(10));
         let leases: Vec<v1::LeaseRef> = self
             .children
             .iter()
@@ -661,7 +683,8 @@ impl Pull {
         let id = child.remote_request_id().to_owned();
         let token = child.token().as_bytes().to_vec();
         let consumer = self.inner.config.engine_id.clone();
-        let r = self.control(peer, async move |c: &mut Connection| c.notify(&id, &token, &consumer).await).await;
+        let r =
+            self.control(peer, async move |c: &mut Connection| c.notify(&id, &token, &consumer).await).await;
         let ok = match &r {
             Some(Ok(ack)) => matches!(
                 LeaseOutcome::try_from(ack.outcome),
@@ -681,7 +704,9 @@ impl Pull {
         let token = child.token().as_bytes().to_vec();
         let r = self.control(peer, async move |c: &mut Connection| c.cancel(&id, &token).await).await;
         match &r {
-            None => info!(remote_request_id = %child.remote_request_id(), "peer unreachable: lease left to expire"),
+            None => {
+                info!(remote_request_id = %child.remote_request_id(), "peer unreachable: lease left to expire")
+            }
             Some(r) => info!(remote_request_id = %child.remote_request_id(), result = ?r, "cancel sent"),
         }
         matches!(r, Some(Ok(LeaseOutcome::Released)))

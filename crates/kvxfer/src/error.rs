@@ -92,7 +92,9 @@ pub enum SubmitError {
         engines: Vec<String>,
     },
     /// Local blocks already being written by another pull.
-    #[error("prefill result for {parent}: local blocks {blocks:?} are destinations of a pull still under way")]
+    #[error(
+        "prefill result for {parent}: local blocks {blocks:?} are destinations of a pull still under way"
+    )]
     LocalBlocksBusy {
         /// The parent request id.
         parent: String,

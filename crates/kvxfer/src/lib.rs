@@ -10,6 +10,9 @@
 //! Both agents run their own small tokio runtime, so they can be embedded in any process
 //! (an inference server's Python threads included) through a blocking API.
 #![deny(unsafe_code)]
+// Errors are returned once per failed call, never on a per-block path; keeping them unboxed
+// lets callers match on the nested variants directly.
+#![allow(clippy::result_large_err)]
 // The data path's unsafe code lives in kvxfer-mem and kvxfer-tcp. This crate makes exactly
 // two unsafe calls, both in `decode.rs` (`Connection::read_into` and `KvMemory::copy_block`
 // into destination blocks the pull has claimed), each allowed at its site with a SAFETY note.

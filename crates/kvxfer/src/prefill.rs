@@ -60,7 +60,12 @@ impl PrefillAgent {
             .local_addr()
             .map_err(|source| Error::Io { what: "reading the listen address".into(), source })?;
         let host = config.advertise_host.clone().unwrap_or_else(|| addr.ip().to_string());
-        let engine = EngineInfo { engine_id: config.engine_id.clone(), host, port: addr.port(), tp_size: config.tp_size };
+        let engine = EngineInfo {
+            engine_id: config.engine_id.clone(),
+            host,
+            port: addr.port(),
+            tp_size: config.tp_size,
+        };
         let layout = memory.layout().clone();
         let mut lease_config = LeaseConfig::new(engine, layout.num_blocks());
         lease_config.default_ttl = config.lease_ttl;
@@ -78,7 +83,10 @@ impl PrefillAgent {
                 agent_name: config.agent_name.clone(),
                 compat_hash: layout.compat_hash(),
                 layout: Some(layout.to_wire()),
-                transports: vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }],
+                transports: vec![v1::TransportOffer {
+                    transport: v1::Transport::Tcp as i32,
+                    connection_info: vec![],
+                }],
             },
             limits: config.limits,
             counters: counters.clone(),

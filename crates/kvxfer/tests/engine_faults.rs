@@ -58,7 +58,11 @@ fn write_frame(s: &mut TcpStream, ty: v1::FrameType, body: &impl Message) {
 
 /// A scripted prefill peer: answers hellos as `engine` with `layout`, then on each read
 /// request sends the header and `fraction` of the payload and closes the connection.
-fn dying_prefill(layout: BlockLayout, engine: &'static str, fraction: f64) -> (u16, std::thread::JoinHandle<()>) {
+fn dying_prefill(
+    layout: BlockLayout,
+    engine: &'static str,
+    fraction: f64,
+) -> (u16, std::thread::JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = listener.local_addr().expect("addr").port();
     let t = std::thread::spawn(move || {
@@ -86,7 +90,11 @@ fn dying_prefill(layout: BlockLayout, engine: &'static str, fraction: f64) -> (u
                         let req = v1::ReadRequest::decode(&body[..]).expect("read request");
                         let blocks: u64 = req.ranges.iter().map(|r| u64::from(r.count)).sum();
                         let payload = blocks * layout.block_bytes();
-                        write_frame(&mut s, v1::FrameType::ReadResponse, &v1::ReadResponse { seq: req.seq, payload_len: payload });
+                        write_frame(
+                            &mut s,
+                            v1::FrameType::ReadResponse,
+                            &v1::ReadResponse { seq: req.seq, payload_len: payload },
+                        );
                         let _ = s.write_all(&vec![0xab; (payload as f64 * fraction) as usize]);
                         return; // dies mid-payload
                     }
@@ -105,7 +113,8 @@ fn prefill_dying_mid_payload_fails_children_with_their_invalid_blocks() {
     let decode = decode_with(AgentConfig::new("decode").io_timeout(Duration::from_secs(2)), layout);
     let result = fake_result(port, "dying-engine", &[vec![1, 2, 3, 4], vec![5, 6, 7, 8]]);
     let started = Instant::now();
-    let report = decode.submit(result, vec![vec![10, 11, 12, 13], vec![20, 21, 22, 23]]).expect("submit").wait();
+    let report =
+        decode.submit(result, vec![vec![10, 11, 12, 13], vec![20, 21, 22, 23]]).expect("submit").wait();
     assert!(started.elapsed() < Duration::from_secs(8), "bounded: {:?}", started.elapsed());
     for (c, local) in report.children.iter().zip([vec![10, 11, 12, 13], vec![20, 21, 22, 23]]) {
         match &c.outcome {
@@ -162,7 +171,9 @@ fn prefill_agent_dropped_mid_pull_ends_every_child_in_bounded_time_and_a_new_pre
     assert!(started.elapsed() < Duration::from_secs(10), "no hang: {:?}", started.elapsed());
     for (c, local) in report.children.iter().zip(&remote) {
         match &c.outcome {
-            ChildOutcome::Done { .. } => assert!(verify(&decode, local, local), "a child reported done must verify"),
+            ChildOutcome::Done { .. } => {
+                assert!(verify(&decode, local, local), "a child reported done must verify")
+            }
             ChildOutcome::Failed { invalid_local_blocks, .. } => assert_eq!(invalid_local_blocks, local),
             other => panic!("unexpected {other:?}"),
         }

@@ -23,8 +23,10 @@ fn pull_n(n: u32, seed: u64) {
     let mut local_pool: Vec<BlockId> = (0..n * bpc * 2).collect();
     shuffle(&mut remote_pool, seed);
     shuffle(&mut local_pool, seed.wrapping_mul(31));
-    let remote: Vec<Vec<BlockId>> = (0..n as usize).map(|i| remote_pool[i * bpc as usize..][..bpc as usize].to_vec()).collect();
-    let local: Vec<Vec<BlockId>> = (0..n as usize).map(|i| local_pool[i * bpc as usize..][..bpc as usize].to_vec()).collect();
+    let remote: Vec<Vec<BlockId>> =
+        (0..n as usize).map(|i| remote_pool[i * bpc as usize..][..bpc as usize].to_vec()).collect();
+    let local: Vec<Vec<BlockId>> =
+        (0..n as usize).map(|i| local_pool[i * bpc as usize..][..bpc as usize].to_vec()).collect();
 
     let mut order: Vec<u32> = (0..n).collect();
     shuffle(&mut order, seed ^ 0x55);
@@ -107,7 +109,10 @@ fn siblings_sharing_local_blocks_too() {
     assert!(report.all_done());
     assert_eq!(report.wire_bytes, 6 * BLOCK);
     assert!(verify(&decode, &[0, 1, 2, 7, 8, 9], &[4, 5, 6, 0, 1, 2]));
-    assert_eq!(wait_ends(&prefill, 3, Duration::from_secs(10)).iter().filter(|e| e.kind == EndKind::Pulled).count(), 3);
+    assert_eq!(
+        wait_ends(&prefill, 3, Duration::from_secs(10)).iter().filter(|e| e.kind == EndKind::Pulled).count(),
+        3
+    );
 }
 
 #[test]
@@ -123,18 +128,24 @@ fn cancelled_child_is_released_at_once_and_skipped_child_expires() {
     let handle = decode.submit_subset(&result, selection).expect("submit");
     handle.cancel_child(2);
     let report = handle.wait();
-    assert!(matches!(report.children[2].outcome, ChildOutcome::Cancelled { released: true, .. }), "{report:?}");
+    assert!(
+        matches!(report.children[2].outcome, ChildOutcome::Cancelled { released: true, .. }),
+        "{report:?}"
+    );
     if let ChildOutcome::Cancelled { invalid_local_blocks, .. } = &report.children[2].outcome {
         assert_eq!(invalid_local_blocks, &remote[2]);
     }
-    for i in 0..2 {
-        assert!(matches!(report.children[i].outcome, ChildOutcome::Done { acknowledged: true, .. }));
-        assert!(verify(&decode, &remote[i], &remote[i]));
+    for (child, blocks) in report.children.iter().zip(&remote).take(2) {
+        assert!(matches!(child.outcome, ChildOutcome::Done { acknowledged: true, .. }));
+        assert!(verify(&decode, blocks, blocks));
     }
     // Pulled and released arrive before the lease could have run out.
     let first = wait_ends(&prefill, 3, Duration::from_secs(5));
     assert!(started.elapsed() < ttl, "released at once, not at expiry");
-    assert_eq!(first.iter().map(|e| e.kind).collect::<Vec<_>>(), vec![EndKind::Pulled, EndKind::Pulled, EndKind::Released]);
+    assert_eq!(
+        first.iter().map(|e| e.kind).collect::<Vec<_>>(),
+        vec![EndKind::Pulled, EndKind::Pulled, EndKind::Released]
+    );
     let status = prefill.parent_status("C").expect("child 3 still pending");
     assert_eq!(status.pending(), vec![3]);
     // The never-pulled child expires, loudly, with 0 consumers; nothing else changes.
@@ -189,11 +200,28 @@ fn reads_of_bad_leases_tokens_and_blocks_get_specific_errors() {
         let tok = h.token().as_bytes();
         // SAFETY: `dest` is this test's own memory, untouched by anyone else.
         unsafe {
-            assert_eq!(code(c.read_into("X", tok, &run(1, 1), &dest).await.unwrap_err()), ErrorCode::UnknownLease);
-            assert_eq!(code(c.read_into("R", &[9; 16], &run(1, 1), &dest).await.unwrap_err()), ErrorCode::BadToken);
-            assert_eq!(code(c.read_into("E", ended.token().as_bytes(), &run(3, 1), &dest).await.unwrap_err()), ErrorCode::LeaseEnded);
-            assert_eq!(code(c.read_into("R", tok, &run(15, 2), &dest).await.unwrap_err()), ErrorCode::BlockOutOfRange);
-            assert_eq!(code(c.read_into("R", tok, &run(5, 1), &dest).await.unwrap_err()), ErrorCode::BlockOutOfRange);
+            assert_eq!(
+                code(c.read_into("X", tok, &run(1, 1), &dest).await.expect_err("refused")),
+                ErrorCode::UnknownLease
+            );
+            assert_eq!(
+                code(c.read_into("R", &[9; 16], &run(1, 1), &dest).await.expect_err("refused")),
+                ErrorCode::BadToken
+            );
+            assert_eq!(
+                code(
+                    c.read_into("E", ended.token().as_bytes(), &run(3, 1), &dest).await.expect_err("refused")
+                ),
+                ErrorCode::LeaseEnded
+            );
+            assert_eq!(
+                code(c.read_into("R", tok, &run(15, 2), &dest).await.expect_err("refused")),
+                ErrorCode::BlockOutOfRange
+            );
+            assert_eq!(
+                code(c.read_into("R", tok, &run(5, 1), &dest).await.expect_err("refused")),
+                ErrorCode::BlockOutOfRange
+            );
             // The connection survives refusals and still serves a good read.
             assert_eq!(c.read_into("R", tok, &run(1, 2), &dest).await.expect("read"), 2 * BLOCK);
         }
@@ -212,7 +240,9 @@ fn incomplete_prefill_result_is_refused_before_any_io() {
     wire.children.remove(1);
     let err = decode.submit_wire(wire, vec![vec![0], vec![2]]).expect_err("incomplete");
     match &err {
-        Error::Submit(SubmitError::Result(HandoffError::IncompleteResult { missing, .. })) => assert_eq!(missing, &vec![1]),
+        Error::Submit(SubmitError::Result(HandoffError::IncompleteResult { missing, .. })) => {
+            assert_eq!(missing, &vec![1])
+        }
         other => panic!("wrong error: {other}"),
     }
     assert!(err.to_string().contains("missing children [1]"), "{err}");
@@ -249,7 +279,11 @@ fn mismatch_pull(decode_config: AgentConfig, decode_layout: BlockLayout, needles
 fn protocol_version_mismatch_fails_on_both_sides_naming_both_versions() {
     let mut config = AgentConfig::new("decode-v2");
     config.protocol_version = 2;
-    mismatch_pull(config, BlockLayout::single(16, BLOCK).expect("layout"), &["v2", "v1", "decode-v2", "prefill"]);
+    mismatch_pull(
+        config,
+        BlockLayout::single(16, BLOCK).expect("layout"),
+        &["v2", "v1", "decode-v2", "prefill"],
+    );
 }
 
 #[test]
@@ -279,8 +313,12 @@ fn expected_consumers_two_frees_only_after_both_decode_agents_notified() {
 fn multi_segment_layouts_with_strides_round_trip() {
     // Two layers, K and V each: four segments, one of them strided on the decode side only.
     let seg = |len, stride| Segment { block_len: len, stride };
-    let p_layout = BlockLayout::new(32, vec![seg(256, 256), seg(256, 256), seg(512, 512), seg(128, 128)], "bf16", 16).expect("layout");
-    let d_layout = BlockLayout::new(40, vec![seg(256, 256), seg(256, 1024), seg(512, 512), seg(128, 4096)], "bf16", 16).expect("layout");
+    let p_layout =
+        BlockLayout::new(32, vec![seg(256, 256), seg(256, 256), seg(512, 512), seg(128, 128)], "bf16", 16)
+            .expect("layout");
+    let d_layout =
+        BlockLayout::new(40, vec![seg(256, 256), seg(256, 1024), seg(512, 512), seg(128, 4096)], "bf16", 16)
+            .expect("layout");
     let prefill = prefill_with(AgentConfig::new("prefill"), p_layout);
     let decode = decode_with(AgentConfig::new("decode"), d_layout);
     let remote = vec![vec![0, 1, 2, 3, 20, 21], vec![4, 5, 30, 31, 6, 7]];
@@ -288,12 +326,16 @@ fn multi_segment_layouts_with_strides_round_trip() {
     let result = prefill.lease_parent("L", remote.clone(), 1, None).expect("lease");
     let report = decode.submit(result, local.clone()).expect("submit").wait();
     assert!(report.all_done(), "{report:?}");
-    for i in 0..2 {
-        assert!(verify(&decode, &remote[i], &local[i]), "child {i}");
+    for (i, (r, l)) in remote.iter().zip(&local).enumerate() {
+        assert!(verify(&decode, r, l), "child {i}");
     }
 }
 
-async fn raw_connection(addr: &str, layout: &BlockLayout, version: u32) -> Result<kvxfer_tcp::Connection, kvxfer_tcp::ClientError> {
+async fn raw_connection(
+    addr: &str,
+    layout: &BlockLayout,
+    version: u32,
+) -> Result<kvxfer_tcp::Connection, kvxfer_tcp::ClientError> {
     let hello = kvxfer_proto::v1::Hello {
         protocol_version: version,
         engine_id: "raw".into(),

@@ -11,7 +11,9 @@ pub const BLOCK: u64 = 4096;
 
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .with_test_writer()
         .try_init();
 }
@@ -39,8 +41,7 @@ pub fn decode(blocks: u32) -> DecodeAgent {
 
 pub fn decode_with(config: AgentConfig, layout: BlockLayout) -> DecodeAgent {
     init_tracing();
-    DecodeAgent::start(config, KvMemory::alloc(layout).expect("alloc"))
-        .expect("decode agent")
+    DecodeAgent::start(config, KvMemory::alloc(layout).expect("alloc")).expect("decode agent")
 }
 
 /// Whether local blocks hold the bytes of the remote blocks they were pulled from.

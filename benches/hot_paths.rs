@@ -1,0 +1,56 @@
+//! The other hot pure parts: transfer-plan coalescing and the frame codec.
+#![allow(missing_docs)]
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvxfer_core::plan::{coalesce, ResultPlan};
+use kvxfer_proto::v1;
+use kvxfer_tcp::frame::{decode_all, Frame};
+
+fn plans(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan");
+    // 1024 blocks per child, contiguous in runs of 16 on both sides.
+    let remote: Vec<u32> = (0..1024u32).map(|i| (i / 16) * 32 + i % 16).collect();
+    let local: Vec<u32> = (0..1024u32).map(|i| (i / 16) * 40 + i % 16).collect();
+    g.throughput(Throughput::Elements(1024));
+    g.bench_function("coalesce_1024_blocks", |b| {
+        b.iter(|| black_box(coalesce(black_box(&remote), black_box(&local), 1 << 20, 1 << 20)))
+    });
+    let shared: Vec<u32> = (0..1024).collect();
+    let locals: Vec<Vec<u32>> = (0..8u32).map(|c| (c * 1024..(c + 1) * 1024).collect()).collect();
+    let children: Vec<(&[u32], &[u32])> = locals.iter().map(|l| (shared.as_slice(), l.as_slice())).collect();
+    g.throughput(Throughput::Elements(8 * 1024));
+    g.bench_function("result_plan_8_children_shared_prompt", |b| {
+        b.iter(|| black_box(ResultPlan::build(black_box(&children), 1 << 20, 1 << 20)))
+    });
+    g.finish();
+}
+
+fn frames(c: &mut Criterion) {
+    let mut g = c.benchmark_group("frame");
+    let req = Frame::ReadRequest(v1::ReadRequest {
+        seq: 42,
+        remote_request_id: "3_cmpl-b9d6c33a-482061a8-551f-4964-925d-fc0925e9261b-0".into(),
+        lease_token: vec![7; 16],
+        ranges: (0..64).map(|i| v1::BlockRange { start: i * 32, count: 16 }).collect(),
+    });
+    let mut buf = Vec::new();
+    g.bench_function("encode_read_request_64_ranges", |b| {
+        b.iter(|| {
+            buf.clear();
+            black_box(&req).encode(&mut buf);
+            black_box(buf.len())
+        })
+    });
+    let mut encoded = Vec::new();
+    req.encode(&mut encoded);
+    g.throughput(Throughput::Bytes(encoded.len() as u64));
+    g.bench_function("decode_read_request_64_ranges", |b| {
+        b.iter(|| black_box(decode_all(black_box(&encoded), 1 << 20)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, plans, frames);
+criterion_main!(benches);
