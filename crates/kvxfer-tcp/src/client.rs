@@ -234,6 +234,36 @@ impl Connection {
         Ok(expected)
     }
 
+    /// Pins `runs` of lease `id` for a one-sided read (UCX, RDMA): the prefill side holds a
+    /// read guard until [`Self::unpin`] or until this connection closes. Returns the pin's
+    /// sequence number.
+    pub async fn pin(&mut self, id: &str, token: &[u8], runs: &[BlockRun]) -> Result<u64, ClientError> {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let req = v1::ReadRequest {
+            seq,
+            remote_request_id: id.to_owned(),
+            lease_token: token.to_vec(),
+            ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
+        };
+        self.send(&Frame::Pin(req)).await?;
+        match self.recv().await? {
+            Frame::PinAck(a) if a.seq == seq => Ok(seq),
+            Frame::Error(e) if e.seq == seq => Err(self.refused(e)),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Ends pin `seq`; `completed` says whether the one-sided read succeeded.
+    pub async fn unpin(&mut self, seq: u64, completed: bool) -> Result<(), ClientError> {
+        self.send(&Frame::Unpin(v1::Unpin { seq, completed })).await?;
+        match self.recv().await? {
+            Frame::UnpinAck(a) if a.seq == seq => Ok(()),
+            Frame::Error(e) => Err(self.refused(e)),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
     /// Tells the prefill side `consumer` finished pulling lease `id`.
     pub async fn notify(
         &mut self,

@@ -24,6 +24,10 @@ pub enum Frame {
     Cancel(v1::Cancel),
     CancelAck(v1::CancelAck),
     Error(v1::Error),
+    Pin(v1::ReadRequest),
+    PinAck(v1::PinAck),
+    Unpin(v1::Unpin),
+    UnpinAck(v1::UnpinAck),
 }
 
 /// Why a frame could not be read.
@@ -78,6 +82,10 @@ impl Frame {
             Frame::Cancel(_) => FrameType::Cancel,
             Frame::CancelAck(_) => FrameType::CancelAck,
             Frame::Error(_) => FrameType::Error,
+            Frame::Pin(_) => FrameType::Pin,
+            Frame::PinAck(_) => FrameType::PinAck,
+            Frame::Unpin(_) => FrameType::Unpin,
+            Frame::UnpinAck(_) => FrameType::UnpinAck,
         }
     }
 
@@ -94,6 +102,10 @@ impl Frame {
             Frame::Cancel(m) => m,
             Frame::CancelAck(m) => m,
             Frame::Error(m) => m,
+            Frame::Pin(m) => m,
+            Frame::PinAck(m) => m,
+            Frame::Unpin(m) => m,
+            Frame::UnpinAck(m) => m,
         }
     }
 
@@ -124,6 +136,10 @@ impl Frame {
             FrameType::Cancel => Frame::Cancel(v1::Cancel::decode(body).map_err(m)?),
             FrameType::CancelAck => Frame::CancelAck(v1::CancelAck::decode(body).map_err(m)?),
             FrameType::Error => Frame::Error(v1::Error::decode(body).map_err(m)?),
+            FrameType::Pin => Frame::Pin(v1::ReadRequest::decode(body).map_err(m)?),
+            FrameType::PinAck => Frame::PinAck(v1::PinAck::decode(body).map_err(m)?),
+            FrameType::Unpin => Frame::Unpin(v1::Unpin::decode(body).map_err(m)?),
+            FrameType::UnpinAck => Frame::UnpinAck(v1::UnpinAck::decode(body).map_err(m)?),
         })
     }
 

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvxfer_core::plan::BlockRange;
-use kvxfer_core::{CancelOutcome, HeartbeatOutcome, LeaseTable, NotifyOutcome, ReadRefused};
+use std::collections::HashMap;
+
+use kvxfer_core::{CancelOutcome, HeartbeatOutcome, LeaseTable, NotifyOutcome, ReadGuard, ReadRefused};
 use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
 use tokio::io::AsyncWriteExt;
@@ -31,6 +33,8 @@ pub struct ServerCounters {
     pub handshakes_refused: AtomicU64,
     /// Connections closed for a protocol violation (oversized, unknown or malformed frame).
     pub protocol_errors: AtomicU64,
+    /// Ranges pinned for one-sided reads (UCX, RDMA).
+    pub pins: AtomicU64,
 }
 
 /// A snapshot of [`ServerCounters`].
@@ -43,6 +47,7 @@ pub struct ServerStats {
     pub connections: u64,
     pub handshakes_refused: u64,
     pub protocol_errors: u64,
+    pub pins: u64,
 }
 
 impl ServerCounters {
@@ -56,6 +61,7 @@ impl ServerCounters {
             connections: l(&self.connections),
             handshakes_refused: l(&self.handshakes_refused),
             protocol_errors: l(&self.protocol_errors),
+            pins: l(&self.pins),
         }
     }
 }
@@ -171,6 +177,8 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
         Err(e) => return protocol_error(stream, ctx, e).await,
     }
 
+    // Read guards of one-sided reads, by pin sequence number; dropped with the connection.
+    let mut pins: HashMap<u64, (ReadGuard, u64)> = HashMap::new();
     loop {
         let f = match frame::read_frame(stream, max, &mut buf).await {
             Ok(f) => f,
@@ -182,6 +190,32 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
             Frame::ReadRequest(req) => {
                 serve_read(stream, ctx, req, &mut scratch).await?;
                 continue;
+            }
+            Frame::Pin(req) => {
+                if pins.len() >= MAX_PINS_PER_CONNECTION || pins.contains_key(&req.seq) {
+                    let msg = format!("pin {} refused: {} pins open on this connection", req.seq, pins.len());
+                    Frame::error(ErrorCode::LimitExceeded, msg, req.seq)
+                } else {
+                    match begin(ctx, &req) {
+                        Ok((guard, bytes)) => {
+                            bump(&ctx.counters.pins);
+                            debug!(remote_request_id = %req.remote_request_id, seq = req.seq, bytes, "pinned");
+                            pins.insert(req.seq, (guard, bytes));
+                            Frame::PinAck(v1::PinAck { seq: req.seq })
+                        }
+                        Err(f) => f,
+                    }
+                }
+            }
+            Frame::Unpin(u) => {
+                if let Some((guard, bytes)) = pins.remove(&u.seq) {
+                    if u.completed {
+                        ctx.counters.bytes_served.fetch_add(bytes, Ordering::Relaxed);
+                        bump(&ctx.counters.reads_served);
+                    }
+                    debug!(remote_request_id = %guard.request_id(), seq = u.seq, completed = u.completed, "unpinned");
+                }
+                Frame::UnpinAck(v1::UnpinAck { seq: u.seq })
             }
             Frame::Notify(n) => {
                 let out = ctx.table.notify(&n.remote_request_id, &n.lease_token, &n.consumer_id, now);
@@ -259,27 +293,45 @@ async fn protocol_error(stream: &mut TcpStream, ctx: &ServeContext, e: FrameErro
     refuse(stream, code, e.to_string(), 0).await
 }
 
+/// Most pins one connection may hold at once.
+pub const MAX_PINS_PER_CONNECTION: usize = 256;
+
+fn ranges_of(req: &v1::ReadRequest) -> Vec<BlockRange> {
+    req.ranges.iter().map(|r| BlockRange { start: r.start, count: r.count }).collect()
+}
+
+/// Takes a read guard for a read or pin request: the guard and the payload bytes, or the
+/// error frame to answer with.
+fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), Frame> {
+    let ranges = ranges_of(req);
+    match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now()) {
+        Ok(g) => {
+            let bytes = ranges.iter().map(|r| u64::from(r.count) * ctx.memory.layout().block_bytes()).sum();
+            Ok((g, bytes))
+        }
+        Err(refused) => {
+            bump(&ctx.counters.reads_refused);
+            warn!(remote_request_id = %req.remote_request_id, "read refused: {refused}");
+            Err(Frame::error(refusal_code(&refused), refused.to_string(), req.seq))
+        }
+    }
+}
+
 async fn serve_read(
     stream: &mut TcpStream,
     ctx: &ServeContext,
     req: v1::ReadRequest,
     scratch: &mut Vec<u8>,
 ) -> Result<(), FrameError> {
-    let ranges: Vec<BlockRange> =
-        req.ranges.iter().map(|r| BlockRange { start: r.start, count: r.count }).collect();
-    let guard = match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now())
-    {
+    let (guard, payload_len) = match begin(ctx, &req) {
         Ok(g) => g,
-        Err(refused) => {
-            bump(&ctx.counters.reads_refused);
-            warn!(remote_request_id = %req.remote_request_id, "read refused: {refused}");
-            let f = Frame::error(refusal_code(&refused), refused.to_string(), req.seq);
+        Err(f) => {
             frame::write_frame(stream, &f, scratch).await?;
             return Ok(());
         }
     };
+    let ranges = ranges_of(&req);
     let mem = &ctx.memory;
-    let payload_len: u64 = ranges.iter().map(|r| u64::from(r.count) * mem.layout().block_bytes()).sum();
     scratch.clear();
     Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
     let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(1 + ranges.len() * mem.layout().segments().len());

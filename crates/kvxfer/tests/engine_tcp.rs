@@ -47,9 +47,10 @@ fn pull_n(n: u32, seed: u64) {
     for e in &ends {
         assert_eq!(&*e.blocks, &remote[e.child_index as usize][..]);
     }
+    let bytes = u64::from(n * bpc) * BLOCK;
+    eventually("served bytes counted", || prefill.stats().server.bytes_served == bytes);
     let p = prefill.stats();
     let d = decode.stats();
-    let bytes = u64::from(n * bpc) * BLOCK;
     assert_eq!((p.leases.leased, p.leases.pulled, p.leases.live), (u64::from(n), u64::from(n), 0));
     assert_eq!(p.leases.leased, p.leases.pulled + p.leases.released + p.leases.expired + p.leases.live);
     assert_eq!((p.leases.unrecognized, p.leases.bad_token), (0, 0));
@@ -92,7 +93,7 @@ fn siblings_sharing_prompt_blocks_cross_the_wire_once() {
     }
     let ends = wait_ends(&prefill, 4, Duration::from_secs(10));
     assert!(ends.iter().all(|e| e.kind == EndKind::Pulled));
-    assert_eq!(prefill.stats().server.bytes_served, one_child);
+    eventually("served bytes counted", || prefill.stats().server.bytes_served == one_child);
     assert_eq!(decode.stats().bytes_pulled, one_child);
 }
 
@@ -226,6 +227,7 @@ fn reads_of_bad_leases_tokens_and_blocks_get_specific_errors() {
             assert_eq!(c.read_into("R", tok, &run(1, 2), &dest).await.expect("read"), 2 * BLOCK);
         }
     });
+    eventually("the served read is counted", || prefill.stats().server.reads_served == 1);
     let s = prefill.stats();
     assert_eq!((s.server.reads_refused, s.server.reads_served), (5, 1));
     assert_eq!(s.leases.live, 1, "refused reads change no lease");

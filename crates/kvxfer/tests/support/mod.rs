@@ -83,3 +83,12 @@ pub fn shuffle<T>(v: &mut [T], seed: u64) {
         v.swap(i, (x % (i as u64 + 1)) as usize);
     }
 }
+
+/// Waits up to 5 s for `cond` (counters updated by another thread after a reply was sent).
+pub fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}

@@ -1,0 +1,262 @@
+//! kvxfer's zero-copy UCX data path.
+//!
+//! A [`UcxTarget`] (prefill side) maps the KV-cache regions the worker already owns with
+//! `ucp_mem_map`, packs an rkey per region and publishes them with its worker address
+//! ([`TargetInfo`], carried in the handshake). A [`UcxInitiator`] (decode side) maps its own
+//! regions, creates an endpoint per peer from that address, unpacks the rkeys, and reads
+//! with `ucp_get_nbx` straight into its registered blocks.
+//!
+//! UCX workers are single-threaded here (`UCS_THREAD_MODE_SINGLE`): every UCX object of a
+//! target or initiator lives on one thread that owns it, progresses the worker, and sleeps on
+//! the worker's event fd (`ucp_worker_arm` + `poll`) when idle; other threads talk to it
+//! through a channel and wake it with `ucp_worker_signal`. Objects are released in a fixed
+//! order on that thread: rkeys, endpoints, memory maps, worker, context — so no rkey
+//! outlives its endpoint, no endpoint its worker, and no mapped region its completions.
+
+mod raw;
+
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+
+pub use raw::UcxError;
+
+/// UCX settings of an agent.
+#[derive(Debug, Clone)]
+pub struct UcxConfig {
+    /// UCX transports to use (`UCX_TLS`, e.g. `"tcp"` or `"posix,cma,self"`); `None`: UCX's
+    /// default (or the `UCX_TLS` environment variable).
+    pub tls: Option<String>,
+    /// Ask UCX to report a dead peer as an error on its endpoint
+    /// (`UCP_ERR_HANDLING_MODE_PEER`). UCX 1.13's shared-memory transports (posix, sysv,
+    /// cma) cannot do that, so with it on, reads between processes on one host go over tcp;
+    /// with it off they use shared memory / CMA, and a dead peer surfaces as failed reads.
+    pub peer_failure_handling: bool,
+}
+
+impl Default for UcxConfig {
+    fn default() -> Self {
+        UcxConfig { tls: None, peer_failure_handling: true }
+    }
+}
+
+/// One registered region of a target, as the initiator needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// Start address in the target's address space.
+    pub base: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The packed rkey.
+    pub rkey: Vec<u8>,
+}
+
+/// What an initiator needs to read a target's regions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetInfo {
+    /// The target worker's address.
+    pub worker_address: Vec<u8>,
+    /// One entry per registered region.
+    pub regions: Vec<RegionInfo>,
+}
+
+/// A span of memory to register: start address and length.
+#[derive(Debug, Clone, Copy)]
+pub struct Span {
+    /// Start address.
+    pub ptr: *mut u8,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+// SAFETY: a Span is an address and a length handed to the UCX thread; the memory contract
+// is on `UcxTarget::start` / `UcxInitiator::start`.
+unsafe impl Send for Span {}
+
+/// One contiguous read: `len` bytes from `remote_offset` in the peer's region
+/// `remote_region` into local address `local`.
+#[derive(Debug, Clone, Copy)]
+pub struct GetPiece {
+    /// Destination address in a region this initiator registered.
+    pub local: *mut u8,
+    /// Index of the peer's region.
+    pub remote_region: usize,
+    /// Offset in that region.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: usize,
+}
+
+// SAFETY: as for Span: the destination contract is on `UcxInitiator::get`.
+unsafe impl Send for GetPiece {}
+
+/// A completion callback, run on the UCX thread.
+pub type Done<T> = Box<dyn FnOnce(Result<T, UcxError>) + Send>;
+
+/// The prefill side: registered regions served to UCX initiators.
+pub struct UcxTarget {
+    info: TargetInfo,
+    stop: Arc<AtomicBool>,
+    signal: raw::Signal,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for UcxTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxTarget").field("regions", &self.info.regions.len()).finish_non_exhaustive()
+    }
+}
+
+impl UcxTarget {
+    /// Maps `regions` and starts the progress thread.
+    ///
+    /// # Safety
+    /// Each span is valid for reads (by remote peers, at any time) until this target is
+    /// dropped; `keep_alive` owns or pins that memory and is dropped only after the regions
+    /// are unmapped.
+    pub unsafe fn start(
+        config: &UcxConfig,
+        regions: Vec<Span>,
+        keep_alive: Arc<dyn Any + Send + Sync>,
+    ) -> Result<Self, UcxError> {
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+        let stop = Arc::new(AtomicBool::new(false));
+        let config = config.clone();
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("kvxfer-ucx-target".into())
+                .spawn(move || raw::run_target(&config, regions, keep_alive, &stop, ready_tx))
+                .map_err(|e| UcxError::thread(&e))?
+        };
+        match ready_rx.recv() {
+            Ok(Ok((info, signal))) => Ok(UcxTarget { info, stop, signal, thread: Some(thread) }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err(UcxError::thread_died())
+            }
+        }
+    }
+
+    /// What initiators need: worker address and per-region rkeys.
+    pub fn info(&self) -> &TargetInfo {
+        &self.info
+    }
+}
+
+impl Drop for UcxTarget {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.signal.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+enum Command {
+    Connect { peer: String, info: TargetInfo, done: Done<()> },
+    Get { peer: String, pieces: Vec<GetPiece>, done: Done<u64> },
+    Disconnect { peer: String },
+}
+
+/// The decode side: reads peers' regions into its own registered regions.
+pub struct UcxInitiator {
+    commands: Sender<Command>,
+    stop: Arc<AtomicBool>,
+    signal: raw::Signal,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for UcxInitiator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxInitiator").finish_non_exhaustive()
+    }
+}
+
+impl UcxInitiator {
+    /// Maps the local `regions` (destinations of reads) and starts the UCX thread.
+    ///
+    /// # Safety
+    /// Each span is valid for writes until this initiator is dropped; `keep_alive` owns or
+    /// pins that memory and is dropped only after the regions are unmapped.
+    pub unsafe fn start(
+        config: &UcxConfig,
+        regions: Vec<Span>,
+        keep_alive: Arc<dyn Any + Send + Sync>,
+    ) -> Result<Self, UcxError> {
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+        let (commands, command_rx): (Sender<Command>, Receiver<Command>) = crossbeam_channel::unbounded();
+        let stop = Arc::new(AtomicBool::new(false));
+        let config = config.clone();
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("kvxfer-ucx-initiator".into())
+                .spawn(move || raw::run_initiator(&config, regions, keep_alive, &stop, &command_rx, ready_tx))
+                .map_err(|e| UcxError::thread(&e))?
+        };
+        match ready_rx.recv() {
+            Ok(Ok(signal)) => Ok(UcxInitiator { commands, stop, signal, thread: Some(thread) }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err(UcxError::thread_died())
+            }
+        }
+    }
+
+    fn send(&self, c: Command) -> Result<(), Command> {
+        self.commands.send(c).map_err(|e| e.0)?;
+        self.signal.wake();
+        Ok(())
+    }
+
+    /// Creates (or replaces) the endpoint to `peer` and unpacks its rkeys; `done` runs when
+    /// finished.
+    pub fn connect(&self, peer: &str, info: TargetInfo, done: Done<()>) {
+        if let Err(Command::Connect { done, .. }) =
+            self.send(Command::Connect { peer: peer.to_owned(), info, done })
+        {
+            done(Err(UcxError::thread_died()));
+        }
+    }
+
+    /// Reads every piece from `peer`; `done` gets the bytes read, or the first error.
+    ///
+    /// # Safety
+    /// Every `piece.local .. piece.local + piece.len` lies inside a region registered with
+    /// [`UcxInitiator::start`], and nobody else reads or writes it until `done` runs.
+    pub unsafe fn get(&self, peer: &str, pieces: Vec<GetPiece>, done: Done<u64>) {
+        if let Err(Command::Get { done, .. }) =
+            self.send(Command::Get { peer: peer.to_owned(), pieces, done })
+        {
+            done(Err(UcxError::thread_died()));
+        }
+    }
+
+    /// Closes the endpoint to `peer` (after a failure, or when the peer restarted).
+    pub fn disconnect(&self, peer: &str) {
+        let _ = self.send(Command::Disconnect { peer: peer.to_owned() });
+    }
+}
+
+impl Drop for UcxInitiator {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.signal.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
