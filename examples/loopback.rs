@@ -11,7 +11,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent};
+use kvxfer::{
+    AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent,
+    TransportChoice,
+};
 use kvxfer_mem::pattern;
 
 #[derive(Parser, Debug)]
@@ -26,9 +29,15 @@ struct Args {
     /// Bytes per block.
     #[arg(long, default_value_t = 65536)]
     block_bytes: u64,
-    /// Data path.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp"])]
-    transport: String,
+    /// Data path: tcp, ucx (needs `--features ucx`) or auto.
+    #[arg(long, default_value = "tcp")]
+    transport: TransportChoice,
+    /// UCX transports (UCX_TLS), e.g. "tcp" or "posix,cma,self".
+    #[arg(long)]
+    ucx_tls: Option<String>,
+    /// Ask UCX for peer-failure reporting (UCX 1.13 then avoids shared-memory transports).
+    #[arg(long)]
+    ucx_peer_failure: bool,
     /// Children lease the same prompt blocks (prefix caching): they cross the wire once.
     #[arg(long)]
     shared_prompt: bool,
@@ -87,10 +96,22 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     unsafe { pattern::fill_blocks(&prefill_mem, 0..remote_blocks)? };
 
     let ttl = Duration::from_millis(args.lease_ms);
-    let prefill =
-        PrefillAgent::start(AgentConfig::new("prefill").lease_ttl(ttl), "127.0.0.1:0", prefill_mem)?;
-    let decode =
-        DecodeAgent::start(AgentConfig::new("decode").connections_per_peer(args.connections), decode_mem)?;
+    let config = |name: &str| {
+        #[allow(unused_mut)]
+        let mut c = AgentConfig::new(name).transport(args.transport);
+        #[cfg(feature = "ucx")]
+        {
+            c.ucx.tls = args.ucx_tls.clone();
+            c.ucx.peer_failure_handling = args.ucx_peer_failure;
+        }
+        c
+    };
+    #[cfg(not(feature = "ucx"))]
+    if args.ucx_tls.is_some() || args.ucx_peer_failure {
+        return Err("--ucx-tls and --ucx-peer-failure need a build with --features ucx".into());
+    }
+    let prefill = PrefillAgent::start(config("prefill").lease_ttl(ttl), "127.0.0.1:0", prefill_mem)?;
+    let decode = DecodeAgent::start(config("decode").connections_per_peer(args.connections), decode_mem)?;
 
     let remote: Vec<Vec<BlockId>> = (0..n)
         .map(|i| {
@@ -166,7 +187,7 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let bytes = report.delivered_bytes;
     let gib_per_s = bytes as f64 / (1u64 << 30) as f64 / report.elapsed.as_secs_f64().max(1e-9);
     println!(
-        "kvxfer loopback over {}: parent {} with n={} ({} blocks of {} B per child{})",
+        "kvxfer loopback over {:?}: parent {} with n={} ({} blocks of {} B per child{})",
         args.transport,
         report.parent_request_id,
         n,
@@ -194,7 +215,7 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     );
     if args.json {
         let j = serde_json::json!({
-            "transport": args.transport,
+            "transport": format!("{:?}", args.transport).to_lowercase(),
             "children": n,
             "pulled": pulled,
             "released": released,

@@ -2,13 +2,13 @@
 # Runs every kvxfer test on a fresh Debian machine that has a Rust toolchain (run as root,
 # or with sudo available, when system packages are missing).
 #
-# What it needs beyond the toolchain is installed first: today nothing, since the wire
-# protocol is compiled by protox (pure Rust, no protoc) and the TCP path has no C
-# dependencies. System packages for later data paths are listed in SYSTEM_PACKAGES.
+# What it needs beyond the toolchain is installed first: the UCX development files (the
+# `ucx` feature: ucx-sys runs bindgen, which needs libclang, against the UCX that
+# pkg-config finds). The wire protocol needs nothing: protox compiles it in pure Rust.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SYSTEM_PACKAGES=()
+SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev)
 missing=()
 for p in "${SYSTEM_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,10 +23,13 @@ fi
 
 echo "== format and lints"
 cargo fmt --all --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+# The default build (no system libraries) must stay clean too.
+cargo clippy -p kvxfer --all-targets --locked -- -D warnings
 
-echo "== tests"
-cargo test --workspace --locked
+echo "== tests (every crate, with the UCX data path)"
+cargo test --workspace --all-features --locked
 
 echo "== loopback smoke run (pulled, released and expired children; exits non-zero on any mismatch)"
 cargo run --locked --example loopback -- --n 3 --cancel-child 1 --skip-child 2 --lease-ms 500 --json
+cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json

@@ -35,6 +35,8 @@ pub struct ServerCounters {
     pub protocol_errors: AtomicU64,
     /// Ranges pinned for one-sided reads (UCX, RDMA).
     pub pins: AtomicU64,
+    /// Pins not yet released (by unpin or by their connection closing).
+    pub pins_open: AtomicU64,
 }
 
 /// A snapshot of [`ServerCounters`].
@@ -48,6 +50,7 @@ pub struct ServerStats {
     pub handshakes_refused: u64,
     pub protocol_errors: u64,
     pub pins: u64,
+    pub pins_open: u64,
 }
 
 impl ServerCounters {
@@ -62,6 +65,7 @@ impl ServerCounters {
             handshakes_refused: l(&self.handshakes_refused),
             protocol_errors: l(&self.protocol_errors),
             pins: l(&self.pins),
+            pins_open: l(&self.pins_open),
         }
     }
 }
@@ -178,7 +182,7 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
     }
 
     // Read guards of one-sided reads, by pin sequence number; dropped with the connection.
-    let mut pins: HashMap<u64, (ReadGuard, u64)> = HashMap::new();
+    let mut pins: HashMap<u64, Pinned> = HashMap::new();
     loop {
         let f = match frame::read_frame(stream, max, &mut buf).await {
             Ok(f) => f,
@@ -199,21 +203,22 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
                     match begin(ctx, &req) {
                         Ok((guard, bytes)) => {
                             bump(&ctx.counters.pins);
+                            bump(&ctx.counters.pins_open);
                             debug!(remote_request_id = %req.remote_request_id, seq = req.seq, bytes, "pinned");
-                            pins.insert(req.seq, (guard, bytes));
+                            pins.insert(req.seq, Pinned { guard, bytes, counters: ctx.counters.clone() });
                             Frame::PinAck(v1::PinAck { seq: req.seq })
                         }
-                        Err(f) => f,
+                        Err(e) => Frame::Error(e),
                     }
                 }
             }
             Frame::Unpin(u) => {
-                if let Some((guard, bytes)) = pins.remove(&u.seq) {
+                if let Some(pin) = pins.remove(&u.seq) {
                     if u.completed {
-                        ctx.counters.bytes_served.fetch_add(bytes, Ordering::Relaxed);
+                        ctx.counters.bytes_served.fetch_add(pin.bytes, Ordering::Relaxed);
                         bump(&ctx.counters.reads_served);
                     }
-                    debug!(remote_request_id = %guard.request_id(), seq = u.seq, completed = u.completed, "unpinned");
+                    debug!(remote_request_id = %pin.guard.request_id(), seq = u.seq, completed = u.completed, "unpinned");
                 }
                 Frame::UnpinAck(v1::UnpinAck { seq: u.seq })
             }
@@ -293,6 +298,19 @@ async fn protocol_error(stream: &mut TcpStream, ctx: &ServeContext, e: FrameErro
     refuse(stream, code, e.to_string(), 0).await
 }
 
+/// A pinned range: its read guard, its payload bytes, and the open-pin gauge it holds.
+struct Pinned {
+    guard: ReadGuard,
+    bytes: u64,
+    counters: Arc<ServerCounters>,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.counters.pins_open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Most pins one connection may hold at once.
 pub const MAX_PINS_PER_CONNECTION: usize = 256;
 
@@ -301,8 +319,8 @@ fn ranges_of(req: &v1::ReadRequest) -> Vec<BlockRange> {
 }
 
 /// Takes a read guard for a read or pin request: the guard and the payload bytes, or the
-/// error frame to answer with.
-fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), Frame> {
+/// error to answer with.
+fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), v1::Error> {
     let ranges = ranges_of(req);
     match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now()) {
         Ok(g) => {
@@ -312,7 +330,7 @@ fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), 
         Err(refused) => {
             bump(&ctx.counters.reads_refused);
             warn!(remote_request_id = %req.remote_request_id, "read refused: {refused}");
-            Err(Frame::error(refusal_code(&refused), refused.to_string(), req.seq))
+            Err(v1::Error { code: refusal_code(&refused) as i32, message: refused.to_string(), seq: req.seq })
         }
     }
 }
@@ -325,8 +343,8 @@ async fn serve_read(
 ) -> Result<(), FrameError> {
     let (guard, payload_len) = match begin(ctx, &req) {
         Ok(g) => g,
-        Err(f) => {
-            frame::write_frame(stream, &f, scratch).await?;
+        Err(e) => {
+            frame::write_frame(stream, &Frame::Error(e), scratch).await?;
             return Ok(());
         }
     };

@@ -16,6 +16,7 @@ fn run(tls: &str, peer_failure_handling: bool) {
     // outlives the initiator (dropped at the end of this function, after it) and is only
     // read after the gets completed.
     let target = unsafe { UcxTarget::start(&config, vec![src_span], src.clone()) }.expect("target");
+    // SAFETY: see above: dst_buf outlives the initiator.
     let initiator = unsafe { UcxInitiator::start(&config, vec![dst_span], Arc::new(())) }.expect("initiator");
     let (tx, rx) = crossbeam_channel::bounded(1);
     initiator.connect("peer", target.info().clone(), Box::new(move |r| tx.send(r).expect("send")));
@@ -23,8 +24,8 @@ fn run(tls: &str, peer_failure_handling: bool) {
 
     let pieces = vec![
         GetPiece { local: dst_span.ptr, remote_region: 0, remote_offset: 4096, len: 65536 },
-        // SAFETY: in bounds of dst_buf.
         GetPiece {
+            // SAFETY: 100_000 is inside dst_buf (1 MiB).
             local: unsafe { dst_span.ptr.add(100_000) },
             remote_region: 0,
             remote_offset: 500_000,

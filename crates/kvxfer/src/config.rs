@@ -4,6 +4,30 @@ use std::time::Duration;
 
 use kvxfer_tcp::Limits;
 
+/// Which data path an agent offers and a decode agent pulls with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// The best path both peers offer: UCX when both have it, else TCP.
+    #[default]
+    Auto,
+    /// TCP only.
+    Tcp,
+    /// UCX only: pulls fail (clearly) when the peer does not offer it.
+    Ucx,
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(TransportChoice::Auto),
+            "tcp" => Ok(TransportChoice::Tcp),
+            "ucx" => Ok(TransportChoice::Ucx),
+            other => Err(format!("unknown transport {other:?} (auto, tcp or ucx)")),
+        }
+    }
+}
+
 /// Settings shared by prefill and decode agents.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -28,6 +52,11 @@ pub struct AgentConfig {
     pub tp_size: u32,
     /// Protocol version sent in handshakes. Only tests of mismatched peers change it.
     pub protocol_version: u32,
+    /// Data path: offered (prefill) and used (decode).
+    pub transport: TransportChoice,
+    /// UCX settings (transports, peer-failure handling).
+    #[cfg(feature = "ucx")]
+    pub ucx: kvxfer_ucx::UcxConfig,
 }
 
 impl AgentConfig {
@@ -47,7 +76,16 @@ impl AgentConfig {
             heartbeat_interval: None,
             tp_size: 1,
             protocol_version: kvxfer_proto::PROTOCOL_VERSION,
+            transport: TransportChoice::Auto,
+            #[cfg(feature = "ucx")]
+            ucx: kvxfer_ucx::UcxConfig::default(),
         }
+    }
+
+    /// Sets the data path.
+    pub fn transport(mut self, t: TransportChoice) -> Self {
+        self.transport = t;
+        self
     }
 
     /// Sets the engine id.

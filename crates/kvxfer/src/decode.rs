@@ -15,7 +15,15 @@ use tokio::runtime::Runtime;
 use tokio::sync::{watch, Semaphore};
 use tracing::{debug, info, warn};
 
-use crate::{AgentConfig, Error, SubmitError};
+use crate::{AgentConfig, Error, SubmitError, TransportChoice};
+
+/// The data path a pull uses with one peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Tcp,
+    #[cfg(feature = "ucx")]
+    Ucx,
+}
 
 /// How one child's pull ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,6 +129,10 @@ struct Peer {
     idle: Mutex<Vec<Connection>>,
     permits: Semaphore,
     control: tokio::sync::Mutex<Option<Connection>>,
+    /// The engine id our UCX endpoint to this address was made for (a restarted prefill
+    /// at the same address gets a new endpoint).
+    #[cfg(feature = "ucx")]
+    ucx_engine: tokio::sync::Mutex<Option<String>>,
 }
 
 struct Inner {
@@ -130,6 +142,8 @@ struct Inner {
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     busy: Mutex<HashSet<BlockId>>,
     counters: Counters,
+    #[cfg(feature = "ucx")]
+    ucx: Option<kvxfer_ucx::UcxInitiator>,
 }
 
 /// A decode worker's agent: pulls prefill results into its registered KV cache.
@@ -197,6 +211,34 @@ impl DecodeAgent {
     /// Starts an agent that pulls into `memory`.
     pub fn start(config: AgentConfig, memory: KvMemory) -> Result<Self, Error> {
         let runtime = crate::runtime::build(&config.agent_name, config.worker_threads)?;
+        let memory = Arc::new(memory);
+        #[cfg_attr(not(feature = "ucx"), allow(unused_mut))]
+        let mut transports =
+            vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }];
+        #[cfg(feature = "ucx")]
+        let ucx = match config.transport {
+            TransportChoice::Tcp => None,
+            choice => match crate::ucx::start_initiator(&config.ucx, &memory) {
+                Ok(i) => {
+                    transports.insert(
+                        0,
+                        v1::TransportOffer { transport: v1::Transport::Ucx as i32, connection_info: vec![] },
+                    );
+                    Some(i)
+                }
+                Err(e) if choice == TransportChoice::Ucx => return Err(e.into()),
+                Err(e) => {
+                    warn!(error = %e, "UCX unavailable; pulling over TCP only");
+                    None
+                }
+            },
+        };
+        #[cfg(not(feature = "ucx"))]
+        if config.transport == TransportChoice::Ucx {
+            return Err(Error::Unsupported(
+                "UCX was requested, but kvxfer was built without the `ucx` feature".into(),
+            ));
+        }
         let layout = memory.layout();
         let hello = v1::Hello {
             protocol_version: config.protocol_version,
@@ -204,14 +246,13 @@ impl DecodeAgent {
             agent_name: config.agent_name.clone(),
             compat_hash: layout.compat_hash(),
             layout: Some(layout.to_wire()),
-            transports: vec![v1::TransportOffer {
-                transport: v1::Transport::Tcp as i32,
-                connection_info: vec![],
-            }],
+            transports,
         };
         let inner = Arc::new(Inner {
             config,
-            memory: Arc::new(memory),
+            memory,
+            #[cfg(feature = "ucx")]
+            ucx,
             hello,
             peers: Mutex::new(HashMap::new()),
             busy: Mutex::new(HashSet::new()),
@@ -362,6 +403,8 @@ impl Inner {
                     idle: Mutex::new(Vec::new()),
                     permits: Semaphore::new(self.config.connections_per_peer.max(1)),
                     control: tokio::sync::Mutex::new(None),
+                    #[cfg(feature = "ucx")]
+                    ucx_engine: tokio::sync::Mutex::new(None),
                 })
             })
             .clone()
@@ -542,7 +585,7 @@ impl Pull {
     async fn pull_all(&self, peer: &Arc<Peer>) -> Vec<ReadState> {
         let n = self.children.len();
         // Handshake (once per peer connection) and check the remote ids against its layout.
-        let remote_layout = match self.remote_layout(peer).await {
+        let (remote_layout, path) = match self.handshake(peer).await {
             Ok(l) => l,
             Err(reason) => {
                 self.reachable.store(false, Ordering::Relaxed);
@@ -567,7 +610,7 @@ impl Pull {
         let reads = async {
             let mut futs = Vec::with_capacity(n);
             for i in 0..n {
-                futs.push(self.read_child(peer, i));
+                futs.push(self.read_child(peer, i, &remote_layout, path));
             }
             join_all(futs).await
         };
@@ -577,7 +620,10 @@ impl Pull {
         }
     }
 
-    async fn remote_layout(&self, peer: &Peer) -> Result<BlockLayout, String> {
+    /// Handshakes with the peer (once per connection), checks it is the engine the
+    /// hand-offs name, and picks the data path: the best one both sides offer, unless the
+    /// config forces one.
+    async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), String> {
         let ack = peer
             .control(&self.inner, async |c: &mut Connection| Ok(c.peer_hello().clone()))
             .await
@@ -589,17 +635,80 @@ impl Pull {
                 peer.addr, ack.engine_id
             ));
         }
-        let wire = ack.layout.ok_or("the prefill agent sent no block layout")?;
-        BlockLayout::from_wire(&wire).map_err(|e| format!("the prefill agent's layout is malformed: {e}"))
+        let wire = ack.layout.as_ref().ok_or("the prefill agent sent no block layout")?;
+        let layout = BlockLayout::from_wire(wire)
+            .map_err(|e| format!("the prefill agent's layout is malformed: {e}"))?;
+        let path = self.choose_path(peer, &ack).await?;
+        Ok((layout, path))
     }
 
-    async fn read_child(&self, peer: &Peer, i: usize) -> ReadState {
+    #[cfg_attr(not(feature = "ucx"), allow(clippy::unused_async))]
+    async fn choose_path(&self, peer: &Peer, ack: &v1::HelloAck) -> Result<Path, String> {
+        let want = self.inner.config.transport;
+        if want == TransportChoice::Tcp {
+            return Ok(Path::Tcp);
+        }
+        #[cfg(feature = "ucx")]
+        if let Some(init) = &self.inner.ucx {
+            match crate::ucx::parse_offer(&ack.transports) {
+                Some(Ok(info)) => {
+                    let engine = &ack.engine_id;
+                    let mut connected = peer.ucx_engine.lock().await;
+                    if connected.as_deref() == Some(engine.as_str()) {
+                        return Ok(Path::Ucx);
+                    }
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    init.connect(&peer.addr, info, Box::new(move |r| drop(tx.send(r))));
+                    match rx.await {
+                        Ok(Ok(())) => {
+                            *connected = Some(engine.clone());
+                            debug!(peer = %peer.addr, "UCX endpoint ready");
+                            return Ok(Path::Ucx);
+                        }
+                        Ok(Err(e)) if want == TransportChoice::Ucx => {
+                            return Err(format!("UCX to {}: {e}", peer.addr))
+                        }
+                        Ok(Err(e)) => {
+                            warn!(peer = %peer.addr, error = %e, "UCX endpoint failed; pulling over TCP")
+                        }
+                        Err(_) => return Err("the UCX thread stopped".into()),
+                    }
+                }
+                Some(Err(e)) if want == TransportChoice::Ucx => return Err(e),
+                Some(Err(e)) => warn!(peer = %peer.addr, error = %e, "ignoring the peer's UCX offer"),
+                None => {}
+            }
+        }
+        if want == TransportChoice::Ucx {
+            return Err(format!(
+                "UCX was requested, but {} does not offer it or this agent has no UCX",
+                peer.addr
+            ));
+        }
+        let _ = (peer, ack);
+        Ok(Path::Tcp)
+    }
+
+    async fn read_child(&self, peer: &Peer, i: usize, remote: &BlockLayout, path: Path) -> ReadState {
         let runs = &self.plan.children[i].wire;
         if runs.is_empty() {
             return ReadState::Ok(0);
         }
         let has_dependents =
             self.plan.children.iter().enumerate().any(|(j, c)| j != i && c.depends_on.contains(&i));
+        #[cfg(feature = "ucx")]
+        if path == Path::Ucx {
+            // A UCX get cannot be cut short (UCX keeps writing after its future is dropped),
+            // so a cancel only stops a read that has not started.
+            if self.is_cancelled(i) && !has_dependents {
+                return ReadState::Cancelled;
+            }
+            return match self.read_ucx(peer, i, remote).await {
+                Ok(b) => ReadState::Ok(b),
+                Err(e) => ReadState::Failed(e),
+            };
+        }
+        let _ = (remote, path);
         let mut cancel = self.cancel.clone();
         let index = self.children[i].child_index() as usize;
         let cancelled = async move {
@@ -647,6 +756,56 @@ impl Pull {
             // Dropping the read drops its connection mid-transfer: it is never reused.
             _ = cancelled => ReadState::Cancelled,
         }
+    }
+
+    /// Pins child `i`'s runs on a pooled connection, reads them with UCX straight into the
+    /// local blocks, and unpins.
+    #[cfg(feature = "ucx")]
+    async fn read_ucx(&self, peer: &Peer, i: usize, remote: &BlockLayout) -> Result<u64, String> {
+        let init = self.inner.ucx.as_ref().ok_or("this agent has no UCX")?;
+        let child = &self.children[i];
+        let runs = &self.plan.children[i].wire;
+        let _permit = peer.permits.acquire().await.map_err(|e| e.to_string())?;
+        let mut conn = match peer.take_idle() {
+            Some(c) => c,
+            None => self.inner.connect(&peer.addr).await.map_err(|e| e.to_string())?,
+        };
+        let id = child.remote_request_id();
+        let seq = match conn.pin(id, child.token().as_bytes(), runs).await {
+            Ok(seq) => seq,
+            Err(e) => {
+                if e.connection_usable() {
+                    peer.put_idle(conn);
+                }
+                return Err(e.to_string());
+            }
+        };
+        let pieces = crate::ucx::pieces(&self.inner.memory, remote, runs);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // SAFETY: every piece lands in local blocks of `runs`, which this pull claimed in
+        // `submit` (no other pull writes them; the caller does not touch them until their
+        // report) and which `ResultPlan::build` checked against the local layout, inside the
+        // regions the initiator registered. The pull waits for `done` before reporting.
+        #[allow(unsafe_code)]
+        unsafe {
+            init.get(&peer.addr, pieces, Box::new(move |r| drop(tx.send(r))))
+        };
+        let result = match rx.await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err("the UCX thread stopped".to_owned()),
+        };
+        if result.is_err() {
+            // The endpoint may be broken: the next pull makes a new one.
+            init.disconnect(&peer.addr);
+            *peer.ucx_engine.lock().await = None;
+        }
+        match conn.unpin(seq, result.is_ok()).await {
+            Ok(()) => peer.put_idle(conn),
+            Err(e) if e.connection_usable() => peer.put_idle(conn),
+            Err(_) => {}
+        }
+        debug!(remote_request_id = %id, ?result, "child read over UCX");
+        result
     }
 
     async fn heartbeat_loop(&self, peer: Arc<Peer>) {

@@ -18,6 +18,13 @@ pub enum Error {
     /// A pull was refused before any I/O.
     #[error(transparent)]
     Submit(#[from] SubmitError),
+    /// The UCX data path could not start.
+    #[cfg(feature = "ucx")]
+    #[error(transparent)]
+    Ucx(#[from] kvxfer_ucx::UcxError),
+    /// Something this build or machine cannot do (e.g. UCX requested without the `ucx` feature).
+    #[error("{0}")]
+    Unsupported(String),
     /// Binding the listener or starting the runtime failed.
     #[error("{what}: {source}")]
     Io {

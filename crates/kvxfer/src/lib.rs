@@ -23,7 +23,12 @@ mod error;
 mod prefill;
 mod runtime;
 
-pub use config::AgentConfig;
+pub use config::{AgentConfig, TransportChoice};
+#[cfg(feature = "ucx")]
+pub use kvxfer_ucx::UcxConfig;
+
+#[cfg(feature = "ucx")]
+mod ucx;
 pub use decode::{ChildOutcome, ChildReport, DecodeAgent, DecodeStats, PullHandle, PullReport};
 pub use error::{Error, SubmitError};
 pub use prefill::{PrefillAgent, PrefillStats};

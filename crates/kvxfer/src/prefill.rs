@@ -18,7 +18,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
-use crate::{AgentConfig, Error};
+use crate::{AgentConfig, Error, TransportChoice};
 
 /// Counters of a prefill agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +41,10 @@ pub struct PrefillAgent {
     stop: Option<Sender<()>>,
     event_thread: Option<JoinHandle<()>>,
     runtime: Option<Runtime>,
+    io_timeout: Duration,
+    /// Dropped after the runtime (no connection can pin any more), before the memory.
+    #[cfg(feature = "ucx")]
+    ucx: Option<kvxfer_ucx::UcxTarget>,
 }
 
 impl std::fmt::Debug for PrefillAgent {
@@ -74,6 +78,30 @@ impl PrefillAgent {
         let table = Arc::new(LeaseTable::new(lease_config, seed));
         let memory = Arc::new(memory);
         let counters = Arc::new(ServerCounters::default());
+        #[cfg_attr(not(feature = "ucx"), allow(unused_mut))]
+        let mut transports =
+            vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }];
+        #[cfg(feature = "ucx")]
+        let ucx = match config.transport {
+            TransportChoice::Tcp => None,
+            choice => match crate::ucx::start_target(&config.ucx, &memory) {
+                Ok(t) => {
+                    transports.insert(0, crate::ucx::offer(&t));
+                    Some(t)
+                }
+                Err(e) if choice == TransportChoice::Ucx => return Err(e.into()),
+                Err(e) => {
+                    warn!(error = %e, "UCX unavailable; serving over TCP only");
+                    None
+                }
+            },
+        };
+        #[cfg(not(feature = "ucx"))]
+        if config.transport == TransportChoice::Ucx {
+            return Err(Error::Unsupported(
+                "UCX was requested, but kvxfer was built without the `ucx` feature".into(),
+            ));
+        }
         let ctx = Arc::new(ServeContext {
             table: table.clone(),
             memory: memory.clone(),
@@ -83,10 +111,7 @@ impl PrefillAgent {
                 agent_name: config.agent_name.clone(),
                 compat_hash: layout.compat_hash(),
                 layout: Some(layout.to_wire()),
-                transports: vec![v1::TransportOffer {
-                    transport: v1::Transport::Tcp as i32,
-                    connection_info: vec![],
-                }],
+                transports,
             },
             limits: config.limits,
             counters: counters.clone(),
@@ -117,12 +142,23 @@ impl PrefillAgent {
             stop: Some(stop),
             event_thread: Some(event_thread),
             runtime: Some(runtime),
+            io_timeout: config.limits.io_timeout,
+            #[cfg(feature = "ucx")]
+            ucx,
         })
     }
 
     /// The address the agent listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Whether the agent offers the UCX data path.
+    pub fn offers_ucx(&self) -> bool {
+        #[cfg(feature = "ucx")]
+        return self.ucx.is_some();
+        #[cfg(not(feature = "ucx"))]
+        false
     }
 
     /// The registered KV cache the agent serves.
@@ -199,6 +235,15 @@ impl PrefillAgent {
 
 impl Drop for PrefillAgent {
     fn drop(&mut self) {
+        // One-sided readers (UCX) read registered memory without us seeing the reads; a pin
+        // is their promise to unpin when done. Wait for open pins (bounded) before the
+        // memory can be unmapped and freed, so no peer's read outlives its buffer.
+        let deadline = Instant::now() + self.io_timeout;
+        while self.counters.pins_open.load(std::sync::atomic::Ordering::Relaxed) > 0
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         if let Some(rt) = self.runtime.take() {
             crate::runtime::shutdown(rt);
         }

@@ -9,6 +9,76 @@ use kvxfer_mem::pattern;
 
 pub const BLOCK: u64 = 4096;
 
+/// The data paths the suite runs over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// kvxfer's own TCP path.
+    Tcp,
+    /// UCX with `UCX_TLS=tcp` (and peer-failure handling).
+    #[cfg(feature = "ucx")]
+    UcxTcp,
+    /// UCX over shared memory (`posix,sysv,cma,self`, no peer-failure handling, which UCX
+    /// 1.13's shared-memory transports do not support).
+    #[cfg(feature = "ucx")]
+    UcxShm,
+}
+
+impl Transport {
+    /// `config` set up for this data path.
+    pub fn config(self, config: AgentConfig) -> AgentConfig {
+        match self {
+            Transport::Tcp => config.transport(kvxfer::TransportChoice::Tcp),
+            #[cfg(feature = "ucx")]
+            Transport::UcxTcp => {
+                let mut c = config.transport(kvxfer::TransportChoice::Ucx);
+                c.ucx = kvxfer::UcxConfig { tls: Some("tcp".into()), peer_failure_handling: true };
+                c
+            }
+            #[cfg(feature = "ucx")]
+            Transport::UcxShm => {
+                let mut c = config.transport(kvxfer::TransportChoice::Ucx);
+                c.ucx = kvxfer::UcxConfig {
+                    tls: Some("posix,sysv,cma,self".into()),
+                    peer_failure_handling: false,
+                };
+                c
+            }
+        }
+    }
+
+    /// A prefill agent over `blocks` patterned blocks.
+    pub fn prefill(self, blocks: u32, ttl: Duration) -> PrefillAgent {
+        let config =
+            self.config(AgentConfig::new("prefill").lease_ttl(ttl).io_timeout(Duration::from_secs(5)));
+        prefill_with(config, BlockLayout::single(blocks, BLOCK).expect("layout"))
+    }
+
+    /// A decode agent with `blocks` zeroed blocks.
+    pub fn decode(self, blocks: u32) -> DecodeAgent {
+        let config = self.config(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)));
+        decode_with(config, BlockLayout::single(blocks, BLOCK).expect("layout"))
+    }
+}
+
+/// Instantiates `fn name(t: Transport)` tests once per data path, in modules `tcp`,
+/// `ucx_tcp` and `ucx_shm` (the UCX ones with the `ucx` feature).
+#[macro_export]
+macro_rules! per_transport {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $( #[test] fn $name() { super::$name($crate::support::Transport::Tcp) } )*
+        }
+        #[cfg(feature = "ucx")]
+        mod ucx_tcp {
+            $( #[test] fn $name() { super::$name($crate::support::Transport::UcxTcp) } )*
+        }
+        #[cfg(feature = "ucx")]
+        mod ucx_shm {
+            $( #[test] fn $name() { super::$name($crate::support::Transport::UcxShm) } )*
+        }
+    };
+}
+
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(

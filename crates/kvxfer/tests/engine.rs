@@ -1,4 +1,5 @@
-//! The engine end to end over TCP on 127.0.0.1: every child pulled, released or expired
+//! The engine end to end on 127.0.0.1, once per data path (TCP; with the `ucx` feature
+//! also UCX over tcp and over shared memory): every child pulled, released or expired
 //! exactly once, every byte verified, bad input refused.
 
 mod support;
@@ -15,10 +16,10 @@ use support::*;
 const TTL: Duration = Duration::from_secs(30);
 
 /// n children with distinct, shuffled, non-contiguous blocks, leased in random order.
-fn pull_n(n: u32, seed: u64) {
+fn pull_n(t: Transport, n: u32, seed: u64) {
     let bpc = 6u32;
-    let prefill = prefill(n * bpc * 2, TTL);
-    let decode = decode(n * bpc * 2);
+    let prefill = t.prefill(n * bpc * 2, TTL);
+    let decode = t.decode(n * bpc * 2);
     let mut remote_pool: Vec<BlockId> = (0..n * bpc * 2).collect();
     let mut local_pool: Vec<BlockId> = (0..n * bpc * 2).collect();
     shuffle(&mut remote_pool, seed);
@@ -59,27 +60,22 @@ fn pull_n(n: u32, seed: u64) {
     assert_no_more_ends(&prefill, Duration::from_millis(50));
 }
 
-#[test]
-fn n1_pulled_and_verified() {
-    pull_n(1, 1);
+fn n1_pulled_and_verified(t: Transport) {
+    pull_n(t, 1, 1);
 }
-#[test]
-fn n2_pulled_and_verified() {
-    pull_n(2, 2);
+fn n2_pulled_and_verified(t: Transport) {
+    pull_n(t, 2, 2);
 }
-#[test]
-fn n3_pulled_and_verified() {
-    pull_n(3, 3);
+fn n3_pulled_and_verified(t: Transport) {
+    pull_n(t, 3, 3);
 }
-#[test]
-fn n8_pulled_and_verified() {
-    pull_n(8, 8);
+fn n8_pulled_and_verified(t: Transport) {
+    pull_n(t, 8, 8);
 }
 
-#[test]
-fn siblings_sharing_prompt_blocks_cross_the_wire_once() {
-    let prefill = prefill(16, TTL);
-    let decode = decode(64);
+fn siblings_sharing_prompt_blocks_cross_the_wire_once(t: Transport) {
+    let prefill = t.prefill(16, TTL);
+    let decode = t.decode(64);
     let prompt: Vec<BlockId> = vec![3, 4, 5, 9, 10];
     let result = prefill.lease_parent("S", vec![prompt.clone(); 4], 1, None).expect("lease");
     let local: Vec<Vec<BlockId>> = (0..4).map(|i| (i * 8..i * 8 + 5).collect()).collect();
@@ -97,11 +93,10 @@ fn siblings_sharing_prompt_blocks_cross_the_wire_once() {
     assert_eq!(decode.stats().bytes_pulled, one_child);
 }
 
-#[test]
-fn siblings_sharing_local_blocks_too() {
+fn siblings_sharing_local_blocks_too(t: Transport) {
     // Prefix caching on both sides: the same local prompt blocks for every child.
-    let prefill = prefill(16, TTL);
-    let decode = decode(16);
+    let prefill = t.prefill(16, TTL);
+    let decode = t.decode(16);
     let result = prefill
         .lease_parent("S", vec![vec![0, 1, 2, 7], vec![0, 1, 2, 8], vec![0, 1, 2, 9]], 1, None)
         .expect("lease");
@@ -116,11 +111,10 @@ fn siblings_sharing_local_blocks_too() {
     );
 }
 
-#[test]
-fn cancelled_child_is_released_at_once_and_skipped_child_expires() {
+fn cancelled_child_is_released_at_once_and_skipped_child_expires(t: Transport) {
     let ttl = Duration::from_millis(600);
-    let prefill = prefill(64, ttl);
-    let decode = decode(64);
+    let prefill = t.prefill(64, ttl);
+    let decode = t.decode(64);
     let remote: Vec<Vec<BlockId>> = (0..4).map(|i| (i * 8..i * 8 + 8).collect()).collect();
     let started = Instant::now();
     let result = prefill.lease_parent("C", remote.clone(), 1, None).expect("lease");
@@ -233,10 +227,9 @@ fn reads_of_bad_leases_tokens_and_blocks_get_specific_errors() {
     assert_eq!(s.leases.live, 1, "refused reads change no lease");
 }
 
-#[test]
-fn incomplete_prefill_result_is_refused_before_any_io() {
-    let prefill = prefill(16, TTL);
-    let decode = decode(16);
+fn incomplete_prefill_result_is_refused_before_any_io(t: Transport) {
+    let prefill = t.prefill(16, TTL);
+    let decode = t.decode(16);
     let result = prefill.lease_parent("R", vec![vec![1], vec![2], vec![3]], 1, None).expect("lease");
     let mut wire = result.to_wire();
     wire.children.remove(1);
@@ -261,9 +254,9 @@ fn incomplete_prefill_result_is_refused_before_any_io() {
     assert_eq!(prefill.stats().server.connections, 0);
 }
 
-fn mismatch_pull(decode_config: AgentConfig, decode_layout: BlockLayout, needles: &[&str]) {
-    let prefill = prefill(16, TTL);
-    let decode = decode_with(decode_config, decode_layout);
+fn mismatch_pull(t: Transport, decode_config: AgentConfig, decode_layout: BlockLayout, needles: &[&str]) {
+    let prefill = t.prefill(16, TTL);
+    let decode = decode_with(t.config(decode_config), decode_layout);
     let result = prefill.lease_parent("M", vec![vec![1]], 1, None).expect("lease");
     let report = decode.submit(result, vec![vec![1]]).expect("submit").wait();
     let ChildOutcome::Failed { reason, invalid_local_blocks } = &report.children[0].outcome else {
@@ -277,30 +270,28 @@ fn mismatch_pull(decode_config: AgentConfig, decode_layout: BlockLayout, needles
     assert_eq!(prefill.stats().leases.pulled, 0);
 }
 
-#[test]
-fn protocol_version_mismatch_fails_on_both_sides_naming_both_versions() {
+fn protocol_version_mismatch_fails_on_both_sides_naming_both_versions(t: Transport) {
     let mut config = AgentConfig::new("decode-v2");
     config.protocol_version = 2;
     mismatch_pull(
+        t,
         config,
         BlockLayout::single(16, BLOCK).expect("layout"),
         &["v2", "v1", "decode-v2", "prefill"],
     );
 }
 
-#[test]
-fn compatibility_hash_mismatch_fails_on_both_sides_naming_both_hashes() {
+fn compatibility_hash_mismatch_fails_on_both_sides_naming_both_hashes(t: Transport) {
     let prefill_hash = BlockLayout::single(16, BLOCK).expect("layout").compat_hash();
     let other = BlockLayout::new(16, vec![Segment::packed(BLOCK)], "bf16", 32).expect("layout");
     let decode_hash = format!("{:#018x}", other.compat_hash());
-    mismatch_pull(AgentConfig::new("decode"), other, &[&format!("{prefill_hash:#018x}"), &decode_hash]);
+    mismatch_pull(t, AgentConfig::new("decode"), other, &[&format!("{prefill_hash:#018x}"), &decode_hash]);
 }
 
-#[test]
-fn expected_consumers_two_frees_only_after_both_decode_agents_notified() {
-    let prefill = prefill(16, TTL);
-    let rank0 = decode(16);
-    let rank1 = decode(16);
+fn expected_consumers_two_frees_only_after_both_decode_agents_notified(t: Transport) {
+    let prefill = t.prefill(16, TTL);
+    let rank0 = t.decode(16);
+    let rank1 = t.decode(16);
     let result = prefill.lease_parent("TP", vec![vec![1, 2, 3]], 2, None).expect("lease");
     assert!(rank0.submit(result.clone(), vec![vec![0, 1, 2]]).expect("submit").wait().all_done());
     assert_no_more_ends(&prefill, Duration::from_millis(100));
@@ -311,8 +302,7 @@ fn expected_consumers_two_frees_only_after_both_decode_agents_notified() {
     assert!(verify(&rank0, &[1, 2, 3], &[0, 1, 2]) && verify(&rank1, &[1, 2, 3], &[5, 6, 7]));
 }
 
-#[test]
-fn multi_segment_layouts_with_strides_round_trip() {
+fn multi_segment_layouts_with_strides_round_trip(t: Transport) {
     // Two layers, K and V each: four segments, one of them strided on the decode side only.
     let seg = |len, stride| Segment { block_len: len, stride };
     let p_layout =
@@ -321,8 +311,8 @@ fn multi_segment_layouts_with_strides_round_trip() {
     let d_layout =
         BlockLayout::new(40, vec![seg(256, 256), seg(256, 1024), seg(512, 512), seg(128, 4096)], "bf16", 16)
             .expect("layout");
-    let prefill = prefill_with(AgentConfig::new("prefill"), p_layout);
-    let decode = decode_with(AgentConfig::new("decode"), d_layout);
+    let prefill = prefill_with(t.config(AgentConfig::new("prefill")), p_layout);
+    let decode = decode_with(t.config(AgentConfig::new("decode")), d_layout);
     let remote = vec![vec![0, 1, 2, 3, 20, 21], vec![4, 5, 30, 31, 6, 7]];
     let local = vec![vec![10, 11, 12, 13, 14, 15], vec![39, 38, 37, 36, 0, 1]];
     let result = prefill.lease_parent("L", remote.clone(), 1, None).expect("lease");
@@ -377,3 +367,54 @@ fn heartbeats_keep_a_slow_pull_alive_past_its_ttl() {
     assert_eq!(ends[0].kind, EndKind::Pulled);
     assert_eq!(prefill.stats().leases.expired, 0);
 }
+
+fn wrong_token_fails_the_child_and_changes_no_lease(t: Transport) {
+    let prefill = t.prefill(16, TTL);
+    let decode = t.decode(16);
+    let result = prefill.lease_parent("W", vec![vec![1, 2], vec![3, 4]], 1, None).expect("lease");
+    let mut wire = result.to_wire();
+    wire.children[1].lease_token = vec![0xee; 16];
+    let report = decode.submit_wire(wire, vec![vec![5, 6], vec![7, 8]]).expect("submit").wait();
+    assert!(matches!(report.children[0].outcome, ChildOutcome::Done { .. }), "{report:?}");
+    let ChildOutcome::Failed { reason, invalid_local_blocks } = &report.children[1].outcome else {
+        panic!("{report:?}")
+    };
+    assert!(reason.contains("wrong lease token"), "{reason}");
+    assert_eq!(invalid_local_blocks, &vec![7, 8]);
+    assert!(verify(&decode, &[1, 2], &[5, 6]));
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
+    assert_eq!((ends[0].child_index, ends[0].kind), (0, EndKind::Pulled));
+    let s = prefill.stats().leases;
+    assert_eq!(s.live, 1, "child 1's lease is untouched by the bad token");
+    assert!(s.bad_token >= 1);
+}
+
+fn out_of_range_remote_blocks_fail_before_any_read(t: Transport) {
+    let prefill = t.prefill(16, TTL);
+    let decode = t.decode(64);
+    let result = prefill.lease_parent("O", vec![vec![1, 2]], 1, None).expect("lease");
+    let mut wire = result.to_wire();
+    wire.children[0].remote_block_ids = vec![1, 40];
+    let report = decode.submit_wire(wire, vec![vec![5, 6]]).expect("submit").wait();
+    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
+    assert!(reason.contains("[40]") && reason.contains("16 blocks"), "{reason}");
+    assert_eq!(prefill.stats().server.reads_served, 0);
+    assert_eq!(prefill.stats().server.pins, 0);
+}
+
+per_transport!(
+    n1_pulled_and_verified,
+    n2_pulled_and_verified,
+    n3_pulled_and_verified,
+    n8_pulled_and_verified,
+    siblings_sharing_prompt_blocks_cross_the_wire_once,
+    siblings_sharing_local_blocks_too,
+    cancelled_child_is_released_at_once_and_skipped_child_expires,
+    incomplete_prefill_result_is_refused_before_any_io,
+    protocol_version_mismatch_fails_on_both_sides_naming_both_versions,
+    compatibility_hash_mismatch_fails_on_both_sides_naming_both_hashes,
+    expected_consumers_two_frees_only_after_both_decode_agents_notified,
+    multi_segment_layouts_with_strides_round_trip,
+    wrong_token_fails_the_child_and_changes_no_lease,
+    out_of_range_remote_blocks_fail_before_any_read,
+);
