@@ -200,10 +200,21 @@ impl PullHandle {
 
     /// Waits for every child's report.
     pub fn wait(self) -> PullReport {
-        let mut children: Vec<ChildReport> = self.reports.iter().take(self.count).collect();
-        children.sort_by_key(|c| c.child_index);
+        self.wait_timed().0
+    }
+
+    /// Waits for every child's report, and says when each one arrived (same order as
+    /// `PullReport::children`): for hand-off latency figures.
+    pub fn wait_timed(self) -> (PullReport, Vec<Instant>) {
+        let mut children: Vec<(ChildReport, Instant)> =
+            self.reports.iter().take(self.count).map(|r| (r, Instant::now())).collect();
+        children.sort_by_key(|c| c.0.child_index);
         let (wire_bytes, delivered_bytes, elapsed) = self.done.recv().unwrap_or_default();
-        PullReport { parent_request_id: self.parent, children, wire_bytes, delivered_bytes, elapsed }
+        let (children, arrived) = children.into_iter().unzip();
+        (
+            PullReport { parent_request_id: self.parent, children, wire_bytes, delivered_bytes, elapsed },
+            arrived,
+        )
     }
 }
 

@@ -1,0 +1,75 @@
+//! The prefill and decode agents in two processes (`kvxfer-bench serve` and `pull`), so
+//! UCX's shared-memory / CMA transports really cross address spaces. Every byte verified.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvxfer-bench");
+
+struct Serve(Child);
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `serve` on a free port of 127.0.0.1 and returns it with its control address.
+fn serve(extra: &[&str]) -> (Serve, String) {
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--runs", "1"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("serve prints its address");
+    let addr = line.trim().rsplit(' ').next().expect("address").to_owned();
+    (Serve(child), addr)
+}
+
+fn pull(addr: &str, extra: &[&str]) -> Vec<serde_json::Value> {
+    let out = Command::new(BIN)
+        .args(["pull", "--peer", addr, "--block-bytes", "64K,1M", "--total-bytes", "16M", "--n", "4"])
+        .args(["--iters", "2", "--warmup", "0", "--json"])
+        .args(extra)
+        .output()
+        .expect("run pull");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "pull failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    stdout.lines().map(|l| serde_json::from_str(l).expect("json line")).collect()
+}
+
+fn two_processes(transport_args: &[&str]) {
+    let (_serve, addr) = serve(transport_args);
+    let rows = pull(&addr, transport_args);
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_eq!(r["verified"], true, "{r}");
+        assert_eq!(r["processes"], "2");
+        assert_eq!(r["bytes"], 16 << 20);
+        assert!(r["gib_per_s"].as_f64().expect("number") > 0.0);
+        // The prefill process counted what it served: 2 iterations of 16 MiB per block size.
+        assert_eq!(r["prefill"]["bytes_served"], 2 * (16 << 20), "{r}");
+        assert_eq!(r["prefill"]["pulled"], 8, "{r}");
+    }
+}
+
+#[test]
+fn tcp_across_two_processes() {
+    two_processes(&["--transport", "tcp"]);
+}
+
+#[cfg(feature = "ucx")]
+#[test]
+fn ucx_over_tcp_across_two_processes() {
+    two_processes(&["--transport", "ucx", "--ucx-tls", "tcp", "--ucx-peer-failure"]);
+}
+
+#[cfg(feature = "ucx")]
+#[test]
+fn ucx_over_shared_memory_across_two_processes() {
+    two_processes(&["--transport", "ucx", "--ucx-tls", "posix,sysv,cma,self"]);
+}
