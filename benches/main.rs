@@ -709,11 +709,7 @@ fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result
 }
 
 fn main() -> ExitCode {
-    // UCX logs to stdout unless told otherwise, which would corrupt --json / --csv output.
-    // Set before any thread exists (UCX reads it when a context is created).
-    if std::env::var_os("UCX_LOG_FILE").is_none() {
-        std::env::set_var("UCX_LOG_FILE", "stderr");
-    }
+    kvxfer::ucx_log_to_stderr();
     let cli = Cli::parse();
     let result = match &cli.mode {
         Some(Mode::Serve(args)) => serve(args).map(|()| true),

@@ -59,11 +59,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    // UCX logs to stdout unless told otherwise, which would corrupt the --json line. Set
-    // before any thread exists (UCX reads it when a context is created).
-    if std::env::var_os("UCX_LOG_FILE").is_none() {
-        std::env::set_var("UCX_LOG_FILE", "stderr");
-    }
+    kvxfer::ucx_log_to_stderr();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),

@@ -39,3 +39,23 @@ pub use kvxfer_core::{
 };
 pub use kvxfer_mem::{KvMemory, Region};
 pub use kvxfer_tcp::{Limits, ServerStats};
+
+/// Makes UCX write its own log messages to stderr, so a program's stdout (JSON, CSV) stays
+/// clean: UCX logs to stdout by default and reads `UCX_LOG_FILE` only when the library is
+/// loaded, so when it is unset this re-executes the current program once with
+/// `UCX_LOG_FILE=stderr`. Call it first thing in `main`. Without the `ucx` feature, or when
+/// `UCX_LOG_FILE` is already set, it does nothing.
+pub fn ucx_log_to_stderr() {
+    #[cfg(all(feature = "ucx", unix))]
+    if std::env::var_os("UCX_LOG_FILE").is_none() {
+        use std::os::unix::process::CommandExt;
+        if let Ok(exe) = std::env::current_exe() {
+            let err = std::process::Command::new(exe)
+                .args(std::env::args_os().skip(1))
+                .env("UCX_LOG_FILE", "stderr")
+                .exec();
+            // Only reached when exec failed: carry on with UCX logging to stdout.
+            tracing::warn!(error = %err, "could not re-execute with UCX_LOG_FILE=stderr");
+        }
+    }
+}
