@@ -165,6 +165,7 @@ enum Command {
     Connect { peer: String, info: TargetInfo, done: Done<()> },
     Get { peer: String, pieces: Vec<GetPiece>, done: Done<u64> },
     Disconnect { peer: String },
+    Abort { peer: String },
 }
 
 /// The decode side: reads peers' regions into its own registered regions.
@@ -245,9 +246,16 @@ impl UcxInitiator {
         }
     }
 
-    /// Closes the endpoint to `peer` (after a failure, or when the peer restarted).
+    /// Closes the endpoint to `peer` once no read from it is in flight (after a failure,
+    /// or when the peer restarted).
     pub fn disconnect(&self, peer: &str) {
         let _ = self.send(Command::Disconnect { peer: peer.to_owned() });
+    }
+
+    /// Closes the endpoint to `peer` now, forcefully: reads in flight from it complete with
+    /// an error (their `done` runs). For a peer that stopped answering.
+    pub fn abort(&self, peer: &str) {
+        let _ = self.send(Command::Abort { peer: peer.to_owned() });
     }
 }
 

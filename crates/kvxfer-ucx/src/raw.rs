@@ -280,6 +280,8 @@ impl Drop for Rkey {
 /// An endpoint to one target with its rkeys. `failed` is set by UCX's error callback.
 struct PeerEp {
     ep: sys::ucp_ep_h,
+    /// Whether the endpoint has peer-failure handling (needed for a forced close).
+    peer_failure: bool,
     rkeys: Vec<Rkey>,
     regions: Vec<(u64, u64)>,
     failed: Box<AtomicBool>,
@@ -317,7 +319,7 @@ impl PeerEp {
         // SAFETY: live worker; the address bytes live across the call; the error handler's
         // argument (boxed) lives as long as the endpoint.
         check("ucp_ep_create", unsafe { sys::ucp_ep_create(worker.raw, &params, &mut ep) })?;
-        let mut peer = PeerEp { ep, rkeys: Vec::new(), regions: Vec::new(), failed };
+        let mut peer = PeerEp { ep, peer_failure, rkeys: Vec::new(), regions: Vec::new(), failed };
         for r in &info.regions {
             let mut rkey: sys::ucp_rkey_h = null_mut();
             // SAFETY: live endpoint; the packed buffer lives across the call.
@@ -332,19 +334,53 @@ impl PeerEp {
         Ok(peer)
     }
 
-    /// Destroys the rkeys, then closes the endpoint (forcefully: the peer may be gone).
+    /// Destroys the rkeys, then closes the endpoint once: gracefully (flush, and tell the
+    /// peer so its side is removed cleanly — UCX 1.13 can abort in wire-up when a peer's
+    /// endpoint just vanishes), or forcefully when the peer has already failed. A graceful
+    /// close that does not finish in time is left to the worker's destruction.
     fn close(mut self, worker: &Worker) {
         self.rkeys.clear();
-        let param = sys::ucp_request_param_t {
-            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
-            flags: sys::UCP_EP_CLOSE_FLAG_FORCE,
-            ..Default::default()
+        let force = self.peer_failure && self.failed.load(Ordering::Acquire);
+        let param = if force {
+            sys::ucp_request_param_t {
+                op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
+                flags: sys::UCP_EP_CLOSE_FLAG_FORCE,
+                ..Default::default()
+            }
+        } else {
+            sys::ucp_request_param_t::default()
         };
-        // SAFETY: live endpoint, closed once; its rkeys are already destroyed.
+        // SAFETY: live endpoint, closed exactly once here; its rkeys are already destroyed.
         let req = unsafe { sys::ucp_ep_close_nbx(self.ep, &param) };
-        if let Err(e) = worker.wait_request(req, Instant::now() + Duration::from_secs(5)) {
-            debug!(error = %e, "closing a UCX endpoint");
+        if let Err(e) = worker.wait_request(req, Instant::now() + Duration::from_secs(2)) {
+            debug!(error = %e, force, "closing a UCX endpoint");
         }
+    }
+}
+
+impl PeerEp {
+    /// Closes the endpoint with reads possibly in flight: forcefully where UCX allows it
+    /// (peer-failure handling on), so UCX completes them with an error (running their
+    /// callbacks); gracefully otherwise. The rkeys, no longer used by any request, are
+    /// destroyed after it.
+    fn abort(mut self, worker: &Worker) {
+        let rkeys = std::mem::take(&mut self.rkeys);
+        let param = if self.peer_failure {
+            sys::ucp_request_param_t {
+                op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
+                flags: sys::UCP_EP_CLOSE_FLAG_FORCE,
+                ..Default::default()
+            }
+        } else {
+            sys::ucp_request_param_t::default()
+        };
+        // SAFETY: live endpoint, closed exactly once here.
+        let req = unsafe { sys::ucp_ep_close_nbx(self.ep, &param) };
+        if let Err(e) = worker.wait_request(req, Instant::now() + Duration::from_secs(2)) {
+            debug!(error = %e, "aborting a UCX endpoint");
+        }
+        worker.progress_all();
+        drop(rkeys);
     }
 }
 
@@ -510,6 +546,8 @@ pub(crate) fn run_initiator(
     let mut peers: std::collections::HashMap<String, PeerEp> = std::collections::HashMap::new();
     let mut jobs: Vec<Box<Job>> = Vec::new();
     let mut closing: Vec<String> = Vec::new();
+    let mut stop_since: Option<Instant> = None;
+    let mut leak = false;
     if ready.send(Ok(signal.clone())).is_ok() {
         loop {
             while let Ok(cmd) = commands.try_recv() {
@@ -546,6 +584,12 @@ pub(crate) fn run_initiator(
                         jobs.push(job);
                     }
                     Command::Disconnect { peer } => closing.push(peer),
+                    Command::Abort { peer } => {
+                        if let Some(ep) = peers.remove(&peer) {
+                            warn!(%peer, "aborting the UCX endpoint: reads in flight are cancelled");
+                            ep.abort(&worker);
+                        }
+                    }
                 }
             }
             worker.progress_all();
@@ -572,8 +616,22 @@ pub(crate) fn run_initiator(
                 }
                 false
             });
-            if stop.load(Ordering::Acquire) && jobs.is_empty() {
-                break;
+            if stop.load(Ordering::Acquire) {
+                if jobs.is_empty() {
+                    break;
+                }
+                let since = *stop_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > STUCK_READ_GRACE {
+                    // UCX still owns reads that will not finish. Destroying the worker or
+                    // unmapping could let UCX write into (or call back into) freed memory,
+                    // so everything of this initiator is leaked instead.
+                    warn!(
+                        jobs = jobs.len(),
+                        "UCX reads still in flight at shutdown; leaking the UCX worker and its memory"
+                    );
+                    leak = true;
+                    break;
+                }
             }
             if jobs.is_empty() {
                 worker.wait(Duration::from_millis(100));
@@ -584,6 +642,10 @@ pub(crate) fn run_initiator(
         }
     }
     signal.disarm();
+    if leak {
+        std::mem::forget((jobs, peers, maps, worker, ctx, keep_alive));
+        return;
+    }
     for (_, ep) in peers.drain() {
         ep.close(&worker);
     }
@@ -592,3 +654,6 @@ pub(crate) fn run_initiator(
     drop(ctx);
     drop(keep_alive);
 }
+
+/// How long a stopping initiator waits for reads in flight before leaking instead.
+const STUCK_READ_GRACE: Duration = Duration::from_secs(5);

@@ -360,6 +360,7 @@ impl DecodeAgent {
             started: Instant::now(),
             claimed,
             reachable: AtomicBool::new(true),
+            poisoned: AtomicBool::new(false),
         };
         if let Some(rt) = self.runtime.as_ref() {
             rt.spawn(pull.run(done_tx));
@@ -478,6 +479,9 @@ struct Pull {
     /// Cleared when the peer refuses a handshake or its control connection breaks: later
     /// notifies and cancels of this pull are skipped instead of each waiting out a timeout.
     reachable: AtomicBool,
+    /// Set when a one-sided read could not be stopped: the claimed destination blocks are
+    /// then never released, because the transport might still write them.
+    poisoned: AtomicBool,
 }
 
 impl Pull {
@@ -581,7 +585,12 @@ impl Pull {
             self.report(i, ChildOutcome::Done { bytes_delivered: bytes, acknowledged });
         }
         add(&self.inner.counters.bytes_pulled, wire_bytes);
-        {
+        if self.poisoned.load(Ordering::Relaxed) {
+            warn!(
+                blocks = self.claimed.len(),
+                "destination blocks stay reserved: a read could not be stopped"
+            );
+        } else {
             let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
             for b in &self.claimed {
                 busy.remove(b);
@@ -801,9 +810,29 @@ impl Pull {
         unsafe {
             init.get(&peer.addr, pieces, Box::new(move |r| drop(tx.send(r))))
         };
-        let result = match rx.await {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(_) => Err("the UCX thread stopped".to_owned()),
+        // Bounded: a peer that stops answering must not hang the pull. The allowance grows
+        // with the size of the read (100 MB/s is far below any working UCX transport).
+        let bytes: u64 = runs.iter().map(|r| u64::from(r.count)).sum::<u64>() * remote.block_bytes();
+        let limit = self.inner.config.limits.io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
+        let mut rx = rx;
+        let result = match tokio::time::timeout(limit, &mut rx).await {
+            Ok(Ok(r)) => r.map_err(|e| e.to_string()),
+            Ok(Err(_)) => Err("the UCX thread stopped".to_owned()),
+            Err(_) => {
+                init.abort(&peer.addr);
+                match tokio::time::timeout(self.inner.config.limits.io_timeout, rx).await {
+                    Ok(_) => Err(format!("UCX read made no progress in {limit:?}; endpoint aborted")),
+                    Err(_) => {
+                        // UCX still owns the read: its destination blocks must never be
+                        // handed back, since UCX might still write them.
+                        self.poisoned.store(true, Ordering::Relaxed);
+                        Err(format!(
+                            "UCX read made no progress in {limit:?} and did not stop after the endpoint \
+                             was aborted; its local blocks stay reserved"
+                        ))
+                    }
+                }
+            }
         };
         if result.is_err() {
             // The endpoint may be broken: the next pull makes a new one.

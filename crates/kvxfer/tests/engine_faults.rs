@@ -156,9 +156,11 @@ fn silent_prefill_is_detected_by_timeout_and_its_blocks_are_free_again() {
 fn prefill_agent_dropped_mid_pull_ends_every_child_in_bounded_time_and_a_new_prefill_works(t: Transport) {
     let blocks = 4096u32; // 16 MiB per child at 4 KiB blocks
     let prefill = t.prefill(2 * blocks, Duration::from_secs(30));
+    // Room past the pulled blocks: a one-sided read that cannot be stopped keeps its
+    // destination blocks reserved, so the second pull goes elsewhere.
     let decode = decode_with(
         t.config(AgentConfig::new("decode").io_timeout(Duration::from_secs(2)).connections_per_peer(1)),
-        BlockLayout::single(2 * blocks, BLOCK).expect("layout"),
+        BlockLayout::single(2 * blocks + 16, BLOCK).expect("layout"),
     );
     let remote: Vec<Vec<BlockId>> = vec![(0..blocks).collect(), (blocks..2 * blocks).collect()];
     let result = prefill.lease_parent("D", remote.clone(), 1, None).expect("lease");
@@ -180,9 +182,10 @@ fn prefill_agent_dropped_mid_pull_ends_every_child_in_bounded_time_and_a_new_pre
     // A new prefill process (agent) at a new address: the same decode agent pulls from it.
     let fresh = t.prefill(64, Duration::from_secs(30));
     let r = fresh.lease_parent("D2", vec![vec![1, 2, 3]], 1, None).expect("lease");
-    let report = decode.submit(r, vec![vec![7, 8, 9]]).expect("submit").wait();
+    let fresh_local: Vec<BlockId> = (2 * blocks..2 * blocks + 3).collect();
+    let report = decode.submit(r, vec![fresh_local.clone()]).expect("submit").wait();
     assert!(report.all_done(), "{report:?}");
-    assert!(verify(&decode, &[1, 2, 3], &[7, 8, 9]));
+    assert!(verify(&decode, &[1, 2, 3], &fresh_local));
 }
 
 fn decode_agent_dropped_mid_pull_leases_end_by_expiry_never_leak(t: Transport) {
