@@ -477,51 +477,87 @@ fn run_block_size(run: &RunArgs, source: &mut dyn LeaseSource, block: u64) -> Re
     })
 }
 
-/// Raw TCP: `connections` sockets on 127.0.0.1 moving `total` bytes from one buffer to another.
+/// Raw TCP: `connections` sockets on 127.0.0.1 moving `total` bytes from one buffer to
+/// another, `block`-sized writes and reads, no protocol. Buffers are allocated and touched
+/// and connections made before the clock starts.
 fn raw_tcp_gib_per_s(total: u64, connections: usize, block: u64) -> Result<f64, String> {
+    use std::sync::{Arc, Barrier};
     let connections = connections.max(1);
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let per = (total / connections as u64) as usize;
     let chunk = (block as usize).clamp(4096, 1 << 21);
-    let sender = std::thread::spawn(move || -> Result<(), String> {
-        let src = vec![0x5au8; per];
-        let mut threads = Vec::new();
-        for _ in 0..connections {
-            let (mut s, _) = listener.accept().map_err(|e| e.to_string())?;
-            let src = src.clone();
-            threads.push(std::thread::spawn(move || {
-                for c in src.chunks(chunk) {
-                    if s.write_all(c).is_err() {
-                        return;
-                    }
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let clients: Vec<TcpStream> =
+        (0..connections).map(|_| TcpStream::connect(addr).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    let servers: Vec<TcpStream> =
+        (0..connections).map(|_| listener.accept().map(|(s, _)| s).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    // Senders, receivers and this thread start together.
+    let start = Arc::new(Barrier::new(2 * connections + 1));
+    let mut threads = Vec::new();
+    for mut s in servers {
+        let start = start.clone();
+        threads.push(std::thread::spawn(move || {
+            let src = vec![0x5au8; per];
+            start.wait();
+            for c in src.chunks(chunk) {
+                if s.write_all(c).is_err() {
+                    return;
                 }
-            }));
+            }
+        }));
+    }
+    for mut s in clients {
+        let start = start.clone();
+        threads.push(std::thread::spawn(move || {
+            let mut dst = vec![1u8; per];
+            start.wait();
+            for c in dst.chunks_mut(chunk) {
+                if s.read_exact(c).is_err() {
+                    return;
+                }
+            }
+            std::hint::black_box(&dst);
+        }));
+    }
+    start.wait();
+    let t0 = Instant::now();
+    for t in threads {
+        t.join().map_err(|_| "raw tcp thread panicked".to_string())?;
+    }
+    Ok((per * connections) as f64 / f64::from(1u32 << 30) / t0.elapsed().as_secs_f64())
+}
+
+/// Median round trip on 127.0.0.1 of a 64-byte request answered with one `block` of data
+/// read into a buffer: what a one-block hand-off cannot beat.
+fn raw_tcp_rtt_p50_us(block: u64) -> Result<f64, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let len = block as usize;
+    let rounds = 200;
+    let server = std::thread::spawn(move || -> Result<(), String> {
+        let (mut s, _) = listener.accept().map_err(|e| e.to_string())?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        let data = vec![7u8; len];
+        let mut req = [0u8; 64];
+        for _ in 0..rounds {
+            s.read_exact(&mut req).map_err(|e| e.to_string())?;
+            s.write_all(&data).map_err(|e| e.to_string())?;
         }
-        threads.into_iter().for_each(|t| drop(t.join()));
         Ok(())
     });
-    let streams: Vec<TcpStream> = (0..connections)
-        .map(|_| TcpStream::connect(addr).map_err(|e| e.to_string()))
-        .collect::<Result<_, _>>()?;
-    let t0 = Instant::now();
-    let readers: Vec<_> = streams
-        .into_iter()
-        .map(|mut s| {
-            std::thread::spawn(move || {
-                let mut dst = vec![0u8; per];
-                for c in dst.chunks_mut(chunk) {
-                    if s.read_exact(c).is_err() {
-                        return;
-                    }
-                }
-            })
-        })
-        .collect();
-    readers.into_iter().for_each(|t| drop(t.join()));
-    let secs = t0.elapsed().as_secs_f64();
-    sender.join().map_err(|_| "raw tcp sender panicked".to_string())??;
-    Ok((per * connections) as f64 / f64::from(1u32 << 30) / secs)
+    let mut c = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    c.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; len];
+    let mut samples = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        c.write_all(&[1u8; 64]).map_err(|e| e.to_string())?;
+        c.read_exact(&mut buf).map_err(|e| e.to_string())?;
+        samples.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    server.join().map_err(|_| "rtt server panicked".to_string())??;
+    samples.sort_by(f64::total_cmp);
+    Ok(percentile(&samples, 0.5))
 }
 
 /// One memcpy of `total` bytes between two pre-touched buffers.
@@ -641,13 +677,14 @@ fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result
     }
     for &block in &run.block_bytes {
         let m = run_block_size(run, source, block)?;
-        let (raw, mem) = if run.baseline {
+        let (raw, mem, rtt) = if run.baseline {
             (
                 Some(raw_tcp_gib_per_s(run.total_bytes, run.connections, block)?),
                 Some(memcpy_gib_per_s(run.total_bytes)),
+                Some(raw_tcp_rtt_p50_us(block)?),
             )
         } else {
-            (None, None)
+            (None, None, None)
         };
         all_ok &= m.verified != Some(false);
         let ratio = |b: Option<f64>| b.map(|b| m.gib_per_s / b);
@@ -665,6 +702,7 @@ fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result
                 j["memcpy_gib_per_s"] = json!(mem);
                 j["ratio_vs_raw_tcp"] = json!(ratio(raw));
                 j["ratio_vs_memcpy"] = json!(ratio(mem));
+                j["raw_tcp_rtt_one_block_p50_us"] = json!(rtt);
             }
             println!("{j}");
         } else if run.csv {

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs kvxfer-bench with the prefill and decode agents in two processes on 127.0.0.1:
+# `serve` in the background, `pull` in the foreground, both with the same transport flags.
+#
+#   scripts/bench-two-process.sh [pull flags...]
+#   scripts/bench-two-process.sh --transport ucx --ucx-tls posix,sysv,cma,self --block-bytes 64K,2M --json
+#
+# Builds kvxfer-bench in release mode with the UCX feature (needs libucx-dev).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build -q --release -p kvxfer-bench --features ucx
+bin=target/release/kvxfer-bench
+
+# The serve side takes the transport flags; everything else is for pull.
+serve_args=()
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[$i]}" in
+        --transport|--ucx-tls) serve_args+=("${args[$i]}" "${args[$((i + 1))]}") ;;
+        --ucx-peer-failure) serve_args+=("${args[$i]}") ;;
+    esac
+done
+
+fifo=$(mktemp -u)
+mkfifo "$fifo"
+"$bin" serve --listen 127.0.0.1:0 --runs 1 "${serve_args[@]}" > "$fifo" &
+serve_pid=$!
+trap 'kill $serve_pid 2>/dev/null || true; rm -f "$fifo"' EXIT
+read -r line < "$fifo"
+addr=${line##* }
+"$bin" pull --peer "$addr" "$@"
+wait $serve_pid
