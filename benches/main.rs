@@ -128,19 +128,8 @@ fn parse_size(s: &str) -> Result<u64, String> {
     v.checked_mul(mult).filter(|&b| b > 0).ok_or_else(|| format!("size out of range: {s}"))
 }
 
-fn ucx_config(c: AgentConfig, _tls: &Option<String>, _peer_failure: bool) -> Result<AgentConfig, String> {
-    #[allow(unused_mut)]
-    let mut c = c;
-    #[cfg(feature = "ucx")]
-    {
-        c.ucx.tls = _tls.clone();
-        c.ucx.peer_failure_handling = _peer_failure;
-    }
-    #[cfg(not(feature = "ucx"))]
-    if _tls.is_some() || _peer_failure || c.transport == TransportChoice::Ucx {
-        return Err("UCX options need a build with --features ucx".into());
-    }
-    Ok(c)
+fn ucx_config(c: AgentConfig, tls: &Option<String>, peer_failure: bool) -> Result<AgentConfig, String> {
+    c.ucx_options(tls.clone(), peer_failure).map_err(|e| e.to_string())
 }
 
 /// Blocks per child so that every parent's children together move `total` bytes.
@@ -487,10 +476,12 @@ fn raw_tcp_gib_per_s(total: u64, connections: usize, block: u64) -> Result<f64, 
     let chunk = (block as usize).clamp(4096, 1 << 21);
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let clients: Vec<TcpStream> =
-        (0..connections).map(|_| TcpStream::connect(addr).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
-    let servers: Vec<TcpStream> =
-        (0..connections).map(|_| listener.accept().map(|(s, _)| s).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    let clients: Vec<TcpStream> = (0..connections)
+        .map(|_| TcpStream::connect(addr).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let servers: Vec<TcpStream> = (0..connections)
+        .map(|_| listener.accept().map(|(s, _)| s).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
     // Senders, receivers and this thread start together.
     let start = Arc::new(Barrier::new(2 * connections + 1));
     let mut threads = Vec::new();

@@ -98,21 +98,13 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
 
     let ttl = Duration::from_millis(args.lease_ms);
     let config = |name: &str| {
-        #[allow(unused_mut)]
-        let mut c = AgentConfig::new(name).transport(args.transport);
-        #[cfg(feature = "ucx")]
-        {
-            c.ucx.tls = args.ucx_tls.clone();
-            c.ucx.peer_failure_handling = args.ucx_peer_failure;
-        }
-        c
+        AgentConfig::new(name)
+            .transport(args.transport)
+            .ucx_options(args.ucx_tls.clone(), args.ucx_peer_failure)
+            .map_err(|e| e.to_string())
     };
-    #[cfg(not(feature = "ucx"))]
-    if args.ucx_tls.is_some() || args.ucx_peer_failure {
-        return Err("--ucx-tls and --ucx-peer-failure need a build with --features ucx".into());
-    }
-    let prefill = PrefillAgent::start(config("prefill").lease_ttl(ttl), "127.0.0.1:0", prefill_mem)?;
-    let decode = DecodeAgent::start(config("decode").connections_per_peer(args.connections), decode_mem)?;
+    let prefill = PrefillAgent::start(config("prefill")?.lease_ttl(ttl), "127.0.0.1:0", prefill_mem)?;
+    let decode = DecodeAgent::start(config("decode")?.connections_per_peer(args.connections), decode_mem)?;
 
     let remote: Vec<Vec<BlockId>> = (0..n)
         .map(|i| {

@@ -182,6 +182,19 @@ impl Connection {
         }
     }
 
+    /// A read (or pin) request for the remote side of `runs`, with the next sequence number.
+    fn request(&mut self, id: &str, token: &[u8], runs: &[BlockRun]) -> (u64, v1::ReadRequest) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let req = v1::ReadRequest {
+            seq,
+            remote_request_id: id.to_owned(),
+            lease_token: token.to_vec(),
+            ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
+        };
+        (seq, req)
+    }
+
     /// Reads the remote blocks of `runs` of lease `id` straight into their local blocks in
     /// `dest`. Returns the payload bytes received.
     ///
@@ -196,14 +209,7 @@ impl Connection {
         runs: &[BlockRun],
         dest: &KvMemory,
     ) -> Result<u64, ClientError> {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let req = v1::ReadRequest {
-            seq,
-            remote_request_id: id.to_owned(),
-            lease_token: token.to_vec(),
-            ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
-        };
+        let (seq, req) = self.request(id, token, runs);
         self.send(&Frame::ReadRequest(req)).await?;
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
         match self.recv().await? {
@@ -238,14 +244,7 @@ impl Connection {
     /// read guard until [`Self::unpin`] or until this connection closes. Returns the pin's
     /// sequence number.
     pub async fn pin(&mut self, id: &str, token: &[u8], runs: &[BlockRun]) -> Result<u64, ClientError> {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let req = v1::ReadRequest {
-            seq,
-            remote_request_id: id.to_owned(),
-            lease_token: token.to_vec(),
-            ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
-        };
+        let (seq, req) = self.request(id, token, runs);
         self.send(&Frame::Pin(req)).await?;
         match self.recv().await? {
             Frame::PinAck(a) if a.seq == seq => Ok(seq),

@@ -122,27 +122,13 @@ impl UcxTarget {
         regions: Vec<Span>,
         keep_alive: Arc<dyn Any + Send + Sync>,
     ) -> Result<Self, UcxError> {
-        let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
         let stop = Arc::new(AtomicBool::new(false));
         let config = config.clone();
-        let thread = {
-            let stop = stop.clone();
-            std::thread::Builder::new()
-                .name("kvxfer-ucx-target".into())
-                .spawn(move || raw::run_target(&config, regions, keep_alive, &stop, ready_tx))
-                .map_err(|e| UcxError::thread(&e))?
-        };
-        match ready_rx.recv() {
-            Ok(Ok((info, signal))) => Ok(UcxTarget { info, stop, signal, thread: Some(thread) }),
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                Err(e)
-            }
-            Err(_) => {
-                let _ = thread.join();
-                Err(UcxError::thread_died())
-            }
-        }
+        let thread_stop = stop.clone();
+        let ((info, signal), thread) = spawn("kvxfer-ucx-target", move |ready| {
+            raw::run_target(&config, regions, keep_alive, &thread_stop, ready)
+        })?;
+        Ok(UcxTarget { info, stop, signal, thread: Some(thread) })
     }
 
     /// What initiators need: worker address and per-region rkeys.
@@ -157,6 +143,30 @@ impl Drop for UcxTarget {
         self.signal.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// Starts the thread that owns a target's or initiator's UCX objects and waits until it has
+/// set them up (its `ready` report) or failed.
+fn spawn<R: Send + 'static>(
+    name: &str,
+    body: impl FnOnce(Sender<Result<R, UcxError>>) + Send + 'static,
+) -> Result<(R, JoinHandle<()>), UcxError> {
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+    let thread = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || body(ready_tx))
+        .map_err(|e| UcxError::thread(&e))?;
+    match ready_rx.recv() {
+        Ok(Ok(r)) => Ok((r, thread)),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = thread.join();
+            Err(UcxError::thread_died())
         }
     }
 }
@@ -193,28 +203,14 @@ impl UcxInitiator {
         regions: Vec<Span>,
         keep_alive: Arc<dyn Any + Send + Sync>,
     ) -> Result<Self, UcxError> {
-        let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
         let (commands, command_rx): (Sender<Command>, Receiver<Command>) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
         let config = config.clone();
-        let thread = {
-            let stop = stop.clone();
-            std::thread::Builder::new()
-                .name("kvxfer-ucx-initiator".into())
-                .spawn(move || raw::run_initiator(&config, regions, keep_alive, &stop, &command_rx, ready_tx))
-                .map_err(|e| UcxError::thread(&e))?
-        };
-        match ready_rx.recv() {
-            Ok(Ok(signal)) => Ok(UcxInitiator { commands, stop, signal, thread: Some(thread) }),
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                Err(e)
-            }
-            Err(_) => {
-                let _ = thread.join();
-                Err(UcxError::thread_died())
-            }
-        }
+        let thread_stop = stop.clone();
+        let (signal, thread) = spawn("kvxfer-ucx-initiator", move |ready| {
+            raw::run_initiator(&config, regions, keep_alive, &thread_stop, &command_rx, ready)
+        })?;
+        Ok(UcxInitiator { commands, stop, signal, thread: Some(thread) })
     }
 
     fn send(&self, c: Command) -> Result<(), Command> {

@@ -457,6 +457,22 @@ fn issue(peer: &PeerEp, job: &mut Box<Job>, pieces: &[GetPiece]) -> Result<(), U
     Ok(())
 }
 
+/// What a target and an initiator both start with: a context, a worker, and their regions
+/// mapped.
+///
+/// # Safety
+/// Every span stays valid until the returned maps are dropped.
+unsafe fn setup(config: &UcxConfig, regions: &[Span]) -> Result<(Context, Worker, Vec<MemMap>), UcxError> {
+    let ctx = Context::new(config)?;
+    let worker = Worker::new(&ctx)?;
+    let mut maps = Vec::with_capacity(regions.len());
+    for &span in regions {
+        // SAFETY: forwarded contract.
+        maps.push(unsafe { MemMap::new(&ctx, span) }?);
+    }
+    Ok((ctx, worker, maps))
+}
+
 type TargetReady = Sender<Result<(TargetInfo, Signal), UcxError>>;
 
 /// The prefill side's thread: maps the regions, publishes rkeys, progresses until stopped.
@@ -467,19 +483,9 @@ pub(crate) fn run_target(
     stop: &AtomicBool,
     ready: TargetReady,
 ) {
-    let setup = || -> Result<(Context, Worker, Vec<MemMap>), UcxError> {
-        let ctx = Context::new(config)?;
-        let worker = Worker::new(&ctx)?;
-        let mut maps = Vec::with_capacity(regions.len());
-        for &span in &regions {
-            // SAFETY: the caller of `UcxTarget::start` keeps the spans valid until the
-            // target is dropped; maps are dropped in this thread before `keep_alive`.
-            maps.push(unsafe { MemMap::new(&ctx, span) }?);
-        }
-        Ok((ctx, worker, maps))
-    };
-    // Fields are dropped in declaration order at the end of this function: see below.
-    let (ctx, worker, maps) = match setup() {
+    // SAFETY: the caller of `UcxTarget::start` keeps the spans valid until the target is
+    // dropped; the maps are dropped in this thread before `keep_alive`.
+    let (ctx, worker, maps) = match unsafe { setup(config, &regions) } {
         Ok(s) => s,
         Err(e) => {
             let _ = ready.send(Err(e));
@@ -525,17 +531,8 @@ pub(crate) fn run_initiator(
     commands: &Receiver<Command>,
     ready: InitiatorReady,
 ) {
-    let setup = || -> Result<(Context, Worker, Vec<MemMap>), UcxError> {
-        let ctx = Context::new(config)?;
-        let worker = Worker::new(&ctx)?;
-        let mut maps = Vec::with_capacity(regions.len());
-        for &span in &regions {
-            // SAFETY: as in run_target, for the initiator's own regions.
-            maps.push(unsafe { MemMap::new(&ctx, span) }?);
-        }
-        Ok((ctx, worker, maps))
-    };
-    let (ctx, worker, maps) = match setup() {
+    // SAFETY: as in run_target, for the initiator's own regions.
+    let (ctx, worker, maps) = match unsafe { setup(config, &regions) } {
         Ok(s) => s,
         Err(e) => {
             let _ = ready.send(Err(e));

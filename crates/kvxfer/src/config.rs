@@ -88,6 +88,34 @@ impl AgentConfig {
         self
     }
 
+    /// Sets UCX's transports (`UCX_TLS`) and peer-failure handling — what the command-line
+    /// tools expose. Without the `ucx` feature, asking for either is an error.
+    pub fn ucx_options(self, tls: Option<String>, peer_failure_handling: bool) -> Result<Self, crate::Error> {
+        #[cfg(feature = "ucx")]
+        {
+            let mut c = self;
+            c.ucx.tls = tls;
+            c.ucx.peer_failure_handling = peer_failure_handling;
+            Ok(c)
+        }
+        #[cfg(not(feature = "ucx"))]
+        if tls.is_some() || peer_failure_handling {
+            Err(crate::Error::Unsupported("UCX options need kvxfer built with the `ucx` feature".into()))
+        } else {
+            Ok(self)
+        }
+    }
+
+    /// Refuses a UCX-only config in a build without UCX.
+    pub(crate) fn check_transport(&self) -> Result<(), crate::Error> {
+        if cfg!(not(feature = "ucx")) && self.transport == TransportChoice::Ucx {
+            return Err(crate::Error::Unsupported(
+                "UCX was requested, but kvxfer was built without the `ucx` feature".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Sets the engine id.
     pub fn engine_id(mut self, id: impl Into<String>) -> Self {
         self.engine_id = id.into();

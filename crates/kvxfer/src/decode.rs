@@ -223,32 +223,18 @@ impl DecodeAgent {
     pub fn start(config: AgentConfig, memory: KvMemory) -> Result<Self, Error> {
         let runtime = crate::runtime::build(&config.agent_name, config.worker_threads)?;
         let memory = Arc::new(memory);
+        config.check_transport()?;
         #[cfg_attr(not(feature = "ucx"), allow(unused_mut))]
-        let mut transports =
-            vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }];
+        let mut transports = vec![crate::tcp_offer()];
         #[cfg(feature = "ucx")]
-        let ucx = match config.transport {
-            TransportChoice::Tcp => None,
-            choice => match crate::ucx::start_initiator(&config.ucx, &memory) {
-                Ok(i) => {
-                    transports.insert(
-                        0,
-                        v1::TransportOffer { transport: v1::Transport::Ucx as i32, connection_info: vec![] },
-                    );
-                    Some(i)
-                }
-                Err(e) if choice == TransportChoice::Ucx => return Err(e.into()),
-                Err(e) => {
-                    warn!(error = %e, "UCX unavailable; pulling over TCP only");
-                    None
-                }
-            },
-        };
-        #[cfg(not(feature = "ucx"))]
-        if config.transport == TransportChoice::Ucx {
-            return Err(Error::Unsupported(
-                "UCX was requested, but kvxfer was built without the `ucx` feature".into(),
-            ));
+        let ucx = crate::ucx::start_if_wanted(&config, |c| crate::ucx::start_initiator(c, &memory))?;
+        #[cfg(feature = "ucx")]
+        if ucx.is_some() {
+            // A decode agent only reads: its offer carries no connection info.
+            transports.insert(
+                0,
+                v1::TransportOffer { transport: v1::Transport::Ucx as i32, connection_info: vec![] },
+            );
         }
         let layout = memory.layout();
         let hello = v1::Hello {

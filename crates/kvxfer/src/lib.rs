@@ -40,6 +40,14 @@ pub use kvxfer_core::{
 pub use kvxfer_mem::{KvMemory, Region};
 pub use kvxfer_tcp::{Limits, ServerStats};
 
+/// The TCP offer every agent makes in its handshake.
+fn tcp_offer() -> kvxfer_proto::v1::TransportOffer {
+    kvxfer_proto::v1::TransportOffer {
+        transport: kvxfer_proto::v1::Transport::Tcp as i32,
+        connection_info: vec![],
+    }
+}
+
 /// Makes UCX write its own log messages to stderr, so a program's stdout (JSON, CSV) stays
 /// clean: UCX logs to stdout by default and reads `UCX_LOG_FILE` only when the library is
 /// loaded, so when it is unset this re-executes the current program once with

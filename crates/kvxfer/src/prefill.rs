@@ -18,7 +18,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
-use crate::{AgentConfig, Error, TransportChoice};
+use crate::{AgentConfig, Error};
 
 /// Counters of a prefill agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,29 +78,14 @@ impl PrefillAgent {
         let table = Arc::new(LeaseTable::new(lease_config, seed));
         let memory = Arc::new(memory);
         let counters = Arc::new(ServerCounters::default());
+        config.check_transport()?;
         #[cfg_attr(not(feature = "ucx"), allow(unused_mut))]
-        let mut transports =
-            vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }];
+        let mut transports = vec![crate::tcp_offer()];
         #[cfg(feature = "ucx")]
-        let ucx = match config.transport {
-            TransportChoice::Tcp => None,
-            choice => match crate::ucx::start_target(&config.ucx, &memory) {
-                Ok(t) => {
-                    transports.insert(0, crate::ucx::offer(&t));
-                    Some(t)
-                }
-                Err(e) if choice == TransportChoice::Ucx => return Err(e.into()),
-                Err(e) => {
-                    warn!(error = %e, "UCX unavailable; serving over TCP only");
-                    None
-                }
-            },
-        };
-        #[cfg(not(feature = "ucx"))]
-        if config.transport == TransportChoice::Ucx {
-            return Err(Error::Unsupported(
-                "UCX was requested, but kvxfer was built without the `ucx` feature".into(),
-            ));
+        let ucx = crate::ucx::start_if_wanted(&config, |c| crate::ucx::start_target(c, &memory))?;
+        #[cfg(feature = "ucx")]
+        if let Some(t) = &ucx {
+            transports.insert(0, crate::ucx::offer(t));
         }
         let ctx = Arc::new(ServeContext {
             table: table.clone(),

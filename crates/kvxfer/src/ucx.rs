@@ -31,6 +31,25 @@ pub(crate) fn start_initiator(config: &UcxConfig, memory: &Arc<KvMemory>) -> Res
     unsafe { UcxInitiator::start(config, spans(memory), memory.clone()) }
 }
 
+/// Starts the UCX side of an agent when its config wants it: `None` for `tcp`, and under
+/// `auto` when UCX cannot start here (logged); an error when UCX was required.
+pub(crate) fn start_if_wanted<T>(
+    config: &crate::AgentConfig,
+    start: impl FnOnce(&UcxConfig) -> Result<T, UcxError>,
+) -> Result<Option<T>, crate::Error> {
+    match config.transport {
+        crate::TransportChoice::Tcp => Ok(None),
+        choice => match start(&config.ucx) {
+            Ok(t) => Ok(Some(t)),
+            Err(e) if choice == crate::TransportChoice::Ucx => Err(e.into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "UCX unavailable; using TCP only");
+                Ok(None)
+            }
+        },
+    }
+}
+
 /// The handshake offer of a UCX target.
 pub(crate) fn offer(target: &UcxTarget) -> v1::TransportOffer {
     let info = target.info();
