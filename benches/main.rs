@@ -645,7 +645,7 @@ fn human(b: u64) -> String {
 }
 
 fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result<bool, String> {
-    let transport = format!("{:?}", run.transport).to_lowercase();
+    let transport = run.transport.to_string();
     let mut all_ok = true;
     let mut plot_rows = Vec::new();
     if !run.json && run.csv {

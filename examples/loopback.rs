@@ -180,7 +180,7 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let bytes = report.delivered_bytes;
     let gib_per_s = bytes as f64 / (1u64 << 30) as f64 / report.elapsed.as_secs_f64().max(1e-9);
     println!(
-        "kvxfer loopback over {:?}: parent {} with n={} ({} blocks of {} B per child{})",
+        "kvxfer loopback over {}: parent {} with n={} ({} blocks of {} B per child{})",
         args.transport,
         report.parent_request_id,
         n,
@@ -208,7 +208,7 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     );
     if args.json {
         let j = serde_json::json!({
-            "transport": format!("{:?}", args.transport).to_lowercase(),
+            "transport": args.transport.to_string(),
             "children": n,
             "pulled": pulled,
             "released": released,

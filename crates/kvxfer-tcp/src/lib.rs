@@ -13,7 +13,7 @@ pub mod server;
 
 pub use client::{ClientError, Connection};
 pub use frame::{Frame, FrameError};
-pub use server::{serve_connection, ServeContext, ServerCounters, ServerStats};
+pub use server::{refuse_connection, serve_connection, ServeContext, ServerCounters, ServerStats};
 
 use std::time::Duration;
 
@@ -24,10 +24,12 @@ pub struct Limits {
     pub max_frame_len: u32,
     /// A read or write that makes no progress for this long fails the connection.
     pub io_timeout: Duration,
+    /// Connections a prefill agent serves at once; more are refused with an error frame.
+    pub max_connections: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_frame_len: 1 << 20, io_timeout: Duration::from_secs(10) }
+        Limits { max_frame_len: 1 << 20, io_timeout: Duration::from_secs(10), max_connections: 1024 }
     }
 }

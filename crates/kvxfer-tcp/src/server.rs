@@ -37,6 +37,8 @@ pub struct ServerCounters {
     pub pins: AtomicU64,
     /// Pins not yet released (by unpin or by their connection closing).
     pub pins_open: AtomicU64,
+    /// Connections refused because `Limits::max_connections` were open.
+    pub connections_refused: AtomicU64,
 }
 
 /// A snapshot of [`ServerCounters`].
@@ -51,6 +53,7 @@ pub struct ServerStats {
     pub protocol_errors: u64,
     pub pins: u64,
     pub pins_open: u64,
+    pub connections_refused: u64,
 }
 
 impl ServerCounters {
@@ -66,6 +69,7 @@ impl ServerCounters {
             protocol_errors: l(&self.protocol_errors),
             pins: l(&self.pins),
             pins_open: l(&self.pins_open),
+            connections_refused: l(&self.connections_refused),
         }
     }
 }
@@ -144,6 +148,18 @@ pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
         Ok(()) => debug!(%peer, "connection closed"),
         Err(e) => debug!(%peer, error = %e, "connection ended"),
     }
+}
+
+/// Refuses a connection accepted past `Limits::max_connections`: one error frame (bounded
+/// by the I/O timeout), then close.
+pub async fn refuse_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
+    bump(&ctx.counters.connections_refused);
+    let max = ctx.limits.max_connections;
+    warn!(peer = ?stream.peer_addr().ok(), max, "connection refused: too many open");
+    let msg = format!("this agent serves at most {max} connections at once");
+    let _ =
+        tokio::time::timeout(ctx.limits.io_timeout, refuse(&mut stream, ErrorCode::LimitExceeded, msg, 0))
+            .await;
 }
 
 /// Sends an error frame and reports the connection as finished.

@@ -16,6 +16,16 @@ pub enum TransportChoice {
     Ucx,
 }
 
+impl std::fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Ucx => "ucx",
+        })
+    }
+}
+
 impl std::str::FromStr for TransportChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

@@ -240,11 +240,21 @@ impl Drop for PrefillAgent {
 }
 
 async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>) {
+    let open = Arc::new(tokio::sync::Semaphore::new(ctx.limits.max_connections.max(1)));
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(serve_connection(stream, ctx.clone()));
-            }
+            Ok((stream, _)) => match open.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    let ctx = ctx.clone();
+                    tokio::spawn(async move {
+                        serve_connection(stream, ctx).await;
+                        drop(permit);
+                    });
+                }
+                Err(_) => {
+                    tokio::spawn(kvxfer_tcp::refuse_connection(stream, ctx.clone()));
+                }
+            },
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
                 warn!(error = %e, "accept failed");
