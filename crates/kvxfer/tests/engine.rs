@@ -328,14 +328,7 @@ async fn raw_connection(
     layout: &BlockLayout,
     version: u32,
 ) -> Result<kvxfer_tcp::Connection, kvxfer_tcp::ClientError> {
-    let hello = kvxfer_proto::v1::Hello {
-        protocol_version: version,
-        engine_id: "raw".into(),
-        agent_name: "raw-test-client".into(),
-        compat_hash: layout.compat_hash(),
-        layout: Some(layout.to_wire()),
-        transports: vec![],
-    };
+    let hello = kvxfer_proto::v1::Hello { protocol_version: version, ..raw_hello(layout, "raw") };
     kvxfer_tcp::Connection::connect(addr, &hello, kvxfer_tcp::Limits::default()).await
 }
 

@@ -49,11 +49,7 @@ fn read_frame(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
 }
 
 fn write_frame(s: &mut TcpStream, ty: v1::FrameType, body: &impl Message) {
-    let b = body.encode_to_vec();
-    let mut out = ((b.len() + 1) as u32).to_be_bytes().to_vec();
-    out.push(ty as u8);
-    out.extend_from_slice(&b);
-    let _ = s.write_all(&out);
+    let _ = s.write_all(&frame_bytes(ty, body));
 }
 
 /// A scripted prefill peer: answers hellos as `engine` with `layout`, then on each read
@@ -227,14 +223,7 @@ fn expect_error_frame(s: &mut TcpStream, code: v1::ErrorCode) {
 }
 
 fn hello(layout: &BlockLayout) -> v1::Hello {
-    v1::Hello {
-        protocol_version: 1,
-        engine_id: "raw".into(),
-        agent_name: "raw".into(),
-        compat_hash: layout.compat_hash(),
-        layout: Some(layout.to_wire()),
-        transports: vec![],
-    }
+    raw_hello(layout, "raw")
 }
 
 #[test]

@@ -9,23 +9,10 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{AgentConfig, BlockId, BlockLayout, EndKind};
 use kvxfer_proto::v1;
-use kvxfer_proto::Message;
 use support::*;
 
 fn hello(layout: &BlockLayout) -> Vec<u8> {
-    let h = v1::Hello {
-        protocol_version: 1,
-        engine_id: "raw".into(),
-        agent_name: "raw".into(),
-        compat_hash: layout.compat_hash(),
-        layout: Some(layout.to_wire()),
-        transports: vec![],
-    };
-    let body = h.encode_to_vec();
-    let mut out = ((body.len() + 1) as u32).to_be_bytes().to_vec();
-    out.push(v1::FrameType::Hello as u8);
-    out.extend_from_slice(&body);
-    out
+    frame_bytes(v1::FrameType::Hello, &raw_hello(layout, "raw"))
 }
 
 fn first_frame_type(s: &mut TcpStream) -> u8 {
@@ -93,14 +80,7 @@ fn a_flood_of_bogus_notifications_is_refused_while_a_real_pull_completes() {
         for f in 0..FLOODERS {
             let (addr, layout) = (addr.clone(), layout.clone());
             tasks.push(tokio::spawn(async move {
-                let hello = v1::Hello {
-                    protocol_version: 1,
-                    engine_id: format!("flooder-{f}"),
-                    agent_name: "flooder".into(),
-                    compat_hash: layout.compat_hash(),
-                    layout: Some(layout.to_wire()),
-                    transports: vec![],
-                };
+                let hello = raw_hello(&layout, &format!("flooder-{f}"));
                 let mut c = kvxfer_tcp::Connection::connect(&addr, &hello, kvxfer_tcp::Limits::default())
                     .await
                     .expect("flooder connects");

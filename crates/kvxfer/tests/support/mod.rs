@@ -162,3 +162,24 @@ pub fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// The hello a raw test client (not a DecodeAgent) sends to a prefill agent of `layout`.
+pub fn raw_hello(layout: &BlockLayout, engine_id: &str) -> kvxfer_proto::v1::Hello {
+    kvxfer_proto::v1::Hello {
+        protocol_version: kvxfer_proto::PROTOCOL_VERSION,
+        engine_id: engine_id.into(),
+        agent_name: "raw-test-client".into(),
+        compat_hash: layout.compat_hash(),
+        layout: Some(layout.to_wire()),
+        transports: vec![],
+    }
+}
+
+/// One whole frame (header and body), for tests that speak the protocol by hand.
+pub fn frame_bytes(ty: kvxfer_proto::v1::FrameType, body: &impl kvxfer_proto::Message) -> Vec<u8> {
+    let b = body.encode_to_vec();
+    let mut out = ((b.len() + 1) as u32).to_be_bytes().to_vec();
+    out.push(ty as u8);
+    out.extend_from_slice(&b);
+    out
+}
