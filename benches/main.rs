@@ -96,6 +96,9 @@ struct RunArgs {
     /// Data connections per peer.
     #[arg(long, default_value_t = 2)]
     connections: usize,
+    /// Runtime threads of each agent.
+    #[arg(long, default_value_t = 2)]
+    worker_threads: usize,
     /// Decode agents that each pull every child (heterogeneous TP); one process only.
     #[arg(long, default_value_t = 1)]
     expected_consumers: u32,
@@ -372,7 +375,8 @@ fn run_block_size(run: &RunArgs, source: &mut dyn LeaseSource, block: u64) -> Re
             let c = ucx_config(
                 AgentConfig::new(format!("bench-decode-{i}"))
                     .transport(run.transport)
-                    .connections_per_peer(run.connections),
+                    .connections_per_peer(run.connections)
+                    .worker_threads(run.worker_threads),
                 &run.ucx_tls,
                 run.ucx_peer_failure,
             )?;
@@ -754,7 +758,9 @@ fn main() -> ExitCode {
             }
         }
         None => ucx_config(
-            AgentConfig::new("bench-prefill").transport(cli.run.transport),
+            AgentConfig::new("bench-prefill")
+                .transport(cli.run.transport)
+                .worker_threads(cli.run.worker_threads),
             &cli.run.ucx_tls,
             cli.run.ucx_peer_failure,
         )
