@@ -110,21 +110,7 @@ impl Connection {
         match c.recv().await? {
             Frame::HelloAck(ack) => {
                 // Check the answer too: a peer must not accept what we would refuse.
-                let ours = v1::HelloAck {
-                    protocol_version: hello.protocol_version,
-                    engine_id: hello.engine_id.clone(),
-                    agent_name: hello.agent_name.clone(),
-                    compat_hash: hello.compat_hash,
-                    ..Default::default()
-                };
-                let theirs = v1::Hello {
-                    protocol_version: ack.protocol_version,
-                    engine_id: ack.engine_id.clone(),
-                    agent_name: ack.agent_name.clone(),
-                    compat_hash: ack.compat_hash,
-                    ..Default::default()
-                };
-                if let Some((_, message)) = crate::server::check_hello(&theirs, &ours) {
+                if let Some((_, message)) = crate::server::check_hello((&ack).into(), hello.into()) {
                     return Err(ClientError::Handshake { peer: c.peer, message });
                 }
                 c.ack = ack;

@@ -13,7 +13,9 @@ pub mod server;
 
 pub use client::{ClientError, Connection};
 pub use frame::{Frame, FrameError};
-pub use server::{refuse_connection, serve_connection, ServeContext, ServerCounters, ServerStats};
+pub use server::{
+    check_hello, refuse_connection, serve_connection, HandshakeId, ServeContext, ServerCounters, ServerStats,
+};
 
 use std::time::Duration;
 

@@ -93,31 +93,68 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-/// The reason a hello is refused, or `None` when the peer is compatible.
-pub fn check_hello(hello: &v1::Hello, ours: &v1::HelloAck) -> Option<(ErrorCode, String)> {
-    if hello.protocol_version != ours.protocol_version {
+/// What a handshake compares: who a side is and what it speaks. Both `Hello` and
+/// `HelloAck` carry it.
+#[derive(Debug, Clone, Copy)]
+pub struct HandshakeId<'a> {
+    /// Protocol version.
+    pub protocol_version: u32,
+    /// Engine id.
+    pub engine_id: &'a str,
+    /// Agent name.
+    pub agent_name: &'a str,
+    /// Compatibility hash of the block layout.
+    pub compat_hash: u64,
+}
+
+impl<'a> From<&'a v1::Hello> for HandshakeId<'a> {
+    fn from(h: &'a v1::Hello) -> Self {
+        HandshakeId {
+            protocol_version: h.protocol_version,
+            engine_id: &h.engine_id,
+            agent_name: &h.agent_name,
+            compat_hash: h.compat_hash,
+        }
+    }
+}
+
+impl<'a> From<&'a v1::HelloAck> for HandshakeId<'a> {
+    fn from(h: &'a v1::HelloAck) -> Self {
+        HandshakeId {
+            protocol_version: h.protocol_version,
+            engine_id: &h.engine_id,
+            agent_name: &h.agent_name,
+            compat_hash: h.compat_hash,
+        }
+    }
+}
+
+/// The reason a peer is refused, or `None` when it is compatible with `ours`. The message
+/// names both sides' values.
+pub fn check_hello(peer: HandshakeId<'_>, ours: HandshakeId<'_>) -> Option<(ErrorCode, String)> {
+    if peer.protocol_version != ours.protocol_version {
         return Some((
             ErrorCode::VersionMismatch,
             format!(
                 "protocol version mismatch: peer {} ({}) speaks v{}, {} ({}) speaks v{}",
-                hello.agent_name,
-                hello.engine_id,
-                hello.protocol_version,
+                peer.agent_name,
+                peer.engine_id,
+                peer.protocol_version,
                 ours.agent_name,
                 ours.engine_id,
                 ours.protocol_version
             ),
         ));
     }
-    if hello.compat_hash != ours.compat_hash {
+    if peer.compat_hash != ours.compat_hash {
         return Some((
             ErrorCode::CompatMismatch,
             format!(
                 "compatibility hash mismatch: peer {} ({}) has {:#018x}, {} ({}) has {:#018x} \
                  (block size, segments, dtype or tokens per block differ)",
-                hello.agent_name,
-                hello.engine_id,
-                hello.compat_hash,
+                peer.agent_name,
+                peer.engine_id,
+                peer.compat_hash,
                 ours.agent_name,
                 ours.engine_id,
                 ours.compat_hash
@@ -181,7 +218,7 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
         .map_err(|_| FrameError::Timeout)?;
     match first {
         Ok(Frame::Hello(hello)) => {
-            if let Some((code, msg)) = check_hello(&hello, &ctx.hello_ack) {
+            if let Some((code, msg)) = check_hello((&hello).into(), (&ctx.hello_ack).into()) {
                 bump(&ctx.counters.handshakes_refused);
                 warn!(peer_engine = %hello.engine_id, "handshake refused: {msg}");
                 return refuse(stream, code, msg, 0).await;
