@@ -416,12 +416,27 @@ impl Inner {
 }
 
 impl Peer {
-    fn take_idle(&self) -> Option<Connection> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    /// A data connection for one request: waits for one of the peer's permits, then reuses an
+    /// idle connection or opens a new one.
+    async fn checkout(
+        &self,
+        inner: &Inner,
+    ) -> Result<(tokio::sync::SemaphorePermit<'_>, Connection), String> {
+        let permit = self.permits.acquire().await.map_err(|e| e.to_string())?;
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let conn = match idle {
+            Some(c) => c,
+            None => inner.connect(&self.addr).await.map_err(|e| e.to_string())?,
+        };
+        Ok((permit, conn))
     }
 
-    fn put_idle(&self, c: Connection) {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+    /// Returns a connection to the pool after a request ended with `r`, unless the error
+    /// left it unusable (it is dropped then).
+    fn checkin<T>(&self, conn: Connection, r: &Result<T, ClientError>) {
+        if r.as_ref().err().is_none_or(ClientError::connection_usable) {
+            self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(conn);
+        }
     }
 
     /// Runs `op` on the control connection, connecting (again) if needed. A failed
@@ -729,30 +744,16 @@ impl Pull {
         };
         let child = &self.children[i];
         let read = async {
-            let _permit = peer.permits.acquire().await.map_err(|e| e.to_string())?;
-            let mut conn = match peer.take_idle() {
-                Some(c) => c,
-                None => self.inner.connect(&peer.addr).await.map_err(|e| e.to_string())?,
-            };
+            let (_permit, mut conn) = peer.checkout(&self.inner).await?;
             let id = child.remote_request_id();
             // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
             // other pull writes them; the caller does not touch them until their report),
             // and `ResultPlan::build` checked them against the local layout.
             #[allow(unsafe_code)]
             let r = unsafe { conn.read_into(id, child.token().as_bytes(), runs, &self.inner.memory) }.await;
-            match r {
-                Ok(bytes) => {
-                    peer.put_idle(conn);
-                    debug!(remote_request_id = %id, bytes, "child read");
-                    Ok(bytes)
-                }
-                Err(e) => {
-                    if e.connection_usable() {
-                        peer.put_idle(conn);
-                    }
-                    Err(e.to_string())
-                }
-            }
+            peer.checkin(conn, &r);
+            debug!(remote_request_id = %id, result = ?r, "child read");
+            r.map_err(|e| e.to_string())
         };
         tokio::select! {
             r = read => match r {
@@ -771,19 +772,14 @@ impl Pull {
         let init = self.inner.ucx.as_ref().ok_or("this agent has no UCX")?;
         let child = &self.children[i];
         let runs = &self.plan.children[i].wire;
-        let _permit = peer.permits.acquire().await.map_err(|e| e.to_string())?;
-        let mut conn = match peer.take_idle() {
-            Some(c) => c,
-            None => self.inner.connect(&peer.addr).await.map_err(|e| e.to_string())?,
-        };
+        let (_permit, mut conn) = peer.checkout(&self.inner).await?;
         let id = child.remote_request_id();
         let seq = match conn.pin(id, child.token().as_bytes(), runs).await {
             Ok(seq) => seq,
             Err(e) => {
-                if e.connection_usable() {
-                    peer.put_idle(conn);
-                }
-                return Err(e.to_string());
+                let message = e.to_string();
+                peer.checkin(conn, &Err::<(), _>(e));
+                return Err(message);
             }
         };
         let pieces = crate::ucx::pieces(&self.inner.memory, remote, runs);
@@ -825,11 +821,8 @@ impl Pull {
             init.disconnect(&peer.addr);
             *peer.ucx_engine.lock().await = None;
         }
-        match conn.unpin(seq, result.is_ok()).await {
-            Ok(()) => peer.put_idle(conn),
-            Err(e) if e.connection_usable() => peer.put_idle(conn),
-            Err(_) => {}
-        }
+        let unpinned = conn.unpin(seq, result.is_ok()).await;
+        peer.checkin(conn, &unpinned);
         debug!(remote_request_id = %id, ?result, "child read over UCX");
         result
     }
