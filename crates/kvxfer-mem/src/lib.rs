@@ -280,6 +280,23 @@ impl KvMemory {
         unsafe { self.regions[c.region].slice_mut(c.offset, c.len) }
     }
 
+    /// CRC-32C of blocks `(start, count)` of `runs`, in wire order (the order
+    /// [`Self::run_chunks`] yields): what both sides of a read compute to check the payload.
+    /// The caller has checked the runs against the layout.
+    ///
+    /// # Safety
+    /// As [`Self::chunk`]: nobody writes these blocks while this runs.
+    pub unsafe fn crc32c(&self, runs: impl IntoIterator<Item = (BlockId, u32)>) -> u32 {
+        let mut crc = 0;
+        for (start, count) in runs {
+            for c in self.run_chunks(start, count) {
+                // SAFETY: forwarded contract.
+                crc = crc32c::crc32c_append(crc, unsafe { self.chunk(c) });
+            }
+        }
+        crc
+    }
+
     fn check_block(&self, block: BlockId) -> Result<(), MemError> {
         if self.layout.contains(block) {
             Ok(())

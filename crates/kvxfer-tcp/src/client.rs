@@ -51,6 +51,17 @@ pub enum ClientError {
         /// What was wrong.
         message: String,
     },
+    /// A payload failed its integrity check: its length or CRC-32C differs from what the
+    /// peer announced. Nothing of it may be used.
+    #[error("read {seq} from {peer}: payload failed its integrity check ({detail})")]
+    Integrity {
+        /// The peer's address.
+        peer: String,
+        /// The read's sequence number.
+        seq: u64,
+        /// What differed.
+        detail: String,
+    },
     /// Could not connect.
     #[error("connecting to {peer}: {source}")]
     Connect {
@@ -96,7 +107,7 @@ impl Connection {
                 })
             }
         };
-        let _ = stream.set_nodelay(true);
+        crate::tune_stream(&stream, limits.io_timeout);
         let mut c = Connection {
             stream,
             peer: addr.to_owned(),
@@ -182,7 +193,8 @@ impl Connection {
     }
 
     /// Reads the remote blocks of `runs` of lease `id` straight into their local blocks in
-    /// `dest`. Returns the payload bytes received.
+    /// `dest`, and checks them against the CRC-32C the peer announced (a mismatch is
+    /// [`ClientError::Integrity`]). Returns the payload bytes received.
     ///
     /// # Safety
     /// Nobody else reads or writes the local blocks of `runs` in `dest` until this returns
@@ -198,21 +210,25 @@ impl Connection {
         let (seq, req) = self.request(id, token, runs);
         self.send(&Frame::ReadRequest(req)).await?;
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
-        match self.recv().await? {
-            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {}
+        let want_crc = match self.recv().await? {
+            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {
+                resp.payload_crc32c
+            }
             Frame::ReadResponse(resp) => {
-                return Err(ClientError::Protocol {
+                return Err(ClientError::Integrity {
                     peer: self.peer.clone(),
-                    message: format!(
-                        "read {seq} answered as read {} with {} bytes, expected {expected}",
+                    seq,
+                    detail: format!(
+                        "answered as read {} with {} bytes, expected read {seq} with {expected}",
                         resp.seq, resp.payload_len
                     ),
                 })
             }
             Frame::Error(e) if e.seq == seq => return Err(self.refused(e)),
             other => return Err(self.unexpected(&other)),
-        }
+        };
         let timeout = self.limits.io_timeout;
+        let mut crc = 0;
         for run in runs {
             for c in dest.run_chunks(run.local_start, run.count) {
                 // SAFETY: the caller guarantees exclusive access to these destination
@@ -221,19 +237,27 @@ impl Connection {
                 read_exact_with_progress(&mut self.stream, dst, timeout)
                     .await
                     .map_err(|e| self.frame_err(e))?;
+                crc = crc32c::crc32c_append(crc, dst);
             }
         }
+        check_crc(&self.peer, seq, want_crc, crc)?;
         Ok(expected)
     }
 
     /// Pins `runs` of lease `id` for a one-sided read (UCX, RDMA): the prefill side holds a
     /// read guard until [`Self::unpin`] or until this connection closes. Returns the pin's
-    /// sequence number.
-    pub async fn pin(&mut self, id: &str, token: &[u8], runs: &[BlockRun]) -> Result<u64, ClientError> {
+    /// sequence number and the CRC-32C of the pinned blocks (check the one-sided read
+    /// against it with [`check_crc`]).
+    pub async fn pin(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        runs: &[BlockRun],
+    ) -> Result<(u64, u32), ClientError> {
         let (seq, req) = self.request(id, token, runs);
         self.send(&Frame::Pin(req)).await?;
         match self.recv().await? {
-            Frame::PinAck(a) if a.seq == seq => Ok(seq),
+            Frame::PinAck(a) if a.seq == seq => Ok((seq, a.payload_crc32c)),
             Frame::Error(e) if e.seq == seq => Err(self.refused(e)),
             other => Err(self.unexpected(&other)),
         }
@@ -304,6 +328,18 @@ impl Connection {
     pub async fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.stream.write_all(bytes).await
     }
+}
+
+/// Compares a payload's CRC-32C with the one its peer announced for read (or pin) `seq`.
+pub fn check_crc(peer: &str, seq: u64, announced: u32, computed: u32) -> Result<(), ClientError> {
+    if announced == computed {
+        return Ok(());
+    }
+    Err(ClientError::Integrity {
+        peer: peer.to_owned(),
+        seq,
+        detail: format!("CRC-32C {computed:#010x}, announced {announced:#010x}"),
+    })
 }
 
 /// Fills `buf` from `stream`, failing when no byte arrives for `timeout`.

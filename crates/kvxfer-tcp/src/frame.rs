@@ -65,6 +65,10 @@ pub enum FrameError {
     /// No progress within the I/O timeout.
     #[error("timed out")]
     Timeout,
+    /// No frame started within the idle allowance ([`read_frame_timed`]); nothing was
+    /// consumed and the connection is still in step.
+    #[error("idle")]
+    Idle,
 }
 
 impl Frame {
@@ -212,6 +216,37 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     buf.resize(body_len, 0);
     r.read_exact(buf).await?;
     Frame::decode(ty, buf)
+}
+
+/// Reads one frame: waits up to `idle` for it to start (`None`: forever), then fails with
+/// [`FrameError::Timeout`] if the rest has not arrived within `progress` — so a peer that sends half a
+/// frame and stops cannot hold the connection.
+pub async fn read_frame_timed<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: u32,
+    buf: &mut Vec<u8>,
+    idle: Option<std::time::Duration>,
+    progress: std::time::Duration,
+) -> Result<Frame, FrameError> {
+    let mut h = [0u8; HEADER_LEN];
+    // Cancel-safe: a read that times out has consumed nothing.
+    let first = r.read(&mut h);
+    let n = match idle {
+        Some(d) => tokio::time::timeout(d, first).await.map_err(|_| FrameError::Idle)??,
+        None => first.await?,
+    };
+    if n == 0 {
+        return Err(FrameError::Closed);
+    }
+    let rest = async {
+        r.read_exact(&mut h[n..]).await?;
+        let (ty, body_len) = parse_header(h, max)?;
+        buf.clear();
+        buf.resize(body_len, 0);
+        r.read_exact(buf).await?;
+        Frame::decode(ty, buf)
+    };
+    tokio::time::timeout(progress, rest).await.map_err(|_| FrameError::Timeout)?
 }
 
 /// Writes one frame, encoding into `scratch`.

@@ -39,6 +39,12 @@ pub struct ServerCounters {
     pub pins_open: AtomicU64,
     /// Connections refused because `Limits::max_connections` were open.
     pub connections_refused: AtomicU64,
+    /// Pins refused because `Limits::max_inflight_reads` were open on their connection.
+    pub pins_refused: AtomicU64,
+    /// Pins dropped by the server after `Limits::pin_timeout`.
+    pub pins_expired: AtomicU64,
+    /// Connections closed because a frame stalled midway for `Limits::io_timeout`.
+    pub stalled_frames: AtomicU64,
 }
 
 /// A snapshot of [`ServerCounters`].
@@ -54,6 +60,9 @@ pub struct ServerStats {
     pub pins: u64,
     pub pins_open: u64,
     pub connections_refused: u64,
+    pub pins_refused: u64,
+    pub pins_expired: u64,
+    pub stalled_frames: u64,
 }
 
 impl ServerCounters {
@@ -70,6 +79,9 @@ impl ServerCounters {
             pins: l(&self.pins),
             pins_open: l(&self.pins_open),
             connections_refused: l(&self.connections_refused),
+            pins_refused: l(&self.pins_refused),
+            pins_expired: l(&self.pins_expired),
+            stalled_frames: l(&self.stalled_frames),
         }
     }
 }
@@ -180,7 +192,7 @@ fn refusal_code(r: &ReadRefused) -> ErrorCode {
 pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     bump(&ctx.counters.connections);
-    let _ = stream.set_nodelay(true);
+    crate::tune_stream(&stream, ctx.limits.io_timeout);
     match serve_inner(&mut stream, &ctx).await {
         Ok(()) => debug!(%peer, "connection closed"),
         Err(e) => debug!(%peer, error = %e, "connection ended"),
@@ -237,9 +249,21 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
     // Read guards of one-sided reads, by pin sequence number; dropped with the connection.
     let mut pins: HashMap<u64, Pinned> = HashMap::new();
     loop {
-        let f = match frame::read_frame(stream, max, &mut buf).await {
+        // Idle between frames is fine (pooled connections), but not past a pin's deadline.
+        let idle =
+            pins.values().map(|p| p.deadline).min().map(|d| d.saturating_duration_since(Instant::now()));
+        let f = match frame::read_frame_timed(stream, max, &mut buf, idle, ctx.limits.io_timeout).await {
             Ok(f) => f,
             Err(FrameError::Closed) => return Ok(()),
+            Err(FrameError::Idle) => {
+                expire_pins(&mut pins, ctx, Instant::now());
+                continue;
+            }
+            Err(FrameError::Timeout) => {
+                bump(&ctx.counters.stalled_frames);
+                warn!("closing connection: a frame stalled midway for {:?}", ctx.limits.io_timeout);
+                return Err(FrameError::Timeout);
+            }
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
         let now = Instant::now();
@@ -249,17 +273,28 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
                 continue;
             }
             Frame::Pin(req) => {
-                if pins.len() >= MAX_PINS_PER_CONNECTION || pins.contains_key(&req.seq) {
-                    let msg = format!("pin {} refused: {} pins open on this connection", req.seq, pins.len());
+                if pins.len() >= ctx.limits.max_inflight_reads || pins.contains_key(&req.seq) {
+                    bump(&ctx.counters.pins_refused);
+                    let msg = format!(
+                        "pin {} refused: {} pins open on this connection (at most {}) or the sequence number is in use",
+                        req.seq,
+                        pins.len(),
+                        ctx.limits.max_inflight_reads
+                    );
                     Frame::error(ErrorCode::LimitExceeded, msg, req.seq)
                 } else {
                     match begin(ctx, &req) {
                         Ok((guard, bytes)) => {
+                            let payload_crc32c = payload_crc(ctx, &guard, &ranges_of(&req));
                             bump(&ctx.counters.pins);
                             bump(&ctx.counters.pins_open);
                             debug!(remote_request_id = %req.remote_request_id, seq = req.seq, bytes, "pinned");
-                            pins.insert(req.seq, Pinned { guard, bytes, counters: ctx.counters.clone() });
-                            Frame::PinAck(v1::PinAck { seq: req.seq })
+                            let deadline = now + ctx.limits.pin_timeout;
+                            pins.insert(
+                                req.seq,
+                                Pinned { guard, bytes, deadline, counters: ctx.counters.clone() },
+                            );
+                            Frame::PinAck(v1::PinAck { seq: req.seq, payload_crc32c })
                         }
                         Err(e) => Frame::Error(e),
                     }
@@ -344,18 +379,43 @@ async fn protocol_error(stream: &mut TcpStream, ctx: &ServeContext, e: FrameErro
         FrameError::UnknownType(_) => ErrorCode::UnknownFrameType,
         FrameError::Malformed { .. } | FrameError::Empty => ErrorCode::Malformed,
         // The peer is gone or silent: nobody to tell.
-        FrameError::Closed | FrameError::Io(_) | FrameError::Timeout => return Err(e),
+        FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle => return Err(e),
     };
     bump(&ctx.counters.protocol_errors);
     warn!(error = %e, "closing connection after a protocol error");
     refuse(stream, code, e.to_string(), 0).await
 }
 
-/// A pinned range: its read guard, its payload bytes, and the open-pin gauge it holds.
+/// A pinned range: its read guard, its payload bytes, when the server drops it, and the
+/// open-pin gauge it holds.
 struct Pinned {
     guard: ReadGuard,
     bytes: u64,
+    deadline: Instant,
     counters: Arc<ServerCounters>,
+}
+
+/// Drops the pins whose deadline passed (loudly: the peer neither unpinned nor closed).
+fn expire_pins(pins: &mut HashMap<u64, Pinned>, ctx: &ServeContext, now: Instant) {
+    pins.retain(|seq, p| {
+        let keep = p.deadline > now;
+        if !keep {
+            bump(&ctx.counters.pins_expired);
+            warn!(
+                remote_request_id = %p.guard.request_id(), seq,
+                "pin dropped after {:?} without an unpin", ctx.limits.pin_timeout
+            );
+        }
+        keep
+    });
+}
+
+/// CRC-32C of the blocks of `ranges`, which `guard` keeps leased.
+fn payload_crc(ctx: &ServeContext, guard: &ReadGuard, ranges: &[BlockRange]) -> u32 {
+    let _ = guard;
+    // SAFETY: `guard` pins the lease and `begin_read` checked every block of `ranges`
+    // against it; the owner does not write leased blocks (kvxfer-mem's access contract).
+    unsafe { ctx.memory.crc32c(ranges.iter().map(|r| (r.start, r.count))) }
 }
 
 impl Drop for Pinned {
@@ -363,9 +423,6 @@ impl Drop for Pinned {
         self.counters.pins_open.fetch_sub(1, Ordering::Relaxed);
     }
 }
-
-/// Most pins one connection may hold at once.
-pub const MAX_PINS_PER_CONNECTION: usize = 256;
 
 fn ranges_of(req: &v1::ReadRequest) -> Vec<BlockRange> {
     req.ranges.iter().map(|r| BlockRange { start: r.start, count: r.count }).collect()
@@ -403,8 +460,9 @@ async fn serve_read(
     };
     let ranges = ranges_of(&req);
     let mem = &ctx.memory;
+    let payload_crc32c = payload_crc(ctx, &guard, &ranges);
     scratch.clear();
-    Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
+    Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len, payload_crc32c }).encode(scratch);
     let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(1 + ranges.len() * mem.layout().segments().len());
     slices.push(IoSlice::new(scratch));
     for r in &ranges {

@@ -774,8 +774,8 @@ impl Pull {
         let runs = &self.plan.children[i].wire;
         let (_permit, mut conn) = peer.checkout(&self.inner).await?;
         let id = child.remote_request_id();
-        let seq = match conn.pin(id, child.token().as_bytes(), runs).await {
-            Ok(seq) => seq,
+        let (seq, pinned_crc) = match conn.pin(id, child.token().as_bytes(), runs).await {
+            Ok(p) => p,
             Err(e) => {
                 let message = e.to_string();
                 peer.checkin(conn, &Err::<(), _>(e));
@@ -816,6 +816,14 @@ impl Pull {
                 }
             }
         };
+        // The one-sided read must have fetched what the prefill side pinned.
+        let result = result.and_then(|b| {
+            // SAFETY: the read completed, so UCX no longer writes these blocks, and this
+            // pull still holds them (see above).
+            #[allow(unsafe_code)]
+            let got = unsafe { self.inner.memory.crc32c(runs.iter().map(|r| (r.local_start, r.count))) };
+            kvxfer_tcp::check_crc(&peer.addr, seq, pinned_crc, got).map(|()| b).map_err(|e| e.to_string())
+        });
         if result.is_err() {
             // The endpoint may be broken: the next pull makes a new one.
             init.disconnect(&peer.addr);
