@@ -45,6 +45,40 @@ pub struct ServerCounters {
     pub pins_expired: AtomicU64,
     /// Connections closed because a frame stalled midway for `Limits::io_timeout`.
     pub stalled_frames: AtomicU64,
+    /// Rate limit of the warnings peers can trigger at will.
+    pub warnings: WarnBudget,
+}
+
+/// Most warnings a second about what peers did (refused requests, bad frames); the rest
+/// are counted and reported with the next warning, so a flood cannot flood the log too.
+pub const WARNINGS_PER_SECOND: u32 = 20;
+
+/// Rate limit of peer-triggered warnings: at most [`WARNINGS_PER_SECOND`].
+#[derive(Debug, Default)]
+pub struct WarnBudget {
+    /// Start of the current second, warnings in it, warnings suppressed since the last one
+    /// logged.
+    state: std::sync::Mutex<(Option<Instant>, u32, u64)>,
+}
+
+impl WarnBudget {
+    /// `Some(suppressed)` when a warning may be logged now (with how many were suppressed
+    /// before it), `None` when this one is suppressed.
+    pub fn allow(&self) -> Option<u64> {
+        let now = Instant::now();
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (start, used, suppressed) = &mut *st;
+        if start.is_none_or(|s| now.duration_since(s).as_secs() >= 1) {
+            *start = Some(now);
+            *used = 0;
+        }
+        if *used >= WARNINGS_PER_SECOND {
+            *suppressed += 1;
+            return None;
+        }
+        *used += 1;
+        Some(std::mem::take(suppressed))
+    }
 }
 
 /// A snapshot of [`ServerCounters`].
@@ -204,7 +238,9 @@ pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
 pub async fn refuse_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
     bump(&ctx.counters.connections_refused);
     let max = ctx.limits.max_connections;
-    warn!(peer = ?stream.peer_addr().ok(), max, "connection refused: too many open");
+    if let Some(suppressed) = ctx.counters.warnings.allow() {
+        warn!(peer = ?stream.peer_addr().ok(), max, suppressed, "connection refused: too many open");
+    }
     let msg = format!("this agent serves at most {max} connections at once");
     let _ =
         tokio::time::timeout(ctx.limits.io_timeout, refuse(&mut stream, ErrorCode::LimitExceeded, msg, 0))
@@ -232,7 +268,9 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
         Ok(Frame::Hello(hello)) => {
             if let Some((code, msg)) = check_hello((&hello).into(), (&ctx.hello_ack).into()) {
                 bump(&ctx.counters.handshakes_refused);
-                warn!(peer_engine = %hello.engine_id, "handshake refused: {msg}");
+                if let Some(suppressed) = ctx.counters.warnings.allow() {
+                    warn!(peer_engine = %hello.engine_id, suppressed, "handshake refused: {msg}");
+                }
                 return refuse(stream, code, msg, 0).await;
             }
             debug!(peer_engine = %hello.engine_id, peer_agent = %hello.agent_name, "handshake ok");
@@ -261,7 +299,12 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
             }
             Err(FrameError::Timeout) => {
                 bump(&ctx.counters.stalled_frames);
-                warn!("closing connection: a frame stalled midway for {:?}", ctx.limits.io_timeout);
+                if let Some(suppressed) = ctx.counters.warnings.allow() {
+                    warn!(
+                        suppressed,
+                        "closing connection: a frame stalled midway for {:?}", ctx.limits.io_timeout
+                    );
+                }
                 return Err(FrameError::Timeout);
             }
             Err(e) => return protocol_error(stream, ctx, e).await,
@@ -319,15 +362,24 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
                     NotifyOutcome::Unrecognized => (LeaseOutcome::Unrecognized, 0),
                     NotifyOutcome::BadToken => (LeaseOutcome::BadToken, 0),
                 };
+                let loud = || ctx.counters.warnings.allow();
                 match out {
-                    NotifyOutcome::Unrecognized => warn!(
-                        remote_request_id = %n.remote_request_id, consumer = %n.consumer_id,
-                        "notification for unrecognized request; nothing changed"
-                    ),
-                    NotifyOutcome::BadToken => warn!(
-                        remote_request_id = %n.remote_request_id, consumer = %n.consumer_id,
-                        "notification with a wrong lease token; nothing changed"
-                    ),
+                    NotifyOutcome::Unrecognized => {
+                        if let Some(suppressed) = loud() {
+                            warn!(
+                                remote_request_id = %n.remote_request_id, consumer = %n.consumer_id, suppressed,
+                                "notification for unrecognized request; nothing changed"
+                            )
+                        }
+                    }
+                    NotifyOutcome::BadToken => {
+                        if let Some(suppressed) = loud() {
+                            warn!(
+                                remote_request_id = %n.remote_request_id, consumer = %n.consumer_id, suppressed,
+                                "notification with a wrong lease token; nothing changed"
+                            )
+                        }
+                    }
                     NotifyOutcome::Duplicate => info!(
                         remote_request_id = %n.remote_request_id, consumer = %n.consumer_id,
                         "duplicate notification; nothing changed"
@@ -382,7 +434,9 @@ async fn protocol_error(stream: &mut TcpStream, ctx: &ServeContext, e: FrameErro
         FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle => return Err(e),
     };
     bump(&ctx.counters.protocol_errors);
-    warn!(error = %e, "closing connection after a protocol error");
+    if let Some(suppressed) = ctx.counters.warnings.allow() {
+        warn!(error = %e, suppressed, "closing connection after a protocol error");
+    }
     refuse(stream, code, e.to_string(), 0).await
 }
 
@@ -401,10 +455,12 @@ fn expire_pins(pins: &mut HashMap<u64, Pinned>, ctx: &ServeContext, now: Instant
         let keep = p.deadline > now;
         if !keep {
             bump(&ctx.counters.pins_expired);
-            warn!(
-                remote_request_id = %p.guard.request_id(), seq,
-                "pin dropped after {:?} without an unpin", ctx.limits.pin_timeout
-            );
+            if let Some(suppressed) = ctx.counters.warnings.allow() {
+                warn!(
+                    remote_request_id = %p.guard.request_id(), seq, suppressed,
+                    "pin dropped after {:?} without an unpin", ctx.limits.pin_timeout
+                );
+            }
         }
         keep
     });
@@ -439,7 +495,9 @@ fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), 
         }
         Err(refused) => {
             bump(&ctx.counters.reads_refused);
-            warn!(remote_request_id = %req.remote_request_id, "read refused: {refused}");
+            if let Some(suppressed) = ctx.counters.warnings.allow() {
+                warn!(remote_request_id = %req.remote_request_id, suppressed, "read refused: {refused}");
+            }
             Err(v1::Error { code: refusal_code(&refused) as i32, message: refused.to_string(), seq: req.seq })
         }
     }

@@ -1,5 +1,6 @@
-//! Limits and floods: a connection limit that refuses clearly, and 100,000 bogus
-//! notifications that are refused and counted while a legitimate pull completes.
+//! Limits and floods: a connection limit that refuses clearly, a limit on one-sided reads
+//! in flight per connection, pins that expire, frames that stall midway, and 100,000 bogus
+//! notifications and reads that are refused and counted while a legitimate pull completes.
 
 mod support;
 
@@ -51,6 +52,84 @@ fn connections_past_the_limit_are_refused_with_an_error_frame() {
     });
 }
 
+fn kvmem(blocks: u32) -> kvxfer::KvMemory {
+    kvxfer::KvMemory::alloc(BlockLayout::single(blocks, BLOCK).expect("layout")).expect("alloc")
+}
+
+fn runs(remote_start: BlockId, count: u32) -> Vec<kvxfer_core::plan::BlockRun> {
+    vec![kvxfer_core::plan::BlockRun { remote_start, local_start: 0, count }]
+}
+
+#[test]
+fn pins_in_flight_are_limited_per_connection_and_expire_when_never_unpinned() {
+    let mut config = AgentConfig::new("prefill").lease_ttl(Duration::from_secs(30));
+    config.limits.max_inflight_reads = 4;
+    config.limits.pin_timeout = Duration::from_millis(400);
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let result = prefill.lease_parent("P", vec![(0..8).collect()], 1, None).expect("lease");
+    let child = &result.children()[0];
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let addr = prefill.local_addr().to_string();
+        let mut c = kvxfer_tcp::Connection::connect(&addr, &raw_hello(&layout, "raw"), Default::default())
+            .await
+            .expect("connect");
+        let token = child.token().as_bytes();
+        let mut crcs = Vec::new();
+        for b in 0..4 {
+            let (_, crc) = c.pin(child.remote_request_id(), token, &runs(b, 1)).await.expect("pin");
+            crcs.push(crc);
+        }
+        match c.pin(child.remote_request_id(), token, &runs(4, 1)).await {
+            Err(kvxfer_tcp::ClientError::Refused { code, .. }) => {
+                assert_eq!(code, v1::ErrorCode::LimitExceeded)
+            }
+            other => panic!("the fifth pin must be refused: {other:?}"),
+        }
+        // The pin's checksum is the checksum of the block's bytes.
+        let mem = prefill.memory();
+        // SAFETY: the blocks are leased; nobody writes them.
+        let direct: Vec<u32> = (0..4).map(|b| unsafe { mem.crc32c([(b, 1)]) }).collect();
+        assert_eq!(crcs, direct);
+        let s = prefill.stats().server;
+        assert_eq!((s.pins, s.pins_open, s.pins_refused), (4, 4, 1));
+        // Never unpinned, connection left open: the server drops the pins itself.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let s = prefill.stats().server;
+        assert_eq!((s.pins_open, s.pins_expired), (0, 4), "{s:?}");
+        // The connection still works, and the lease can end: nothing pins it any more.
+        let ack = c.notify(child.remote_request_id(), token, "raw").await.expect("notify");
+        assert_eq!(ack.outcome, v1::LeaseOutcome::Pulled as i32);
+    });
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
+    assert_eq!(ends[0].kind, EndKind::Pulled);
+}
+
+#[test]
+fn a_frame_stalled_midway_closes_its_connection_but_idle_ones_stay() {
+    let mut config = AgentConfig::new("prefill").io_timeout(Duration::from_millis(300));
+    config.limits.max_connections = 8;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let addr = prefill.local_addr();
+    let mut idle = TcpStream::connect(addr).expect("connect");
+    idle.write_all(&hello(&layout)).expect("hello");
+    assert_eq!(first_frame_type(&mut idle), v1::FrameType::HelloAck as u8);
+    let mut stalled = TcpStream::connect(addr).expect("connect");
+    stalled.write_all(&hello(&layout)).expect("hello");
+    assert_eq!(first_frame_type(&mut stalled), v1::FrameType::HelloAck as u8);
+    // Three bytes of a header, then nothing (slowloris).
+    stalled.write_all(&[0, 0, 0]).expect("partial header");
+    eventually("the stalled frame is noticed", || prefill.stats().server.stalled_frames == 1);
+    let mut b = [0u8; 1];
+    assert_eq!(stalled.read(&mut b).expect("closed"), 0, "the server closed the stalled connection");
+    // The idle connection (no frame started) outlives several timeouts and still works.
+    std::thread::sleep(Duration::from_millis(1000));
+    idle.write_all(&frame_bytes(v1::FrameType::Heartbeat, &v1::Heartbeat { leases: vec![] })).expect("hb");
+    assert_eq!(first_frame_type(&mut idle), v1::FrameType::HeartbeatAck as u8);
+}
+
 fn peak_rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -60,7 +139,7 @@ fn peak_rss_kib() -> u64 {
 }
 
 #[test]
-fn a_flood_of_bogus_notifications_is_refused_while_a_real_pull_completes() {
+fn a_flood_of_bogus_notifications_and_reads_is_refused_while_a_real_pull_completes() {
     const FLOOD: usize = 100_000;
     const FLOODERS: usize = 4;
     let blocks = 4096u32; // 16 MiB per child at 4 KiB
@@ -70,6 +149,11 @@ fn a_flood_of_bogus_notifications_is_refused_while_a_real_pull_completes() {
     let layout = prefill.memory().layout().clone();
     let victim = prefill.lease_parent("V", vec![vec![0]], 1, None).expect("lease a bystander");
     let remote: Vec<Vec<BlockId>> = (0..4).map(|i| (i * blocks..(i + 1) * blocks).collect()).collect();
+    // The same pull without a flood first: the baseline for the slowdown.
+    let quiet = prefill.lease_parent("Q", remote.clone(), 1, None).expect("lease");
+    let quiet_started = Instant::now();
+    assert!(decode.submit(quiet, remote.clone()).expect("submit").wait().all_done());
+    let quiet_time = quiet_started.elapsed();
     let result = prefill.lease_parent("L", remote.clone(), 1, None).expect("lease");
     let rss_before = peak_rss_kib();
 
@@ -84,27 +168,47 @@ fn a_flood_of_bogus_notifications_is_refused_while_a_real_pull_completes() {
                 let mut c = kvxfer_tcp::Connection::connect(&addr, &hello, kvxfer_tcp::Limits::default())
                     .await
                     .expect("flooder connects");
-                let mut refused = 0usize;
+                let dest = kvmem(1);
+                let mut refused = [0usize; 3];
                 for i in 0..FLOOD / FLOODERS {
-                    // Half for ids that were never leased, half with a wrong token for a live one.
-                    let (id, token) = if i % 2 == 0 {
-                        (format!("{i}_nope"), [1u8; 16])
-                    } else {
-                        ("V".to_owned(), [2u8; 16])
-                    };
-                    let ack = c.notify(&id, &token, "flooder").await.expect("ack");
-                    if ack.outcome != v1::LeaseOutcome::Pulled as i32
-                        && ack.outcome != v1::LeaseOutcome::Counted as i32
-                    {
-                        refused += 1;
+                    // A third each: notifications for ids never leased, notifications with a
+                    // wrong token for a live lease, reads with a wrong token.
+                    match i % 3 {
+                        0 | 1 => {
+                            let (id, token) = if i % 3 == 0 {
+                                (format!("{i}_nope"), [1u8; 16])
+                            } else {
+                                ("V".to_owned(), [2u8; 16])
+                            };
+                            let ack = c.notify(&id, &token, "flooder").await.expect("ack");
+                            if ack.outcome != v1::LeaseOutcome::Pulled as i32
+                                && ack.outcome != v1::LeaseOutcome::Counted as i32
+                            {
+                                refused[i % 3] += 1;
+                            }
+                        }
+                        _ => {
+                            // SAFETY: `dest` is this task's own memory; block 0 is in its layout.
+                            let r = unsafe { c.read_into("V", &[3u8; 16], &runs(0, 1), &dest) }.await;
+                            if let Err(kvxfer_tcp::ClientError::Refused {
+                                code: v1::ErrorCode::BadToken,
+                                ..
+                            }) = r
+                            {
+                                refused[2] += 1;
+                            }
+                        }
                     }
                 }
                 refused
             }));
         }
-        let mut refused = 0;
+        let mut refused = [0usize; 3];
         for t in tasks {
-            refused += t.await.expect("flooder task");
+            let r = t.await.expect("flooder task");
+            for k in 0..3 {
+                refused[k] += r[k];
+            }
         }
         refused
     });
@@ -118,22 +222,26 @@ fn a_flood_of_bogus_notifications_is_refused_while_a_real_pull_completes() {
     for r in &remote {
         assert!(verify(&decode, r, r));
     }
-    assert_eq!(refused, FLOOD, "every bogus notification refused");
-    let s = prefill.stats().leases;
-    assert_eq!(s.unrecognized, (FLOOD / 2) as u64);
-    assert_eq!(s.bad_token, (FLOOD / 2) as u64);
-    // The bystander's lease was not touched by 50,000 wrong-token notifications.
-    assert_eq!(s.live, 1);
+    assert_eq!(refused.iter().sum::<usize>(), FLOOD, "every bogus request refused: {refused:?}");
+    let s = prefill.stats();
+    assert_eq!(s.leases.unrecognized, refused[0] as u64);
+    // The lease table counts wrong tokens of notifications and reads alike.
+    assert_eq!(s.leases.bad_token, (refused[1] + refused[2]) as u64);
+    assert_eq!(s.server.reads_refused, refused[2] as u64);
+    // The bystander's lease was not touched by the wrong-token notifications and reads.
+    assert_eq!(s.leases.live, 1);
     prefill.cancel(&victim.children()[0]);
-    let ends = wait_ends(&prefill, 5, Duration::from_secs(5));
-    assert_eq!(ends.iter().filter(|e| e.kind == EndKind::Pulled).count(), 4);
+    let ends = wait_ends(&prefill, 9, Duration::from_secs(5));
+    assert_eq!(ends.iter().filter(|e| e.kind == EndKind::Pulled).count(), 8);
     let rss_after = peak_rss_kib();
     eprintln!(
-        "flood: {FLOOD} bogus notifications refused in {:.2} s ({:.0}/s); legitimate 64 MiB pull took {:.3} s \
-         during the flood; peak RSS {} -> {} KiB",
+        "flood: {FLOOD} bogus requests ({refused:?} unknown-id notifies, wrong-token notifies, wrong-token \
+         reads) refused in {:.2} s ({:.0}/s); legitimate 64 MiB pull took {:.3} s during the flood vs {:.3} s \
+         without; peak RSS {} -> {} KiB",
         flood_time.as_secs_f64(),
         FLOOD as f64 / flood_time.as_secs_f64(),
         pull_time.as_secs_f64(),
+        quiet_time.as_secs_f64(),
         rss_before,
         rss_after
     );
