@@ -1,0 +1,240 @@
+//! One kvxfer agent in its own process, driven by JSON lines on stdin and reporting JSON
+//! lines on stdout, so tests can `kill -9` either side of a pull.
+//!
+//! ```text
+//! kvxfer-node prefill --blocks 256 --block-bytes 65536 --ttl-ms 2000
+//!   stdout: {"event":"listening","addr":"127.0.0.1:PORT"}
+//!   stdin:  {"cmd":"lease","parent":"P","n":4,"blocks_per_child":16}
+//!   stdout: {"event":"result","parent":"P","result":"<hex of the PrefillResult protobuf>"}
+//!           {"event":"lease_end","parent":"P","child":0,"kind":"Pulled"}   (one per lease, as it ends)
+//!   stdin:  {"cmd":"stats"}  ->  {"event":"stats","leased":..,"pulled":..,..}
+//!
+//! kvxfer-node decode --blocks 256 --block-bytes 65536
+//!   stdin:  {"cmd":"pull","result":"<hex>","peer":"127.0.0.1:PORT"}   (peer: optional override)
+//!   stdout: {"event":"child","child":0,"outcome":"done","verified":true}
+//!           {"event":"child","child":1,"outcome":"failed","reason":"..","invalid_local_blocks":[..]}
+//!           {"event":"pull_done","parent":"P","elapsed_ms":..}
+//! ```
+//! Prefill memory holds `kvxfer_mem::pattern` bytes, so the decode side verifies every
+//! byte it pulled. Local blocks are the remote ones, child by child.
+
+use std::io::BufRead;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use kvxfer::{AgentConfig, BlockLayout, ChildOutcome, DecodeAgent, KvMemory, PrefillAgent, TransportChoice};
+use kvxfer_mem::pattern;
+use kvxfer_proto::Message;
+use serde_json::{json, Value};
+
+#[derive(Parser, Debug)]
+#[command(about = "A kvxfer agent in its own process, for fault tests")]
+struct Cli {
+    #[command(subcommand)]
+    role: Role,
+}
+
+#[derive(Subcommand, Debug)]
+enum Role {
+    /// A prefill agent over patterned blocks.
+    Prefill {
+        #[command(flatten)]
+        common: Common,
+        /// Lease ttl in milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        ttl_ms: u64,
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+    },
+    /// A decode agent.
+    Decode {
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct Common {
+    /// Blocks of the KV cache.
+    #[arg(long, default_value_t = 256)]
+    blocks: u32,
+    /// Bytes per block.
+    #[arg(long, default_value_t = 65536)]
+    block_bytes: u64,
+    /// I/O timeout in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    io_timeout_ms: u64,
+    /// Data path: auto, tcp or ucx.
+    #[arg(long, default_value = "tcp")]
+    transport: TransportChoice,
+}
+
+impl Common {
+    fn config(&self, name: &str) -> AgentConfig {
+        AgentConfig::new(name).io_timeout(Duration::from_millis(self.io_timeout_ms)).transport(self.transport)
+    }
+    fn layout(&self) -> Result<BlockLayout, String> {
+        BlockLayout::single(self.blocks, self.block_bytes).map_err(|e| e.to_string())
+    }
+}
+
+fn emit(v: Value) {
+    println!("{v}");
+}
+
+fn commands() -> impl Iterator<Item = Value> {
+    std::io::stdin().lock().lines().map_while(Result::ok).filter_map(|l| match serde_json::from_str(&l) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            emit(json!({"event": "error", "message": format!("bad command {l:?}: {e}")}));
+            None
+        }
+    })
+}
+
+fn to_hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect()
+}
+
+fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
+    let layout = common.layout()?;
+    let mem = KvMemory::alloc(layout).map_err(|e| e.to_string())?;
+    // SAFETY: nothing is leased yet and no agent holds this memory.
+    unsafe { pattern::fill_blocks(&mem, 0..common.blocks) }.map_err(|e| e.to_string())?;
+    let agent = PrefillAgent::start(common.config("node-prefill").lease_ttl(ttl), listen, mem)
+        .map_err(|e| e.to_string())?;
+    emit(json!({"event": "listening", "addr": agent.local_addr().to_string()}));
+    let events = agent.events().clone();
+    std::thread::spawn(move || {
+        for e in events.iter() {
+            emit(json!({
+                "event": "lease_end", "parent": &*e.parent_request_id, "child": e.child_index,
+                "kind": format!("{:?}", e.kind),
+            }));
+        }
+    });
+    let mut next_block = 0u32;
+    for cmd in commands() {
+        match cmd["cmd"].as_str() {
+            Some("lease") => {
+                let parent = cmd["parent"].as_str().unwrap_or("P");
+                let n = cmd["n"].as_u64().unwrap_or(1) as u32;
+                let bpc = cmd["blocks_per_child"].as_u64().unwrap_or(1) as u32;
+                let blocks = (0..n)
+                    .map(|_| {
+                        (0..bpc)
+                            .map(|_| {
+                                let b = next_block % common.blocks;
+                                next_block += 1;
+                                b
+                            })
+                            .collect()
+                    })
+                    .collect();
+                match agent.lease_parent(parent, blocks, 1, None) {
+                    Ok(r) => emit(json!({
+                        "event": "result", "parent": parent, "result": to_hex(&r.to_wire().encode_to_vec()),
+                    })),
+                    Err(e) => emit(json!({"event": "error", "message": e.to_string()})),
+                }
+            }
+            Some("stats") => {
+                let s = agent.stats();
+                emit(json!({
+                    "event": "stats", "leased": s.leases.leased, "pulled": s.leases.pulled,
+                    "released": s.leases.released, "expired": s.leases.expired, "live": s.leases.live,
+                    "unrecognized": s.leases.unrecognized, "pins_open": s.server.pins_open,
+                    "bytes_served": s.server.bytes_served,
+                }));
+            }
+            other => emit(json!({"event": "error", "message": format!("unknown command {other:?}")})),
+        }
+    }
+    Ok(())
+}
+
+fn decode(common: &Common) -> Result<(), String> {
+    let mem = KvMemory::alloc(common.layout()?).map_err(|e| e.to_string())?;
+    let agent = DecodeAgent::start(common.config("node-decode"), mem).map_err(|e| e.to_string())?;
+    for cmd in commands() {
+        if cmd["cmd"].as_str() != Some("pull") {
+            emit(json!({"event": "error", "message": format!("unknown command {cmd}")}));
+            continue;
+        }
+        let wire = cmd["result"]
+            .as_str()
+            .and_then(from_hex)
+            .and_then(|b| kvxfer_proto::v1::PrefillResult::decode(&b[..]).ok());
+        let Some(mut wire) = wire else {
+            emit(json!({"event": "error", "message": "pull: no valid result"}));
+            continue;
+        };
+        if let Some((host, port)) = cmd["peer"].as_str().and_then(|p| p.rsplit_once(':')) {
+            for c in &mut wire.children {
+                c.remote_host = host.to_owned();
+                c.remote_port = port.parse().unwrap_or(0);
+            }
+        }
+        let parent = wire.parent_request_id.clone();
+        let local: Vec<Vec<u32>> = wire.children.iter().map(|c| c.remote_block_ids.clone()).collect();
+        let handle = match agent.submit_wire(wire, local.clone()) {
+            Ok(h) => h,
+            Err(e) => {
+                emit(json!({"event": "error", "message": e.to_string()}));
+                continue;
+            }
+        };
+        let report = handle.wait();
+        for c in &report.children {
+            let i = c.child_index as usize;
+            match &c.outcome {
+                ChildOutcome::Done { acknowledged, .. } => {
+                    // SAFETY: this child's pull reported; nobody writes its blocks now.
+                    let bad = unsafe { pattern::check_blocks(agent.memory(), &local[i], &local[i]) };
+                    emit(json!({
+                        "event": "child", "child": i, "outcome": "done",
+                        "verified": matches!(bad, Ok(None)), "acknowledged": acknowledged,
+                    }));
+                }
+                ChildOutcome::Failed { reason, invalid_local_blocks } => emit(json!({
+                    "event": "child", "child": i, "outcome": "failed", "reason": reason,
+                    "invalid_local_blocks": invalid_local_blocks,
+                })),
+                ChildOutcome::Cancelled { .. } => {
+                    emit(json!({"event": "child", "child": i, "outcome": "cancelled"}))
+                }
+            }
+        }
+        emit(
+            json!({"event": "pull_done", "parent": parent, "elapsed_ms": report.elapsed.as_millis() as u64}),
+        );
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    kvxfer::ucx_log_to_stderr();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let cli = Cli::parse();
+    let r = match &cli.role {
+        Role::Prefill { common, ttl_ms, listen } => prefill(common, Duration::from_millis(*ttl_ms), listen),
+        Role::Decode { common } => decode(common),
+    };
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvxfer-node: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

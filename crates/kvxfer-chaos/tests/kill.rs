@@ -1,0 +1,201 @@
+//! `kill -9` of either side mid-pull, with real processes (`kvxfer-node`). A fault proxy
+//! between them stalls the payload so the kill lands mid-pull every time.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use kvxfer_chaos::{Direction, Fault, FaultKind, FaultProxy};
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvxfer-node");
+
+/// A node process, killed when dropped.
+struct Node {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<Value>,
+}
+
+impl Node {
+    fn start(args: &[&str]) -> Node {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn kvxfer-node");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let v: Value =
+                    serde_json::from_str(&l).unwrap_or_else(|_| json!({"event": "unparsed", "line": l}));
+                if tx.send(v).is_err() {
+                    return;
+                }
+            }
+        });
+        Node { child, stdin, lines }
+    }
+
+    fn send(&mut self, cmd: Value) {
+        writeln!(self.stdin, "{cmd}").expect("write command");
+    }
+
+    /// The next line whose event is `event`, skipping (and returning in `skipped`) others.
+    fn wait_event(&self, event: &str, timeout: Duration, skipped: &mut Vec<Value>) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(v) if v["event"] == event => return v,
+                Ok(v) => skipped.push(v),
+                Err(RecvTimeoutError::Timeout) => panic!("no {event} within {timeout:?}; saw {skipped:?}"),
+                Err(RecvTimeoutError::Disconnected) => panic!("node exited before {event}; saw {skipped:?}"),
+            }
+        }
+    }
+
+    /// `count` events named `event`, in arrival order.
+    fn wait_events(&self, event: &str, count: usize, timeout: Duration) -> (Vec<Value>, Vec<Value>) {
+        let deadline = Instant::now() + timeout;
+        let mut skipped = Vec::new();
+        let got = (0..count)
+            .map(|_| self.wait_event(event, deadline.saturating_duration_since(Instant::now()), &mut skipped))
+            .collect();
+        (got, skipped)
+    }
+
+    fn kill9(&mut self) {
+        // Child::kill is SIGKILL on Unix: no destructor, no goodbye frame.
+        self.child.kill().expect("kill -9");
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const N: u64 = 4;
+/// 16 blocks of 64 KiB: a 1 MiB payload per child.
+const BPC: u64 = 16;
+
+fn prefill_node(ttl_ms: u64) -> (Node, String) {
+    let ttl = ttl_ms.to_string();
+    let node = Node::start(&["prefill", "--ttl-ms", &ttl, "--io-timeout-ms", "1500"]);
+    let addr = node.wait_event("listening", Duration::from_secs(30), &mut Vec::new())["addr"]
+        .as_str()
+        .expect("addr")
+        .to_owned();
+    (node, addr)
+}
+
+fn lease(prefill: &mut Node, parent: &str) -> String {
+    prefill.send(json!({"cmd": "lease", "parent": parent, "n": N, "blocks_per_child": BPC}));
+    prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
+        .as_str()
+        .expect("result")
+        .to_owned()
+}
+
+fn stats(prefill: &mut Node) -> Value {
+    prefill.send(json!({"cmd": "stats"}));
+    prefill.wait_event("stats", Duration::from_secs(10), &mut Vec::new())
+}
+
+/// Waits until the proxy stalled a payload: the decode side is mid-pull.
+fn wait_mid_pull(proxy: &FaultProxy) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while proxy.stats().faults_fired == 0 {
+        assert!(Instant::now() < deadline, "the pull never reached the stall: {:?}", proxy.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn decode_killed_mid_pull_leases_expire_and_the_owner_is_told() {
+    let (mut prefill, addr) = prefill_node(1500);
+    let stall = Fault::new(Direction::ToDecode, 200_000, FaultKind::Delay(Duration::from_secs(60)));
+    let proxy = FaultProxy::start(addr.parse().expect("addr"), vec![stall]).expect("proxy");
+    let result = lease(&mut prefill, "P");
+    let mut decode = Node::start(&["decode", "--io-timeout-ms", "1500"]);
+    decode.send(json!({"cmd": "pull", "result": result, "peer": proxy.addr().to_string()}));
+    wait_mid_pull(&proxy);
+    decode.kill9();
+    let killed = Instant::now();
+
+    // Every lease ends once, by expiry (heartbeats stopped with the process), and the
+    // owner hears of each.
+    let (ends, _) = prefill.wait_events("lease_end", N as usize, Duration::from_secs(15));
+    let took = killed.elapsed();
+    let mut children: Vec<u64> = ends.iter().map(|e| e["child"].as_u64().expect("child")).collect();
+    children.sort_unstable();
+    assert_eq!(children, (0..N).collect::<Vec<_>>());
+    assert!(ends.iter().all(|e| e["kind"] == "Expired"), "{ends:?}");
+    let s = stats(&mut prefill);
+    assert_eq!(
+        (s["leased"].as_u64(), s["expired"].as_u64(), s["live"].as_u64()),
+        (Some(N), Some(N), Some(0)),
+        "{s}"
+    );
+    assert_eq!(s["pins_open"], 0);
+    eprintln!(
+        "decode killed mid-pull: {N} leases expired and reported {:.2} s after the kill",
+        took.as_secs_f64()
+    );
+    // Nothing more ends later (no double end).
+    let more = prefill.lines.recv_timeout(Duration::from_millis(300));
+    assert!(!matches!(&more, Ok(v) if v["event"] == "lease_end"), "{more:?}");
+}
+
+#[test]
+fn prefill_killed_mid_pull_fails_children_and_a_new_prefill_serves_the_retry() {
+    let (mut prefill, addr) = prefill_node(10_000);
+    let stall = Fault::new(Direction::ToDecode, 200_000, FaultKind::Delay(Duration::from_millis(1500)));
+    let proxy = FaultProxy::start(addr.parse().expect("addr"), vec![stall]).expect("proxy");
+    let result = lease(&mut prefill, "P");
+    let mut decode = Node::start(&["decode", "--io-timeout-ms", "1500"]);
+    decode.send(json!({"cmd": "pull", "result": result, "peer": proxy.addr().to_string()}));
+    wait_mid_pull(&proxy);
+    prefill.kill9();
+    let killed = Instant::now();
+
+    let (children, _) = decode.wait_events("child", N as usize, Duration::from_secs(20));
+    let took = killed.elapsed();
+    decode.wait_event("pull_done", Duration::from_secs(5), &mut Vec::new());
+    // Every child that was not already complete failed, naming its local blocks.
+    let failed: Vec<&Value> = children.iter().filter(|c| c["outcome"] == "failed").collect();
+    assert!(!failed.is_empty(), "{children:?}");
+    for c in &children {
+        match c["outcome"].as_str() {
+            Some("failed") => {
+                assert_eq!(c["invalid_local_blocks"].as_array().map(Vec::len), Some(BPC as usize), "{c}");
+                assert!(!c["reason"].as_str().unwrap_or("").is_empty());
+            }
+            Some("done") => assert_eq!(c["verified"], true, "{c}"),
+            other => panic!("unexpected outcome {other:?}: {c}"),
+        }
+    }
+    eprintln!(
+        "prefill killed mid-pull: {} of {N} children failed with their blocks named, {:.2} s after the kill",
+        failed.len(),
+        took.as_secs_f64()
+    );
+    assert!(took < Duration::from_secs(15), "bounded: {took:?}");
+
+    // A new prefill process; the same decode process pulls from it, every byte verified.
+    let (mut prefill2, addr2) = prefill_node(10_000);
+    let result = lease(&mut prefill2, "P2");
+    decode.send(json!({"cmd": "pull", "result": result, "peer": addr2}));
+    let (children, _) = decode.wait_events("child", N as usize, Duration::from_secs(20));
+    assert!(children.iter().all(|c| c["outcome"] == "done" && c["verified"] == true), "{children:?}");
+    let (ends, _) = prefill2.wait_events("lease_end", N as usize, Duration::from_secs(10));
+    assert!(ends.iter().all(|e| e["kind"] == "Pulled"), "{ends:?}");
+    drop(proxy);
+}
