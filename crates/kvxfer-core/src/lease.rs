@@ -671,6 +671,58 @@ impl LeaseTable {
         Ok(ReadGuard { table: Arc::clone(self), shard: index, key: Arc::from(id), seq })
     }
 
+    /// Checks the table's private bookkeeping against itself: every live lease has exactly
+    /// one deadline entry and every deadline entry a live lease; an ended lease stays only
+    /// while it has readers; tombstones are bounded; the counters balance. Fuzzing only
+    /// (reached through `kvxfer_core::fuzzing`).
+    #[cfg(fuzzing)]
+    pub(crate) fn check_invariants(&self) -> Result<(), String> {
+        let (mut live, mut draining) = (0u64, 0u64);
+        for i in 0..self.shards.len() {
+            let shard = self.lock(i);
+            let mut live_here = 0;
+            for (id, l) in &shard.leases {
+                if self.shard_of(id) != i {
+                    return Err(format!("{id} is in shard {i}, hashes to {}", self.shard_of(id)));
+                }
+                match l.ended {
+                    None => {
+                        live_here += 1;
+                        if shard.deadlines.get(&(l.deadline, l.seq)).map(|k| &**k) != Some(&**id) {
+                            return Err(format!("live lease {id} has no deadline entry"));
+                        }
+                    }
+                    Some(kind) if l.readers == 0 => {
+                        return Err(format!("{id} ended {kind:?} without readers but was not handed back"))
+                    }
+                    Some(_) => draining += 1,
+                }
+            }
+            if shard.deadlines.len() != live_here {
+                return Err(format!(
+                    "shard {i}: {} deadlines for {live_here} live leases",
+                    shard.deadlines.len()
+                ));
+            }
+            if shard.recent.len() > shard.recent_order.len() || shard.recent_order.len() > RECENT_PER_SHARD {
+                return Err(format!(
+                    "shard {i}: {} tombstones, {} in order, bound {RECENT_PER_SHARD}",
+                    shard.recent.len(),
+                    shard.recent_order.len()
+                ));
+            }
+            live += live_here as u64;
+        }
+        let s = self.stats();
+        if s.live != live || s.draining != draining {
+            return Err(format!("counters say {s:?}, tables hold {live} live and {draining} draining"));
+        }
+        if s.leased != s.pulled + s.released + s.expired + s.live {
+            return Err(format!("books do not balance: {s:?}"));
+        }
+        Ok(())
+    }
+
     fn end_read(&self, shard_index: usize, key: &str, seq: u64) {
         let mut shard = self.lock(shard_index);
         let Some(lease) = shard.leases.get_mut(key) else { return };

@@ -31,5 +31,15 @@ pub use lease::{
 pub use params::{KvTransferParams, RemoteBlockIds};
 pub use parent::{ChildState, ParentStatus, ParentTracker};
 
+/// Internals for the fuzz targets in `fuzz/` (built with `cfg(fuzzing)` by cargo fuzz);
+/// absent from every other build.
+#[cfg(fuzzing)]
+pub mod fuzzing {
+    /// Checks a lease table's private bookkeeping (see `LeaseTable::check_invariants`).
+    pub fn check_lease_table(table: &crate::LeaseTable) -> Result<(), String> {
+        table.check_invariants()
+    }
+}
+
 /// A block id: an index into a [`BlockLayout`].
 pub type BlockId = u32;
