@@ -1,0 +1,531 @@
+//! The soak run: for `--seconds`, drivers lease parents with random n in 1..=8 on prefill
+//! agents, a decode agent pulls them — skipping random children, cancelling random ones —
+//! while prefill agents restart at random. The owner side hands blocks back only when
+//! their lease ends. At the end the books must balance exactly:
+//!
+//! - every lease ended exactly once (pulled, released or expired) or died with its agent;
+//! - expired only where a child was skipped or its pull was cut by a peer restart;
+//! - zero unrecognized notifications (every peer here is well behaved);
+//! - every block of every surviving prefill agent back in its free pool;
+//! - resident memory back near where it started.
+//!
+//! `cargo run --release -p kvxfer-chaos --bin kvxfer-soak -- --seconds 300`
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use kvxfer::{
+    AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent,
+    TransportChoice,
+};
+use kvxfer_mem::pattern;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "kvxfer soak: random parents, cancels, skipped children and peer restarts; the books must balance"
+)]
+struct Cli {
+    /// How long to generate traffic.
+    #[arg(long, default_value_t = 30)]
+    seconds: u64,
+    /// Seed of the random choices.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Prefill agents (peers) alive at once.
+    #[arg(long, default_value_t = 2)]
+    peers: usize,
+    /// Threads submitting parents.
+    #[arg(long, default_value_t = 4)]
+    drivers: usize,
+    /// Mean time between peer restarts, milliseconds (0: none).
+    #[arg(long, default_value_t = 3000)]
+    restart_every_ms: u64,
+    /// Lease ttl, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    ttl_ms: u64,
+    /// Chance a child is skipped (never pulled: its lease must expire).
+    #[arg(long, default_value_t = 0.05)]
+    skip: f64,
+    /// Chance a child is cancelled by the decode side.
+    #[arg(long, default_value_t = 0.05)]
+    cancel: f64,
+    /// Blocks per prefill agent.
+    #[arg(long, default_value_t = 4096)]
+    blocks: u32,
+    /// Bytes per block.
+    #[arg(long, default_value_t = 16384)]
+    block_bytes: u64,
+    /// Print the final books as one JSON line.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One prefill agent's life: the agent, its free blocks, the ends it delivered.
+struct Incarnation {
+    id: usize,
+    agent: PrefillAgent,
+    free: Mutex<Vec<BlockId>>,
+    /// remote_request_id → how its lease ended (each must end once).
+    ends: Mutex<HashMap<Arc<str>, EndKind>>,
+    duplicate_ends: AtomicU64,
+}
+
+impl Incarnation {
+    fn drain(&self) {
+        while let Ok(e) = self.agent.events().try_recv() {
+            self.free.lock().expect("pool").extend(e.blocks.iter().copied());
+            if self.ends.lock().expect("ends").insert(e.remote_request_id.clone(), e.kind).is_some() {
+                self.duplicate_ends.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The books of one finished incarnation.
+#[derive(Default, Debug, Clone, Copy)]
+struct Books {
+    leased: u64,
+    pulled: u64,
+    released: u64,
+    expired: u64,
+    died_live: u64,
+    unrecognized: u64,
+    bad_token: u64,
+    duplicate_ends: u64,
+    blocks_missing: u64,
+    counter_mismatch: u64,
+}
+
+/// What the decode side saw, per child, keyed by (incarnation, remote request id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    Skipped,
+    Done { acknowledged: bool },
+    Cancelled { released: bool },
+    Failed,
+}
+
+fn rss_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with(field)).map(str::to_owned))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
+
+fn start_prefill(cli: &Cli, id: usize) -> Result<Arc<Incarnation>, String> {
+    let layout = BlockLayout::single(cli.blocks, cli.block_bytes).map_err(|e| e.to_string())?;
+    let mem = KvMemory::alloc(layout).map_err(|e| e.to_string())?;
+    // SAFETY: nothing is leased yet and no agent holds this memory.
+    unsafe { pattern::fill_blocks(&mem, 0..cli.blocks) }.map_err(|e| e.to_string())?;
+    let config = AgentConfig::new(format!("soak-prefill-{id}"))
+        .engine_id(format!("soak-engine-{id}"))
+        .lease_ttl(Duration::from_millis(cli.ttl_ms))
+        .io_timeout(Duration::from_secs(2))
+        .transport(TransportChoice::Tcp);
+    let agent = PrefillAgent::start(config, "127.0.0.1:0", mem).map_err(|e| e.to_string())?;
+    Ok(Arc::new(Incarnation {
+        id,
+        agent,
+        free: Mutex::new((0..cli.blocks).collect()),
+        ends: Mutex::new(HashMap::new()),
+        duplicate_ends: AtomicU64::new(0),
+    }))
+}
+
+/// Closes an incarnation's books like a crash would: waits until no driver can lease on
+/// it, reads its counters, drops it, and drains every end it delivered. Leases that had not
+/// ended die with it. A survivor (`survivor`: traffic over) must match its counters exactly.
+fn retire(inc: Arc<Incarnation>, blocks: u32, survivor: bool) -> Closed {
+    // Drivers hold the incarnation only while leasing on it.
+    let mut inc = inc;
+    let inc = loop {
+        match Arc::try_unwrap(inc) {
+            Ok(i) => break i,
+            Err(shared) => {
+                inc = shared;
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    };
+    let s = inc.agent.stats().leases;
+    let events = inc.agent.events().clone();
+    drop(inc.agent);
+    // Ends delivered up to the drop (the channel keeps them after its sender is gone).
+    let mut free = inc.free.into_inner().expect("pool");
+    let mut ends = inc.ends.into_inner().expect("ends");
+    let mut duplicate_ends = inc.duplicate_ends.load(Ordering::Relaxed);
+    for e in events.try_iter() {
+        free.extend(e.blocks.iter().copied());
+        if ends.insert(e.remote_request_id.clone(), e.kind).is_some() {
+            duplicate_ends += 1;
+        }
+    }
+    let count = |k: EndKind| ends.values().filter(|&&e| e == k).count() as u64;
+    let (pulled, released, expired) =
+        (count(EndKind::Pulled), count(EndKind::Released), count(EndKind::Expired));
+    let delivered = pulled + released + expired;
+    let mut books = Books {
+        leased: s.leased,
+        pulled,
+        released,
+        expired,
+        died_live: s.leased.saturating_sub(delivered),
+        unrecognized: s.unrecognized,
+        bad_token: s.bad_token,
+        duplicate_ends,
+        blocks_missing: 0,
+        counter_mismatch: 0,
+    };
+    if survivor {
+        // No traffic any more: every block is back and the counters match what was delivered.
+        books.blocks_missing = u64::from(blocks) - free.len() as u64;
+        if (pulled, released, expired, 0) != (s.pulled, s.released, s.expired, s.live) {
+            eprintln!("survivor {}: delivered ends {pulled}/{released}/{expired} != counters {s:?}", inc.id);
+            books.counter_mismatch = 1;
+        }
+    }
+    (books, ends)
+}
+
+fn main() -> std::process::ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let cli = Cli::parse();
+    match run(&cli) {
+        Ok(true) => std::process::ExitCode::SUCCESS,
+        Ok(false) => std::process::ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("kvxfer-soak: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+type Slots = Arc<RwLock<Vec<Arc<Incarnation>>>>;
+
+/// A closed incarnation: its books and how each of its leases ended.
+type Closed = (Books, HashMap<Arc<str>, EndKind>);
+
+fn run(cli: &Cli) -> Result<bool, String> {
+    let mut next_id = 0;
+    let slots: Slots = Arc::new(RwLock::new(Vec::new()));
+    for _ in 0..cli.peers {
+        slots.write().expect("slots").push(start_prefill(cli, next_id)?);
+        next_id += 1;
+    }
+    // Local blocks: enough for every driver's largest parent (8 children × 4 blocks).
+    let local_blocks = (cli.drivers as u32 * 32).max(64);
+    let decode_layout = BlockLayout::single(local_blocks, cli.block_bytes).map_err(|e| e.to_string())?;
+    let decode_config =
+        AgentConfig::new("soak-decode").io_timeout(Duration::from_secs(2)).transport(TransportChoice::Tcp);
+    let decode = Arc::new(
+        DecodeAgent::start(decode_config, KvMemory::alloc(decode_layout).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?,
+    );
+    let local_free = Arc::new(Mutex::new((0..local_blocks).collect::<Vec<BlockId>>()));
+    let rss_setup = rss_kib("VmRSS:");
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen: Arc<Mutex<HashMap<(usize, String), Seen>>> = Arc::default();
+    let parents = Arc::new(AtomicU64::new(0));
+    let bad_bytes = Arc::new(AtomicU64::new(0));
+    let submit_errors = Arc::new(AtomicU64::new(0));
+    let retired: Arc<Mutex<Vec<(usize, Closed)>>> = Arc::default();
+    let restarted: Arc<Mutex<HashSet<usize>>> = Arc::default();
+
+    // The owners: hand blocks back as leases end.
+    let owner = {
+        let (slots, stop) = (slots.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                for inc in slots.read().expect("slots").iter() {
+                    inc.drain();
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+
+    let started = Instant::now();
+    let until = started + Duration::from_secs(cli.seconds);
+    let mut drivers = Vec::new();
+    for d in 0..cli.drivers {
+        let (slots, decode, local_free, seen) =
+            (slots.clone(), decode.clone(), local_free.clone(), seen.clone());
+        let (parents, bad_bytes, submit_errors) = (parents.clone(), bad_bytes.clone(), submit_errors.clone());
+        let (skip, cancel, seed) = (cli.skip, cli.cancel, cli.seed);
+        drivers.push(std::thread::spawn(move || {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(driver_seed(seed, d));
+            let mut k = 0u64;
+            while Instant::now() < until {
+                k += 1;
+                let n: u32 = rng.random_range(1..=8);
+                let bpc: usize = rng.random_range(1..=4);
+                let inc = {
+                    let s = slots.read().expect("slots");
+                    s[rng.random_range(0..s.len())].clone()
+                };
+                let parent = format!("d{d}-p{k}");
+                // Take blocks from the owner's pool; if it is short, wait for ends.
+                let remote: Vec<Vec<BlockId>> = {
+                    let mut free = inc.free.lock().expect("pool");
+                    if free.len() < n as usize * bpc {
+                        drop(free);
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                    (0..n).map(|_| (0..bpc).filter_map(|_| free.pop()).collect()).collect()
+                };
+                let result = match inc.agent.lease_parent(&parent, remote.clone(), 1, None) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        eprintln!("lease refused: {e}");
+                        inc.free.lock().expect("pool").extend(remote.into_iter().flatten());
+                        continue;
+                    }
+                };
+                let inc_id = inc.id;
+                drop(inc); // a restart must not wait for this pull
+                parents.fetch_add(1, Ordering::Relaxed);
+                // Skip some children (at least one is pulled).
+                let mut selected: Vec<u32> = (0..n).filter(|_| !rng.random_bool(skip)).collect();
+                if selected.is_empty() {
+                    selected.push(rng.random_range(0..n));
+                }
+                {
+                    let mut seen = seen.lock().expect("seen");
+                    for c in result.children() {
+                        if !selected.contains(&c.child_index()) {
+                            seen.insert((inc_id, c.remote_request_id().to_owned()), Seen::Skipped);
+                        }
+                    }
+                }
+                let local: Vec<Vec<BlockId>> = {
+                    let mut free = local_free.lock().expect("local pool");
+                    selected.iter().map(|_| (0..bpc).filter_map(|_| free.pop()).collect()).collect()
+                };
+                let selection: Vec<(u32, Vec<BlockId>)> =
+                    selected.iter().copied().zip(local.clone()).collect();
+                let handle = match decode.submit_subset(&result, selection) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        eprintln!("submit refused: {e}");
+                        submit_errors.fetch_add(1, Ordering::Relaxed);
+                        local_free.lock().expect("local pool").extend(local.into_iter().flatten());
+                        continue;
+                    }
+                };
+                for &i in &selected {
+                    if rng.random_bool(cancel) {
+                        handle.cancel_child(i);
+                    }
+                }
+                let report = handle.wait();
+                let mut seen = seen.lock().expect("seen");
+                for c in &report.children {
+                    let pos = selected.iter().position(|&i| i == c.child_index).expect("selected child");
+                    let s = match &c.outcome {
+                        ChildOutcome::Done { acknowledged, .. } => {
+                            let i = c.child_index as usize;
+                            // SAFETY: this child reported; nothing writes its local blocks now.
+                            let bad =
+                                unsafe { pattern::check_blocks(decode.memory(), &remote[i], &local[pos]) };
+                            if !matches!(bad, Ok(None)) {
+                                bad_bytes.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Seen::Done { acknowledged: *acknowledged }
+                        }
+                        ChildOutcome::Cancelled { released, .. } => Seen::Cancelled { released: *released },
+                        ChildOutcome::Failed { .. } => Seen::Failed,
+                    };
+                    seen.insert((inc_id, c.remote_request_id.clone()), s);
+                }
+                drop(seen);
+                local_free.lock().expect("local pool").extend(local.into_iter().flatten());
+            }
+        }));
+    }
+
+    // Random peer restarts.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(cli.seed);
+    let mut restarts = 0u64;
+    let mut last_report = Instant::now();
+    // Memory once every agent and connection exists: what the end is compared with.
+    let warmup = started + Duration::from_secs((cli.seconds / 20).clamp(1, 10));
+    let mut rss_warm = None;
+    while Instant::now() < until {
+        if rss_warm.is_none() && Instant::now() >= warmup {
+            rss_warm = Some(rss_kib("VmRSS:"));
+        }
+        let wait = if cli.restart_every_ms == 0 {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_millis(rng.random_range(cli.restart_every_ms / 2..=cli.restart_every_ms * 3 / 2))
+        };
+        let slice = if rss_warm.is_none() { warmup } else { until };
+        std::thread::sleep(wait.min(slice.saturating_duration_since(Instant::now())));
+        if cli.restart_every_ms > 0 && Instant::now() < until {
+            let fresh = start_prefill(cli, next_id)?;
+            next_id += 1;
+            let old = {
+                let mut s = slots.write().expect("slots");
+                let i = rng.random_range(0..s.len());
+                std::mem::replace(&mut s[i], fresh)
+            };
+            restarted.lock().expect("restarted").insert(old.id);
+            let id = old.id;
+            retired.lock().expect("retired").push((id, retire(old, cli.blocks, false)));
+            restarts += 1;
+        }
+        if last_report.elapsed() > Duration::from_secs(10) {
+            last_report = Instant::now();
+            eprintln!(
+                "[{:>4.0} s] parents {} restarts {restarts} rss {} KiB",
+                started.elapsed().as_secs_f64(),
+                parents.load(Ordering::Relaxed),
+                rss_kib("VmRSS:")
+            );
+        }
+    }
+    for d in drivers {
+        d.join().map_err(|_| "a driver panicked")?;
+    }
+    // Let skipped children's leases expire, then close every book.
+    std::thread::sleep(Duration::from_millis(cli.ttl_ms * 2 + 500));
+    stop.store(true, Ordering::Relaxed);
+    owner.join().map_err(|_| "the owner thread panicked")?;
+    // Same agents alive as after warm-up, no traffic: memory should be back near there.
+    let rss_end = rss_kib("VmRSS:");
+    let rss_warm = rss_warm.unwrap_or(rss_setup);
+    let survivors: Vec<Arc<Incarnation>> = std::mem::take(&mut *slots.write().expect("slots"));
+    let mut all = std::mem::take(&mut *retired.lock().expect("retired"));
+    for inc in survivors {
+        let id = inc.id;
+        all.push((id, retire(inc, cli.blocks, true)));
+    }
+    let mut ends_by_inc: HashMap<usize, HashMap<Arc<str>, EndKind>> =
+        all.iter_mut().map(|(id, (_, ends))| (*id, std::mem::take(ends))).collect();
+    let all: Vec<(usize, Books)> = all.into_iter().map(|(id, (b, _))| (id, b)).collect();
+    drop(decode);
+
+    // Classify every end against what the decode side saw.
+    let seen = seen.lock().expect("seen");
+    let restarted = restarted.lock().expect("restarted");
+    let mut unexplained_expired = Vec::new();
+    let mut mismatched = Vec::new();
+    for (&inc, ends) in &ends_by_inc {
+        for (id, &kind) in ends {
+            let s = seen.get(&(inc, id.to_string())).copied();
+            let ok = match (kind, s) {
+                (EndKind::Expired, Some(Seen::Skipped)) => true,
+                (EndKind::Expired, _) => restarted.contains(&inc),
+                (EndKind::Pulled, Some(Seen::Done { acknowledged: true })) => true,
+                (EndKind::Released, Some(Seen::Cancelled { released: true } | Seen::Failed)) => true,
+                // A cancel that raced a finished read: the read won.
+                (EndKind::Pulled, Some(Seen::Cancelled { .. })) => true,
+                _ => false,
+            };
+            if !ok {
+                if kind == EndKind::Expired {
+                    unexplained_expired.push(format!("{inc}/{id}: {s:?}"));
+                } else {
+                    mismatched.push(format!("{inc}/{id}: ended {kind:?}, decode saw {s:?}"));
+                }
+            }
+        }
+    }
+    ends_by_inc.clear();
+    let skipped = seen.values().filter(|s| **s == Seen::Skipped).count();
+    let failed = seen.values().filter(|s| **s == Seen::Failed).count();
+    let cancelled = seen.values().filter(|s| matches!(s, Seen::Cancelled { .. })).count();
+    let unacknowledged = seen.values().filter(|s| **s == Seen::Done { acknowledged: false }).count();
+    drop(seen);
+
+    let mut total = Books::default();
+    for (_, b) in &all {
+        total.leased += b.leased;
+        total.pulled += b.pulled;
+        total.released += b.released;
+        total.expired += b.expired;
+        total.died_live += b.died_live;
+        total.unrecognized += b.unrecognized;
+        total.bad_token += b.bad_token;
+        total.duplicate_ends += b.duplicate_ends;
+        total.blocks_missing += b.blocks_missing;
+        total.counter_mismatch += b.counter_mismatch;
+    }
+    let rss_teardown = rss_kib("VmRSS:");
+    let balanced = total.leased == total.pulled + total.released + total.expired + total.died_live;
+    let survivors_clean = all.iter().rev().take(cli.peers).all(|(_, b)| b.died_live == 0);
+    let ok = balanced
+        && survivors_clean
+        && total.duplicate_ends == 0
+        && total.unrecognized == 0
+        && total.bad_token == 0
+        && total.blocks_missing == 0
+        && total.counter_mismatch == 0
+        && unexplained_expired.is_empty()
+        && mismatched.is_empty()
+        && bad_bytes.load(Ordering::Relaxed) == 0
+        && submit_errors.load(Ordering::Relaxed) == 0;
+    let summary = json!({
+        "seconds": cli.seconds, "seed": cli.seed, "ok": ok,
+        "parents": parents.load(Ordering::Relaxed), "restarts": restarts, "incarnations": all.len(),
+        "leased": total.leased, "pulled": total.pulled, "released": total.released, "expired": total.expired,
+        "died_with_peer": total.died_live, "balanced": balanced,
+        "children_skipped": skipped, "children_cancelled": cancelled, "children_failed": failed,
+        "children_done_unacknowledged": unacknowledged,
+        "expired_unexplained": unexplained_expired.len(), "ends_mismatched": mismatched.len(),
+        "duplicate_ends": total.duplicate_ends, "unrecognized_notifications": total.unrecognized,
+        "bad_tokens": total.bad_token, "blocks_not_handed_back": total.blocks_missing,
+        "children_with_wrong_bytes": bad_bytes.load(Ordering::Relaxed),
+        "rss_after_setup_kib": rss_setup, "rss_after_warmup_kib": rss_warm, "rss_end_kib": rss_end,
+        "rss_after_teardown_kib": rss_teardown, "rss_peak_kib": rss_kib("VmHWM:"),
+    });
+    for m in unexplained_expired.iter().chain(&mismatched).take(20) {
+        eprintln!("  {m}");
+    }
+    if cli.json {
+        println!("{summary}");
+    } else {
+        println!(
+            "soak {} s: {} parents, {} restarts; leased {} = pulled {} + released {} + expired {} + died with peer {} ({}); \
+             skipped {skipped}, cancelled {cancelled}, failed {failed}, done but unacknowledged {unacknowledged}; unexplained expiries {}, mismatched ends {}, \
+             duplicate ends {}, unrecognized {}, blocks not handed back {}; RSS after warm-up {} KiB, at the end {} KiB \
+             (peak {}, after teardown {}); {}",
+            cli.seconds,
+            parents.load(Ordering::Relaxed),
+            restarts,
+            total.leased,
+            total.pulled,
+            total.released,
+            total.expired,
+            total.died_live,
+            if balanced { "balanced" } else { "NOT BALANCED" },
+            unexplained_expired.len(),
+            mismatched.len(),
+            total.duplicate_ends,
+            total.unrecognized,
+            total.blocks_missing,
+            rss_warm,
+            rss_end,
+            rss_kib("VmHWM:"),
+            rss_teardown,
+            if ok { "OK" } else { "FAILED" }
+        );
+    }
+    Ok(ok)
+}
+
+fn driver_seed(seed: u64, driver: usize) -> u64 {
+    seed ^ 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(driver as u64 + 1)
+}
