@@ -70,18 +70,125 @@ struct Incarnation {
     id: usize,
     agent: PrefillAgent,
     free: Mutex<Vec<BlockId>>,
-    /// remote_request_id → how its lease ended (each must end once).
-    ends: Mutex<HashMap<Arc<str>, EndKind>>,
-    duplicate_ends: AtomicU64,
+    /// Ends delivered: pulled, released, expired.
+    ends: [AtomicU64; 3],
+}
+
+/// What the owner does with a lease end: free its blocks, count it, enter it in the ledger.
+fn record_end(
+    inc: usize,
+    ends: &[AtomicU64; 3],
+    e: kvxfer::LeaseEnd,
+    free: &mut Vec<BlockId>,
+    ledger: &Mutex<Ledger>,
+) {
+    free.extend(e.blocks.iter().copied());
+    let k = match e.kind {
+        EndKind::Pulled => 0,
+        EndKind::Released => 1,
+        EndKind::Expired => 2,
+    };
+    ends[k].fetch_add(1, Ordering::Relaxed);
+    ledger.lock().expect("ledger").ended(inc, e.remote_request_id, e.kind);
 }
 
 impl Incarnation {
-    fn drain(&self) {
+    fn drain(&self, ledger: &Mutex<Ledger>) {
         while let Ok(e) = self.agent.events().try_recv() {
-            self.free.lock().expect("pool").extend(e.blocks.iter().copied());
-            if self.ends.lock().expect("ends").insert(e.remote_request_id.clone(), e.kind).is_some() {
-                self.duplicate_ends.fetch_add(1, Ordering::Relaxed);
+            let mut free = self.free.lock().expect("pool");
+            record_end(self.id, &self.ends, e, &mut free, ledger);
+        }
+    }
+}
+
+/// One side of a lease's story, waiting for the other.
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    Seen(Seen),
+    Ended(EndKind),
+}
+
+/// Matches each lease's end (prefill side) with what the decode side saw, as both arrive:
+/// only leases in flight are held, so the soak's own bookkeeping stays small.
+#[derive(Default)]
+struct Ledger {
+    pending: HashMap<(usize, Arc<str>), Side>,
+    skipped: u64,
+    cancelled: u64,
+    failed: u64,
+    unacknowledged: u64,
+    matched: u64,
+    unexplained_expired: u64,
+    mismatched: u64,
+    duplicate_ends: u64,
+    /// Failed or unacknowledged children per incarnation (only restarts may cause them).
+    trouble: HashMap<usize, u64>,
+    examples: Vec<String>,
+}
+
+impl Ledger {
+    fn seen(&mut self, inc: usize, id: Arc<str>, s: Seen) {
+        match s {
+            Seen::Skipped => self.skipped += 1,
+            Seen::Cancelled { .. } => self.cancelled += 1,
+            Seen::Failed => self.failed += 1,
+            Seen::Done { acknowledged: false } => self.unacknowledged += 1,
+            Seen::Done { acknowledged: true } => {}
+        }
+        if matches!(s, Seen::Failed | Seen::Done { acknowledged: false }) {
+            *self.trouble.entry(inc).or_default() += 1;
+        }
+        match self.pending.remove(&(inc, id.clone())) {
+            Some(Side::Ended(kind)) => self.classify(inc, &id, kind, s),
+            Some(Side::Seen(prev)) => self.note(format!("{inc}/{id}: reported twice ({prev:?}, {s:?})")),
+            None => {
+                self.pending.insert((inc, id), Side::Seen(s));
             }
+        }
+    }
+
+    fn ended(&mut self, inc: usize, id: Arc<str>, kind: EndKind) {
+        match self.pending.remove(&(inc, id.clone())) {
+            Some(Side::Seen(s)) => self.classify(inc, &id, kind, s),
+            Some(Side::Ended(prev)) => {
+                self.duplicate_ends += 1;
+                self.note(format!("{inc}/{id}: ended twice ({prev:?}, {kind:?})"));
+            }
+            None => {
+                self.pending.insert((inc, id), Side::Ended(kind));
+            }
+        }
+    }
+
+    fn classify(&mut self, inc: usize, id: &str, kind: EndKind, s: Seen) {
+        let ok = match kind {
+            // Nobody pulled it: skipped, or the decode side could not reach the peer.
+            EndKind::Expired => matches!(
+                s,
+                Seen::Skipped
+                    | Seen::Failed
+                    | Seen::Done { acknowledged: false }
+                    | Seen::Cancelled { released: false }
+            ),
+            // Pulled; a cancel that raced a finished read loses to it.
+            EndKind::Pulled => matches!(s, Seen::Done { acknowledged: true } | Seen::Cancelled { .. }),
+            // The decode side releases what it cancelled and what failed.
+            EndKind::Released => matches!(s, Seen::Cancelled { released: true } | Seen::Failed),
+        };
+        if ok {
+            self.matched += 1;
+        } else if kind == EndKind::Expired {
+            self.unexplained_expired += 1;
+            self.note(format!("{inc}/{id}: expired, decode saw {s:?}"));
+        } else {
+            self.mismatched += 1;
+            self.note(format!("{inc}/{id}: ended {kind:?}, decode saw {s:?}"));
+        }
+    }
+
+    fn note(&mut self, m: String) {
+        if self.examples.len() < 20 {
+            self.examples.push(m);
         }
     }
 }
@@ -96,7 +203,6 @@ struct Books {
     died_live: u64,
     unrecognized: u64,
     bad_token: u64,
-    duplicate_ends: u64,
     blocks_missing: u64,
     counter_mismatch: u64,
 }
@@ -133,15 +239,14 @@ fn start_prefill(cli: &Cli, id: usize) -> Result<Arc<Incarnation>, String> {
         id,
         agent,
         free: Mutex::new((0..cli.blocks).collect()),
-        ends: Mutex::new(HashMap::new()),
-        duplicate_ends: AtomicU64::new(0),
+        ends: Default::default(),
     }))
 }
 
-/// Closes an incarnation's books like a crash would: waits until no driver can lease on
-/// it, reads its counters, drops it, and drains every end it delivered. Leases that had not
-/// ended die with it. A survivor (`survivor`: traffic over) must match its counters exactly.
-fn retire(inc: Arc<Incarnation>, blocks: u32, survivor: bool) -> Closed {
+/// Closes an incarnation's books like a crash would: waits until no driver holds it, reads
+/// its counters, drops it, and drains every end it delivered. Leases that had not ended
+/// die with it. A survivor (`survivor`: traffic over) must match its counters exactly.
+fn retire(inc: Arc<Incarnation>, blocks: u32, survivor: bool, ledger: &Mutex<Ledger>) -> Books {
     // Drivers hold the incarnation only while leasing on it.
     let mut inc = inc;
     let inc = loop {
@@ -155,30 +260,22 @@ fn retire(inc: Arc<Incarnation>, blocks: u32, survivor: bool) -> Closed {
     };
     let s = inc.agent.stats().leases;
     let events = inc.agent.events().clone();
-    drop(inc.agent);
+    let Incarnation { id, agent, free, ends } = inc;
+    drop(agent);
     // Ends delivered up to the drop (the channel keeps them after its sender is gone).
-    let mut free = inc.free.into_inner().expect("pool");
-    let mut ends = inc.ends.into_inner().expect("ends");
-    let mut duplicate_ends = inc.duplicate_ends.load(Ordering::Relaxed);
+    let mut free = free.into_inner().expect("pool");
     for e in events.try_iter() {
-        free.extend(e.blocks.iter().copied());
-        if ends.insert(e.remote_request_id.clone(), e.kind).is_some() {
-            duplicate_ends += 1;
-        }
+        record_end(id, &ends, e, &mut free, ledger);
     }
-    let count = |k: EndKind| ends.values().filter(|&&e| e == k).count() as u64;
-    let (pulled, released, expired) =
-        (count(EndKind::Pulled), count(EndKind::Released), count(EndKind::Expired));
-    let delivered = pulled + released + expired;
+    let [pulled, released, expired] = ends.each_ref().map(|a| a.load(Ordering::Relaxed));
     let mut books = Books {
         leased: s.leased,
         pulled,
         released,
         expired,
-        died_live: s.leased.saturating_sub(delivered),
+        died_live: s.leased.saturating_sub(pulled + released + expired),
         unrecognized: s.unrecognized,
         bad_token: s.bad_token,
-        duplicate_ends,
         blocks_missing: 0,
         counter_mismatch: 0,
     };
@@ -186,11 +283,11 @@ fn retire(inc: Arc<Incarnation>, blocks: u32, survivor: bool) -> Closed {
         // No traffic any more: every block is back and the counters match what was delivered.
         books.blocks_missing = u64::from(blocks) - free.len() as u64;
         if (pulled, released, expired, 0) != (s.pulled, s.released, s.expired, s.live) {
-            eprintln!("survivor {}: delivered ends {pulled}/{released}/{expired} != counters {s:?}", inc.id);
+            eprintln!("survivor {id}: delivered ends {pulled}/{released}/{expired} != counters {s:?}");
             books.counter_mismatch = 1;
         }
     }
-    (books, ends)
+    books
 }
 
 fn main() -> std::process::ExitCode {
@@ -213,9 +310,6 @@ fn main() -> std::process::ExitCode {
 
 type Slots = Arc<RwLock<Vec<Arc<Incarnation>>>>;
 
-/// A closed incarnation: its books and how each of its leases ended.
-type Closed = (Books, HashMap<Arc<str>, EndKind>);
-
 fn run(cli: &Cli) -> Result<bool, String> {
     let mut next_id = 0;
     let slots: Slots = Arc::new(RwLock::new(Vec::new()));
@@ -235,20 +329,20 @@ fn run(cli: &Cli) -> Result<bool, String> {
     let local_free = Arc::new(Mutex::new((0..local_blocks).collect::<Vec<BlockId>>()));
     let rss_setup = rss_kib("VmRSS:");
     let stop = Arc::new(AtomicBool::new(false));
-    let seen: Arc<Mutex<HashMap<(usize, String), Seen>>> = Arc::default();
+    let ledger: Arc<Mutex<Ledger>> = Arc::default();
     let parents = Arc::new(AtomicU64::new(0));
     let bad_bytes = Arc::new(AtomicU64::new(0));
     let submit_errors = Arc::new(AtomicU64::new(0));
-    let retired: Arc<Mutex<Vec<(usize, Closed)>>> = Arc::default();
+    let retired: Arc<Mutex<Vec<(usize, Books)>>> = Arc::default();
     let restarted: Arc<Mutex<HashSet<usize>>> = Arc::default();
 
     // The owners: hand blocks back as leases end.
     let owner = {
-        let (slots, stop) = (slots.clone(), stop.clone());
+        let (slots, stop, ledger) = (slots.clone(), stop.clone(), ledger.clone());
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 for inc in slots.read().expect("slots").iter() {
-                    inc.drain();
+                    inc.drain(&ledger);
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -259,8 +353,8 @@ fn run(cli: &Cli) -> Result<bool, String> {
     let until = started + Duration::from_secs(cli.seconds);
     let mut drivers = Vec::new();
     for d in 0..cli.drivers {
-        let (slots, decode, local_free, seen) =
-            (slots.clone(), decode.clone(), local_free.clone(), seen.clone());
+        let (slots, decode, local_free, ledger) =
+            (slots.clone(), decode.clone(), local_free.clone(), ledger.clone());
         let (parents, bad_bytes, submit_errors) = (parents.clone(), bad_bytes.clone(), submit_errors.clone());
         let (skip, cancel, seed) = (cli.skip, cli.cancel, cli.seed);
         drivers.push(std::thread::spawn(move || {
@@ -302,10 +396,10 @@ fn run(cli: &Cli) -> Result<bool, String> {
                     selected.push(rng.random_range(0..n));
                 }
                 {
-                    let mut seen = seen.lock().expect("seen");
+                    let mut ledger = ledger.lock().expect("ledger");
                     for c in result.children() {
                         if !selected.contains(&c.child_index()) {
-                            seen.insert((inc_id, c.remote_request_id().to_owned()), Seen::Skipped);
+                            ledger.seen(inc_id, c.remote_request_id().into(), Seen::Skipped);
                         }
                     }
                 }
@@ -330,7 +424,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
                     }
                 }
                 let report = handle.wait();
-                let mut seen = seen.lock().expect("seen");
+                let mut outcomes = Vec::with_capacity(report.children.len());
                 for c in &report.children {
                     let pos = selected.iter().position(|&i| i == c.child_index).expect("selected child");
                     let s = match &c.outcome {
@@ -347,9 +441,13 @@ fn run(cli: &Cli) -> Result<bool, String> {
                         ChildOutcome::Cancelled { released, .. } => Seen::Cancelled { released: *released },
                         ChildOutcome::Failed { .. } => Seen::Failed,
                     };
-                    seen.insert((inc_id, c.remote_request_id.clone()), s);
+                    outcomes.push((c.remote_request_id.as_str().into(), s));
                 }
-                drop(seen);
+                let mut ledger = ledger.lock().expect("ledger");
+                for (id, s) in outcomes {
+                    ledger.seen(inc_id, id, s);
+                }
+                drop(ledger);
                 local_free.lock().expect("local pool").extend(local.into_iter().flatten());
             }
         }));
@@ -383,7 +481,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
             };
             restarted.lock().expect("restarted").insert(old.id);
             let id = old.id;
-            retired.lock().expect("retired").push((id, retire(old, cli.blocks, false)));
+            retired.lock().expect("retired").push((id, retire(old, cli.blocks, false, &ledger)));
             restarts += 1;
         }
         if last_report.elapsed() > Duration::from_secs(10) {
@@ -407,48 +505,43 @@ fn run(cli: &Cli) -> Result<bool, String> {
     let rss_end = rss_kib("VmRSS:");
     let rss_warm = rss_warm.unwrap_or(rss_setup);
     let survivors: Vec<Arc<Incarnation>> = std::mem::take(&mut *slots.write().expect("slots"));
+    let survivor_ids: HashSet<usize> = survivors.iter().map(|i| i.id).collect();
     let mut all = std::mem::take(&mut *retired.lock().expect("retired"));
     for inc in survivors {
         let id = inc.id;
-        all.push((id, retire(inc, cli.blocks, true)));
+        all.push((id, retire(inc, cli.blocks, true, &ledger)));
     }
-    let mut ends_by_inc: HashMap<usize, HashMap<Arc<str>, EndKind>> =
-        all.iter_mut().map(|(id, (_, ends))| (*id, std::mem::take(ends))).collect();
-    let all: Vec<(usize, Books)> = all.into_iter().map(|(id, (b, _))| (id, b)).collect();
     drop(decode);
 
-    // Classify every end against what the decode side saw.
-    let seen = seen.lock().expect("seen");
+    // What is left unmatched: decode outcomes of leases that died with a restarted peer
+    // (fine), and anything else (not fine).
+    let mut ledger = std::mem::take(&mut *ledger.lock().expect("ledger"));
     let restarted = restarted.lock().expect("restarted");
-    let mut unexplained_expired = Vec::new();
-    let mut mismatched = Vec::new();
-    for (&inc, ends) in &ends_by_inc {
-        for (id, &kind) in ends {
-            let s = seen.get(&(inc, id.to_string())).copied();
-            let ok = match (kind, s) {
-                (EndKind::Expired, Some(Seen::Skipped)) => true,
-                (EndKind::Expired, _) => restarted.contains(&inc),
-                (EndKind::Pulled, Some(Seen::Done { acknowledged: true })) => true,
-                (EndKind::Released, Some(Seen::Cancelled { released: true } | Seen::Failed)) => true,
-                // A cancel that raced a finished read: the read won.
-                (EndKind::Pulled, Some(Seen::Cancelled { .. })) => true,
-                _ => false,
-            };
-            if !ok {
-                if kind == EndKind::Expired {
-                    unexplained_expired.push(format!("{inc}/{id}: {s:?}"));
-                } else {
-                    mismatched.push(format!("{inc}/{id}: ended {kind:?}, decode saw {s:?}"));
-                }
+    let mut died_seen = 0u64;
+    let mut unmatched = 0u64;
+    let pending = std::mem::take(&mut ledger.pending);
+    for ((inc, id), side) in pending {
+        match side {
+            Side::Seen(_) if restarted.contains(&inc) => died_seen += 1,
+            other => {
+                unmatched += 1;
+                ledger.note(format!("{inc}/{id}: unmatched {other:?}"));
             }
         }
     }
-    ends_by_inc.clear();
-    let skipped = seen.values().filter(|s| **s == Seen::Skipped).count();
-    let failed = seen.values().filter(|s| **s == Seen::Failed).count();
-    let cancelled = seen.values().filter(|s| matches!(s, Seen::Cancelled { .. })).count();
-    let unacknowledged = seen.values().filter(|s| **s == Seen::Done { acknowledged: false }).count();
-    drop(seen);
+    // Without a restart nothing fails.
+    let trouble_on_survivors: u64 =
+        ledger.trouble.iter().filter(|(inc, _)| survivor_ids.contains(inc)).map(|(_, n)| n).sum();
+    let trouble_unexplained: u64 = ledger
+        .trouble
+        .iter()
+        .filter(|(inc, _)| !restarted.contains(inc) && !survivor_ids.contains(inc))
+        .map(|(_, n)| n)
+        .sum();
+    let (skipped, cancelled, failed, unacknowledged) =
+        (ledger.skipped, ledger.cancelled, ledger.failed, ledger.unacknowledged);
+    let unexplained_expired = ledger.unexplained_expired;
+    let mismatched = ledger.mismatched;
 
     let mut total = Books::default();
     for (_, b) in &all {
@@ -459,7 +552,6 @@ fn run(cli: &Cli) -> Result<bool, String> {
         total.died_live += b.died_live;
         total.unrecognized += b.unrecognized;
         total.bad_token += b.bad_token;
-        total.duplicate_ends += b.duplicate_ends;
         total.blocks_missing += b.blocks_missing;
         total.counter_mismatch += b.counter_mismatch;
     }
@@ -468,13 +560,15 @@ fn run(cli: &Cli) -> Result<bool, String> {
     let survivors_clean = all.iter().rev().take(cli.peers).all(|(_, b)| b.died_live == 0);
     let ok = balanced
         && survivors_clean
-        && total.duplicate_ends == 0
+        && ledger.duplicate_ends == 0
+        && unmatched == 0
+        && trouble_on_survivors + trouble_unexplained == 0
         && total.unrecognized == 0
         && total.bad_token == 0
         && total.blocks_missing == 0
         && total.counter_mismatch == 0
-        && unexplained_expired.is_empty()
-        && mismatched.is_empty()
+        && unexplained_expired == 0
+        && mismatched == 0
         && bad_bytes.load(Ordering::Relaxed) == 0
         && submit_errors.load(Ordering::Relaxed) == 0;
     let summary = json!({
@@ -484,14 +578,16 @@ fn run(cli: &Cli) -> Result<bool, String> {
         "died_with_peer": total.died_live, "balanced": balanced,
         "children_skipped": skipped, "children_cancelled": cancelled, "children_failed": failed,
         "children_done_unacknowledged": unacknowledged,
-        "expired_unexplained": unexplained_expired.len(), "ends_mismatched": mismatched.len(),
-        "duplicate_ends": total.duplicate_ends, "unrecognized_notifications": total.unrecognized,
+        "expired_unexplained": unexplained_expired, "ends_mismatched": mismatched,
+        "ends_matched": ledger.matched, "outcomes_of_leases_that_died": died_seen, "unmatched": unmatched,
+        "failures_without_restart": trouble_on_survivors + trouble_unexplained,
+        "duplicate_ends": ledger.duplicate_ends, "unrecognized_notifications": total.unrecognized,
         "bad_tokens": total.bad_token, "blocks_not_handed_back": total.blocks_missing,
         "children_with_wrong_bytes": bad_bytes.load(Ordering::Relaxed),
         "rss_after_setup_kib": rss_setup, "rss_after_warmup_kib": rss_warm, "rss_end_kib": rss_end,
         "rss_after_teardown_kib": rss_teardown, "rss_peak_kib": rss_kib("VmHWM:"),
     });
-    for m in unexplained_expired.iter().chain(&mismatched).take(20) {
+    for m in &ledger.examples {
         eprintln!("  {m}");
     }
     if cli.json {
@@ -511,9 +607,9 @@ fn run(cli: &Cli) -> Result<bool, String> {
             total.expired,
             total.died_live,
             if balanced { "balanced" } else { "NOT BALANCED" },
-            unexplained_expired.len(),
-            mismatched.len(),
-            total.duplicate_ends,
+            unexplained_expired,
+            mismatched,
+            ledger.duplicate_ends,
             total.unrecognized,
             total.blocks_missing,
             rss_warm,
