@@ -96,6 +96,13 @@ fn prefill_node(ttl_ms: u64) -> (Node, String) {
     (node, addr)
 }
 
+/// A decode node, once its agent is up (so leases are not spent waiting for it to start).
+fn decode_node(args: &[&str]) -> Node {
+    let node = Node::start(&[&["decode"][..], args].concat());
+    node.wait_event("ready", Duration::from_secs(30), &mut Vec::new());
+    node
+}
+
 fn lease(prefill: &mut Node, parent: &str) -> String {
     prefill.send(json!({"cmd": "lease", "parent": parent, "n": N, "blocks_per_child": BPC}));
     prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
@@ -123,8 +130,8 @@ fn decode_killed_mid_pull_leases_expire_and_the_owner_is_told() {
     let (mut prefill, addr) = prefill_node(1500);
     let stall = Fault::new(Direction::ToDecode, 200_000, FaultKind::Delay(Duration::from_secs(60)));
     let proxy = FaultProxy::start(addr.parse().expect("addr"), vec![stall]).expect("proxy");
+    let mut decode = decode_node(&["--io-timeout-ms", "1500"]);
     let result = lease(&mut prefill, "P");
-    let mut decode = Node::start(&["decode", "--io-timeout-ms", "1500"]);
     decode.send(json!({"cmd": "pull", "result": result, "peer": proxy.addr().to_string()}));
     wait_mid_pull(&proxy);
     decode.kill9();
@@ -159,8 +166,8 @@ fn prefill_killed_mid_pull_fails_children_and_a_new_prefill_serves_the_retry() {
     let (mut prefill, addr) = prefill_node(10_000);
     let stall = Fault::new(Direction::ToDecode, 200_000, FaultKind::Delay(Duration::from_millis(1500)));
     let proxy = FaultProxy::start(addr.parse().expect("addr"), vec![stall]).expect("proxy");
+    let mut decode = decode_node(&["--io-timeout-ms", "1500"]);
     let result = lease(&mut prefill, "P");
-    let mut decode = Node::start(&["decode", "--io-timeout-ms", "1500"]);
     decode.send(json!({"cmd": "pull", "result": result, "peer": proxy.addr().to_string()}));
     wait_mid_pull(&proxy);
     prefill.kill9();
@@ -198,4 +205,82 @@ fn prefill_killed_mid_pull_fails_children_and_a_new_prefill_serves_the_retry() {
     let (ends, _) = prefill2.wait_events("lease_end", N as usize, Duration::from_secs(10));
     assert!(ends.iter().all(|e| e["kind"] == "Pulled"), "{ends:?}");
     drop(proxy);
+}
+
+/// Over UCX (tcp transport, peer-failure handling on): the one-sided reads do not pass the
+/// proxy, so the kill is timed by the prefill side's open pins — a read is under way.
+#[cfg(feature = "ucx")]
+#[test]
+fn prefill_killed_mid_ucx_pull_fails_children_in_bounded_time() {
+    let ucx = ["--transport", "ucx", "--ucx-tls", "tcp", "--ucx-peer-failure", "--io-timeout-ms", "1500"];
+    // 256 blocks of 1 MiB: four children of 64 MiB each.
+    let big = ["--blocks", "256", "--block-bytes", "1048576"];
+    let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "10000"][..], &ucx, &big].concat());
+    prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
+    let mut decode = decode_node(&[&ucx[..], &big].concat());
+    prefill.send(json!({"cmd": "lease", "parent": "U", "n": N, "blocks_per_child": 64}));
+    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
+        .as_str()
+        .expect("result")
+        .to_owned();
+    decode.send(json!({"cmd": "pull", "result": result}));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = stats(&mut prefill);
+        if s["pins_open"].as_u64().unwrap_or(0) > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no read under way: {s}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    prefill.kill9();
+    let killed = Instant::now();
+    let (children, _) = decode.wait_events("child", N as usize, Duration::from_secs(60));
+    let took = killed.elapsed();
+    for c in &children {
+        match c["outcome"].as_str() {
+            Some("failed") => assert_eq!(c["invalid_local_blocks"].as_array().map(Vec::len), Some(64), "{c}"),
+            Some("done") => assert_eq!(c["verified"], true, "{c}"),
+            other => panic!("unexpected outcome {other:?}: {c}"),
+        }
+    }
+    let failed = children.iter().filter(|c| c["outcome"] == "failed").count();
+    eprintln!(
+        "prefill killed mid-UCX-pull: {failed} of {N} children failed, {:.2} s after the kill",
+        took.as_secs_f64()
+    );
+    assert!(failed > 0, "{children:?}");
+}
+
+/// The decode process dies during one-sided reads: its pins go with its connection, and
+/// every lease ends once, by expiry.
+#[cfg(feature = "ucx")]
+#[test]
+fn decode_killed_mid_ucx_pull_drops_its_pins_and_leases_expire() {
+    let ucx = ["--transport", "ucx", "--ucx-tls", "tcp", "--ucx-peer-failure", "--io-timeout-ms", "1500"];
+    let big = ["--blocks", "256", "--block-bytes", "1048576"];
+    let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "3000"][..], &ucx, &big].concat());
+    prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
+    let mut decode = decode_node(&[&ucx[..], &big].concat());
+    prefill.send(json!({"cmd": "lease", "parent": "U", "n": N, "blocks_per_child": 64}));
+    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
+        .as_str()
+        .expect("result")
+        .to_owned();
+    decode.send(json!({"cmd": "pull", "result": result}));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stats(&mut prefill)["pins_open"].as_u64().unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "no read under way");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    decode.kill9();
+    let killed = Instant::now();
+    let (ends, _) = prefill.wait_events("lease_end", N as usize, Duration::from_secs(20));
+    eprintln!(
+        "decode killed mid-UCX-pull: {N} leases ended {:.2} s after the kill",
+        killed.elapsed().as_secs_f64()
+    );
+    assert!(ends.iter().all(|e| e["kind"] == "Expired"), "{ends:?}");
+    let s = stats(&mut prefill);
+    assert_eq!((s["live"].as_u64(), s["pins_open"].as_u64()), (Some(0), Some(0)), "{s}");
 }

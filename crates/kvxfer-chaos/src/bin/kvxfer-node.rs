@@ -10,6 +10,7 @@
 //!   stdin:  {"cmd":"stats"}  ->  {"event":"stats","leased":..,"pulled":..,..}
 //!
 //! kvxfer-node decode --blocks 256 --block-bytes 65536
+//!   stdout: {"event":"ready"}
 //!   stdin:  {"cmd":"pull","result":"<hex>","peer":"127.0.0.1:PORT"}   (peer: optional override)
 //!   stdout: {"event":"child","child":0,"outcome":"done","verified":true}
 //!           {"event":"child","child":1,"outcome":"failed","reason":"..","invalid_local_blocks":[..]}
@@ -68,11 +69,21 @@ struct Common {
     /// Data path: auto, tcp or ucx.
     #[arg(long, default_value = "tcp")]
     transport: TransportChoice,
+    /// UCX transports (UCX_TLS), e.g. `tcp` or `posix,sysv,cma,self` (needs the `ucx` feature).
+    #[arg(long)]
+    ucx_tls: Option<String>,
+    /// UCX endpoint error mode PEER (for networks; UCX then avoids shared memory).
+    #[arg(long)]
+    ucx_peer_failure: bool,
 }
 
 impl Common {
-    fn config(&self, name: &str) -> AgentConfig {
-        AgentConfig::new(name).io_timeout(Duration::from_millis(self.io_timeout_ms)).transport(self.transport)
+    fn config(&self, name: &str) -> Result<AgentConfig, String> {
+        AgentConfig::new(name)
+            .io_timeout(Duration::from_millis(self.io_timeout_ms))
+            .transport(self.transport)
+            .ucx_options(self.ucx_tls.clone(), self.ucx_peer_failure)
+            .map_err(|e| e.to_string())
     }
     fn layout(&self) -> Result<BlockLayout, String> {
         BlockLayout::single(self.blocks, self.block_bytes).map_err(|e| e.to_string())
@@ -106,7 +117,7 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
     let mem = KvMemory::alloc(layout).map_err(|e| e.to_string())?;
     // SAFETY: nothing is leased yet and no agent holds this memory.
     unsafe { pattern::fill_blocks(&mem, 0..common.blocks) }.map_err(|e| e.to_string())?;
-    let agent = PrefillAgent::start(common.config("node-prefill").lease_ttl(ttl), listen, mem)
+    let agent = PrefillAgent::start(common.config("node-prefill")?.lease_ttl(ttl), listen, mem)
         .map_err(|e| e.to_string())?;
     emit(json!({"event": "listening", "addr": agent.local_addr().to_string()}));
     let events = agent.events().clone();
@@ -160,7 +171,8 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
 
 fn decode(common: &Common) -> Result<(), String> {
     let mem = KvMemory::alloc(common.layout()?).map_err(|e| e.to_string())?;
-    let agent = DecodeAgent::start(common.config("node-decode"), mem).map_err(|e| e.to_string())?;
+    let agent = DecodeAgent::start(common.config("node-decode")?, mem).map_err(|e| e.to_string())?;
+    emit(json!({"event": "ready"}));
     for cmd in commands() {
         if cmd["cmd"].as_str() != Some("pull") {
             emit(json!({"event": "error", "message": format!("unknown command {cmd}")}));
