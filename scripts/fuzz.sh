@@ -14,12 +14,16 @@ targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   mapfile -t targets < <(cd fuzz && cargo +nightly fuzz list)
 fi
+status=0
 for t in "${targets[@]}"; do
   echo "== $t: ${seconds}s"
+  before=$(ls "fuzz/artifacts/$t" 2>/dev/null | wc -l)
   (cd fuzz && cargo +nightly fuzz run "$t" -- -max_total_time="$seconds" -rss_limit_mb=4096 -print_final_stats=1) 2>&1 \
     | grep -E '^(==|#[0-9]+ *DONE|stat::number_of_executed_units|stat::peak_rss_mb|SUMMARY|.*panicked|.*Test unit written)' || true
-  if [ -n "$(ls -A "fuzz/artifacts/$t" 2>/dev/null)" ]; then
-    echo "!! $t: crash artifacts in fuzz/artifacts/$t" >&2
-    exit 1
+  after=$(ls "fuzz/artifacts/$t" 2>/dev/null | wc -l)
+  if [ "$after" -gt "$before" ]; then
+    echo "!! $t: new crash artifacts in fuzz/artifacts/$t (reproduce: cd fuzz && cargo +nightly fuzz run $t <file>)" >&2
+    status=1
   fi
 done
+exit $status
