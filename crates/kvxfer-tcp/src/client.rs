@@ -142,6 +142,16 @@ impl Connection {
         &self.peer
     }
 
+    /// Whether the peer closed (or reset) this idle connection, e.g. because its process
+    /// restarted — checked without blocking before a pooled connection is reused. Bytes
+    /// nobody asked for also make it unusable.
+    pub fn closed_by_peer(&self) -> bool {
+        match self.stream.try_read(&mut [0u8; 1]) {
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+            Ok(_) => true,
+        }
+    }
+
     fn frame_err(&self, source: FrameError) -> ClientError {
         ClientError::Frame { peer: self.peer.clone(), source }
     }

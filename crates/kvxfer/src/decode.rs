@@ -104,6 +104,9 @@ pub struct DecodeStats {
     pub notifications_unacknowledged: u64,
     /// Connections opened.
     pub connections_opened: u64,
+    /// Prefill peers this agent keeps connections (or a pool) for; peers that closed every
+    /// connection and no pull uses are forgotten when a new peer is added.
+    pub peers: u64,
 }
 
 #[derive(Default)]
@@ -378,6 +381,7 @@ impl DecodeAgent {
             bytes_delivered: l(&c.bytes_delivered),
             notifications_unacknowledged: l(&c.notifications_unacknowledged),
             connections_opened: l(&c.connections_opened),
+            peers: self.inner.peers.lock().unwrap_or_else(|p| p.into_inner()).len() as u64,
         }
     }
 }
@@ -393,6 +397,11 @@ impl Drop for DecodeAgent {
 impl Inner {
     fn peer(&self, addr: &str) -> Arc<Peer> {
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if !peers.contains_key(addr) {
+            // Prefill workers come and go (restarts, scale-down): forget peers no pull uses
+            // whose connections their side has closed, so neither entries nor sockets pile up.
+            peers.retain(|_, p| Arc::strong_count(p) > 1 || !p.is_gone());
+        }
         peers
             .entry(addr.to_owned())
             .or_insert_with(|| {
@@ -423,12 +432,30 @@ impl Peer {
         inner: &Inner,
     ) -> Result<(tokio::sync::SemaphorePermit<'_>, Connection), String> {
         let permit = self.permits.acquire().await.map_err(|e| e.to_string())?;
-        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        // Skip pooled connections the peer closed meanwhile (it restarted, or timed them out).
+        let idle = {
+            let mut pool = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            std::iter::from_fn(|| pool.pop()).find(|c| !c.closed_by_peer())
+        };
         let conn = match idle {
             Some(c) => c,
             None => inner.connect(&self.addr).await.map_err(|e| e.to_string())?,
         };
         Ok((permit, conn))
+    }
+
+    /// Forgets every connection to the peer (it is no longer the engine they were made to).
+    async fn reset(&self) {
+        *self.control.lock().await = None;
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    /// Whether the peer closed every connection this agent holds to it (or there are none).
+    /// A pull in progress may hold the control lock: then it is not gone.
+    fn is_gone(&self) -> bool {
+        let Ok(control) = self.control.try_lock() else { return false };
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        control.as_ref().is_none_or(Connection::closed_by_peer) && idle.iter().all(Connection::closed_by_peer)
     }
 
     /// Returns a connection to the pool after a request ended with `r`, unless the error
@@ -447,7 +474,7 @@ impl Peer {
         op: impl AsyncFnOnce(&mut Connection) -> Result<T, ClientError>,
     ) -> Result<T, ClientError> {
         let mut slot = self.control.lock().await;
-        if slot.is_none() {
+        if slot.as_ref().is_none_or(Connection::closed_by_peer) {
             *slot = Some(inner.connect(&self.addr).await?);
         }
         let Some(conn) = slot.as_mut() else { unreachable!("connected above") };
@@ -645,11 +672,20 @@ impl Pull {
     /// hand-offs name, and picks the data path: the best one both sides offer, unless the
     /// config forces one.
     async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), String> {
-        let ack = peer
-            .control(&self.inner, async |c: &mut Connection| Ok(c.peer_hello().clone()))
-            .await
-            .map_err(|e| e.to_string())?;
+        let hello = async || {
+            peer.control(&self.inner, async |c: &mut Connection| Ok(c.peer_hello().clone()))
+                .await
+                .map_err(|e| e.to_string())
+        };
+        let mut ack = hello().await?;
         let want = &self.children[0].engine().engine_id;
+        if &ack.engine_id != want {
+            // Our connections may predate a restart of the worker at this address: start
+            // over once with fresh ones before calling the hand-off stale.
+            debug!(peer = %peer.addr, had = %ack.engine_id, %want, "engine changed; reconnecting");
+            peer.reset().await;
+            ack = hello().await?;
+        }
         if &ack.engine_id != want {
             return Err(format!(
                 "{} is engine {}, but the hand-off names engine {want} (the prefill worker restarted?)",

@@ -286,3 +286,52 @@ per_transport!(
     prefill_agent_dropped_mid_pull_ends_every_child_in_bounded_time_and_a_new_prefill_works,
     decode_agent_dropped_mid_pull_leases_end_by_expiry_never_leak,
 );
+
+/// A prefill worker restarts on the same address (new engine id, same port). The decode
+/// agent's pooled connections to the old one are dead; the next pull must not use them
+/// (nor the old one's handshake) and must succeed against the new one.
+#[test]
+fn prefill_restarted_on_the_same_address_is_pulled_from_again() {
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let config =
+        || AgentConfig::new("prefill").lease_ttl(Duration::from_secs(30)).io_timeout(Duration::from_secs(2));
+    let first = prefill_with(config(), layout.clone());
+    let addr = first.local_addr();
+    let decode = decode_with(AgentConfig::new("decode").io_timeout(Duration::from_secs(2)), layout.clone());
+    let remote = vec![vec![1, 2], vec![3, 4]];
+    let result = first.lease_parent("A", remote.clone(), 1, None).expect("lease");
+    assert!(decode.submit(result, remote.clone()).expect("submit").wait().all_done());
+    drop(first);
+
+    let mem = kvxfer::KvMemory::alloc(layout).expect("alloc");
+    // SAFETY: nothing is leased yet; no agent holds this memory.
+    unsafe { kvxfer_mem::pattern::fill_blocks(&mem, 0..64) }.expect("fill");
+    let second =
+        kvxfer::PrefillAgent::start(config(), &addr.to_string(), mem).expect("restart on the same port");
+    for round in 0..2 {
+        let local = vec![vec![10, 11], vec![12, 13]];
+        let result = second.lease_parent(&format!("B{round}"), remote.clone(), 1, None).expect("lease");
+        let report = decode.submit(result, local.clone()).expect("submit").wait();
+        assert!(report.all_done(), "round {round}: {report:?}");
+        for (r, l) in remote.iter().zip(&local) {
+            assert!(verify(&decode, r, l));
+        }
+    }
+}
+
+/// Prefill workers that restart on new ports, again and again: the decode agent forgets the
+/// gone ones (entries and sockets) instead of keeping every peer it ever pulled from.
+#[test]
+fn peers_that_went_away_are_forgotten() {
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let decode = decode_with(AgentConfig::new("decode").io_timeout(Duration::from_secs(2)), layout.clone());
+    for round in 0..6 {
+        let prefill = prefill_with(AgentConfig::new("prefill"), layout.clone());
+        let result =
+            prefill.lease_parent(&format!("R{round}"), vec![vec![1], vec![2]], 1, None).expect("lease");
+        assert!(decode.submit(result, vec![vec![3], vec![4]]).expect("submit").wait().all_done());
+        drop(prefill);
+        // The one just used, plus at most the previous one (its sockets may still be closing).
+        assert!(decode.stats().peers <= 2, "round {round}: {:?}", decode.stats());
+    }
+}

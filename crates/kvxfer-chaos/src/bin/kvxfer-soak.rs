@@ -511,6 +511,8 @@ fn run(cli: &Cli) -> Result<bool, String> {
         let id = inc.id;
         all.push((id, retire(inc, cli.blocks, true, &ledger)));
     }
+    // Restarted peers must not pile up in the decode agent (entries or sockets).
+    let decode_peers = decode.stats().peers;
     drop(decode);
 
     // What is left unmatched: decode outcomes of leases that died with a restarted peer
@@ -567,6 +569,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
         && total.bad_token == 0
         && total.blocks_missing == 0
         && total.counter_mismatch == 0
+        && decode_peers <= cli.peers as u64 + 2
         && unexplained_expired == 0
         && mismatched == 0
         && bad_bytes.load(Ordering::Relaxed) == 0
@@ -582,7 +585,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
         "ends_matched": ledger.matched, "outcomes_of_leases_that_died": died_seen, "unmatched": unmatched,
         "failures_without_restart": trouble_on_survivors + trouble_unexplained,
         "duplicate_ends": ledger.duplicate_ends, "unrecognized_notifications": total.unrecognized,
-        "bad_tokens": total.bad_token, "blocks_not_handed_back": total.blocks_missing,
+        "bad_tokens": total.bad_token, "decode_peers_at_end": decode_peers, "blocks_not_handed_back": total.blocks_missing,
         "children_with_wrong_bytes": bad_bytes.load(Ordering::Relaxed),
         "rss_after_setup_kib": rss_setup, "rss_after_warmup_kib": rss_warm, "rss_end_kib": rss_end,
         "rss_after_teardown_kib": rss_teardown, "rss_peak_kib": rss_kib("VmHWM:"),
