@@ -1,4 +1,5 @@
-//! The other hot pure parts: transfer-plan coalescing and the frame codec.
+//! The other hot pure parts: transfer-plan coalescing, the frame codec, and the payload
+//! checksum (CRC-32C) both sides compute for every read.
 #![allow(missing_docs)]
 
 use std::hint::black_box;
@@ -52,5 +53,17 @@ fn frames(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, plans, frames);
+fn checksum(c: &mut Criterion) {
+    let mut g = c.benchmark_group("checksum");
+    for size in [64 * 1024usize, 2 << 20] {
+        let data: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
+        g.throughput(Throughput::Bytes(size as u64));
+        g.bench_function(format!("crc32c_{}KiB", size / 1024), |b| {
+            b.iter(|| black_box(crc32c::crc32c(black_box(&data))))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, plans, frames, checksum);
 criterion_main!(benches);
