@@ -35,6 +35,7 @@ fn frames(c: &mut Criterion) {
         remote_request_id: "3_cmpl-b9d6c33a-482061a8-551f-4964-925d-fc0925e9261b-0".into(),
         lease_token: vec![7; 16],
         ranges: (0..64).map(|i| v1::BlockRange { start: i * 32, count: 16 }).collect(),
+        ..Default::default()
     });
     let mut buf = Vec::new();
     g.bench_function("encode_read_request_64_ranges", |b| {

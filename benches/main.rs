@@ -75,6 +75,9 @@ struct RunArgs {
     /// UCX peer-failure handling (UCX 1.13 then avoids shared memory).
     #[arg(long)]
     ucx_peer_failure: bool,
+    /// Check every one-sided (UCX) read against a CRC-32C taken at pin time.
+    #[arg(long)]
+    ucx_verify_payloads: bool,
     /// Block sizes to sweep, e.g. 4K,64K,256K,2M.
     #[arg(long, value_delimiter = ',', default_value = "64K,2M", value_parser = parse_size)]
     block_bytes: Vec<u64>,
@@ -379,7 +382,9 @@ fn run_block_size(run: &RunArgs, source: &mut dyn LeaseSource, block: u64) -> Re
                     .worker_threads(run.worker_threads),
                 &run.ucx_tls,
                 run.ucx_peer_failure,
-            )?;
+            )?
+            .ucx_verify_payloads(run.ucx_verify_payloads)
+            .map_err(|e| e.to_string())?;
             DecodeAgent::start(c, KvMemory::alloc(layout.clone()).map_err(|e| e.to_string())?)
                 .map_err(|e| e.to_string())
         })
@@ -686,7 +691,7 @@ fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result
         plot_rows.push(PlotRow { block, kvxfer: m.gib_per_s, raw_tcp: raw, memcpy: mem });
         if run.json {
             let mut j = json!({
-                "transport": transport, "processes": processes, "block_bytes": block, "bytes": m.bytes,
+                "transport": transport, "ucx_verify_payloads": run.ucx_verify_payloads, "processes": processes, "block_bytes": block, "bytes": m.bytes,
                 "n": run.n, "parents": run.parents, "iters": run.iters, "connections": run.connections,
                 "expected_consumers": run.expected_consumers,
                 "gib_per_s": m.gib_per_s, "blocks_per_s": m.blocks_per_s, "p50_us": m.p50_us, "p99_us": m.p99_us,

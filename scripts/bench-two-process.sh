@@ -5,11 +5,15 @@
 #   scripts/bench-two-process.sh [pull flags...]
 #   scripts/bench-two-process.sh --transport ucx --ucx-tls posix,sysv,cma,self --block-bytes 64K,2M --json
 #
-# Builds kvxfer-bench in release mode with the UCX feature (needs libucx-dev).
+# Builds kvxfer-bench in release mode with the UCX feature (needs libucx-dev), unless
+# KVXFER_BENCH names a binary to use instead (for A/B runs of two builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build -q --release -p kvxfer-bench --features ucx
-bin=target/release/kvxfer-bench
+bin=${KVXFER_BENCH:-}
+if [ -z "$bin" ]; then
+    cargo build -q --release -p kvxfer-bench --features ucx
+    bin=target/release/kvxfer-bench
+fi
 
 # The serve side takes the transport flags; everything else is for pull.
 serve_args=()

@@ -198,13 +198,14 @@ impl Connection {
             remote_request_id: id.to_owned(),
             lease_token: token.to_vec(),
             ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
+            pin_crc32c: false,
         };
         (seq, req)
     }
 
     /// Reads the remote blocks of `runs` of lease `id` straight into their local blocks in
-    /// `dest`, and checks them against the CRC-32C the peer announced (a mismatch is
-    /// [`ClientError::Integrity`]). Returns the payload bytes received.
+    /// `dest`, and checks them against the CRC-32C trailer the peer sent after them (a
+    /// mismatch is [`ClientError::Integrity`]). Returns the payload bytes received.
     ///
     /// # Safety
     /// Nobody else reads or writes the local blocks of `runs` in `dest` until this returns
@@ -220,10 +221,8 @@ impl Connection {
         let (seq, req) = self.request(id, token, runs);
         self.send(&Frame::ReadRequest(req)).await?;
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
-        let want_crc = match self.recv().await? {
-            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {
-                resp.payload_crc32c
-            }
+        match self.recv().await? {
+            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {}
             Frame::ReadResponse(resp) => {
                 return Err(ClientError::Integrity {
                     peer: self.peer.clone(),
@@ -236,7 +235,7 @@ impl Connection {
             }
             Frame::Error(e) if e.seq == seq => return Err(self.refused(e)),
             other => return Err(self.unexpected(&other)),
-        };
+        }
         let timeout = self.limits.io_timeout;
         let mut crc = 0;
         for run in runs {
@@ -244,40 +243,47 @@ impl Connection {
                 // SAFETY: the caller guarantees exclusive access to these destination
                 // blocks for the duration of this call, and that they are in the layout.
                 let dst = unsafe { dest.chunk_mut(c) };
-                read_exact_with_progress(&mut self.stream, dst, timeout)
+                read_exact_with_progress(&mut self.stream, dst, timeout, Some(&mut crc))
                     .await
                     .map_err(|e| self.frame_err(e))?;
-                crc = crc32c::crc32c_append(crc, dst);
             }
         }
-        check_crc(&self.peer, seq, want_crc, crc)?;
+        let mut trailer = [0u8; 4];
+        read_exact_with_progress(&mut self.stream, &mut trailer, timeout, None)
+            .await
+            .map_err(|e| self.frame_err(e))?;
+        check_crc(&self.peer, seq, u32::from_be_bytes(trailer), crc)?;
         Ok(expected)
     }
 
     /// Pins `runs` of lease `id` for a one-sided read (UCX, RDMA): the prefill side holds a
-    /// read guard until [`Self::unpin`] or until this connection closes. Returns the pin's
-    /// sequence number and the CRC-32C of the pinned blocks (check the one-sided read
-    /// against it with [`check_crc`]).
+    /// read guard until [`Self::unpin`], until this connection closes, or until its
+    /// `pin_timeout` passes. Returns the pin's sequence number and, if `want_crc`, the
+    /// CRC-32C of the pinned blocks (check the read against it with [`check_crc`]).
     pub async fn pin(
         &mut self,
         id: &str,
         token: &[u8],
         runs: &[BlockRun],
-    ) -> Result<(u64, u32), ClientError> {
-        let (seq, req) = self.request(id, token, runs);
+        want_crc: bool,
+    ) -> Result<(u64, Option<u32>), ClientError> {
+        let (seq, mut req) = self.request(id, token, runs);
+        req.pin_crc32c = want_crc;
         self.send(&Frame::Pin(req)).await?;
         match self.recv().await? {
-            Frame::PinAck(a) if a.seq == seq => Ok((seq, a.payload_crc32c)),
+            Frame::PinAck(a) if a.seq == seq => Ok((seq, want_crc.then_some(a.payload_crc32c))),
             Frame::Error(e) if e.seq == seq => Err(self.refused(e)),
             other => Err(self.unexpected(&other)),
         }
     }
 
-    /// Ends pin `seq`; `completed` says whether the one-sided read succeeded.
-    pub async fn unpin(&mut self, seq: u64, completed: bool) -> Result<(), ClientError> {
+    /// Ends pin `seq`; `completed` says whether the one-sided read succeeded. Returns whether
+    /// the pin was still held: `false` means the prefill side had dropped it, so a read that
+    /// finished before this call may have seen blocks no longer leased and must not be used.
+    pub async fn unpin(&mut self, seq: u64, completed: bool) -> Result<bool, ClientError> {
         self.send(&Frame::Unpin(v1::Unpin { seq, completed })).await?;
         match self.recv().await? {
-            Frame::UnpinAck(a) if a.seq == seq => Ok(()),
+            Frame::UnpinAck(a) if a.seq == seq => Ok(a.held),
             Frame::Error(e) => Err(self.refused(e)),
             other => Err(self.unexpected(&other)),
         }
@@ -352,11 +358,13 @@ pub fn check_crc(peer: &str, seq: u64, announced: u32, computed: u32) -> Result<
     })
 }
 
-/// Fills `buf` from `stream`, failing when no byte arrives for `timeout`.
+/// Fills `buf` from `stream`, failing when no byte arrives for `timeout`; folds each piece
+/// into `crc` as it lands (while it is in cache).
 async fn read_exact_with_progress(
     stream: &mut TcpStream,
     buf: &mut [u8],
     timeout: Duration,
+    mut crc: Option<&mut u32>,
 ) -> Result<(), FrameError> {
     let mut pos = 0;
     while pos < buf.len() {
@@ -365,6 +373,9 @@ async fn read_exact_with_progress(
             .map_err(|_| FrameError::Timeout)??;
         if n == 0 {
             return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        if let Some(c) = crc.as_deref_mut() {
+            *c = crc32c::crc32c_append(*c, &buf[pos..pos + n]);
         }
         pos += n;
     }

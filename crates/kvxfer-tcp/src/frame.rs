@@ -274,6 +274,7 @@ mod tests {
                 remote_request_id: "0_R".into(),
                 lease_token: vec![1; 16],
                 ranges: vec![v1::BlockRange { start: 3, count: 4 }],
+                ..Default::default()
             }),
             Frame::NotifyAck(v1::NotifyAck { outcome: 2, remaining: 0 }),
             Frame::error(v1::ErrorCode::BadToken, "nope", 9),

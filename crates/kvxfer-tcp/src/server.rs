@@ -328,7 +328,8 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
                 } else {
                     match begin(ctx, &req) {
                         Ok((guard, bytes)) => {
-                            let payload_crc32c = payload_crc(ctx, &guard, &ranges_of(&req));
+                            let payload_crc32c =
+                                if req.pin_crc32c { payload_crc(ctx, &guard, &ranges_of(&req)) } else { 0 };
                             bump(&ctx.counters.pins);
                             bump(&ctx.counters.pins_open);
                             debug!(remote_request_id = %req.remote_request_id, seq = req.seq, bytes, "pinned");
@@ -344,14 +345,16 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
                 }
             }
             Frame::Unpin(u) => {
-                if let Some(pin) = pins.remove(&u.seq) {
+                let pin = pins.remove(&u.seq);
+                let held = pin.is_some();
+                if let Some(pin) = pin {
                     if u.completed {
                         ctx.counters.bytes_served.fetch_add(pin.bytes, Ordering::Relaxed);
                         bump(&ctx.counters.reads_served);
                     }
                     debug!(remote_request_id = %pin.guard.request_id(), seq = u.seq, completed = u.completed, "unpinned");
                 }
-                Frame::UnpinAck(v1::UnpinAck { seq: u.seq })
+                Frame::UnpinAck(v1::UnpinAck { seq: u.seq, held })
             }
             Frame::Notify(n) => {
                 let out = ctx.table.notify(&n.remote_request_id, &n.lease_token, &n.consumer_id, now);
@@ -503,6 +506,29 @@ fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), 
     }
 }
 
+/// Bytes of payload checksummed and written per vectored write: small enough to stay in
+/// cache between the CRC and the kernel's copy.
+const CRC_GROUP: usize = 256 * 1024;
+
+/// Writes all of `slices`, each write bounded by `timeout`.
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    slices: &mut [IoSlice<'_>],
+    timeout: std::time::Duration,
+) -> Result<(), FrameError> {
+    let mut rest = slices;
+    while !rest.is_empty() {
+        let n = tokio::time::timeout(timeout, stream.write_vectored(rest))
+            .await
+            .map_err(|_| FrameError::Timeout)??;
+        if n == 0 {
+            return Err(FrameError::Io(std::io::ErrorKind::WriteZero.into()));
+        }
+        IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}
+
 async fn serve_read(
     stream: &mut TcpStream,
     ctx: &ServeContext,
@@ -518,30 +544,38 @@ async fn serve_read(
     };
     let ranges = ranges_of(&req);
     let mem = &ctx.memory;
-    let payload_crc32c = payload_crc(ctx, &guard, &ranges);
     scratch.clear();
-    Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len, payload_crc32c }).encode(scratch);
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(1 + ranges.len() * mem.layout().segments().len());
+    Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
+    let io_timeout = ctx.limits.io_timeout;
+    // Written in groups of about CRC_GROUP bytes: each group's CRC is taken just before the
+    // kernel copies it, while it is in cache; the header rides with the first group and the
+    // CRC trailer with the last.
+    let mut crc = 0u32;
+    let mut trailer = [0u8; 4];
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(16);
     slices.push(IoSlice::new(scratch));
+    let mut group = 0usize;
     for r in &ranges {
         for c in mem.run_chunks(r.start, r.count) {
             // SAFETY: `guard` pins the lease, and every block of `ranges` was checked by
             // `begin_read` to belong to it; the owner does not write leased blocks (the
             // access contract of kvxfer-mem). The slices die before `guard` is dropped.
-            slices.push(IoSlice::new(unsafe { mem.chunk(c) }));
+            let bytes = unsafe { mem.chunk(c) };
+            for piece in bytes.chunks(CRC_GROUP) {
+                crc = crc32c::crc32c_append(crc, piece);
+                slices.push(IoSlice::new(piece));
+                group += piece.len();
+                if group >= CRC_GROUP {
+                    write_all_vectored(stream, &mut slices, io_timeout).await?;
+                    slices.clear();
+                    group = 0;
+                }
+            }
         }
     }
-    let io_timeout = ctx.limits.io_timeout;
-    let mut rest: &mut [IoSlice<'_>] = &mut slices;
-    while !rest.is_empty() {
-        let n = tokio::time::timeout(io_timeout, stream.write_vectored(rest))
-            .await
-            .map_err(|_| FrameError::Timeout)??;
-        if n == 0 {
-            return Err(FrameError::Io(std::io::ErrorKind::WriteZero.into()));
-        }
-        IoSlice::advance_slices(&mut rest, n);
-    }
+    trailer.copy_from_slice(&crc.to_be_bytes());
+    slices.push(IoSlice::new(&trailer));
+    write_all_vectored(stream, &mut slices, io_timeout).await?;
     drop(slices);
     drop(guard);
     ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);

@@ -35,11 +35,17 @@ pub struct UcxConfig {
     /// cma) cannot do that, so with it on, reads between processes on one host go over tcp;
     /// with it off they use shared memory / CMA, and a dead peer surfaces as failed reads.
     pub peer_failure_handling: bool,
+    /// Check every one-sided read against a CRC-32C the prefill side takes when it pins the
+    /// blocks. Off by default: UCX's transports carry their own integrity checks, the
+    /// pin's `held` answer already tells a read that outlived its pin, and the two extra
+    /// passes over the data halved shared-memory throughput on the 2-core test machine (see
+    /// BENCHMARKING.md). On: end-to-end proof for a fabric or peer you do not trust.
+    pub verify_payloads: bool,
 }
 
 impl Default for UcxConfig {
     fn default() -> Self {
-        UcxConfig { tls: None, peer_failure_handling: true }
+        UcxConfig { tls: None, peer_failure_handling: true, verify_payloads: false }
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvxfer_ucx::{GetPiece, Span, UcxConfig, UcxInitiator, UcxTarget};
 
 fn run(tls: &str, peer_failure_handling: bool) {
-    let config = UcxConfig { tls: Some(tls.to_owned()), peer_failure_handling };
+    let config = UcxConfig { tls: Some(tls.to_owned()), peer_failure_handling, ..UcxConfig::default() };
     let src: Arc<Vec<u8>> =
         Arc::new((0..1 << 20).map(|i: u32| (i.wrapping_mul(2654435761) >> 13) as u8).collect());
     let mut dst_buf = vec![0u8; 1 << 20];

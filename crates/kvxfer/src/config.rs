@@ -116,6 +116,23 @@ impl AgentConfig {
         }
     }
 
+    /// Sets `UcxConfig::verify_payloads` (a CRC-32C check of every one-sided read). Without
+    /// the `ucx` feature, asking for it is an error.
+    pub fn ucx_verify_payloads(self, on: bool) -> Result<Self, crate::Error> {
+        #[cfg(feature = "ucx")]
+        {
+            let mut c = self;
+            c.ucx.verify_payloads = on;
+            Ok(c)
+        }
+        #[cfg(not(feature = "ucx"))]
+        if on {
+            Err(crate::Error::Unsupported("UCX options need kvxfer built with the `ucx` feature".into()))
+        } else {
+            Ok(self)
+        }
+    }
+
     /// Refuses a UCX-only config in a build without UCX.
     pub(crate) fn check_transport(&self) -> Result<(), crate::Error> {
         if cfg!(not(feature = "ucx")) && self.transport == TransportChoice::Ucx {

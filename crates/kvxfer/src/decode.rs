@@ -810,7 +810,8 @@ impl Pull {
         let runs = &self.plan.children[i].wire;
         let (_permit, mut conn) = peer.checkout(&self.inner).await?;
         let id = child.remote_request_id();
-        let (seq, pinned_crc) = match conn.pin(id, child.token().as_bytes(), runs).await {
+        let verify = self.inner.config.ucx.verify_payloads;
+        let (seq, pinned_crc) = match conn.pin(id, child.token().as_bytes(), runs, verify).await {
             Ok(p) => p,
             Err(e) => {
                 let message = e.to_string();
@@ -852,13 +853,14 @@ impl Pull {
                 }
             }
         };
-        // The one-sided read must have fetched what the prefill side pinned.
+        // With payload verification on, the read must have fetched what was pinned.
         let result = result.and_then(|b| {
+            let Some(want) = pinned_crc else { return Ok(b) };
             // SAFETY: the read completed, so UCX no longer writes these blocks, and this
             // pull still holds them (see above).
             #[allow(unsafe_code)]
             let got = unsafe { self.inner.memory.crc32c(runs.iter().map(|r| (r.local_start, r.count))) };
-            kvxfer_tcp::check_crc(&peer.addr, seq, pinned_crc, got).map(|()| b).map_err(|e| e.to_string())
+            kvxfer_tcp::check_crc(&peer.addr, seq, want, got).map(|()| b).map_err(|e| e.to_string())
         });
         if result.is_err() {
             // The endpoint may be broken: the next pull makes a new one.
@@ -866,6 +868,17 @@ impl Pull {
             *peer.ucx_engine.lock().await = None;
         }
         let unpinned = conn.unpin(seq, result.is_ok()).await;
+        // The read counts only if the pin was held until it finished; an unpin that got no
+        // answer cannot prove that either.
+        let result = match (&unpinned, result) {
+            (Ok(true), r) | (_, r @ Err(_)) => r,
+            (Ok(false), Ok(_)) => Err(format!(
+                "{} dropped pin {seq} before the read finished (its pin_timeout passed); the blocks read \
+                 may no longer have been leased",
+                peer.addr
+            )),
+            (Err(e), Ok(_)) => Err(format!("unpin {seq} failed, so the read cannot be trusted: {e}")),
+        };
         peer.checkin(conn, &unpinned);
         debug!(remote_request_id = %id, ?result, "child read over UCX");
         result

@@ -411,3 +411,39 @@ per_transport!(
     wrong_token_fails_the_child_and_changes_no_lease,
     out_of_range_remote_blocks_fail_before_any_read,
 );
+
+/// A one-sided read that outlives its pin is not used: the prefill side drops pins at once
+/// here (`pin_timeout` ~0), so by the unpin the pin is gone and the child fails, naming
+/// why, instead of trusting blocks that may no longer have been leased.
+#[cfg(feature = "ucx")]
+fn one_sided_read_outliving_its_pin_is_refused(t: Transport) {
+    let mut config = t.config(AgentConfig::new("prefill").lease_ttl(TTL).io_timeout(Duration::from_secs(5)));
+    config.limits.pin_timeout = Duration::from_nanos(1);
+    // 16 MiB: the read takes several milliseconds, longer than the server's timer tick.
+    let layout = BlockLayout::single(256, 64 * 1024).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let decode = decode_with(t.config(AgentConfig::new("decode").io_timeout(Duration::from_secs(5))), layout);
+    let blocks: Vec<BlockId> = (0..256).collect();
+    let result = prefill.lease_parent("X", vec![blocks.clone()], 1, None).expect("lease");
+    let report = decode.submit(result, vec![blocks]).expect("submit").wait();
+    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
+    assert!(reason.contains("dropped pin"), "{reason}");
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(10));
+    assert_eq!(ends[0].kind, EndKind::Released);
+    assert!(prefill.stats().server.pins_expired >= 1);
+}
+
+#[cfg(feature = "ucx")]
+mod pins {
+    use super::*;
+
+    #[test]
+    fn ucx_tcp_one_sided_read_outliving_its_pin_is_refused() {
+        one_sided_read_outliving_its_pin_is_refused(Transport::UcxTcp)
+    }
+
+    #[test]
+    fn ucx_shm_one_sided_read_outliving_its_pin_is_refused() {
+        one_sided_read_outliving_its_pin_is_refused(Transport::UcxShm)
+    }
+}

@@ -89,7 +89,7 @@ fn dying_prefill(
                         write_frame(
                             &mut s,
                             v1::FrameType::ReadResponse,
-                            &v1::ReadResponse { seq: req.seq, payload_len: payload, payload_crc32c: 0 },
+                            &v1::ReadResponse { seq: req.seq, payload_len: payload },
                         );
                         let _ = s.write_all(&vec![0xab; (payload as f64 * fraction) as usize]);
                         return; // dies mid-payload

@@ -77,11 +77,14 @@ fn pins_in_flight_are_limited_per_connection_and_expire_when_never_unpinned() {
             .expect("connect");
         let token = child.token().as_bytes();
         let mut crcs = Vec::new();
+        let mut seqs = Vec::new();
         for b in 0..4 {
-            let (_, crc) = c.pin(child.remote_request_id(), token, &runs(b, 1)).await.expect("pin");
+            // Blocks 0 and 1 with their checksum, 2 and 3 without.
+            let (seq, crc) = c.pin(child.remote_request_id(), token, &runs(b, 1), b < 2).await.expect("pin");
             crcs.push(crc);
+            seqs.push(seq);
         }
-        match c.pin(child.remote_request_id(), token, &runs(4, 1)).await {
+        match c.pin(child.remote_request_id(), token, &runs(4, 1), false).await {
             Err(kvxfer_tcp::ClientError::Refused { code, .. }) => {
                 assert_eq!(code, v1::ErrorCode::LimitExceeded)
             }
@@ -90,14 +93,16 @@ fn pins_in_flight_are_limited_per_connection_and_expire_when_never_unpinned() {
         // The pin's checksum is the checksum of the block's bytes.
         let mem = prefill.memory();
         // SAFETY: the blocks are leased; nobody writes them.
-        let direct: Vec<u32> = (0..4).map(|b| unsafe { mem.crc32c([(b, 1)]) }).collect();
-        assert_eq!(crcs, direct);
+        let direct: Vec<u32> = (0..2).map(|b| unsafe { mem.crc32c([(b, 1)]) }).collect();
+        assert_eq!(crcs, [Some(direct[0]), Some(direct[1]), None, None]);
         let s = prefill.stats().server;
         assert_eq!((s.pins, s.pins_open, s.pins_refused), (4, 4, 1));
         // Never unpinned, connection left open: the server drops the pins itself.
         tokio::time::sleep(Duration::from_millis(700)).await;
         let s = prefill.stats().server;
         assert_eq!((s.pins_open, s.pins_expired), (0, 4), "{s:?}");
+        // A reader that unpins now learns its pin was gone: its read must not be used.
+        assert!(!c.unpin(seqs[0], true).await.expect("unpin answered"));
         // The connection still works, and the lease can end: nothing pins it any more.
         let ack = c.notify(child.remote_request_id(), token, "raw").await.expect("notify");
         assert_eq!(ack.outcome, v1::LeaseOutcome::Pulled as i32);

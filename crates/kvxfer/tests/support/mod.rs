@@ -14,7 +14,7 @@ pub const BLOCK: u64 = 4096;
 pub enum Transport {
     /// kvxfer's own TCP path.
     Tcp,
-    /// UCX with `UCX_TLS=tcp` (and peer-failure handling).
+    /// UCX with `UCX_TLS=tcp` (and peer-failure handling, and CRC-checked reads).
     #[cfg(feature = "ucx")]
     UcxTcp,
     /// UCX over shared memory (`posix,sysv,cma,self`, no peer-failure handling, which UCX
@@ -31,7 +31,12 @@ impl Transport {
             #[cfg(feature = "ucx")]
             Transport::UcxTcp => {
                 let mut c = config.transport(kvxfer::TransportChoice::Ucx);
-                c.ucx = kvxfer::UcxConfig { tls: Some("tcp".into()), peer_failure_handling: true };
+                // This path also checks every one-sided read against the pin's CRC-32C.
+                c.ucx = kvxfer::UcxConfig {
+                    tls: Some("tcp".into()),
+                    peer_failure_handling: true,
+                    verify_payloads: true,
+                };
                 c
             }
             #[cfg(feature = "ucx")]
@@ -40,6 +45,7 @@ impl Transport {
                 c.ucx = kvxfer::UcxConfig {
                     tls: Some("posix,sysv,cma,self".into()),
                     peer_failure_handling: false,
+                    verify_payloads: false,
                 };
                 c
             }
