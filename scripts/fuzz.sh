@@ -17,10 +17,10 @@ fi
 status=0
 for t in "${targets[@]}"; do
   echo "== $t: ${seconds}s"
-  before=$(ls "fuzz/artifacts/$t" 2>/dev/null | wc -l)
+  before=$({ ls "fuzz/artifacts/$t" 2>/dev/null || true; } | wc -l)
   (cd fuzz && cargo +nightly fuzz run "$t" -- -max_total_time="$seconds" -rss_limit_mb=4096 -print_final_stats=1) 2>&1 \
     | grep -E '^(==|#[0-9]+ *DONE|stat::number_of_executed_units|stat::peak_rss_mb|SUMMARY|.*panicked|.*Test unit written)' || true
-  after=$(ls "fuzz/artifacts/$t" 2>/dev/null | wc -l)
+  after=$({ ls "fuzz/artifacts/$t" 2>/dev/null || true; } | wc -l)
   if [ "$after" -gt "$before" ]; then
     echo "!! $t: new crash artifacts in fuzz/artifacts/$t (reproduce: cd fuzz && cargo +nightly fuzz run $t <file>)" >&2
     status=1
