@@ -125,15 +125,22 @@ fn wait_mid_pull(proxy: &FaultProxy) {
     }
 }
 
-#[test]
-fn decode_killed_mid_pull_leases_expire_and_the_owner_is_told() {
-    let (mut prefill, addr) = prefill_node(1500);
-    let stall = Fault::new(Direction::ToDecode, 200_000, FaultKind::Delay(Duration::from_secs(60)));
-    let proxy = FaultProxy::start(addr.parse().expect("addr"), vec![stall]).expect("proxy");
+/// A prefill node (lease ttl `ttl_ms`) and a decode node pulling N children from it through
+/// a proxy that stalls the payload for `stall`; returns once the stall has begun.
+fn stalled_pull(ttl_ms: u64, stall: Duration) -> (Node, FaultProxy, Node) {
+    let (mut prefill, addr) = prefill_node(ttl_ms);
+    let fault = Fault::new(Direction::ToDecode, 200_000, FaultKind::Delay(stall));
+    let proxy = FaultProxy::start(addr.parse().expect("addr"), vec![fault]).expect("proxy");
     let mut decode = decode_node(&["--io-timeout-ms", "1500"]);
     let result = lease(&mut prefill, "P");
     decode.send(json!({"cmd": "pull", "result": result, "peer": proxy.addr().to_string()}));
     wait_mid_pull(&proxy);
+    (prefill, proxy, decode)
+}
+
+#[test]
+fn decode_killed_mid_pull_leases_expire_and_the_owner_is_told() {
+    let (mut prefill, _proxy, mut decode) = stalled_pull(1500, Duration::from_secs(60));
     decode.kill9();
     let killed = Instant::now();
 
@@ -163,13 +170,7 @@ fn decode_killed_mid_pull_leases_expire_and_the_owner_is_told() {
 
 #[test]
 fn prefill_killed_mid_pull_fails_children_and_a_new_prefill_serves_the_retry() {
-    let (mut prefill, addr) = prefill_node(10_000);
-    let stall = Fault::new(Direction::ToDecode, 200_000, FaultKind::Delay(Duration::from_millis(1500)));
-    let proxy = FaultProxy::start(addr.parse().expect("addr"), vec![stall]).expect("proxy");
-    let mut decode = decode_node(&["--io-timeout-ms", "1500"]);
-    let result = lease(&mut prefill, "P");
-    decode.send(json!({"cmd": "pull", "result": result, "peer": proxy.addr().to_string()}));
-    wait_mid_pull(&proxy);
+    let (mut prefill, proxy, mut decode) = stalled_pull(10_000, Duration::from_millis(1500));
     prefill.kill9();
     let killed = Instant::now();
 
@@ -207,15 +208,16 @@ fn prefill_killed_mid_pull_fails_children_and_a_new_prefill_serves_the_retry() {
     drop(proxy);
 }
 
-/// Over UCX (tcp transport, peer-failure handling on): the one-sided reads do not pass the
-/// proxy, so the kill is timed by the prefill side's open pins — a read is under way.
+/// A prefill and a decode node over UCX (tcp transport, peer-failure handling on) with 1 MiB
+/// blocks, the decode one pulling N children of 64 MiB; returns once the prefill side holds
+/// a pin — a one-sided read is under way (those reads do not pass a proxy, so that is how a
+/// kill is timed mid-pull).
 #[cfg(feature = "ucx")]
-#[test]
-fn prefill_killed_mid_ucx_pull_fails_children_in_bounded_time() {
+fn ucx_pull_under_way(ttl_ms: u64) -> (Node, Node) {
     let ucx = ["--transport", "ucx", "--ucx-tls", "tcp", "--ucx-peer-failure", "--io-timeout-ms", "1500"];
-    // 256 blocks of 1 MiB: four children of 64 MiB each.
     let big = ["--blocks", "256", "--block-bytes", "1048576"];
-    let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "10000"][..], &ucx, &big].concat());
+    let ttl = ttl_ms.to_string();
+    let mut prefill = Node::start(&[&["prefill", "--ttl-ms", &ttl][..], &ucx, &big].concat());
     prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
     let mut decode = decode_node(&[&ucx[..], &big].concat());
     prefill.send(json!({"cmd": "lease", "parent": "U", "n": N, "blocks_per_child": 64}));
@@ -225,14 +227,17 @@ fn prefill_killed_mid_ucx_pull_fails_children_in_bounded_time() {
         .to_owned();
     decode.send(json!({"cmd": "pull", "result": result}));
     let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let s = stats(&mut prefill);
-        if s["pins_open"].as_u64().unwrap_or(0) > 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no read under way: {s}");
+    while stats(&mut prefill)["pins_open"].as_u64().unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "no read under way");
         std::thread::sleep(Duration::from_millis(2));
     }
+    (prefill, decode)
+}
+
+#[cfg(feature = "ucx")]
+#[test]
+fn prefill_killed_mid_ucx_pull_fails_children_in_bounded_time() {
+    let (mut prefill, decode) = ucx_pull_under_way(10_000);
     prefill.kill9();
     let killed = Instant::now();
     let (children, _) = decode.wait_events("child", N as usize, Duration::from_secs(60));
@@ -257,29 +262,14 @@ fn prefill_killed_mid_ucx_pull_fails_children_in_bounded_time() {
 #[cfg(feature = "ucx")]
 #[test]
 fn decode_killed_mid_ucx_pull_drops_its_pins_and_leases_expire() {
-    let ucx = ["--transport", "ucx", "--ucx-tls", "tcp", "--ucx-peer-failure", "--io-timeout-ms", "1500"];
-    let big = ["--blocks", "256", "--block-bytes", "1048576"];
-    let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "3000"][..], &ucx, &big].concat());
-    prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
-    let mut decode = decode_node(&[&ucx[..], &big].concat());
-    prefill.send(json!({"cmd": "lease", "parent": "U", "n": N, "blocks_per_child": 64}));
-    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
-        .as_str()
-        .expect("result")
-        .to_owned();
-    decode.send(json!({"cmd": "pull", "result": result}));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while stats(&mut prefill)["pins_open"].as_u64().unwrap_or(0) == 0 {
-        assert!(Instant::now() < deadline, "no read under way");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    let (mut prefill, mut decode) = ucx_pull_under_way(3000);
     decode.kill9();
     let killed = Instant::now();
     let (ends, _) = prefill.wait_events("lease_end", N as usize, Duration::from_secs(20));
-    eprintln!(
-        "decode killed mid-UCX-pull: {N} leases ended {:.2} s after the kill",
-        killed.elapsed().as_secs_f64()
-    );
+    let took = killed.elapsed();
+    eprintln!("decode killed mid-UCX-pull: {N} leases ended {:.2} s after the kill", took.as_secs_f64());
+    // They were alive at the kill (heartbeated), so they end by expiry after it.
+    assert!(took > Duration::from_millis(500), "ended before the kill: {took:?}");
     assert!(ends.iter().all(|e| e["kind"] == "Expired"), "{ends:?}");
     let s = stats(&mut prefill);
     assert_eq!((s["live"].as_u64(), s["pins_open"].as_u64()), (Some(0), Some(0)), "{s}");

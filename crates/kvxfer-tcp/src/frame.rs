@@ -210,6 +210,17 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     if n == 0 {
         return Err(FrameError::Closed);
     }
+    read_rest(r, h, n, max, buf).await
+}
+
+/// Reads the rest of a frame whose first `n` header bytes are in `h`.
+async fn read_rest<R: AsyncRead + Unpin>(
+    r: &mut R,
+    mut h: [u8; HEADER_LEN],
+    n: usize,
+    max: u32,
+    buf: &mut Vec<u8>,
+) -> Result<Frame, FrameError> {
     r.read_exact(&mut h[n..]).await?;
     let (ty, body_len) = parse_header(h, max)?;
     buf.clear();
@@ -238,15 +249,7 @@ pub async fn read_frame_timed<R: AsyncRead + Unpin>(
     if n == 0 {
         return Err(FrameError::Closed);
     }
-    let rest = async {
-        r.read_exact(&mut h[n..]).await?;
-        let (ty, body_len) = parse_header(h, max)?;
-        buf.clear();
-        buf.resize(body_len, 0);
-        r.read_exact(buf).await?;
-        Frame::decode(ty, buf)
-    };
-    tokio::time::timeout(progress, rest).await.map_err(|_| FrameError::Timeout)?
+    tokio::time::timeout(progress, read_rest(r, h, n, max, buf)).await.map_err(|_| FrameError::Timeout)?
 }
 
 /// Writes one frame, encoding into `scratch`.
