@@ -123,6 +123,10 @@ struct Ledger {
     duplicate_ends: u64,
     /// Failed or unacknowledged children per incarnation (only restarts may cause them).
     trouble: HashMap<usize, u64>,
+    /// Incarnations dropped by a restart, whose books are closed.
+    dead: HashSet<usize>,
+    /// Decode outcomes of leases that died with their (restarted) prefill agent.
+    died_seen: u64,
     examples: Vec<String>,
 }
 
@@ -141,6 +145,8 @@ impl Ledger {
         match self.pending.remove(&(inc, id.clone())) {
             Some(Side::Ended(kind)) => self.classify(inc, &id, kind, s),
             Some(Side::Seen(prev)) => self.note(format!("{inc}/{id}: reported twice ({prev:?}, {s:?})")),
+            // Its agent is gone with every end it delivered: this lease died with it.
+            None if self.dead.contains(&inc) => self.died_seen += 1,
             None => {
                 self.pending.insert((inc, id), Side::Seen(s));
             }
@@ -184,6 +190,15 @@ impl Ledger {
             self.mismatched += 1;
             self.note(format!("{inc}/{id}: ended {kind:?}, decode saw {s:?}"));
         }
+    }
+
+    /// Closes a restarted incarnation after its last end was entered: what the decode side
+    /// saw of leases that never ended died with the agent.
+    fn bury(&mut self, inc: usize) {
+        self.dead.insert(inc);
+        let before = self.pending.len();
+        self.pending.retain(|(i, _), side| *i != inc || matches!(side, Side::Ended(_)));
+        self.died_seen += (before - self.pending.len()) as u64;
     }
 
     fn note(&mut self, m: String) {
@@ -266,6 +281,9 @@ fn retire(inc: Arc<Incarnation>, blocks: u32, survivor: bool, ledger: &Mutex<Led
     let mut free = free.into_inner().expect("pool");
     for e in events.try_iter() {
         record_end(id, &ends, e, &mut free, ledger);
+    }
+    if !survivor {
+        ledger.lock().expect("ledger").bury(id);
     }
     let [pulled, released, expired] = ends.each_ref().map(|a| a.load(Ordering::Relaxed));
     let mut books = Books {
@@ -519,17 +537,12 @@ fn run(cli: &Cli) -> Result<bool, String> {
     // (fine), and anything else (not fine).
     let mut ledger = std::mem::take(&mut *ledger.lock().expect("ledger"));
     let restarted = restarted.lock().expect("restarted");
-    let mut died_seen = 0u64;
+    let died_seen = ledger.died_seen;
     let mut unmatched = 0u64;
     let pending = std::mem::take(&mut ledger.pending);
     for ((inc, id), side) in pending {
-        match side {
-            Side::Seen(_) if restarted.contains(&inc) => died_seen += 1,
-            other => {
-                unmatched += 1;
-                ledger.note(format!("{inc}/{id}: unmatched {other:?}"));
-            }
-        }
+        unmatched += 1;
+        ledger.note(format!("{inc}/{id}: unmatched {side:?}"));
     }
     // Without a restart nothing fails.
     let trouble_on_survivors: u64 =
