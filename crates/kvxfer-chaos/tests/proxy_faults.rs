@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{
     AgentConfig, BlockId, BlockLayout, ChildOutcome, EndKind, LeaseEnd, LeaseRequest, PrefillResult,
+    TransportChoice,
 };
 use kvxfer_chaos::{Direction, Fault, FaultKind, FaultProxy, ProxyStats};
 use support::*;
@@ -29,12 +30,17 @@ struct Outcome {
 /// every lease to end and checks the invariants every fault must keep.
 fn pull_through(faults: Vec<Fault>, n: u32, io_timeout: Duration, ttl: Duration) -> Outcome {
     let blocks = n * BPC;
+    // TCP explicitly: with the `ucx` feature, `auto` would pick UCX, whose one-sided reads
+    // do not pass the proxy.
     let prefill = prefill_with(
-        AgentConfig::new("prefill").lease_ttl(ttl).io_timeout(io_timeout),
+        AgentConfig::new("prefill").lease_ttl(ttl).io_timeout(io_timeout).transport(TransportChoice::Tcp),
         BlockLayout::single(blocks, BLOCK).expect("layout"),
     );
     let decode = decode_with(
-        AgentConfig::new("decode").io_timeout(io_timeout).connections_per_peer(2),
+        AgentConfig::new("decode")
+            .io_timeout(io_timeout)
+            .connections_per_peer(2)
+            .transport(TransportChoice::Tcp),
         BlockLayout::single(blocks, BLOCK).expect("layout"),
     );
     let proxy = FaultProxy::start(prefill.local_addr(), faults).expect("proxy");
