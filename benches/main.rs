@@ -218,10 +218,8 @@ fn prefill_stats(a: &PrefillAgent) -> Value {
 }
 
 fn start_prefill(config: AgentConfig, block: u64, blocks: u32) -> Result<PrefillAgent, String> {
-    let mem = KvMemory::alloc(BlockLayout::single(blocks, block).map_err(|e| e.to_string())?)
-        .map_err(|e| e.to_string())?;
-    // SAFETY: fresh memory, not leased and not yet shared with any agent.
-    unsafe { pattern::fill_blocks(&mem, 0..blocks) }.map_err(|e| e.to_string())?;
+    let layout = BlockLayout::single(blocks, block).map_err(|e| e.to_string())?;
+    let mem = pattern::alloc_filled(layout).map_err(|e| e.to_string())?;
     PrefillAgent::start(config, "127.0.0.1:0", mem).map_err(|e| e.to_string())
 }
 

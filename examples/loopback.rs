@@ -89,12 +89,9 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         return Err("--cancel-child and --skip-child name the same child".into());
     }
     let remote_blocks = if args.shared_prompt { bpc } else { n * bpc };
-    let prefill_mem = KvMemory::alloc(BlockLayout::single(remote_blocks, args.block_bytes)?)?;
+    // The prefill cache holds a verifiable pattern before anything is leased.
+    let prefill_mem = pattern::alloc_filled(BlockLayout::single(remote_blocks, args.block_bytes)?)?;
     let decode_mem = KvMemory::alloc(BlockLayout::single(n * bpc, args.block_bytes)?)?;
-
-    // Fill the prefill cache before anything is leased.
-    // SAFETY: nothing is leased yet and no agent holds this memory.
-    unsafe { pattern::fill_blocks(&prefill_mem, 0..remote_blocks)? };
 
     let ttl = Duration::from_millis(args.lease_ms);
     let config = |name: &str| {

@@ -419,7 +419,7 @@ mod tests {
 /// block gets bytes no other block has, so a block landing in the wrong place is caught.
 pub mod pattern {
     use super::{KvMemory, MemError};
-    use kvxfer_core::BlockId;
+    use kvxfer_core::{BlockId, BlockLayout};
 
     /// Fills `out` with the pattern of `block`.
     pub fn fill(block: BlockId, out: &mut [u8]) {
@@ -432,21 +432,18 @@ pub mod pattern {
         }
     }
 
-    /// Writes the pattern of each block into it.
-    ///
-    /// # Safety
-    /// None of `blocks` is leased or the destination of a pull (the access contract).
-    pub unsafe fn fill_blocks(
-        mem: &KvMemory,
-        blocks: impl IntoIterator<Item = BlockId>,
-    ) -> Result<(), MemError> {
+    /// New memory of `layout` with every block holding its pattern: what a prefill cache
+    /// looks like in tests, the loopback example, the benchmark and the fault tools.
+    pub fn alloc_filled(layout: BlockLayout) -> Result<KvMemory, MemError> {
+        let mem = KvMemory::alloc(layout)?;
         let mut buf = vec![0u8; mem.layout().block_bytes() as usize];
-        for b in blocks {
+        for b in 0..mem.layout().num_blocks() {
             fill(b, &mut buf);
-            // SAFETY: forwarded contract.
+            // SAFETY: `mem` was just allocated and is not shared: nothing is leased and no
+            // pull writes it.
             unsafe { mem.write_block(b, &buf)? };
         }
-        Ok(())
+        Ok(mem)
     }
 
     /// Checks that local block `local[i]` holds the pattern of remote block `remote[i]`;

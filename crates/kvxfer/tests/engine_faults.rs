@@ -303,9 +303,7 @@ fn prefill_restarted_on_the_same_address_is_pulled_from_again() {
     assert!(decode.submit(result, remote.clone()).expect("submit").wait().all_done());
     drop(first);
 
-    let mem = kvxfer::KvMemory::alloc(layout).expect("alloc");
-    // SAFETY: nothing is leased yet; no agent holds this memory.
-    unsafe { kvxfer_mem::pattern::fill_blocks(&mem, 0..64) }.expect("fill");
+    let mem = kvxfer_mem::pattern::alloc_filled(layout).expect("patterned memory");
     let second =
         kvxfer::PrefillAgent::start(config(), &addr.to_string(), mem).expect("restart on the same port");
     for round in 0..2 {

@@ -113,10 +113,7 @@ fn from_hex(s: &str) -> Option<Vec<u8>> {
 }
 
 fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
-    let layout = common.layout()?;
-    let mem = KvMemory::alloc(layout).map_err(|e| e.to_string())?;
-    // SAFETY: nothing is leased yet and no agent holds this memory.
-    unsafe { pattern::fill_blocks(&mem, 0..common.blocks) }.map_err(|e| e.to_string())?;
+    let mem = pattern::alloc_filled(common.layout()?).map_err(|e| e.to_string())?;
     let agent = PrefillAgent::start(common.config("node-prefill")?.lease_ttl(ttl), listen, mem)
         .map_err(|e| e.to_string())?;
     emit(json!({"event": "listening", "addr": agent.local_addr().to_string()}));

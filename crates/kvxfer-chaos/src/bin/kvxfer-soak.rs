@@ -241,9 +241,7 @@ fn rss_kib(field: &str) -> u64 {
 
 fn start_prefill(cli: &Cli, id: usize) -> Result<Arc<Incarnation>, String> {
     let layout = BlockLayout::single(cli.blocks, cli.block_bytes).map_err(|e| e.to_string())?;
-    let mem = KvMemory::alloc(layout).map_err(|e| e.to_string())?;
-    // SAFETY: nothing is leased yet and no agent holds this memory.
-    unsafe { pattern::fill_blocks(&mem, 0..cli.blocks) }.map_err(|e| e.to_string())?;
+    let mem = pattern::alloc_filled(layout).map_err(|e| e.to_string())?;
     let config = AgentConfig::new(format!("soak-prefill-{id}"))
         .engine_id(format!("soak-engine-{id}"))
         .lease_ttl(Duration::from_millis(cli.ttl_ms))

@@ -102,10 +102,7 @@ pub fn prefill(blocks: u32, ttl: Duration) -> PrefillAgent {
 
 pub fn prefill_with(config: AgentConfig, layout: BlockLayout) -> PrefillAgent {
     init_tracing();
-    let n = layout.num_blocks();
-    let mem = KvMemory::alloc(layout).expect("alloc");
-    // SAFETY: nothing is leased yet; no agent holds this memory.
-    unsafe { pattern::fill_blocks(&mem, 0..n) }.expect("fill");
+    let mem = pattern::alloc_filled(layout).expect("patterned memory");
     PrefillAgent::start(config, "127.0.0.1:0", mem).expect("prefill agent")
 }
 
