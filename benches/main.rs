@@ -274,21 +274,13 @@ impl LeaseSource for RemoteSource {
         let v =
             self.call(json!({"op": "lease", "parent": parent, "blocks": blocks, "consumers": consumers}))?;
         let hex = v.get("result").and_then(Value::as_str).ok_or("serve sent no result")?;
-        let bytes = from_hex(hex).ok_or("serve sent bad hex")?;
+        let bytes = hex::decode(hex).map_err(|e| format!("serve sent bad hex: {e}"))?;
         let wire = kvxfer_proto::v1::PrefillResult::decode(bytes.as_slice()).map_err(|e| e.to_string())?;
         PrefillResult::from_wire(wire).map_err(|e| e.to_string())
     }
     fn stats(&mut self) -> Value {
         self.call(json!({"op": "stats"})).unwrap_or(Value::Null)
     }
-}
-
-fn to_hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn from_hex(s: &str) -> Option<Vec<u8>> {
-    (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect()
 }
 
 fn serve(args: &ServeArgs) -> Result<(), String> {
@@ -326,7 +318,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
                             serde_json::from_value(req["blocks"].clone()).ok();
                         let consumers = u32::try_from(req["consumers"].as_u64().unwrap_or(1)).unwrap_or(1);
                         match blocks.map(|b| source.lease(&parent, b, consumers)) {
-                            Some(Ok(r)) => json!({"result": to_hex(&r.to_wire().encode_to_vec())}),
+                            Some(Ok(r)) => json!({"result": hex::encode(r.to_wire().encode_to_vec())}),
                             Some(Err(e)) => json!({"error": e}),
                             None => json!({"error": "lease needs blocks"}),
                         }

@@ -104,14 +104,6 @@ fn commands() -> impl Iterator<Item = Value> {
     })
 }
 
-fn to_hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn from_hex(s: &str) -> Option<Vec<u8>> {
-    (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect()
-}
-
 fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
     let mem = pattern::alloc_filled(common.layout()?).map_err(|e| e.to_string())?;
     let agent = PrefillAgent::start(common.config("node-prefill")?.lease_ttl(ttl), listen, mem)
@@ -146,7 +138,7 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
                     .collect();
                 match agent.lease_parent(parent, blocks, 1, None) {
                     Ok(r) => emit(json!({
-                        "event": "result", "parent": parent, "result": to_hex(&r.to_wire().encode_to_vec()),
+                        "event": "result", "parent": parent, "result": hex::encode(r.to_wire().encode_to_vec()),
                     })),
                     Err(e) => emit(json!({"event": "error", "message": e.to_string()})),
                 }
@@ -177,7 +169,7 @@ fn decode(common: &Common) -> Result<(), String> {
         }
         let wire = cmd["result"]
             .as_str()
-            .and_then(from_hex)
+            .and_then(|h| hex::decode(h).ok())
             .and_then(|b| kvxfer_proto::v1::PrefillResult::decode(&b[..]).ok());
         let Some(mut wire) = wire else {
             emit(json!({"event": "error", "message": "pull: no valid result"}));
