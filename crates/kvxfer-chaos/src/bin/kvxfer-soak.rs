@@ -350,7 +350,6 @@ fn run(cli: &Cli) -> Result<bool, String> {
     let bad_bytes = Arc::new(AtomicU64::new(0));
     let submit_errors = Arc::new(AtomicU64::new(0));
     let retired: Arc<Mutex<Vec<(usize, Books)>>> = Arc::default();
-    let restarted: Arc<Mutex<HashSet<usize>>> = Arc::default();
 
     // The owners: hand blocks back as leases end.
     let owner = {
@@ -495,7 +494,6 @@ fn run(cli: &Cli) -> Result<bool, String> {
                 let i = rng.random_range(0..s.len());
                 std::mem::replace(&mut s[i], fresh)
             };
-            restarted.lock().expect("restarted").insert(old.id);
             let id = old.id;
             retired.lock().expect("retired").push((id, retire(old, cli.blocks, false, &ledger)));
             restarts += 1;
@@ -521,7 +519,6 @@ fn run(cli: &Cli) -> Result<bool, String> {
     let rss_end = rss_kib("VmRSS:");
     let rss_warm = rss_warm.unwrap_or(rss_setup);
     let survivors: Vec<Arc<Incarnation>> = std::mem::take(&mut *slots.write().expect("slots"));
-    let survivor_ids: HashSet<usize> = survivors.iter().map(|i| i.id).collect();
     let mut all = std::mem::take(&mut *retired.lock().expect("retired"));
     for inc in survivors {
         let id = inc.id;
@@ -531,10 +528,9 @@ fn run(cli: &Cli) -> Result<bool, String> {
     let decode_peers = decode.stats().peers;
     drop(decode);
 
-    // What is left unmatched: decode outcomes of leases that died with a restarted peer
-    // (fine), and anything else (not fine).
+    // Restarted agents' leases were settled when they were dropped (`Ledger::bury`), so
+    // anything still unmatched is a lease whose end and decode outcome never met.
     let mut ledger = std::mem::take(&mut *ledger.lock().expect("ledger"));
-    let restarted = restarted.lock().expect("restarted");
     let died_seen = ledger.died_seen;
     let mut unmatched = 0u64;
     let pending = std::mem::take(&mut ledger.pending);
@@ -542,15 +538,10 @@ fn run(cli: &Cli) -> Result<bool, String> {
         unmatched += 1;
         ledger.note(format!("{inc}/{id}: unmatched {side:?}"));
     }
-    // Without a restart nothing fails.
-    let trouble_on_survivors: u64 =
-        ledger.trouble.iter().filter(|(inc, _)| survivor_ids.contains(inc)).map(|(_, n)| n).sum();
-    let trouble_unexplained: u64 = ledger
-        .trouble
-        .iter()
-        .filter(|(inc, _)| !restarted.contains(inc) && !survivor_ids.contains(inc))
-        .map(|(_, n)| n)
-        .sum();
+    // Without a restart nothing fails: only agents that were restarted (buried) may have
+    // failed or unacknowledged children.
+    let failures_without_restart: u64 =
+        ledger.trouble.iter().filter(|(inc, _)| !ledger.dead.contains(inc)).map(|(_, n)| n).sum();
     let (skipped, cancelled, failed, unacknowledged) =
         (ledger.skipped, ledger.cancelled, ledger.failed, ledger.unacknowledged);
     let unexplained_expired = ledger.unexplained_expired;
@@ -575,7 +566,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
         && survivors_clean
         && ledger.duplicate_ends == 0
         && unmatched == 0
-        && trouble_on_survivors + trouble_unexplained == 0
+        && failures_without_restart == 0
         && total.unrecognized == 0
         && total.bad_token == 0
         && total.blocks_missing == 0
@@ -594,7 +585,7 @@ fn run(cli: &Cli) -> Result<bool, String> {
         "children_done_unacknowledged": unacknowledged,
         "expired_unexplained": unexplained_expired, "ends_mismatched": mismatched,
         "ends_matched": ledger.matched, "outcomes_of_leases_that_died": died_seen, "unmatched": unmatched,
-        "failures_without_restart": trouble_on_survivors + trouble_unexplained,
+        "failures_without_restart": failures_without_restart,
         "duplicate_ends": ledger.duplicate_ends, "unrecognized_notifications": total.unrecognized,
         "bad_tokens": total.bad_token, "decode_peers_at_end": decode_peers, "blocks_not_handed_back": total.blocks_missing,
         "children_with_wrong_bytes": bad_bytes.load(Ordering::Relaxed),
