@@ -118,6 +118,7 @@ impl ChildHandoff {
             expected_consumers: self.expected_consumers,
             lease_ttl_ms: u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX),
             tp_size: self.engine.tp_size,
+            incarnation: 0,
         }
     }
 

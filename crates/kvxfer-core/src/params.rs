@@ -134,6 +134,7 @@ impl KvTransferParams {
             expected_consumers: self.kvxfer_expected_consumers.unwrap_or(1),
             lease_ttl_ms: self.kvxfer_lease_ttl_ms.unwrap_or(30_000),
             tp_size: self.tp_size.unwrap_or(1),
+            incarnation: 0,
         };
         Ok(ChildHandoff::from_wire(wire)?)
     }

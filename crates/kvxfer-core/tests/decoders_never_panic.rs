@@ -62,6 +62,7 @@ proptest! {
             expected_consumers: 1,
             lease_ttl_ms: 1000,
             tp_size: 1,
+            incarnation: 0,
         }).collect();
         let wire = v1::PrefillResult { parent_request_id: "P".into(), n, children };
         match PrefillResult::from_wire(wire) {

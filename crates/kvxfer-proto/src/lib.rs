@@ -10,5 +10,6 @@ pub mod v1 {
 
 pub use prost::Message;
 
-/// The protocol version carried in every handshake.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol version carried in every handshake (2: authenticated handshake, incarnations,
+/// idempotent endings).
+pub const PROTOCOL_VERSION: u32 = 2;

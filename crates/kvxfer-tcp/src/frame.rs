@@ -14,6 +14,8 @@ pub const HEADER_LEN: usize = 5;
 #[allow(missing_docs)]
 pub enum Frame {
     Hello(v1::Hello),
+    HelloChallenge(v1::HelloChallenge),
+    HelloProof(v1::HelloProof),
     HelloAck(v1::HelloAck),
     ReadRequest(v1::ReadRequest),
     ReadResponse(v1::ReadResponse),
@@ -76,6 +78,8 @@ impl Frame {
     pub fn frame_type(&self) -> FrameType {
         match self {
             Frame::Hello(_) => FrameType::Hello,
+            Frame::HelloChallenge(_) => FrameType::HelloChallenge,
+            Frame::HelloProof(_) => FrameType::HelloProof,
             Frame::HelloAck(_) => FrameType::HelloAck,
             Frame::ReadRequest(_) => FrameType::ReadRequest,
             Frame::ReadResponse(_) => FrameType::ReadResponse,
@@ -96,6 +100,8 @@ impl Frame {
     fn body(&self) -> &dyn MessageRef {
         match self {
             Frame::Hello(m) => m,
+            Frame::HelloChallenge(m) => m,
+            Frame::HelloProof(m) => m,
             Frame::HelloAck(m) => m,
             Frame::ReadRequest(m) => m,
             Frame::ReadResponse(m) => m,
@@ -130,6 +136,8 @@ impl Frame {
         Ok(match t {
             FrameType::Unspecified => return Err(FrameError::UnknownType(ty)),
             FrameType::Hello => Frame::Hello(v1::Hello::decode(body).map_err(m)?),
+            FrameType::HelloChallenge => Frame::HelloChallenge(v1::HelloChallenge::decode(body).map_err(m)?),
+            FrameType::HelloProof => Frame::HelloProof(v1::HelloProof::decode(body).map_err(m)?),
             FrameType::HelloAck => Frame::HelloAck(v1::HelloAck::decode(body).map_err(m)?),
             FrameType::ReadRequest => Frame::ReadRequest(v1::ReadRequest::decode(body).map_err(m)?),
             FrameType::ReadResponse => Frame::ReadResponse(v1::ReadResponse::decode(body).map_err(m)?),

@@ -338,7 +338,7 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
                                 req.seq,
                                 Pinned { guard, bytes, deadline, counters: ctx.counters.clone() },
                             );
-                            Frame::PinAck(v1::PinAck { seq: req.seq, payload_crc32c })
+                            Frame::PinAck(v1::PinAck { seq: req.seq, payload_crc32c, held_for_ms: 0 })
                         }
                         Err(e) => Frame::Error(e),
                     }

@@ -247,6 +247,8 @@ impl DecodeAgent {
             compat_hash: layout.compat_hash(),
             layout: Some(layout.to_wire()),
             transports,
+            nonce: Vec::new(),
+            authenticated: false,
         };
         let inner = Arc::new(Inner {
             config,

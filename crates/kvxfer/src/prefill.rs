@@ -97,6 +97,8 @@ impl PrefillAgent {
                 compat_hash: layout.compat_hash(),
                 layout: Some(layout.to_wire()),
                 transports,
+                incarnation: 0,
+                authenticated: false,
             },
             limits: config.limits,
             counters: counters.clone(),

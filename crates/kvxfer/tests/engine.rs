@@ -160,7 +160,7 @@ fn stray_and_wrong_token_notifications_change_nothing() {
     let layout = prefill.memory().layout().clone();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
     rt.block_on(async {
-        let mut c = raw_connection(&addr, &layout, 1).await.expect("connect");
+        let mut c = raw_connection(&addr, &layout, kvxfer_proto::PROTOCOL_VERSION).await.expect("connect");
         let ack = c.notify("7_R", h.token().as_bytes(), "d").await.expect("ack");
         assert_eq!(ack.outcome, kvxfer_proto::v1::LeaseOutcome::Unrecognized as i32);
         let ack = c.notify("0_R", &[0u8; 16], "d").await.expect("ack");
@@ -186,7 +186,7 @@ fn reads_of_bad_leases_tokens_and_blocks_get_specific_errors() {
     let layout = prefill.memory().layout().clone();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
     rt.block_on(async {
-        let mut c = raw_connection(&addr, &layout, 1).await.expect("connect");
+        let mut c = raw_connection(&addr, &layout, kvxfer_proto::PROTOCOL_VERSION).await.expect("connect");
         let run = |start, count| [BlockRun { remote_start: start, local_start: 0, count }];
         let code = |e: kvxfer_tcp::ClientError| match e {
             kvxfer_tcp::ClientError::Refused { code, .. } => code,
@@ -271,13 +271,14 @@ fn mismatch_pull(t: Transport, decode_config: AgentConfig, decode_layout: BlockL
 }
 
 fn protocol_version_mismatch_fails_on_both_sides_naming_both_versions(t: Transport) {
-    let mut config = AgentConfig::new("decode-v2");
-    config.protocol_version = 2;
+    let mut config = AgentConfig::new("decode-v9");
+    config.protocol_version = 9;
+    let ours = format!("v{}", kvxfer_proto::PROTOCOL_VERSION);
     mismatch_pull(
         t,
         config,
         BlockLayout::single(16, BLOCK).expect("layout"),
-        &["v2", "v1", "decode-v2", "prefill"],
+        &["v9", &ours, "decode-v9", "prefill"],
     );
 }
 
@@ -342,7 +343,7 @@ fn heartbeats_keep_a_slow_pull_alive_past_its_ttl() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
     let started = Instant::now();
     rt.block_on(async {
-        let mut c = raw_connection(&addr, &layout, 1).await.expect("connect");
+        let mut c = raw_connection(&addr, &layout, kvxfer_proto::PROTOCOL_VERSION).await.expect("connect");
         let lease = kvxfer_proto::v1::LeaseRef {
             remote_request_id: "H".into(),
             lease_token: h.token().as_bytes().to_vec(),

@@ -33,6 +33,7 @@ fn fake_result(port: u16, engine: &str, children: &[Vec<BlockId>]) -> PrefillRes
                 expected_consumers: 1,
                 lease_ttl_ms: 30_000,
                 tp_size: 1,
+                incarnation: 0,
             })
             .collect(),
     };
@@ -79,6 +80,7 @@ fn dying_prefill(
                     compat_hash: layout.compat_hash(),
                     layout: Some(layout.to_wire()),
                     transports: vec![],
+                    ..Default::default()
                 };
                 write_frame(&mut s, v1::FrameType::HelloAck, &ack);
                 while let Some((ty, body)) = read_frame(&mut s) {

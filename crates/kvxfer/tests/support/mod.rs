@@ -175,6 +175,7 @@ pub fn raw_hello(layout: &BlockLayout, engine_id: &str) -> kvxfer_proto::v1::Hel
         compat_hash: layout.compat_hash(),
         layout: Some(layout.to_wire()),
         transports: vec![],
+        ..Default::default()
     }
 }
 
