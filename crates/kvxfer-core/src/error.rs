@@ -21,6 +21,15 @@ pub enum Error {
     /// `kv_transfer_params` could not be read or turned into a hand-off.
     #[error(transparent)]
     Params(#[from] ParamsError),
+    /// A KV-cache shape (one rank's description) is malformed.
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    /// A prefill and a decode KV-cache shape that no transfer plan can serve.
+    #[error(transparent)]
+    Compat(#[from] CompatError),
+    /// A decode rank's transfer plan could not be built.
+    #[error(transparent)]
+    RankPlan(#[from] RankPlanError),
 }
 
 /// Why [`crate::LeaseTable::lease`] refused.
@@ -200,3 +209,217 @@ impl From<HandoffError> for ParamsError {
 
 /// At most this many offending ids are kept in an error.
 pub(crate) const MAX_IDS_SHOWN: usize = 16;
+
+/// Why a KV-cache shape ([`crate::KvShapeSpec`]) was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShapeError {
+    /// A field that must be non-zero (or non-empty) is not.
+    #[error("KV shape: {0} must be non-zero")]
+    Zero(&'static str),
+    /// The rank is not below the tensor-parallel size.
+    #[error("KV shape: tp_rank {tp_rank} is not below tp_size {tp_size}")]
+    RankOutOfRange {
+        /// The rank given.
+        tp_rank: u32,
+        /// The tensor-parallel size.
+        tp_size: u32,
+    },
+    /// The KV heads cannot be split evenly (or replicated evenly) over the ranks.
+    #[error(
+        "KV shape: {total_kv_heads} KV heads cannot be split over tp_size {tp_size} \
+         (one must divide the other)"
+    )]
+    HeadsNotDivisible {
+        /// Total KV heads of the model.
+        total_kv_heads: u32,
+        /// The tensor-parallel size.
+        tp_size: u32,
+    },
+    /// No KV-cache groups.
+    #[error("KV shape: needs at least one KV-cache group")]
+    NoGroups,
+    /// A group without segments.
+    #[error("KV shape: group {group} has no segments")]
+    NoSegments {
+        /// The group index.
+        group: usize,
+    },
+    /// A segment's head dimension is 0.
+    #[error("KV shape: group {group} segment {segment}: head_dim must be non-zero")]
+    ZeroHeadDim {
+        /// The group index.
+        group: usize,
+        /// The segment index.
+        segment: usize,
+    },
+    /// A segment's stride is shorter than its block.
+    #[error("KV shape: group {group} segment {segment}: stride {stride} is shorter than a block of {block_len} bytes")]
+    StrideTooShort {
+        /// The group index.
+        group: usize,
+        /// The segment index.
+        segment: usize,
+        /// The stride given.
+        stride: u64,
+        /// Bytes of one block of the segment on this rank.
+        block_len: u64,
+    },
+    /// Sizes overflow.
+    #[error("KV shape: sizes overflow u64")]
+    Overflow,
+}
+
+/// A field of a KV-cache shape that prefill and decode disagree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CompatField {
+    /// Element type name.
+    Dtype,
+    /// Bytes per element.
+    DtypeBytes,
+    /// Split KV heads on one side, an MLA latent on the other.
+    Attention,
+    /// Total KV heads of the model.
+    TotalKvHeads,
+    /// Number of KV-cache groups.
+    Groups,
+    /// Number of segments (layers, K/V) of a group.
+    Segments {
+        /// The group index.
+        group: usize,
+    },
+    /// Head dimension of a segment.
+    HeadDim {
+        /// The group index.
+        group: usize,
+        /// The segment index.
+        segment: usize,
+    },
+    /// Tensor-parallel sizes.
+    TpSize,
+    /// Tokens per block.
+    BlockTokens,
+}
+
+impl std::fmt::Display for CompatField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompatField::Dtype => f.write_str("dtype"),
+            CompatField::DtypeBytes => f.write_str("dtype_bytes"),
+            CompatField::Attention => f.write_str("attention"),
+            CompatField::TotalKvHeads => f.write_str("total_kv_heads"),
+            CompatField::Groups => f.write_str("groups"),
+            CompatField::Segments { group } => write!(f, "groups[{group}].segments"),
+            CompatField::HeadDim { group, segment } => {
+                write!(f, "groups[{group}].segments[{segment}].head_dim")
+            }
+            CompatField::TpSize => f.write_str("tp_size"),
+            CompatField::BlockTokens => f.write_str("block_tokens"),
+        }
+    }
+}
+
+/// Why a prefill and a decode KV-cache shape cannot be paired: only what no transfer plan
+/// can serve. Every variant names the field and both sides' values.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompatError {
+    /// A field both sides must share differs.
+    #[error("KV caches differ in {field}: prefill {prefill}, decode {decode}")]
+    Differs {
+        /// The field.
+        field: CompatField,
+        /// The prefill side's value.
+        prefill: String,
+        /// The decode side's value.
+        decode: String,
+    },
+    /// Neither tensor-parallel size divides the other.
+    #[error("tp_size: prefill {prefill} and decode {decode} do not divide one another")]
+    TpNotDivisible {
+        /// Prefill tensor-parallel size.
+        prefill: u32,
+        /// Decode tensor-parallel size.
+        decode: u32,
+    },
+    /// Decode blocks hold fewer tokens than prefill blocks (a prefill block would have to
+    /// be split over decode blocks: not supported).
+    #[error("block_tokens: decode {decode} is smaller than prefill {prefill}")]
+    DecodeBlockSmaller {
+        /// Prefill tokens per block.
+        prefill: u32,
+        /// Decode tokens per block.
+        decode: u32,
+    },
+    /// Decode blocks are not a whole number of prefill blocks.
+    #[error("block_tokens: decode {decode} is not a multiple of prefill {prefill}")]
+    BlockRatioNotInteger {
+        /// Prefill tokens per block.
+        prefill: u32,
+        /// Decode tokens per block.
+        decode: u32,
+    },
+}
+
+impl CompatError {
+    /// The field the two sides disagree on.
+    pub fn field(&self) -> CompatField {
+        match self {
+            CompatError::Differs { field, .. } => *field,
+            CompatError::TpNotDivisible { .. } => CompatField::TpSize,
+            CompatError::DecodeBlockSmaller { .. } | CompatError::BlockRatioNotInteger { .. } => {
+                CompatField::BlockTokens
+            }
+        }
+    }
+}
+
+/// Why a decode rank's transfer plan ([`crate::xfer::RankPlan`]) could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RankPlanError {
+    /// Not one block list pair per KV-cache group.
+    #[error("the KV caches have {expected} groups but {got} block lists were given")]
+    GroupCount {
+        /// Groups of the shapes.
+        expected: usize,
+        /// Block list pairs given.
+        got: usize,
+    },
+    /// The local list is not `ceil(remote / block_ratio)` blocks long.
+    #[error(
+        "group {group}: {remote} remote blocks fill {} local blocks at block ratio {ratio}, but {local} were given",
+        remote.div_ceil(*ratio as usize)
+    )]
+    BlockCount {
+        /// The group.
+        group: usize,
+        /// Remote blocks given.
+        remote: usize,
+        /// Local blocks given.
+        local: usize,
+        /// Decode block tokens / prefill block tokens.
+        ratio: u32,
+    },
+    /// Block ids outside a side's group.
+    #[error("group {group}: {side:?} block ids {ids:?} are outside the group's {num_blocks} blocks")]
+    OutOfRange {
+        /// The group.
+        group: usize,
+        /// Which side.
+        side: Side,
+        /// The offending ids (at most 16 shown).
+        ids: Vec<BlockId>,
+        /// Blocks in that side's group.
+        num_blocks: u32,
+    },
+    /// A local block named twice in one group (it would be written twice).
+    #[error("group {group}: local block {block} is listed more than once")]
+    DuplicateLocal {
+        /// The group.
+        group: usize,
+        /// The block.
+        block: BlockId,
+    },
+}

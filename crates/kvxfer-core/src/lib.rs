@@ -9,6 +9,9 @@
 //! - [`ChildHandoff`] / [`PrefillResult`]: the per-child hand-off and its validation.
 //! - [`BlockLayout`] and [`plan`]: block layouts, compatibility hashes, coalesced transfer plans.
 //! - [`KvTransferParams`]: vLLM's `kv_transfer_params` dict, read and written with serde.
+//! - [`KvShape`] and [`xfer`]: one rank's KV-cache shape (groups, heads per rank, HND block
+//!   layout), the prefill/decode compatibility check, and per-decode-rank transfer plans for
+//!   different tensor-parallel sizes, block sizes and KV-cache groups.
 #![forbid(unsafe_code)]
 
 mod error;
@@ -19,8 +22,13 @@ mod lease;
 mod params;
 mod parent;
 pub mod plan;
+mod shape;
+pub mod xfer;
 
-pub use error::{Error, HandoffError, LayoutError, LeaseError, ParamsError, PlanError};
+pub use error::{
+    CompatError, CompatField, Error, HandoffError, LayoutError, LeaseError, ParamsError, PlanError,
+    RankPlanError, ShapeError, Side,
+};
 pub use handoff::{ChildHandoff, EngineInfo, PrefillResult};
 pub use ids::{child_request_id, LeaseToken};
 pub use layout::{BlockLayout, Segment};
@@ -30,6 +38,8 @@ pub use lease::{
 };
 pub use params::{KvTransferParams, RemoteBlockIds};
 pub use parent::{ChildState, ParentStatus, ParentTracker};
+pub use shape::{GroupSpec, HeadRange, KvHeads, KvShape, KvShapeSpec, SegmentShape, SegmentSpec};
+pub use xfer::{expected_consumers, RankPlan, TransferPair};
 
 /// Internals for the fuzz targets in `fuzz/` (built with `cfg(fuzzing)` by cargo fuzz);
 /// absent from every other build.
