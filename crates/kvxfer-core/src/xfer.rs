@@ -288,7 +288,8 @@ fn check_distinct(group: usize, ids: &[BlockId], num_blocks: u32) -> Result<(), 
 }
 
 /// Pairs remote block `i` with local block `i / k`, token slot `i % k`, merging neighbours
-/// consecutive on both sides.
+/// consecutive on both sides. (Pairs come in index order, so a run's next slot is always
+/// `i % k`; only the blocks need checking.)
 fn pair_runs(remote: &[BlockId], local: &[BlockId], k: u32) -> Vec<PairRun> {
     let mut runs: Vec<PairRun> = Vec::new();
     let kk = k as usize;
@@ -298,7 +299,6 @@ fn pair_runs(remote: &[BlockId], local: &[BlockId], k: u32) -> Vec<PairRun> {
             let pos = u64::from(last.first_slot) + u64::from(last.count);
             if u64::from(last.remote_start) + u64::from(last.count) == u64::from(r)
                 && u64::from(last.local_start) + pos / u64::from(k) == u64::from(l)
-                && pos % u64::from(k) == u64::from(slot)
             {
                 last.count += 1;
                 continue;
