@@ -165,6 +165,8 @@ fn pattern(group: usize, segment: usize, block: BlockId, head: u32, rest: u64) -
 
 /// One rank's memory: per group, per segment, one region of `num_blocks * stride` bytes.
 type Memory = Vec<Vec<Vec<u8>>>;
+/// Where a destination byte was copied from: (prefill rank, remote block, offset in block).
+type Source = Option<(u32, BlockId, u64)>;
 
 fn prefill_memory(shape: &KvShape) -> Memory {
     let first = shape.local_heads().first;
@@ -223,13 +225,13 @@ fn block_lists(case: &Case, ratio: u32, rng: &mut ChaCha8Rng) -> Vec<(Vec<BlockI
 struct Executed {
     memory: Memory,
     writes: Vec<Vec<Vec<u8>>>,
-    source: Vec<Vec<Vec<Option<(u32, BlockId, u64)>>>>,
+    source: Vec<Vec<Vec<Source>>>,
 }
 
 fn execute(plan: &RankPlan, prefill: &[KvShape], prefill_mem: &[Memory], decode: &KvShape) -> Executed {
     let mut memory: Memory = Vec::new();
     let mut writes: Vec<Vec<Vec<u8>>> = Vec::new();
-    let mut source: Vec<Vec<Vec<Option<(u32, BlockId, u64)>>>> = Vec::new();
+    let mut source: Vec<Vec<Vec<Source>>> = Vec::new();
     for g in 0..decode.num_groups() {
         let blocks = u64::from(decode.num_blocks(g).unwrap_or(0));
         let lens: Vec<usize> = decode.segments(g).iter().map(|s| (blocks * s.stride()) as usize).collect();
