@@ -271,12 +271,22 @@ fn check_range(group: usize, ids: &[BlockId], num_blocks: u32, side: Side) -> Re
     }
 }
 
-/// Refuses a local id listed twice; ids are already checked below `num_blocks`.
+/// Refuses a local id listed twice; ids are already checked below `num_blocks`. A bitset
+/// over the group's blocks when that is small next to the list, else a sorted copy.
 fn check_distinct(group: usize, ids: &[BlockId], num_blocks: u32) -> Result<(), RankPlanError> {
     if ids.len() < 2 {
         return Ok(());
     }
-    let mut seen = vec![0u64; (num_blocks as usize).div_ceil(64)];
+    let words = (num_blocks as usize).div_ceil(64);
+    if words > ids.len().saturating_mul(4).max(1024) {
+        let mut sorted = ids.to_vec();
+        sorted.sort_unstable();
+        return match sorted.windows(2).find(|w| w[0] == w[1]) {
+            Some(w) => Err(RankPlanError::DuplicateLocal { group, block: w[0] }),
+            None => Ok(()),
+        };
+    }
+    let mut seen = vec![0u64; words];
     for &b in ids {
         let (word, bit) = ((b / 64) as usize, 1u64 << (b % 64));
         if seen[word] & bit != 0 {
@@ -708,6 +718,14 @@ mod tests {
             Err(RankPlanError::DuplicateLocal { group: 0, block: 8 })
         );
         assert_eq!(pair.plan(&[(&[1], &[8])]), Err(RankPlanError::GroupCount { expected: 2, got: 1 }));
+        // A huge group and a short list: found without a bitset over every block.
+        let huge = shape(1, 0, FOUR, 2, &[(1 << 24, 1)]);
+        let pair_huge = TransferPair::new(&huge, &huge).expect("pair");
+        assert_eq!(
+            pair_huge.plan(&[(&[1, 2, 3], &[70_000, 9, 70_000])]),
+            Err(RankPlanError::DuplicateLocal { group: 0, block: 70_000 })
+        );
+        assert!(pair_huge.plan(&[(&[1, 2, 3], &[70_000, 9, 70_001])]).is_ok());
         // Nothing to move: the source is only notified.
         let empty = pair.plan(&[(&[], &[]), (&[], &[])]).expect("plan");
         assert!(empty.is_empty());
