@@ -21,7 +21,7 @@ mod parent;
 pub mod plan;
 
 pub use error::{Error, HandoffError, LayoutError, LeaseError, ParamsError, PlanError};
-pub use handoff::{ChildHandoff, EngineInfo, PrefillResult};
+pub use handoff::{join_host_port, ChildHandoff, EngineInfo, PrefillResult};
 pub use ids::{child_request_id, LeaseToken};
 pub use layout::{BlockLayout, Segment};
 pub use lease::{
