@@ -598,6 +598,7 @@ enum ReadState {
     Ok(u64),
     Failed(String),
     /// Failed, and the transport may still write the destination blocks.
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     InFlight(String),
     Cancelled,
 }
@@ -612,6 +613,7 @@ struct HeldReads {
 }
 
 #[derive(Default)]
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 struct HeldState {
     /// Reads abandoned by the pull and not yet completed.
     outstanding: usize,
@@ -623,6 +625,7 @@ struct HeldState {
 
 /// What became of one one-sided read: completed, or abandoned by its pull first.
 #[derive(Debug, Default)]
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 enum ReadFate {
     #[default]
     Waiting,
@@ -630,6 +633,7 @@ enum ReadFate {
     Abandoned,
 }
 
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 impl HeldReads {
     fn new(busy: Arc<Mutex<HashSet<BlockId>>>, reclaimed: Sender<Reclaimed>) -> Self {
         HeldReads { busy, reclaimed, state: Mutex::new(HeldState::default()) }

@@ -330,7 +330,7 @@ async fn raw_connection(
     version: u32,
 ) -> Result<kvxfer_tcp::Connection, kvxfer_tcp::ClientError> {
     let hello = kvxfer_proto::v1::Hello { protocol_version: version, ..raw_hello(layout, "raw") };
-    kvxfer_tcp::Connection::connect(addr, &hello, kvxfer_tcp::Limits::default()).await
+    raw_connect(addr, &hello).await
 }
 
 #[test]
