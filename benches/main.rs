@@ -6,6 +6,8 @@
 //! kvxfer-bench pull --peer 127.0.0.1:7300 --transport ucx --block-bytes 64K,2M
 //! ```
 //! Every pulled byte is checked against the pattern it was filled with unless `--no-verify`.
+//! Agents authenticate each other with the cluster key in `KVXFER_CLUSTER_KEY` (hex) or
+//! `KVXFER_CLUSTER_KEY_FILE` when one is set (both processes of a two-process run need it).
 #![allow(missing_docs)]
 
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
@@ -134,8 +136,13 @@ fn parse_size(s: &str) -> Result<u64, String> {
     v.checked_mul(mult).filter(|&b| b > 0).ok_or_else(|| format!("size out of range: {s}"))
 }
 
+/// `c` with the UCX options and the cluster key of the environment (`KVXFER_CLUSTER_KEY` or
+/// `KVXFER_CLUSTER_KEY_FILE`; without one the agents run unauthenticated). Serve and pull
+/// processes of a two-process run need the same key.
 fn ucx_config(c: AgentConfig, tls: &Option<String>, peer_failure: bool) -> Result<AgentConfig, String> {
-    c.ucx_options(tls.clone(), peer_failure).map_err(|e| e.to_string())
+    c.ucx_options(tls.clone(), peer_failure)
+        .and_then(AgentConfig::cluster_key_from_env)
+        .map_err(|e| e.to_string())
 }
 
 /// Blocks per child so that every parent's children together move `total` bytes.

@@ -6,6 +6,9 @@
 //! ```
 //! Exits non-zero unless every child ended as asked (pulled; `--cancel-child` released;
 //! `--skip-child` expired) and every pulled byte verified.
+//!
+//! Both agents prove the cluster key of `KVXFER_CLUSTER_KEY` / `KVXFER_CLUSTER_KEY_FILE`
+//! to each other, or, when neither is set, a random key made for the run.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -94,9 +97,11 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let decode_mem = KvMemory::alloc(BlockLayout::single(n * bpc, args.block_bytes)?)?;
 
     let ttl = Duration::from_millis(args.lease_ms);
+    let key = kvxfer::ClusterKey::from_env()?.unwrap_or_else(kvxfer::ClusterKey::generate);
     let config = |name: &str| {
         AgentConfig::new(name)
             .transport(args.transport)
+            .cluster_key(key.clone())
             .ucx_options(args.ucx_tls.clone(), args.ucx_peer_failure)
             .map_err(|e| e.to_string())
     };

@@ -22,6 +22,9 @@ impl Node {
     fn start(args: &[&str]) -> Node {
         let mut child = Command::new(BIN)
             .args(args)
+            // Both nodes of a test share a cluster key, as a deployment would.
+            .env(kvxfer::CLUSTER_KEY_ENV, "6b696c6c2d7465737420636c7573746572206b6579")
+            .env_remove(kvxfer::CLUSTER_KEY_FILE_ENV)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -66,6 +69,15 @@ impl Node {
             .map(|_| self.wait_event(event, deadline.saturating_duration_since(Instant::now()), &mut skipped))
             .collect();
         (got, skipped)
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`) to the process.
+    fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(ok.success(), "kill -{signal}");
     }
 
     fn kill9(&mut self) {
@@ -273,4 +285,56 @@ fn decode_killed_mid_ucx_pull_drops_its_pins_and_leases_expire() {
     assert!(ends.iter().all(|e| e["kind"] == "Expired"), "{ends:?}");
     let s = stats(&mut prefill);
     assert_eq!((s["live"].as_u64(), s["pins_open"].as_u64()), (Some(0), Some(0)), "{s}");
+}
+
+/// A one-sided read the decode side cannot stop: UCX over tcp without peer-failure handling
+/// (an endpoint abort cannot cancel its reads) from a prefill process that is frozen
+/// (SIGSTOP) mid-read. The child fails as `failed_blocks_held` — its blocks must not be
+/// reused, UCX may still write them — and once the process thaws and the read completes,
+/// the decode agent hands them back (`reclaimed`).
+#[cfg(feature = "ucx")]
+#[test]
+fn a_ucx_read_that_cannot_be_stopped_holds_its_blocks_until_it_completes() {
+    let ucx = ["--transport", "ucx", "--ucx-tls", "tcp", "--io-timeout-ms", "1000"];
+    let big = ["--blocks", "256", "--block-bytes", "1048576"];
+    let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "60000"][..], &ucx, &big].concat());
+    prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
+    let mut decode = decode_node(&[&ucx[..], &big].concat());
+    prefill.send(json!({"cmd": "lease", "parent": "H", "n": N, "blocks_per_child": 64}));
+    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
+        .as_str()
+        .expect("result")
+        .to_owned();
+    decode.send(json!({"cmd": "pull", "result": result}));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stats(&mut prefill)["pins_open"].as_u64().unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "no read under way");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    prefill.signal("STOP");
+    let (children, _) = decode.wait_events("child", N as usize, Duration::from_secs(60));
+    let held: Vec<u64> = children
+        .iter()
+        .filter(|c| c["outcome"] == "failed_blocks_held")
+        .map(|c| c["child"].as_u64().expect("child"))
+        .collect();
+    for c in &children {
+        match c["outcome"].as_str() {
+            Some("failed_blocks_held") => {
+                assert_eq!(c["held_local_blocks"].as_array().map(Vec::len), Some(64), "{c}")
+            }
+            Some("failed") => assert_eq!(c["invalid_local_blocks"].as_array().map(Vec::len), Some(64), "{c}"),
+            Some("done") => assert_eq!(c["verified"], true, "{c}"),
+            other => panic!("unexpected outcome {other:?}: {c}"),
+        }
+    }
+    assert!(!held.is_empty(), "a read in flight at the freeze is held: {children:?}");
+    prefill.signal("CONT");
+    let reclaimed = decode.wait_event("reclaimed", Duration::from_secs(60), &mut Vec::new());
+    let mut back: Vec<u64> =
+        reclaimed["children"].as_array().expect("children").iter().filter_map(Value::as_u64).collect();
+    back.sort_unstable();
+    assert_eq!(back, held, "{reclaimed}");
+    assert_eq!(reclaimed["local_blocks"].as_array().map(Vec::len), Some(64 * held.len()), "{reclaimed}");
+    eprintln!("{} of {N} children held their blocks until UCX completed the read", held.len());
 }

@@ -20,6 +20,7 @@ const BPC: u32 = 16;
 
 struct Outcome {
     report: kvxfer::PullReport,
+    decode: kvxfer::DecodeStats,
     ends: Vec<LeaseEnd>,
     elapsed: Duration,
     proxy: ProxyStats,
@@ -88,7 +89,7 @@ fn pull_through(faults: Vec<Fault>, n: u32, io_timeout: Duration, ttl: Duration)
     let p = prefill.stats().leases;
     assert_eq!(p.leased, p.pulled + p.released + p.expired, "{p:?}");
     assert_eq!(p.live, 0);
-    Outcome { report, ends, elapsed, proxy: proxy.stats(), verified }
+    Outcome { report, decode: decode.stats(), ends, elapsed, proxy: proxy.stats(), verified }
 }
 
 fn reasons(o: &Outcome) -> Vec<String> {
@@ -174,6 +175,49 @@ fn slow_pull_outlasting_its_lease_stays_alive_by_heartbeat_and_ends_pulled() {
     assert!(o.report.all_done(), "{:?}", o.report);
     assert!(o.elapsed >= delay, "the delay applied: {:?}", o.elapsed);
     assert!(o.ends.iter().all(|e| e.kind == EndKind::Pulled), "{:?}", o.ends);
+}
+
+/// Bytes the decode side sends on its control connection (the first one it opens) before
+/// its first notify: its authenticated hello and proof.
+fn control_handshake_bytes(blocks: u32) -> u64 {
+    use kvxfer_proto::Message;
+    let layout = BlockLayout::single(blocks, BLOCK).expect("layout");
+    let hello = kvxfer_proto::v1::Hello {
+        protocol_version: kvxfer_proto::PROTOCOL_VERSION,
+        engine_id: "0".repeat(32), // the default engine id: 16 random bytes as hex
+        agent_name: "decode".into(),
+        compat_hash: layout.compat_hash(),
+        layout: Some(layout.to_wire()),
+        transports: vec![kvxfer_proto::v1::TransportOffer {
+            transport: kvxfer_proto::v1::Transport::Tcp as i32,
+            connection_info: vec![],
+        }],
+        nonce: vec![0; 32],
+        authenticated: true,
+    };
+    let proof = kvxfer_proto::v1::HelloProof { mac: vec![0; 32] };
+    (5 + hello.encoded_len() + 5 + proof.encoded_len()) as u64
+}
+
+#[test]
+fn control_connection_reset_mid_pull_still_ends_every_pulled_child_acknowledged() {
+    // The control connection (connection 0: the decode side's first, for the handshake and
+    // then notify / heartbeat / cancel) is reset a few bytes into the first exchange after
+    // its handshake — the first notify. The prefill process stays alive: the decode side
+    // retries on a fresh connection, so every child whose bytes arrived ends pulled and
+    // acknowledged instead of skipping the remaining notifies and letting leases expire.
+    let n = 3;
+    let offset = control_handshake_bytes(n * BPC) + 8;
+    let fault =
+        Fault { direction: Direction::ToPrefill, offset, kind: FaultKind::Reset, connection: Some(0) };
+    let o = pull_through(vec![fault], n, IO, TTL);
+    assert_eq!(o.proxy.faults_fired, 1, "{:?}", o.proxy);
+    for c in &o.report.children {
+        assert!(matches!(c.outcome, ChildOutcome::Done { acknowledged: true, .. }), "{c:?}");
+    }
+    assert!(o.ends.iter().all(|e| e.kind == EndKind::Pulled), "{:?}", o.ends);
+    assert!(o.decode.control_retries >= 1, "{:?}", o.decode);
+    assert_eq!(o.decode.notifications_unacknowledged, 0);
 }
 
 #[test]

@@ -21,6 +21,35 @@ pub struct EngineInfo {
     pub port: u16,
     /// Tensor-parallel size of the prefill engine.
     pub tp_size: u32,
+    /// Random per prefill agent process (every start draws a new one); 0 = not stated. A
+    /// hand-off whose incarnation differs from the agent now at `host:port` was issued by an
+    /// earlier process, even when the engine id is the same.
+    pub incarnation: u64,
+}
+
+impl EngineInfo {
+    /// `host:port` for connecting, with an IPv6 literal in brackets (`[::1]:5559`).
+    pub fn addr(&self) -> String {
+        join_host_port(&self.host, self.port)
+    }
+}
+
+/// `host:port`, bracketing an IPv6 literal (`[::1]:5559`); a host already in brackets is
+/// kept as it is.
+pub fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// A host as hand-offs carry it: an IPv6 literal without brackets (`[::1]` becomes `::1`).
+fn unbracket(host: String) -> String {
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(inner) if inner.contains(':') => inner.to_owned(),
+        _ => host,
+    }
 }
 
 /// What a decode worker needs to pull one child and to tell the prefill side it is done.
@@ -118,7 +147,7 @@ impl ChildHandoff {
             expected_consumers: self.expected_consumers,
             lease_ttl_ms: u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX),
             tp_size: self.engine.tp_size,
-            incarnation: 0,
+            incarnation: self.engine.incarnation,
         }
     }
 
@@ -153,9 +182,10 @@ impl ChildHandoff {
             blocks: Arc::from(w.remote_block_ids),
             engine: Arc::new(EngineInfo {
                 engine_id: w.remote_engine_id,
-                host: w.remote_host,
+                host: unbracket(w.remote_host),
                 port,
                 tp_size: w.tp_size,
+                incarnation: w.incarnation,
             }),
             expected_consumers: w.expected_consumers,
             ttl: Duration::from_millis(w.lease_ttl_ms),

@@ -29,7 +29,7 @@ pub use error::{
     CompatError, CompatField, Error, HandoffError, LayoutError, LeaseError, ParamsError, PlanError,
     RankPlanError, ShapeError, Side,
 };
-pub use handoff::{ChildHandoff, EngineInfo, PrefillResult};
+pub use handoff::{join_host_port, ChildHandoff, EngineInfo, PrefillResult};
 pub use ids::{child_request_id, LeaseToken};
 pub use layout::{BlockLayout, Segment};
 pub use lease::{

@@ -65,6 +65,10 @@ pub struct KvTransferParams {
     /// kvxfer: lease time-to-live in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvxfer_lease_ttl_ms: Option<u64>,
+    /// kvxfer: the issuing prefill agent process's incarnation (below 2^53, so exact in any
+    /// JSON parser); absent or 0: not stated, only the engine id is checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvxfer_incarnation: Option<u64>,
     /// Fields neither vLLM's connector nor kvxfer define, kept as they came.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -103,6 +107,7 @@ impl KvTransferParams {
             kvxfer_n: Some(h.n()),
             kvxfer_expected_consumers: Some(h.expected_consumers()),
             kvxfer_lease_ttl_ms: Some(u64::try_from(h.ttl().as_millis()).unwrap_or(u64::MAX)),
+            kvxfer_incarnation: Some(h.engine().incarnation).filter(|&i| i != 0),
             extra: serde_json::Map::new(),
         }
     }
@@ -134,7 +139,7 @@ impl KvTransferParams {
             expected_consumers: self.kvxfer_expected_consumers.unwrap_or(1),
             lease_ttl_ms: self.kvxfer_lease_ttl_ms.unwrap_or(30_000),
             tp_size: self.tp_size.unwrap_or(1),
-            incarnation: 0,
+            incarnation: self.kvxfer_incarnation.unwrap_or(0),
         };
         Ok(ChildHandoff::from_wire(wire)?)
     }
@@ -183,6 +188,24 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_hosts_round_trip_with_or_without_brackets() {
+        let mut p = KvTransferParams::from_json(DECODE_SIDE).expect("parses");
+        p.kvxfer_lease_token = Some("00".repeat(16));
+        for host in ["::1", "[::1]"] {
+            p.remote_host = Some(host.into());
+            let h = p.to_handoff().expect("handoff");
+            assert_eq!((h.engine().host.as_str(), h.engine().addr()), ("::1", "[::1]:5559".to_owned()));
+            assert_eq!(h.engine().incarnation, 0, "not stated");
+            let back =
+                KvTransferParams::from_json(&KvTransferParams::from_handoff(&h).to_json()).expect("json");
+            assert_eq!(back.to_handoff().expect("handoff"), h);
+            assert_eq!(back.kvxfer_incarnation, None);
+        }
+        p.remote_host = Some("127.0.0.1".into());
+        assert_eq!(p.to_handoff().expect("handoff").engine().addr(), "127.0.0.1:5559");
+    }
+
+    #[test]
     fn garbage_is_an_error_not_a_panic() {
         assert!(KvTransferParams::from_json("[1,2").is_err());
         assert!(KvTransferParams::from_json(r#"{"remote_port": "x"}"#).is_err());
@@ -200,7 +223,13 @@ mod tests {
 
     #[test]
     fn handoff_round_trips_through_params() {
-        let engine = EngineInfo { engine_id: "e1".into(), host: "127.0.0.1".into(), port: 7000, tp_size: 2 };
+        let engine = EngineInfo {
+            engine_id: "e1".into(),
+            host: "127.0.0.1".into(),
+            port: 7000,
+            tp_size: 2,
+            incarnation: 0x1f_ffff_ffff_fffe,
+        };
         let table = LeaseTable::new(LeaseConfig::new(engine, 64), [1; 32]);
         let h = table
             .lease(LeaseRequest::new("R", 2, 3, vec![5, 6]).consumers(2), Instant::now())
@@ -208,6 +237,7 @@ mod tests {
         let json = KvTransferParams::from_handoff(&h).to_json();
         let p = KvTransferParams::from_json(&json).expect("parses");
         assert_eq!(p.remote_request_id.as_deref(), Some("2_R"));
+        assert_eq!(p.kvxfer_incarnation, Some(0x1f_ffff_ffff_fffe));
         assert_eq!(p.to_handoff().expect("handoff"), h);
         let mut bad = p.clone();
         bad.kvxfer_lease_token = Some("nothex".into());

@@ -12,8 +12,13 @@ use kvxfer_core::{
 const TTL: Duration = Duration::from_secs(30);
 
 fn table() -> Arc<LeaseTable> {
-    let engine =
-        EngineInfo { engine_id: "prefill-0".into(), host: "127.0.0.1".into(), port: 5559, tp_size: 1 };
+    let engine = EngineInfo {
+        engine_id: "prefill-0".into(),
+        host: "127.0.0.1".into(),
+        port: 5559,
+        tp_size: 1,
+        incarnation: 0,
+    };
     Arc::new(LeaseTable::new(LeaseConfig::new(engine, 1024), [42; 32]))
 }
 

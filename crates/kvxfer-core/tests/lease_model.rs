@@ -69,7 +69,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
     #[test]
     fn every_lease_ends_exactly_once(ops in proptest::collection::vec(op(), 1..120)) {
-        let engine = EngineInfo { engine_id: "e".into(), host: "127.0.0.1".into(), port: 1, tp_size: 1 };
+        let engine = EngineInfo { engine_id: "e".into(), host: "127.0.0.1".into(), port: 1, tp_size: 1, incarnation: 0 };
         let table = Arc::new(LeaseTable::new(LeaseConfig::new(engine, 64), [3; 32]));
         let mut now = Instant::now();
         // One model entry per lease ever made, keyed by (request id, generation).

@@ -62,6 +62,15 @@ pub enum ClientError {
         /// What differed.
         detail: String,
     },
+    /// The authenticated handshake failed or was refused (no key, another key, a replayed
+    /// handshake); the connection is closed.
+    #[error("handshake with {peer} refused: {reason}")]
+    Auth {
+        /// The peer's address.
+        peer: String,
+        /// What failed.
+        reason: crate::handshake::AuthError,
+    },
     /// Could not connect.
     #[error("connecting to {peer}: {source}")]
     Connect {
@@ -93,9 +102,22 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Connects to `addr`, sends `hello` and waits for the answer. A mismatch fails with the
-    /// peer's message, which names both sides' values.
+    /// Connects to `addr` without a cluster key, sends `hello` and waits for the answer. A
+    /// mismatch fails with the peer's message, which names both sides' values.
     pub async fn connect(addr: &str, hello: &v1::Hello, limits: Limits) -> Result<Self, ClientError> {
+        Self::connect_with_key(addr, hello, None, limits).await
+    }
+
+    /// Connects to `addr` and handshakes: with `key`, the mutual challenge-response of
+    /// [`crate::handshake`] first (a peer that cannot prove the key is refused with
+    /// [`ClientError::Auth`]); then the peer's `HelloAck`, checked against `hello`. The
+    /// hello's nonce and `authenticated` flag are set here.
+    pub async fn connect_with_key(
+        addr: &str,
+        hello: &v1::Hello,
+        key: Option<&crate::handshake::ClusterKey>,
+        limits: Limits,
+    ) -> Result<Self, ClientError> {
         let connect = TcpStream::connect(addr);
         let stream = match tokio::time::timeout(limits.io_timeout, connect).await {
             Ok(Ok(s)) => s,
@@ -117,19 +139,8 @@ impl Connection {
             next_seq: 1,
             ack: v1::HelloAck::default(),
         };
-        c.send(&Frame::Hello(hello.clone())).await?;
-        match c.recv().await? {
-            Frame::HelloAck(ack) => {
-                // Check the answer too: a peer must not accept what we would refuse.
-                if let Some((_, message)) = crate::server::check_hello((&ack).into(), hello.into()) {
-                    return Err(ClientError::Handshake { peer: c.peer, message });
-                }
-                c.ack = ack;
-                Ok(c)
-            }
-            Frame::Error(e) => Err(ClientError::Handshake { peer: c.peer, message: e.message }),
-            other => Err(c.unexpected(&other)),
-        }
+        c.ack = crate::handshake::initiate(&mut c, hello, key).await?;
+        Ok(c)
     }
 
     /// The peer's handshake answer (its engine id, layout and transports).
@@ -163,7 +174,7 @@ impl Connection {
         }
     }
 
-    async fn send(&mut self, f: &Frame) -> Result<(), ClientError> {
+    pub(crate) async fn send(&mut self, f: &Frame) -> Result<(), ClientError> {
         let io = frame::write_frame(&mut self.stream, f, &mut self.scratch);
         match tokio::time::timeout(self.limits.io_timeout, io).await {
             Ok(Ok(())) => Ok(()),
@@ -172,7 +183,7 @@ impl Connection {
         }
     }
 
-    async fn recv(&mut self) -> Result<Frame, ClientError> {
+    pub(crate) async fn recv(&mut self) -> Result<Frame, ClientError> {
         let io = frame::read_frame(&mut self.stream, self.limits.max_frame_len, &mut self.buf);
         match tokio::time::timeout(self.limits.io_timeout, io).await {
             Ok(Ok(f)) => Ok(f),

@@ -1,6 +1,8 @@
 //! kvxfer's TCP data path.
 //!
 //! - [`frame`]: the length-prefixed frame codec of `proto/kvxfer/v1/kvxfer.proto`.
+//! - [`handshake`]: the first exchange of every connection, with the optional mutual
+//!   HMAC-SHA256 challenge-response over a [`ClusterKey`].
 //! - [`server`]: one accepted connection of a prefill agent: handshake, then reads served
 //!   straight from registered memory with vectored writes, and notify / heartbeat / cancel
 //!   applied to the lease table.
@@ -9,13 +11,13 @@
 
 pub mod client;
 pub mod frame;
+pub mod handshake;
 pub mod server;
 
 pub use client::{check_crc, ClientError, Connection};
 pub use frame::{Frame, FrameError};
-pub use server::{
-    check_hello, refuse_connection, serve_connection, HandshakeId, ServeContext, ServerCounters, ServerStats,
-};
+pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError};
+pub use server::{refuse_connection, serve_connection, ServeContext, ServerCounters, ServerStats};
 
 use std::time::Duration;
 

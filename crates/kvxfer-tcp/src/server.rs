@@ -45,6 +45,13 @@ pub struct ServerCounters {
     pub pins_expired: AtomicU64,
     /// Connections closed because a frame stalled midway for `Limits::io_timeout`.
     pub stalled_frames: AtomicU64,
+    /// Handshakes refused because the peer has no cluster key while this agent requires one
+    /// (`AUTH_REQUIRED`; also counted in `handshakes_refused`).
+    pub auth_required: AtomicU64,
+    /// Authenticated handshakes that failed: a proof that did not verify (another key, or a
+    /// replayed handshake), a peer that refused our challenge, or a peer requiring a key this
+    /// agent does not have (`AUTH_FAILED`; also counted in `handshakes_refused`).
+    pub auth_failed: AtomicU64,
     /// Rate limit of the warnings peers can trigger at will.
     pub warnings: WarnBudget,
 }
@@ -97,6 +104,8 @@ pub struct ServerStats {
     pub pins_refused: u64,
     pub pins_expired: u64,
     pub stalled_frames: u64,
+    pub auth_required: u64,
+    pub auth_failed: u64,
 }
 
 impl ServerCounters {
@@ -116,6 +125,8 @@ impl ServerCounters {
             pins_refused: l(&self.pins_refused),
             pins_expired: l(&self.pins_expired),
             stalled_frames: l(&self.stalled_frames),
+            auth_required: l(&self.auth_required),
+            auth_failed: l(&self.auth_failed),
         }
     }
 }
@@ -129,6 +140,8 @@ pub struct ServeContext {
     pub memory: Arc<KvMemory>,
     /// What this agent answers a compatible hello with.
     pub hello_ack: v1::HelloAck,
+    /// The cluster key peers must prove they hold; `None`: peers are not authenticated.
+    pub cluster_key: Option<crate::handshake::ClusterKey>,
     /// Limits and timeouts.
     pub limits: Limits,
     /// Counters.
@@ -137,77 +150,6 @@ pub struct ServeContext {
 
 fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
-}
-
-/// What a handshake compares: who a side is and what it speaks. Both `Hello` and
-/// `HelloAck` carry it.
-#[derive(Debug, Clone, Copy)]
-pub struct HandshakeId<'a> {
-    /// Protocol version.
-    pub protocol_version: u32,
-    /// Engine id.
-    pub engine_id: &'a str,
-    /// Agent name.
-    pub agent_name: &'a str,
-    /// Compatibility hash of the block layout.
-    pub compat_hash: u64,
-}
-
-impl<'a> From<&'a v1::Hello> for HandshakeId<'a> {
-    fn from(h: &'a v1::Hello) -> Self {
-        HandshakeId {
-            protocol_version: h.protocol_version,
-            engine_id: &h.engine_id,
-            agent_name: &h.agent_name,
-            compat_hash: h.compat_hash,
-        }
-    }
-}
-
-impl<'a> From<&'a v1::HelloAck> for HandshakeId<'a> {
-    fn from(h: &'a v1::HelloAck) -> Self {
-        HandshakeId {
-            protocol_version: h.protocol_version,
-            engine_id: &h.engine_id,
-            agent_name: &h.agent_name,
-            compat_hash: h.compat_hash,
-        }
-    }
-}
-
-/// The reason a peer is refused, or `None` when it is compatible with `ours`. The message
-/// names both sides' values.
-pub fn check_hello(peer: HandshakeId<'_>, ours: HandshakeId<'_>) -> Option<(ErrorCode, String)> {
-    if peer.protocol_version != ours.protocol_version {
-        return Some((
-            ErrorCode::VersionMismatch,
-            format!(
-                "protocol version mismatch: peer {} ({}) speaks v{}, {} ({}) speaks v{}",
-                peer.agent_name,
-                peer.engine_id,
-                peer.protocol_version,
-                ours.agent_name,
-                ours.engine_id,
-                ours.protocol_version
-            ),
-        ));
-    }
-    if peer.compat_hash != ours.compat_hash {
-        return Some((
-            ErrorCode::CompatMismatch,
-            format!(
-                "compatibility hash mismatch: peer {} ({}) has {:#018x}, {} ({}) has {:#018x} \
-                 (block size, segments, dtype or tokens per block differ)",
-                peer.agent_name,
-                peer.engine_id,
-                peer.compat_hash,
-                ours.agent_name,
-                ours.engine_id,
-                ours.compat_hash
-            ),
-        ));
-    }
-    None
 }
 
 fn refusal_code(r: &ReadRefused) -> ErrorCode {
@@ -227,7 +169,7 @@ pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     bump(&ctx.counters.connections);
     crate::tune_stream(&stream, ctx.limits.io_timeout);
-    match serve_inner(&mut stream, &ctx).await {
+    match serve_inner(&mut stream, &ctx, &peer).await {
         Ok(()) => debug!(%peer, "connection closed"),
         Err(e) => debug!(%peer, error = %e, "connection ended"),
     }
@@ -248,40 +190,27 @@ pub async fn refuse_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
 }
 
 /// Sends an error frame and reports the connection as finished.
-async fn refuse(stream: &mut TcpStream, code: ErrorCode, msg: String, seq: u64) -> Result<(), FrameError> {
+pub(crate) async fn refuse(
+    stream: &mut TcpStream,
+    code: ErrorCode,
+    msg: String,
+    seq: u64,
+) -> Result<(), FrameError> {
     let mut scratch = Vec::new();
     frame::write_frame(stream, &Frame::error(code, msg, seq), &mut scratch).await?;
     let _ = stream.shutdown().await;
     Ok(())
 }
 
-async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), FrameError> {
+async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> Result<(), FrameError> {
     let max = ctx.limits.max_frame_len;
     let mut buf = Vec::new();
     let mut scratch = Vec::new();
 
-    // Handshake: the first frame must be a compatible hello.
-    let first = tokio::time::timeout(ctx.limits.io_timeout, frame::read_frame(stream, max, &mut buf))
-        .await
-        .map_err(|_| FrameError::Timeout)?;
-    match first {
-        Ok(Frame::Hello(hello)) => {
-            if let Some((code, msg)) = check_hello((&hello).into(), (&ctx.hello_ack).into()) {
-                bump(&ctx.counters.handshakes_refused);
-                if let Some(suppressed) = ctx.counters.warnings.allow() {
-                    warn!(peer_engine = %hello.engine_id, suppressed, "handshake refused: {msg}");
-                }
-                return refuse(stream, code, msg, 0).await;
-            }
-            debug!(peer_engine = %hello.engine_id, peer_agent = %hello.agent_name, "handshake ok");
-            frame::write_frame(stream, &Frame::HelloAck(ctx.hello_ack.clone()), &mut scratch).await?;
-        }
-        Ok(other) => {
-            bump(&ctx.counters.handshakes_refused);
-            let msg = format!("expected a hello first, got {:?}", other.frame_type());
-            return refuse(stream, ErrorCode::HandshakeRequired, msg, 0).await;
-        }
-        Err(e) => return protocol_error(stream, ctx, e).await,
+    // Handshake (authenticated when either side has a cluster key): nothing else is read
+    // or said before it succeeded.
+    if crate::handshake::accept(stream, ctx, peer, &mut buf, &mut scratch).await?.is_none() {
+        return Ok(());
     }
 
     // Read guards of one-sided reads, by pin sequence number; dropped with the connection.
@@ -428,7 +357,11 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext) -> Result<(), F
     }
 }
 
-async fn protocol_error(stream: &mut TcpStream, ctx: &ServeContext, e: FrameError) -> Result<(), FrameError> {
+pub(crate) async fn protocol_error(
+    stream: &mut TcpStream,
+    ctx: &ServeContext,
+    e: FrameError,
+) -> Result<(), FrameError> {
     let code = match &e {
         FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
         FrameError::UnknownType(_) => ErrorCode::UnknownFrameType,

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use kvxfer_tcp::Limits;
+use kvxfer_tcp::{ClusterKey, Limits};
 
 /// Which data path an agent offers and a decode agent pulls with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -67,6 +67,19 @@ pub struct AgentConfig {
     /// UCX settings (transports, peer-failure handling).
     #[cfg(feature = "ucx")]
     pub ucx: kvxfer_ucx::UcxConfig,
+
+    // Identity and trust.
+    /// The cluster key every agent of the cluster shares: peers prove they hold it in a
+    /// mutual challenge-response before anything internal (layout, UCX worker address,
+    /// rkeys) is exchanged. `None`: peers are not authenticated (logged once per agent), and
+    /// peers that require a key are refused. See [`ClusterKey::from_env`].
+    pub cluster_key: Option<ClusterKey>,
+    /// This agent's rank within its engine (tensor-parallel decode ranks pulling the same
+    /// prefill blocks); part of the default consumer id.
+    pub rank: u32,
+    /// The consumer id a decode agent notifies with; `None`: `"{engine_id}/{rank}"`, so two
+    /// ranks of one engine count as two consumers of a lease.
+    pub consumer_id: Option<String>,
 }
 
 impl AgentConfig {
@@ -89,7 +102,43 @@ impl AgentConfig {
             transport: TransportChoice::Auto,
             #[cfg(feature = "ucx")]
             ucx: kvxfer_ucx::UcxConfig::default(),
+            cluster_key: None,
+            rank: 0,
+            consumer_id: None,
         }
+    }
+
+    /// Sets the cluster key peers must prove (and this agent proves to them).
+    pub fn cluster_key(mut self, key: ClusterKey) -> Self {
+        self.cluster_key = Some(key);
+        self
+    }
+
+    /// Sets the cluster key from the environment (`KVXFER_CLUSTER_KEY` as hex, or a file
+    /// named by `KVXFER_CLUSTER_KEY_FILE`), leaving it unset when neither is set. A key that
+    /// is set but unreadable or too short is an error, never silently ignored.
+    pub fn cluster_key_from_env(mut self) -> Result<Self, crate::Error> {
+        if let Some(key) = ClusterKey::from_env()? {
+            self.cluster_key = Some(key);
+        }
+        Ok(self)
+    }
+
+    /// Sets this agent's rank within its engine.
+    pub fn rank(mut self, rank: u32) -> Self {
+        self.rank = rank;
+        self
+    }
+
+    /// Sets the consumer id notifications carry (default `"{engine_id}/{rank}"`).
+    pub fn consumer_id(mut self, id: impl Into<String>) -> Self {
+        self.consumer_id = Some(id.into());
+        self
+    }
+
+    /// The consumer id a decode agent notifies with.
+    pub fn effective_consumer_id(&self) -> String {
+        self.consumer_id.clone().unwrap_or_else(|| format!("{}/{}", self.engine_id, self.rank))
     }
 
     /// Sets the data path.

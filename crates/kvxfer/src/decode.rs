@@ -50,6 +50,29 @@ pub enum ChildOutcome {
         /// The child's local blocks, not valid.
         invalid_local_blocks: Vec<BlockId>,
     },
+    /// The pull failed and a one-sided read into these blocks could not be stopped: the
+    /// transport (UCX) may still write them. They hold no valid data and must be neither
+    /// reused nor freed until [`DecodeAgent::reclaimed`] hands them back (when the read
+    /// finally completes, or the agent shuts down after it did). If it never completes, they
+    /// are never handed back.
+    FailedBlocksHeld {
+        /// Why.
+        reason: String,
+        /// The child's local blocks, held until reclaimed.
+        held_local_blocks: Vec<BlockId>,
+    },
+}
+
+/// Local blocks of children reported [`ChildOutcome::FailedBlocksHeld`] that are safe to
+/// reuse again: the read that held them completed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reclaimed {
+    /// The parent request of the pull.
+    pub parent_request_id: String,
+    /// The children (indices) whose held blocks these are.
+    pub children: Vec<u32>,
+    /// The blocks, now free for the caller to reuse or free.
+    pub local_blocks: Vec<BlockId>,
 }
 
 /// One child's report.
@@ -107,10 +130,21 @@ pub struct DecodeStats {
     /// Prefill peers this agent keeps connections (or a pool) for; peers that closed every
     /// connection and no pull uses are forgotten when a new peer is added.
     pub peers: u64,
+    /// Handshakes that failed authentication (no key on one side, another key, a replayed
+    /// challenge), whichever side refused.
+    pub auth_failures: u64,
+    /// Control exchanges (notify, cancel, heartbeat) retried on a fresh connection after one
+    /// failed midway.
+    pub control_retries: u64,
+    /// Children reported [`ChildOutcome::FailedBlocksHeld`].
+    pub children_blocks_held: u64,
 }
 
 #[derive(Default)]
 struct Counters {
+    auth_failures: AtomicU64,
+    control_retries: AtomicU64,
+    children_blocks_held: AtomicU64,
     pulls: AtomicU64,
     children_done: AtomicU64,
     children_failed: AtomicU64,
@@ -132,18 +166,22 @@ struct Peer {
     idle: Mutex<Vec<Connection>>,
     permits: Semaphore,
     control: tokio::sync::Mutex<Option<Connection>>,
-    /// The engine id our UCX endpoint to this address was made for (a restarted prefill
-    /// at the same address gets a new endpoint).
+    /// The engine id and incarnation our UCX endpoint to this address was made for (a
+    /// restarted prefill at the same address gets a new endpoint).
     #[cfg(feature = "ucx")]
-    ucx_engine: tokio::sync::Mutex<Option<String>>,
+    ucx_engine: tokio::sync::Mutex<Option<(String, u64)>>,
 }
 
 struct Inner {
     config: AgentConfig,
     memory: Arc<KvMemory>,
     hello: v1::Hello,
+    consumer_id: String,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
-    busy: Mutex<HashSet<BlockId>>,
+    /// Destination blocks of pulls under way, and blocks held by reads UCX could not stop.
+    busy: Arc<Mutex<HashSet<BlockId>>>,
+    reclaimed_tx: Sender<Reclaimed>,
+    reclaimed: Receiver<Reclaimed>,
     counters: Counters,
     #[cfg(feature = "ucx")]
     ucx: Option<kvxfer_ucx::UcxInitiator>,
@@ -247,17 +285,25 @@ impl DecodeAgent {
             compat_hash: layout.compat_hash(),
             layout: Some(layout.to_wire()),
             transports,
+            // Set per connection by the handshake.
             nonce: Vec::new(),
             authenticated: false,
         };
+        if config.cluster_key.is_none() {
+            crate::warn_unauthenticated("decode", &config.agent_name);
+        }
+        let (reclaimed_tx, reclaimed) = crossbeam_channel::unbounded();
         let inner = Arc::new(Inner {
+            consumer_id: config.effective_consumer_id(),
             config,
             memory,
             #[cfg(feature = "ucx")]
             ucx,
             hello,
             peers: Mutex::new(HashMap::new()),
-            busy: Mutex::new(HashSet::new()),
+            busy: Arc::new(Mutex::new(HashSet::new())),
+            reclaimed_tx,
+            reclaimed,
             counters: Counters::default(),
         });
         Ok(DecodeAgent { inner, runtime: Some(runtime) })
@@ -268,9 +314,17 @@ impl DecodeAgent {
         &self.inner.memory
     }
 
-    /// The consumer id this agent notifies with.
+    /// The consumer id this agent notifies with (`AgentConfig::consumer_id`, by default
+    /// `"{engine_id}/{rank}"`).
     pub fn consumer_id(&self) -> &str {
-        &self.inner.config.engine_id
+        &self.inner.consumer_id
+    }
+
+    /// Blocks of [`ChildOutcome::FailedBlocksHeld`] children, once the read that held them
+    /// completed: only then may the caller reuse or free them. Fed from the transport's
+    /// thread, also while the agent shuts down.
+    pub fn reclaimed(&self) -> &Receiver<Reclaimed> {
+        &self.inner.reclaimed
     }
 
     /// Pulls every child of `result` into `local_blocks[i]` (one list per child, same
@@ -313,12 +367,13 @@ impl DecodeAgent {
         if children.is_empty() {
             return Err(SubmitError::NothingSelected { parent }.into());
         }
-        let engines: HashSet<(&str, &str, u16)> = children
+        let engines: HashSet<(&str, String, u64)> = children
             .iter()
-            .map(|c| (c.engine().engine_id.as_str(), c.engine().host.as_str(), c.engine().port))
+            .map(|c| (c.engine().engine_id.as_str(), c.engine().addr(), c.engine().incarnation))
             .collect();
         if engines.len() > 1 {
-            let engines = engines.iter().map(|(id, h, p)| format!("{id}@{h}:{p}")).collect();
+            let engines =
+                engines.iter().map(|(id, a, inc)| format!("{id}@{a} incarnation {inc:#x}")).collect();
             return Err(SubmitError::MixedEngines { parent, engines }.into());
         }
         let pairs: Vec<(&[BlockId], &[BlockId])> =
@@ -351,7 +406,7 @@ impl DecodeAgent {
             started: Instant::now(),
             claimed,
             reachable: AtomicBool::new(true),
-            poisoned: AtomicBool::new(false),
+            held: Arc::new(HeldReads::new(self.inner.busy.clone(), self.inner.reclaimed_tx.clone())),
         };
         if let Some(rt) = self.runtime.as_ref() {
             rt.spawn(pull.run(done_tx));
@@ -383,6 +438,9 @@ impl DecodeAgent {
             bytes_delivered: l(&c.bytes_delivered),
             notifications_unacknowledged: l(&c.notifications_unacknowledged),
             connections_opened: l(&c.connections_opened),
+            auth_failures: l(&c.auth_failures),
+            control_retries: l(&c.control_retries),
+            children_blocks_held: l(&c.children_blocks_held),
             peers: self.inner.peers.lock().unwrap_or_else(|p| p.into_inner()).len() as u64,
         }
     }
@@ -420,7 +478,17 @@ impl Inner {
     }
 
     async fn connect(&self, addr: &str) -> Result<Connection, ClientError> {
-        let c = Connection::connect(addr, &self.hello, self.config.limits).await?;
+        let key = self.config.cluster_key.as_ref();
+        let c = match Connection::connect_with_key(addr, &self.hello, key, self.config.limits).await {
+            Ok(c) => c,
+            Err(e) => {
+                if let ClientError::Auth { reason, .. } = &e {
+                    add(&self.counters.auth_failures, 1);
+                    warn!(peer = %addr, %reason, "handshake failed authentication");
+                }
+                return Err(e);
+            }
+        };
         add(&self.counters.connections_opened, 1);
         Ok(c)
     }
@@ -468,25 +536,60 @@ impl Peer {
         }
     }
 
-    /// Runs `op` on the control connection, connecting (again) if needed. A failed
-    /// connection is dropped so the next call reconnects.
-    async fn control<T>(
-        &self,
-        inner: &Inner,
-        op: impl AsyncFnOnce(&mut Connection) -> Result<T, ClientError>,
-    ) -> Result<T, ClientError> {
+    /// Runs `op` on the control connection, connecting (again) if needed. The connection
+    /// is out of its slot while `op` runs and goes back only when `op` finished with it
+    /// usable: an exchange cut short (its future dropped, e.g. a heartbeat when the reads
+    /// end) or failed drops the connection, so no later exchange reads its stale reply.
+    async fn control(&self, inner: &Inner, op: &ControlOp) -> Result<ControlReply, ClientError> {
         let mut slot = self.control.lock().await;
-        if slot.as_ref().is_none_or(Connection::closed_by_peer) {
-            *slot = Some(inner.connect(&self.addr).await?);
-        }
-        let Some(conn) = slot.as_mut() else { unreachable!("connected above") };
-        let r = op(conn).await;
-        if let Err(e) = &r {
-            if !e.connection_usable() {
-                *slot = None;
-            }
+        let mut conn = match slot.take().filter(|c| !c.closed_by_peer()) {
+            Some(c) => c,
+            None => inner.connect(&self.addr).await?,
+        };
+        let r = op.run(&mut conn).await;
+        if r.as_ref().err().is_none_or(ClientError::connection_usable) {
+            *slot = Some(conn);
         }
         r
+    }
+}
+
+/// One exchange on a peer's control connection.
+#[derive(Debug)]
+enum ControlOp {
+    /// The handshake answer the connection got (no exchange: connects if needed).
+    Hello,
+    Notify {
+        id: String,
+        token: Vec<u8>,
+        consumer: String,
+    },
+    Cancel {
+        id: String,
+        token: Vec<u8>,
+    },
+    Heartbeat(Vec<v1::LeaseRef>),
+}
+
+/// The answer to a [`ControlOp`], variant for variant.
+#[derive(Debug)]
+enum ControlReply {
+    Hello(Box<v1::HelloAck>),
+    Notify(v1::NotifyAck),
+    Cancel(LeaseOutcome),
+    Heartbeat(Vec<LeaseOutcome>),
+}
+
+impl ControlOp {
+    async fn run(&self, c: &mut Connection) -> Result<ControlReply, ClientError> {
+        Ok(match self {
+            ControlOp::Hello => ControlReply::Hello(Box::new(c.peer_hello().clone())),
+            ControlOp::Notify { id, token, consumer } => {
+                ControlReply::Notify(c.notify(id, token, consumer).await?)
+            }
+            ControlOp::Cancel { id, token } => ControlReply::Cancel(c.cancel(id, token).await?),
+            ControlOp::Heartbeat(leases) => ControlReply::Heartbeat(c.heartbeat(leases.clone()).await?),
+        })
     }
 }
 
@@ -494,8 +597,109 @@ impl Peer {
 enum ReadState {
     Ok(u64),
     Failed(String),
+    /// Failed, and the transport may still write the destination blocks.
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    InFlight(String),
     Cancelled,
 }
+
+/// One-sided reads of a pull that the transport could not stop, and the blocks they hold:
+/// released (and announced on [`DecodeAgent::reclaimed`]) when the last of them completes
+/// and the pull has reported. Completions arrive on the transport's thread.
+struct HeldReads {
+    busy: Arc<Mutex<HashSet<BlockId>>>,
+    reclaimed: Sender<Reclaimed>,
+    state: Mutex<HeldState>,
+}
+
+#[derive(Default)]
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+struct HeldState {
+    /// Reads abandoned by the pull and not yet completed.
+    outstanding: usize,
+    /// Children (pull positions) whose read was abandoned.
+    children: HashSet<usize>,
+    /// Set once the pull reported: what to release and announce when `outstanding` is 0.
+    release: Option<(HashSet<BlockId>, Reclaimed)>,
+}
+
+/// What became of one one-sided read: completed, or abandoned by its pull first.
+#[derive(Debug, Default)]
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+enum ReadFate {
+    #[default]
+    Waiting,
+    Completed,
+    Abandoned,
+}
+
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+impl HeldReads {
+    fn new(busy: Arc<Mutex<HashSet<BlockId>>>, reclaimed: Sender<Reclaimed>) -> Self {
+        HeldReads { busy, reclaimed, state: Mutex::new(HeldState::default()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HeldState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The read of child `i` with `fate` is given up while UCX may still write: true if it
+    /// is now held, false if it completed meanwhile.
+    fn abandon(&self, i: usize, fate: &Mutex<ReadFate>) -> bool {
+        let mut fate = fate.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*fate, ReadFate::Completed) {
+            return false;
+        }
+        *fate = ReadFate::Abandoned;
+        let mut st = self.lock();
+        st.outstanding += 1;
+        st.children.insert(i);
+        true
+    }
+
+    /// The transport finished the read with `fate` (on its own thread).
+    fn completed(&self, fate: &Mutex<ReadFate>) {
+        let mut fate = fate.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*fate, ReadFate::Abandoned) {
+            let mut st = self.lock();
+            st.outstanding -= 1;
+            self.release_if_done(&mut st);
+        }
+        *fate = ReadFate::Completed;
+    }
+
+    fn holds(&self, i: usize) -> bool {
+        self.lock().children.contains(&i)
+    }
+
+    /// The pull reported: release `blocks` (announcing `reclaimed`) once no abandoned read
+    /// is outstanding — now, if none is.
+    fn finish(&self, blocks: HashSet<BlockId>, reclaimed: Reclaimed) {
+        let mut st = self.lock();
+        st.release = Some((blocks, reclaimed));
+        self.release_if_done(&mut st);
+    }
+
+    fn release_if_done(&self, st: &mut HeldState) {
+        if st.outstanding > 0 {
+            return;
+        }
+        let Some((blocks, reclaimed)) = st.release.take() else { return };
+        {
+            let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+            for b in &blocks {
+                busy.remove(b);
+            }
+        }
+        info!(parent = %reclaimed.parent_request_id, blocks = blocks.len(), "held blocks reclaimed: the stuck read completed");
+        // The agent (and every receiver) may be gone: then nobody needs telling.
+        let _ = self.reclaimed.send(reclaimed);
+    }
+}
+
+/// How long, at most, a failed control exchange (notify, cancel, heartbeat) is retried on
+/// fresh connections: the io timeout, and at most this many attempts.
+const CONTROL_ATTEMPTS: u32 = 3;
 
 struct Pull {
     inner: Arc<Inner>,
@@ -506,29 +710,50 @@ struct Pull {
     cancel: watch::Receiver<Vec<bool>>,
     started: Instant,
     claimed: HashSet<BlockId>,
-    /// Cleared when the peer refuses a handshake or its control connection breaks: later
+    /// Cleared when the peer cannot be reached at all (connect or handshake refused): later
     /// notifies and cancels of this pull are skipped instead of each waiting out a timeout.
     reachable: AtomicBool,
-    /// Set when a one-sided read could not be stopped: the claimed destination blocks are
-    /// then never released, because the transport might still write them.
-    poisoned: AtomicBool,
+    /// One-sided reads the transport could not stop, and the blocks they hold.
+    held: Arc<HeldReads>,
+}
+
+/// Whether a failed control exchange means the peer cannot be reached at all (no point in
+/// retrying), rather than that one exchange broke.
+fn unreachable_peer(e: &ClientError) -> bool {
+    matches!(e, ClientError::Connect { .. } | ClientError::Handshake { .. } | ClientError::Auth { .. })
 }
 
 impl Pull {
     /// Runs `op` on the peer's control connection unless the peer was found unreachable.
-    async fn control<T>(
-        &self,
-        peer: &Peer,
-        op: impl AsyncFnOnce(&mut Connection) -> Result<T, ClientError>,
-    ) -> Option<Result<T, ClientError>> {
+    /// An exchange that fails midway (connection reset, lost or garbled reply) is retried
+    /// on a fresh connection while the io timeout allows; the second value is the number of
+    /// attempts made (a retried notify may find its first attempt counted).
+    async fn control(&self, peer: &Peer, op: ControlOp) -> Option<(Result<ControlReply, ClientError>, u32)> {
         if !self.reachable.load(Ordering::Relaxed) {
             return None;
         }
-        let r = peer.control(&self.inner, op).await;
-        if matches!(&r, Err(e) if !e.connection_usable()) {
-            self.reachable.store(false, Ordering::Relaxed);
+        let mut attempt = 1;
+        let mut r = peer.control(&self.inner, &op).await;
+        let deadline = tokio::time::Instant::now() + self.inner.config.limits.io_timeout;
+        loop {
+            match &r {
+                Err(e) if unreachable_peer(e) => {
+                    self.reachable.store(false, Ordering::Relaxed);
+                    break;
+                }
+                Err(e) if !e.connection_usable() && attempt < CONTROL_ATTEMPTS => {
+                    debug!(peer = %peer.addr, error = %e, attempt, "control exchange failed; retrying on a fresh connection");
+                    add(&self.inner.counters.control_retries, 1);
+                    attempt += 1;
+                    match tokio::time::timeout_at(deadline, peer.control(&self.inner, &op)).await {
+                        Ok(next) => r = next,
+                        Err(_) => break,
+                    }
+                }
+                _ => break,
+            }
         }
-        Some(r)
+        Some((r, attempt))
     }
 
     /// Whether the caller cancelled the `i`-th child of this pull.
@@ -549,6 +774,11 @@ impl Pull {
                 warn!(remote_request_id = %self.children[i].remote_request_id(), %reason, "child pull failed");
             }
             ChildOutcome::Cancelled { .. } => add(&c.children_cancelled, 1),
+            ChildOutcome::FailedBlocksHeld { reason, .. } => {
+                add(&c.children_failed, 1);
+                add(&c.children_blocks_held, 1);
+                warn!(remote_request_id = %self.children[i].remote_request_id(), %reason, "child pull failed; its blocks stay held");
+            }
         }
         // The handle may have been dropped: the pull still completes and releases leases.
         let _ = self.reports.send(ChildReport {
@@ -560,54 +790,83 @@ impl Pull {
 
     async fn run(self, done: Sender<(u64, u64, Duration)>) {
         let n = self.children.len();
-        let addr = {
-            let e = self.children[0].engine();
-            format!("{}:{}", e.host, e.port)
-        };
+        let addr = self.children[0].engine().addr();
         let peer = self.inner.peer(&addr);
         let states = self.pull_all(&peer).await;
 
-        // Heartbeats stop once reads are done; notifications follow at once.
+        // Local blocks that a read the transport could not stop may still write; every child
+        // with one of them among its blocks is held with it.
+        let held_blocks: HashSet<BlockId> = (0..n)
+            .filter(|&d| matches!(states[d], ReadState::InFlight(_)))
+            .flat_map(|d| self.plan.children[d].wire.iter())
+            .flat_map(|r| (0..r.count).map(move |k| r.local_start + k))
+            .collect();
+        let held: Vec<bool> = self.local.iter().map(|l| l.iter().any(|b| held_blocks.contains(b))).collect();
+        // Why a child's blocks are invalid, from the reads it depends on (None: all read).
+        let failed_dep: Vec<Option<String>> = (0..n)
+            .map(|i| {
+                self.plan.children[i].depends_on.iter().find_map(|&d| match &states[d] {
+                    ReadState::Ok(_) => None,
+                    ReadState::Failed(r) | ReadState::InFlight(r) => Some(if d == i {
+                        r.clone()
+                    } else {
+                        format!("shared blocks were read for sibling {d}, which failed: {r}")
+                    }),
+                    ReadState::Cancelled => {
+                        Some(format!("shared blocks were to be read for sibling {d}, which was cancelled"))
+                    }
+                })
+            })
+            .collect();
+
+        // Every sibling copy is made before any report: a report hands the child's blocks
+        // back to the caller, who may reuse them at once (vLLM frees an aborted request's
+        // blocks), and they may be the source of a sibling's copy.
+        for i in (0..n).filter(|&i| failed_dep[i].is_none() && !held[i]) {
+            for &(src, dst) in &self.plan.children[i].copies {
+                // SAFETY: `src` and `dst` are destination blocks claimed by this pull (no
+                // other pull writes them and the caller does not touch them until their
+                // report, and no report has been sent yet), and every wire read has finished.
+                #[allow(unsafe_code)]
+                let r = unsafe { self.inner.memory.copy_block(src, dst) };
+                if let Err(e) = r {
+                    warn!(error = %e, "local copy failed");
+                }
+            }
+        }
+
+        // Heartbeats stopped with the reads; notifications follow at once.
         let mut wire_bytes = 0;
         let mut delivered = 0;
+        let mut held_children = Vec::new();
+        let mut held_release: HashSet<BlockId> = HashSet::new();
         for (i, child) in self.children.iter().enumerate() {
             let local = &self.local[i];
             let bpb = self.inner.memory.layout().block_bytes();
-            let failed_dep = self.plan.children[i].depends_on.iter().find_map(|&d| match &states[d] {
-                ReadState::Ok(_) => None,
-                ReadState::Failed(r) => Some(if d == i {
-                    r.clone()
-                } else {
-                    format!("shared blocks were read for sibling {d}, which failed: {r}")
-                }),
-                ReadState::Cancelled => {
-                    Some(format!("shared blocks were to be read for sibling {d}, which was cancelled"))
-                }
-            });
             if let ReadState::Ok(b) = states[i] {
                 wire_bytes += b;
+            }
+            if held[i] {
+                let reason = failed_dep[i].clone().unwrap_or_else(|| {
+                    "its local blocks are also the destination of a read that could not be stopped".into()
+                });
+                self.cancel_lease(&peer, child).await;
+                held_children.push(child.child_index());
+                held_release.extend(local.iter().copied());
+                self.report(i, ChildOutcome::FailedBlocksHeld { reason, held_local_blocks: local.clone() });
+                continue;
             }
             if self.is_cancelled(i) || matches!(states[i], ReadState::Cancelled) {
                 let released = self.cancel_lease(&peer, child).await;
                 self.report(i, ChildOutcome::Cancelled { released, invalid_local_blocks: local.clone() });
                 continue;
             }
-            if let Some(reason) = failed_dep {
+            if let Some(reason) = failed_dep[i].clone() {
                 // Best effort: release the lease now rather than at expiry (skipped once the
                 // peer is known unreachable).
                 self.cancel_lease(&peer, child).await;
                 self.report(i, ChildOutcome::Failed { reason, invalid_local_blocks: local.clone() });
                 continue;
-            }
-            for &(src, dst) in &self.plan.children[i].copies {
-                // SAFETY: `src` and `dst` are destination blocks claimed by this pull (no
-                // other pull writes them and the caller does not touch them until its
-                // report), and every wire read has finished.
-                #[allow(unsafe_code)]
-                let r = unsafe { self.inner.memory.copy_block(src, dst) };
-                if let Err(e) = r {
-                    warn!(error = %e, "local copy failed");
-                }
             }
             let acknowledged = self.notify(&peer, child).await;
             let bytes = local.len() as u64 * bpb;
@@ -615,16 +874,22 @@ impl Pull {
             self.report(i, ChildOutcome::Done { bytes_delivered: bytes, acknowledged });
         }
         add(&self.inner.counters.bytes_pulled, wire_bytes);
-        if self.poisoned.load(Ordering::Relaxed) {
-            warn!(
-                blocks = self.claimed.len(),
-                "destination blocks stay reserved: a read could not be stopped"
-            );
-        } else {
+        {
             let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
-            for b in &self.claimed {
+            for b in self.claimed.iter().filter(|b| !held_release.contains(b)) {
                 busy.remove(b);
             }
+        }
+        if !held_release.is_empty() {
+            warn!(
+                blocks = held_release.len(),
+                "destination blocks stay held until the read that could not be stopped completes"
+            );
+            let mut local_blocks: Vec<BlockId> = held_release.iter().copied().collect();
+            local_blocks.sort_unstable();
+            let parent_request_id = self.children[0].parent_request_id().to_owned();
+            let reclaimed = Reclaimed { parent_request_id, children: held_children, local_blocks };
+            self.held.finish(held_release, reclaimed);
         }
         debug!(children = n, wire_bytes, delivered, "pull finished");
         let _ = done.send((wire_bytes, delivered, self.started.elapsed()));
@@ -670,28 +935,37 @@ impl Pull {
         }
     }
 
-    /// Handshakes with the peer (once per connection), checks it is the engine the
-    /// hand-offs name, and picks the data path: the best one both sides offer, unless the
-    /// config forces one.
+    /// Handshakes with the peer (once per connection), checks it is the engine process the
+    /// hand-offs name (engine id, and incarnation when stated), and picks the data path: the
+    /// best one both sides offer, unless the config forces one.
     async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), String> {
-        let hello = async || {
-            peer.control(&self.inner, async |c: &mut Connection| Ok(c.peer_hello().clone()))
-                .await
-                .map_err(|e| e.to_string())
+        let hello = async || match peer.control(&self.inner, &ControlOp::Hello).await {
+            Ok(ControlReply::Hello(ack)) => Ok(*ack),
+            Ok(other) => Err(format!("unexpected {other:?}")),
+            Err(e) => Err(e.to_string()),
+        };
+        let want = self.children[0].engine();
+        let stale = |ack: &v1::HelloAck| {
+            ack.engine_id != want.engine_id || (want.incarnation != 0 && ack.incarnation != want.incarnation)
         };
         let mut ack = hello().await?;
-        let want = &self.children[0].engine().engine_id;
-        if &ack.engine_id != want {
+        if stale(&ack) {
             // Our connections may predate a restart of the worker at this address: start
             // over once with fresh ones before calling the hand-off stale.
-            debug!(peer = %peer.addr, had = %ack.engine_id, %want, "engine changed; reconnecting");
+            debug!(peer = %peer.addr, had = %ack.engine_id, had_incarnation = ack.incarnation, want = %want.engine_id, want_incarnation = want.incarnation, "engine changed; reconnecting");
             peer.reset().await;
             ack = hello().await?;
         }
-        if &ack.engine_id != want {
+        if stale(&ack) {
+            let stated = if want.incarnation == 0 {
+                "not stated".to_owned()
+            } else {
+                format!("{:#x}", want.incarnation)
+            };
             return Err(format!(
-                "{} is engine {}, but the hand-off names engine {want} (the prefill worker restarted?)",
-                peer.addr, ack.engine_id
+                "stale hand-off: {} is engine {} incarnation {:#x}, but the hand-off names engine {} \
+                 incarnation {stated} (the prefill worker restarted; its leases are gone)",
+                peer.addr, ack.engine_id, ack.incarnation, want.engine_id
             ));
         }
         let wire = ack.layout.as_ref().ok_or("the prefill agent sent no block layout")?;
@@ -711,16 +985,16 @@ impl Pull {
         if let Some(init) = &self.inner.ucx {
             match crate::ucx::parse_offer(&ack.transports) {
                 Some(Ok(info)) => {
-                    let engine = &ack.engine_id;
+                    let engine = (ack.engine_id.clone(), ack.incarnation);
                     let mut connected = peer.ucx_engine.lock().await;
-                    if connected.as_deref() == Some(engine.as_str()) {
+                    if connected.as_ref() == Some(&engine) {
                         return Ok(Path::Ucx);
                     }
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     init.connect(&peer.addr, info, Box::new(move |r| drop(tx.send(r))));
                     match rx.await {
                         Ok(Ok(())) => {
-                            *connected = Some(engine.clone());
+                            *connected = Some(engine);
                             debug!(peer = %peer.addr, "UCX endpoint ready");
                             return Ok(Path::Ucx);
                         }
@@ -764,6 +1038,7 @@ impl Pull {
             }
             return match self.read_ucx(peer, i, remote).await {
                 Ok(b) => ReadState::Ok(b),
+                Err(e) if self.held.holds(i) => ReadState::InFlight(e),
                 Err(e) => ReadState::Failed(e),
             };
         }
@@ -823,13 +1098,24 @@ impl Pull {
         };
         let pieces = crate::ucx::pieces(&self.inner.memory, remote, runs);
         let (tx, rx) = tokio::sync::oneshot::channel();
+        // Whether the pull gave up on the read before UCX completed it (then the completion
+        // releases the blocks it held, from the UCX thread).
+        let fate = Arc::new(Mutex::new(ReadFate::Waiting));
+        let (held, done_fate) = (self.held.clone(), fate.clone());
         // SAFETY: every piece lands in local blocks of `runs`, which this pull claimed in
         // `submit` (no other pull writes them; the caller does not touch them until their
         // report) and which `ResultPlan::build` checked against the local layout, inside the
         // regions the initiator registered. The pull waits for `done` before reporting.
         #[allow(unsafe_code)]
         unsafe {
-            init.get(&peer.addr, pieces, Box::new(move |r| drop(tx.send(r))))
+            init.get(
+                &peer.addr,
+                pieces,
+                Box::new(move |r| {
+                    drop(tx.send(r));
+                    held.completed(&done_fate);
+                }),
+            )
         };
         // Bounded: a peer that stops answering must not hang the pull. The allowance grows
         // with the size of the read (100 MB/s is far below any working UCX transport).
@@ -843,15 +1129,13 @@ impl Pull {
                 init.abort(&peer.addr);
                 match tokio::time::timeout(self.inner.config.limits.io_timeout, rx).await {
                     Ok(_) => Err(format!("UCX read made no progress in {limit:?}; endpoint aborted")),
-                    Err(_) => {
-                        // UCX still owns the read: its destination blocks must never be
-                        // handed back, since UCX might still write them.
-                        self.poisoned.store(true, Ordering::Relaxed);
-                        Err(format!(
-                            "UCX read made no progress in {limit:?} and did not stop after the endpoint \
-                             was aborted; its local blocks stay reserved"
-                        ))
-                    }
+                    // UCX still owns the read: its destination blocks are held (reported
+                    // FailedBlocksHeld) until UCX completes it.
+                    Err(_) if self.held.abandon(i, &fate) => Err(format!(
+                        "UCX read made no progress in {limit:?} and did not stop after the endpoint \
+                         was aborted; its local blocks stay held until it completes"
+                    )),
+                    Err(_) => Err(format!("UCX read made no progress in {limit:?}; endpoint aborted")),
                 }
             }
         };
@@ -901,17 +1185,16 @@ impl Pull {
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {
             tick.tick().await;
-            let leases = leases.clone();
-            match self.control(&peer, async move |c: &mut Connection| c.heartbeat(leases).await).await {
+            match self.control(&peer, ControlOp::Heartbeat(leases.clone())).await {
                 None => {}
-                Some(Ok(outcomes)) => {
+                Some((Ok(ControlReply::Heartbeat(outcomes)), _)) => {
                     for (l, o) in self.children.iter().zip(outcomes) {
                         if o != LeaseOutcome::Extended {
                             debug!(remote_request_id = %l.remote_request_id(), outcome = ?o, "heartbeat not extended");
                         }
                     }
                 }
-                Some(Err(e)) => debug!(error = %e, "heartbeat failed"),
+                Some((r, _)) => debug!(result = ?r, "heartbeat failed"),
             }
         }
     }
@@ -919,14 +1202,16 @@ impl Pull {
     async fn notify(&self, peer: &Peer, child: &ChildHandoff) -> bool {
         let id = child.remote_request_id().to_owned();
         let token = child.token().as_bytes().to_vec();
-        let consumer = self.inner.config.engine_id.clone();
-        let r =
-            self.control(peer, async move |c: &mut Connection| c.notify(&id, &token, &consumer).await).await;
+        let consumer = self.inner.consumer_id.clone();
+        let r = self.control(peer, ControlOp::Notify { id, token, consumer }).await;
         let ok = match &r {
-            Some(Ok(ack)) => matches!(
-                LeaseOutcome::try_from(ack.outcome),
-                Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted)
-            ),
+            Some((Ok(ControlReply::Notify(ack)), attempts)) => match LeaseOutcome::try_from(ack.outcome) {
+                // ALREADY_PULLED: an earlier attempt (whose answer was lost) ended the lease.
+                Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted | LeaseOutcome::AlreadyPulled) => true,
+                // Our consumer id was counted by an earlier attempt of this notify.
+                Ok(LeaseOutcome::Duplicate) => *attempts > 1,
+                _ => false,
+            },
             _ => false,
         };
         if !ok {
@@ -939,14 +1224,18 @@ impl Pull {
     async fn cancel_lease(&self, peer: &Peer, child: &ChildHandoff) -> bool {
         let id = child.remote_request_id().to_owned();
         let token = child.token().as_bytes().to_vec();
-        let r = self.control(peer, async move |c: &mut Connection| c.cancel(&id, &token).await).await;
+        let r = self.control(peer, ControlOp::Cancel { id, token }).await;
         match &r {
             None => {
                 info!(remote_request_id = %child.remote_request_id(), "peer unreachable: lease left to expire")
             }
             Some(r) => info!(remote_request_id = %child.remote_request_id(), result = ?r, "cancel sent"),
         }
-        matches!(r, Some(Ok(LeaseOutcome::Released)))
+        // ALREADY_RELEASED: an earlier attempt (whose answer was lost) released it.
+        matches!(
+            r,
+            Some((Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)), _))
+        )
     }
 }
 

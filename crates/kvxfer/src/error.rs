@@ -22,6 +22,9 @@ pub enum Error {
     #[cfg(feature = "ucx")]
     #[error(transparent)]
     Ucx(#[from] kvxfer_ucx::UcxError),
+    /// A cluster key was configured but could not be loaded.
+    #[error(transparent)]
+    Key(#[from] kvxfer_tcp::KeyError),
     /// Something this build or machine cannot do (e.g. UCX requested without the `ucx` feature).
     #[error("{0}")]
     Unsupported(String),

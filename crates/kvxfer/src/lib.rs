@@ -29,7 +29,7 @@ pub use kvxfer_ucx::UcxConfig;
 
 #[cfg(feature = "ucx")]
 mod ucx;
-pub use decode::{ChildOutcome, ChildReport, DecodeAgent, DecodeStats, PullHandle, PullReport};
+pub use decode::{ChildOutcome, ChildReport, DecodeAgent, DecodeStats, PullHandle, PullReport, Reclaimed};
 pub use error::{Error, SubmitError};
 pub use prefill::{PrefillAgent, PrefillStats};
 
@@ -38,7 +38,19 @@ pub use kvxfer_core::{
     ParentStatus, PrefillResult, Segment,
 };
 pub use kvxfer_mem::{KvMemory, Region};
-pub use kvxfer_tcp::{Limits, ServerStats};
+pub use kvxfer_tcp::handshake::{CLUSTER_KEY_ENV, CLUSTER_KEY_FILE_ENV};
+pub use kvxfer_tcp::{AuthError, ClusterKey, KeyError, Limits, ServerStats};
+
+/// Logs, once per agent, that it runs without a cluster key.
+fn warn_unauthenticated(role: &str, agent: &str) {
+    tracing::warn!(
+        agent,
+        "{role} agent has no cluster key: peers are not authenticated (any peer that can connect \
+         may handshake, and over UCX read whole registered regions); set {} or {}",
+        CLUSTER_KEY_ENV,
+        CLUSTER_KEY_FILE_ENV
+    );
+}
 
 /// The TCP offer every agent makes in its handshake.
 fn tcp_offer() -> kvxfer_proto::v1::TransportOffer {

@@ -42,6 +42,8 @@ pub struct PrefillAgent {
     event_thread: Option<JoinHandle<()>>,
     runtime: Option<Runtime>,
     io_timeout: Duration,
+    host: String,
+    incarnation: u64,
     /// Dropped after the runtime (no connection can pin any more), before the memory.
     #[cfg(feature = "ucx")]
     ucx: Option<kvxfer_ucx::UcxTarget>,
@@ -63,12 +65,15 @@ impl PrefillAgent {
         let addr = listener
             .local_addr()
             .map_err(|source| Error::Io { what: "reading the listen address".into(), source })?;
-        let host = config.advertise_host.clone().unwrap_or_else(|| addr.ip().to_string());
+        let host = advertise_host(config.advertise_host.as_deref(), addr)?;
+        // Random per process, below 2^53 so it is exact wherever JSON numbers are doubles.
+        let incarnation = (rand::random::<u64>() & ((1 << 53) - 1)).max(1);
         let engine = EngineInfo {
             engine_id: config.engine_id.clone(),
-            host,
+            host: host.clone(),
             port: addr.port(),
             tp_size: config.tp_size,
+            incarnation,
         };
         let layout = memory.layout().clone();
         let mut lease_config = LeaseConfig::new(engine, layout.num_blocks());
@@ -97,9 +102,10 @@ impl PrefillAgent {
                 compat_hash: layout.compat_hash(),
                 layout: Some(layout.to_wire()),
                 transports,
-                incarnation: 0,
+                incarnation,
                 authenticated: false,
             },
+            cluster_key: config.cluster_key.clone(),
             limits: config.limits,
             counters: counters.clone(),
         });
@@ -117,7 +123,10 @@ impl PrefillAgent {
                 .spawn(move || forward_events(&table, &tracker, &events_tx, &stop_rx))
                 .map_err(|source| Error::Io { what: "starting the lease event thread".into(), source })?
         };
-        info!(%addr, engine_id = %config.engine_id, "prefill agent listening");
+        if config.cluster_key.is_none() {
+            crate::warn_unauthenticated("prefill", &config.agent_name);
+        }
+        info!(%addr, %host, engine_id = %config.engine_id, incarnation, "prefill agent listening");
         Ok(PrefillAgent {
             table,
             memory,
@@ -130,9 +139,24 @@ impl PrefillAgent {
             event_thread: Some(event_thread),
             runtime: Some(runtime),
             io_timeout: config.limits.io_timeout,
+            host,
+            incarnation,
             #[cfg(feature = "ucx")]
             ucx,
         })
+    }
+
+    /// The host written into hand-offs: `AgentConfig::advertise_host`, else the listen
+    /// address, else (listening on every interface) the address of the default route.
+    pub fn advertised_host(&self) -> &str {
+        &self.host
+    }
+
+    /// This agent process's incarnation: random per start, carried in the handshake and in
+    /// every hand-off, so a decode agent tells hand-offs of an earlier process (same engine
+    /// id, same address) from this one's.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// The address the agent listens on.
@@ -241,6 +265,40 @@ impl Drop for PrefillAgent {
     }
 }
 
+/// The host hand-offs name: the configured one, else the bound IP unless it is unspecified
+/// (`0.0.0.0`, `::`), which no peer can connect to: then the local address the default route
+/// would use, found by connecting a UDP socket (no packet is sent) to an address of the
+/// documentation ranges, which only the default route reaches.
+fn advertise_host(configured: Option<&str>, bound: SocketAddr) -> Result<String, Error> {
+    if let Some(h) = configured {
+        return Ok(h.to_owned());
+    }
+    if !bound.ip().is_unspecified() {
+        return Ok(bound.ip().to_string());
+    }
+    let (local, probe) =
+        if bound.is_ipv4() { ("0.0.0.0:0", "198.51.100.1:9") } else { ("[::]:0", "[2001:db8::1]:9") };
+    let routed = std::net::UdpSocket::bind(local).and_then(|s| {
+        s.connect(probe)?;
+        s.local_addr()
+    });
+    match routed {
+        Ok(a) if !a.ip().is_unspecified() => Ok(a.ip().to_string()),
+        Ok(_) => Err(no_route(bound, std::io::ErrorKind::AddrNotAvailable.into())),
+        Err(e) => Err(no_route(bound, e)),
+    }
+}
+
+fn no_route(bound: SocketAddr, source: std::io::Error) -> Error {
+    Error::Io {
+        what: format!(
+            "listening on {bound} (every interface) without AgentConfig::advertise_host, and no default \
+             route to pick a reachable address from; set advertise_host"
+        ),
+        source,
+    }
+}
+
 async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>) {
     let open = Arc::new(tokio::sync::Semaphore::new(ctx.limits.max_connections.max(1)));
     loop {
@@ -315,6 +373,37 @@ fn forward_events(
                 let _ = out.send(end);
             }
             recv(stop) -> _ => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unspecified_listen_addresses_advertise_a_concrete_one() {
+        let bound: SocketAddr = "0.0.0.0:5559".parse().expect("addr");
+        assert_eq!(
+            advertise_host(Some("prefill-0.example"), bound).expect("configured"),
+            "prefill-0.example"
+        );
+        let loopback: SocketAddr = "127.0.0.1:5559".parse().expect("addr");
+        assert_eq!(advertise_host(None, loopback).expect("bound"), "127.0.0.1");
+        for any in ["0.0.0.0:5559", "[::]:5559"] {
+            let bound: SocketAddr = any.parse().expect("addr");
+            match advertise_host(None, bound) {
+                Ok(host) => {
+                    let ip: std::net::IpAddr = host.parse().expect("an IP address");
+                    assert!(!ip.is_unspecified(), "{any} advertised {host}");
+                    assert_eq!(ip.is_ipv4(), bound.is_ipv4());
+                }
+                // A machine without a default route for this family: refused, clearly.
+                Err(e) => {
+                    eprintln!("{any}: {e}");
+                    assert!(e.to_string().contains("advertise_host"), "{e}");
+                }
+            }
         }
     }
 }

@@ -330,7 +330,7 @@ async fn raw_connection(
     version: u32,
 ) -> Result<kvxfer_tcp::Connection, kvxfer_tcp::ClientError> {
     let hello = kvxfer_proto::v1::Hello { protocol_version: version, ..raw_hello(layout, "raw") };
-    kvxfer_tcp::Connection::connect(addr, &hello, kvxfer_tcp::Limits::default()).await
+    raw_connect(addr, &hello).await
 }
 
 #[test]
@@ -412,6 +412,39 @@ per_transport!(
     wrong_token_fails_the_child_and_changes_no_lease,
     out_of_range_remote_blocks_fail_before_any_read,
 );
+
+/// A pull from a prefill agent listening on `[::1]`: the hand-off names host `::1`, the
+/// decode side connects to `[::1]:port`, and a hand-off that travelled as
+/// `kv_transfer_params` with the host in brackets (as some proxies write it) pulls too.
+#[test]
+fn pull_over_ipv6_loopback() {
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let mem = kvxfer_mem::pattern::alloc_filled(layout).expect("patterned memory");
+    let config = keyed(AgentConfig::new("prefill-v6").io_timeout(Duration::from_secs(5)));
+    let prefill = match kvxfer::PrefillAgent::start(config, "[::1]:0", mem) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("skipped: cannot listen on [::1] here ({e})");
+            return;
+        }
+    };
+    assert_eq!(prefill.advertised_host(), "::1");
+    let decode = decode(16);
+    let result = prefill.lease_parent("V6", vec![vec![1, 2], vec![3]], 1, None).expect("lease");
+    let mut params = kvxfer::KvTransferParams::from_handoff(&result.children()[1]);
+    assert_eq!(params.remote_host.as_deref(), Some("::1"));
+    params.remote_host = Some("[::1]".into());
+    let child1 = kvxfer::KvTransferParams::from_json(&params.to_json())
+        .expect("params")
+        .to_handoff()
+        .expect("hand-off");
+    let result = PrefillResult::new("V6", 2, vec![result.children()[0].clone(), child1]).expect("result");
+    let report = decode.submit(result, vec![vec![5, 6], vec![7]]).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    assert!(verify(&decode, &[1, 2], &[5, 6]) && verify(&decode, &[3], &[7]));
+    let ends = wait_ends(&prefill, 2, Duration::from_secs(5));
+    assert!(ends.iter().all(|e| e.kind == EndKind::Pulled), "{ends:?}");
+}
 
 /// A one-sided read that outlives its pin is not used: the prefill side drops pins at once
 /// here (`pin_timeout` ~0), so by the unpin the pin is gone and the child fails, naming

@@ -108,7 +108,8 @@ fn dying_prefill(
 fn prefill_dying_mid_payload_fails_children_with_their_invalid_blocks() {
     let layout = BlockLayout::single(64, BLOCK).expect("layout");
     let (port, _t) = dying_prefill(layout.clone(), "dying-engine", 0.5);
-    let decode = decode_with(AgentConfig::new("decode").io_timeout(Duration::from_secs(2)), layout);
+    // The scripted peer has no cluster key.
+    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(2)), layout);
     let result = fake_result(port, "dying-engine", &[vec![1, 2, 3, 4], vec![5, 6, 7, 8]]);
     let started = Instant::now();
     let report =
@@ -228,9 +229,13 @@ fn hello(layout: &BlockLayout) -> v1::Hello {
     raw_hello(layout, "raw")
 }
 
+/// Raw frames without a key (the same refusals before authentication are in `auth.rs`).
 #[test]
 fn malformed_frames_close_only_their_connection() {
-    let prefill = prefill(64, Duration::from_secs(30));
+    let prefill = prefill_unkeyed(
+        AgentConfig::new("prefill").io_timeout(Duration::from_secs(5)),
+        BlockLayout::single(64, BLOCK).expect("layout"),
+    );
     let addr = prefill.local_addr();
     let layout = prefill.memory().layout().clone();
     // Holds a connection open throughout: the agent must keep serving others meanwhile.
@@ -273,7 +278,7 @@ fn malformed_frames_close_only_their_connection() {
     }
 
     // The agent still serves a real pull, and the idle connection still works.
-    let decode = decode(64);
+    let decode = decode_unkeyed(AgentConfig::new("decode"), BlockLayout::single(64, BLOCK).expect("layout"));
     let r = prefill.lease_parent("OK", vec![vec![1, 2, 3]], 1, None).expect("lease");
     assert!(decode.submit(r, vec![vec![4, 5, 6]]).expect("submit").wait().all_done());
     assert!(verify(&decode, &[1, 2, 3], &[4, 5, 6]));
@@ -306,8 +311,8 @@ fn prefill_restarted_on_the_same_address_is_pulled_from_again() {
     drop(first);
 
     let mem = kvxfer_mem::pattern::alloc_filled(layout).expect("patterned memory");
-    let second =
-        kvxfer::PrefillAgent::start(config(), &addr.to_string(), mem).expect("restart on the same port");
+    let second = kvxfer::PrefillAgent::start(keyed(config()), &addr.to_string(), mem)
+        .expect("restart on the same port");
     for round in 0..2 {
         let local = vec![vec![10, 11], vec![12, 13]];
         let result = second.lease_parent(&format!("B{round}"), remote.clone(), 1, None).expect("lease");
@@ -334,4 +339,305 @@ fn peers_that_went_away_are_forgotten() {
         // The one just used, plus at most the previous one (its sockets may still be closing).
         assert!(decode.stats().peers <= 2, "round {round}: {:?}", decode.stats());
     }
+}
+
+/// How a scripted prefill peer goes on after a frame.
+enum Flow {
+    Continue,
+    /// Close the connection without an answer (a reply lost with its connection).
+    Close,
+}
+
+/// A scripted prefill peer without a cluster key: answers hellos as `engine`, then hands
+/// every frame to `script` with the connection's index (in accept order) and memory holding
+/// `kvxfer_mem::pattern` blocks to serve reads from (see [`answer_read`]).
+fn scripted_prefill(
+    layout: BlockLayout,
+    engine: &'static str,
+    script: impl Fn(usize, &mut TcpStream, u8, &[u8], &kvxfer::KvMemory) -> Flow + Send + Sync + 'static,
+) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let mem = std::sync::Arc::new(kvxfer_mem::pattern::alloc_filled(layout.clone()).expect("memory"));
+    let script = std::sync::Arc::new(script);
+    std::thread::spawn(move || {
+        for (index, stream) in listener.incoming().enumerate() {
+            let Ok(mut s) = stream else { return };
+            let (layout, mem, script) = (layout.clone(), mem.clone(), script.clone());
+            std::thread::spawn(move || {
+                let Some((_, _hello)) = read_frame(&mut s) else { return };
+                let ack = v1::HelloAck {
+                    protocol_version: kvxfer_proto::PROTOCOL_VERSION,
+                    engine_id: engine.into(),
+                    agent_name: "scripted".into(),
+                    compat_hash: layout.compat_hash(),
+                    layout: Some(layout.to_wire()),
+                    ..Default::default()
+                };
+                write_frame(&mut s, v1::FrameType::HelloAck, &ack);
+                while let Some((ty, body)) = read_frame(&mut s) {
+                    if let Flow::Close = script(index, &mut s, ty, &body, &mem) {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// Serves a read request from `mem` the way a prefill agent does: header, payload, CRC-32C.
+fn answer_read(s: &mut TcpStream, mem: &kvxfer::KvMemory, body: &[u8]) {
+    let req = v1::ReadRequest::decode(body).expect("read request");
+    let runs: Vec<(BlockId, u32)> = req.ranges.iter().map(|r| (r.start, r.count)).collect();
+    let payload_len = runs.iter().map(|r| u64::from(r.1)).sum::<u64>() * mem.layout().block_bytes();
+    write_frame(s, v1::FrameType::ReadResponse, &v1::ReadResponse { seq: req.seq, payload_len });
+    for &(start, count) in &runs {
+        for c in mem.run_chunks(start, count) {
+            // SAFETY: the scripted peer's own memory, never written after it was filled.
+            let _ = s.write_all(unsafe { mem.chunk(c) });
+        }
+    }
+    // SAFETY: as above.
+    let crc = unsafe { mem.crc32c(runs.iter().copied()) };
+    let _ = s.write_all(&crc.to_be_bytes());
+}
+
+/// Answers heartbeats, notifies and cancels as a well-behaved prefill agent would.
+fn answer_control(s: &mut TcpStream, ty: u8, body: &[u8]) {
+    if ty == v1::FrameType::Heartbeat as u8 {
+        let hb = v1::Heartbeat::decode(body).expect("heartbeat");
+        let outcomes = hb.leases.iter().map(|_| v1::LeaseOutcome::Extended as i32).collect();
+        write_frame(s, v1::FrameType::HeartbeatAck, &v1::HeartbeatAck { outcomes });
+    } else if ty == v1::FrameType::Notify as u8 {
+        let ack = v1::NotifyAck { outcome: v1::LeaseOutcome::Pulled as i32, remaining: 0 };
+        write_frame(s, v1::FrameType::NotifyAck, &ack);
+    } else if ty == v1::FrameType::Cancel as u8 {
+        write_frame(
+            s,
+            v1::FrameType::CancelAck,
+            &v1::CancelAck { outcome: v1::LeaseOutcome::Released as i32 },
+        );
+    }
+}
+
+/// Waits (polling) until `flag` is set.
+fn wait_flag(flag: &std::sync::atomic::AtomicBool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "flag never set");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Bug 2 of the review: a cancelled child's blocks, handed back by its report, were still
+/// the source of a sibling's copy made afterwards. Here the caller overwrites the cancelled
+/// child's blocks the moment its report arrives, and the scripted peer holds the notify of
+/// child 1 until it has: a copy for child 2 made after child 0's report would copy the
+/// overwritten bytes. Every copy must come before any report.
+#[test]
+fn a_cancelled_childs_blocks_reused_at_its_report_never_reach_a_sibling() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let overwritten = Arc::new(AtomicBool::new(false));
+    let (c, o) = (cancelled.clone(), overwritten.clone());
+    let port = scripted_prefill(layout.clone(), "shared-prompt", move |_, s, ty, body, mem| {
+        if ty == v1::FrameType::ReadRequest as u8 {
+            // The read of child 0 (which siblings share) finishes after the cancel.
+            wait_flag(&c);
+            answer_read(s, mem, body);
+        } else {
+            if ty == v1::FrameType::Notify as u8
+                && v1::Notify::decode(body).expect("notify").remote_request_id == "1_F"
+            {
+                wait_flag(&o);
+            }
+            answer_control(s, ty, body);
+        }
+        Flow::Continue
+    });
+    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)), layout);
+    let prompt: Vec<BlockId> = vec![1, 2, 3];
+    let local = vec![vec![10, 11, 12], vec![20, 21, 22], vec![30, 31, 32]];
+    let result = fake_result(port, "shared-prompt", &[prompt.clone(), prompt.clone(), prompt.clone()]);
+    let handle = decode.submit(result, local.clone()).expect("submit");
+    handle.cancel_child(0);
+    cancelled.store(true, Ordering::SeqCst);
+    let first = handle.next_report(Duration::from_secs(10)).expect("a report");
+    assert_eq!(first.child_index, 0, "{first:?}");
+    assert!(matches!(first.outcome, ChildOutcome::Cancelled { .. }), "{first:?}");
+    // The caller reuses the cancelled child's blocks at once (vLLM frees them on abort).
+    for &b in &local[0] {
+        // SAFETY: child 0 reported; its blocks are the caller's again.
+        unsafe { decode.memory().write_block(b, &[0xee; BLOCK as usize]) }.expect("overwrite");
+    }
+    overwritten.store(true, Ordering::SeqCst);
+    let report = handle.wait();
+    assert_eq!(report.children.len(), 2, "{report:?}");
+    for c in &report.children {
+        assert!(matches!(c.outcome, ChildOutcome::Done { .. }), "{c:?}");
+        let i = c.child_index as usize;
+        assert!(verify(&decode, &prompt, &local[i]), "child {i} got the reused blocks' bytes");
+    }
+}
+
+/// The heartbeat loop stops when the reads end, possibly in the middle of an exchange on
+/// the control connection. Its late reply must not be read as the next exchange's answer
+/// (that made a notify look unacknowledged while the prefill side ended the lease pulled:
+/// the flaky `slow_pull_outlasting_its_lease...` proxy test). Here the scripted peer holds
+/// the heartbeat's answer until the read is served and the decode side moved on, so the
+/// reads always end mid-heartbeat.
+#[test]
+fn a_heartbeat_cut_short_by_the_end_of_the_reads_does_not_garble_the_notify() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let heartbeat_pending = Arc::new(AtomicBool::new(false));
+    let read_done = Arc::new(AtomicBool::new(false));
+    let (h, r) = (heartbeat_pending.clone(), read_done.clone());
+    let port = scripted_prefill(layout.clone(), "slow-heartbeat", move |_, s, ty, body, mem| {
+        if ty == v1::FrameType::ReadRequest as u8 {
+            wait_flag(&h);
+            answer_read(s, mem, body);
+            r.store(true, Ordering::SeqCst);
+        } else {
+            if ty == v1::FrameType::Heartbeat as u8 && !h.swap(true, Ordering::SeqCst) {
+                // Answered late: after the read that ends the pull was served and the decode
+                // side either sent its next frame on this connection or closed it.
+                wait_flag(&r);
+                let _ = s.peek(&mut [0u8; 1]);
+            }
+            answer_control(s, ty, body);
+        }
+        Flow::Continue
+    });
+    let mut config = AgentConfig::new("decode").io_timeout(Duration::from_secs(5));
+    config.heartbeat_interval = Some(Duration::from_millis(10));
+    let decode = decode_unkeyed(config, layout);
+    let result = fake_result(port, "slow-heartbeat", &[vec![1, 2]]);
+    let report = decode.submit(result, vec![vec![5, 6]]).expect("submit").wait();
+    assert!(
+        matches!(report.children[0].outcome, ChildOutcome::Done { acknowledged: true, .. }),
+        "{report:?}"
+    );
+    assert!(verify(&decode, &[1, 2], &[5, 6]));
+    // Not rescued by a retry: the notify's first exchange was clean.
+    assert_eq!(decode.stats().control_retries, 0, "{:?}", decode.stats());
+}
+
+/// The answers to a notify and a cancel are lost with their connection (the prefill side
+/// applied them): the decode side retries on a fresh connection, and the prefill side's
+/// "already pulled" / "already released" count as acknowledged / released.
+#[test]
+fn notify_and_cancel_whose_replies_were_lost_are_retried_and_acknowledged() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let notifies = AtomicUsize::new(0);
+    let cancels = AtomicUsize::new(0);
+    let port = scripted_prefill(layout.clone(), "lossy", move |_, s, ty, body, mem| {
+        if ty == v1::FrameType::ReadRequest as u8 {
+            // Child 1 is cancelled while its read waits here (never answered).
+            if v1::ReadRequest::decode(body).expect("read").remote_request_id == "0_F" {
+                answer_read(s, mem, body);
+            }
+        } else if ty == v1::FrameType::Notify as u8 {
+            if notifies.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Flow::Close; // applied, answer lost
+            }
+            let ack = v1::NotifyAck { outcome: v1::LeaseOutcome::AlreadyPulled as i32, remaining: 0 };
+            write_frame(s, v1::FrameType::NotifyAck, &ack);
+        } else if ty == v1::FrameType::Cancel as u8 {
+            if cancels.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Flow::Close;
+            }
+            let ack = v1::CancelAck { outcome: v1::LeaseOutcome::AlreadyReleased as i32 };
+            write_frame(s, v1::FrameType::CancelAck, &ack);
+        } else {
+            answer_control(s, ty, body);
+        }
+        Flow::Continue
+    });
+    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)), layout);
+    let result = fake_result(port, "lossy", &[vec![1, 2], vec![3, 4]]);
+    let handle = decode.submit(result, vec![vec![5, 6], vec![7, 8]]).expect("submit");
+    handle.cancel_child(1);
+    let report = handle.wait();
+    assert!(
+        matches!(report.children[0].outcome, ChildOutcome::Done { acknowledged: true, .. }),
+        "{report:?}"
+    );
+    assert!(
+        matches!(report.children[1].outcome, ChildOutcome::Cancelled { released: true, .. }),
+        "{report:?}"
+    );
+    assert!(verify(&decode, &[1, 2], &[5, 6]));
+    let s = decode.stats();
+    assert_eq!((s.control_retries, s.notifications_unacknowledged), (2, 0), "{s:?}");
+}
+
+/// A prefill worker restarts on the same address with the same configured engine id: its
+/// hand-offs are told apart by the per-process incarnation. An old hand-off fails as stale,
+/// naming both incarnations (after one reconnect); new ones pull.
+#[test]
+fn a_restart_with_the_same_engine_id_is_told_apart_by_its_incarnation() {
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let config = || {
+        AgentConfig::new("prefill")
+            .engine_id("stable-engine")
+            .lease_ttl(Duration::from_secs(30))
+            .io_timeout(Duration::from_secs(2))
+    };
+    let first = prefill_with(config(), layout.clone());
+    let addr = first.local_addr();
+    let decode = decode_with(AgentConfig::new("decode").io_timeout(Duration::from_secs(2)), layout.clone());
+    let pulled = first.lease_parent("A", vec![vec![1, 2]], 1, None).expect("lease");
+    assert!(decode.submit(pulled, vec![vec![1, 2]]).expect("submit").wait().all_done());
+    let stale = first.lease_parent("S", vec![vec![3, 4]], 1, None).expect("lease");
+    let old = first.incarnation();
+    assert_eq!(stale.children()[0].engine().incarnation, old);
+    drop(first);
+
+    let mem = kvxfer_mem::pattern::alloc_filled(layout).expect("patterned memory");
+    let second = kvxfer::PrefillAgent::start(keyed(config()), &addr.to_string(), mem)
+        .expect("restart on the same port");
+    let new = second.incarnation();
+    assert_ne!(old, new);
+    let report = decode.submit(stale, vec![vec![10, 11]]).expect("submit").wait();
+    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
+    for needle in ["stale hand-off", &format!("{old:#x}"), &format!("{new:#x}")] {
+        assert!(reason.contains(needle), "{reason:?} should name {needle}");
+    }
+    assert_eq!(second.stats().server.reads_refused, 0, "nothing was read from the new process");
+    let fresh = second.lease_parent("B", vec![vec![3, 4]], 1, None).expect("lease");
+    assert!(decode.submit(fresh, vec![vec![12, 13]]).expect("submit").wait().all_done());
+    assert!(verify(&decode, &[3, 4], &[12, 13]));
+}
+
+/// Two decode ranks of one engine (same engine id, ranks 0 and 1) are two consumers of an
+/// `expected_consumers = 2` lease: it ends pulled, not expired after a "duplicate".
+#[test]
+fn two_ranks_of_one_decode_engine_are_two_consumers() {
+    let prefill = prefill(16, Duration::from_secs(30));
+    let rank = |r| {
+        decode_with(
+            AgentConfig::new(format!("decode-rank{r}")).engine_id("decode-engine").rank(r),
+            BlockLayout::single(16, BLOCK).expect("layout"),
+        )
+    };
+    let (rank0, rank1) = (rank(0), rank(1));
+    let result = prefill.lease_parent("TP", vec![vec![1, 2, 3]], 2, None).expect("lease");
+    for (d, local) in [(&rank0, vec![0, 1, 2]), (&rank1, vec![5, 6, 7])] {
+        let report = d.submit(result.clone(), vec![local.clone()]).expect("submit").wait();
+        assert!(
+            matches!(report.children[0].outcome, ChildOutcome::Done { acknowledged: true, .. }),
+            "{report:?}"
+        );
+        assert!(verify(d, &[1, 2, 3], &local));
+    }
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
+    assert_eq!((ends[0].kind, ends[0].consumers_seen), (EndKind::Pulled, 2));
+    assert_eq!(prefill.stats().leases.duplicate, 0);
+    assert_eq!((rank0.consumer_id(), rank1.consumer_id()), ("decode-engine/0", "decode-engine/1"));
 }

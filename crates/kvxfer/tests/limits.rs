@@ -30,7 +30,7 @@ fn connections_past_the_limit_are_refused_with_an_error_frame() {
     let mut config = AgentConfig::new("prefill").lease_ttl(Duration::from_secs(30));
     config.limits.max_connections = 2;
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(config, layout.clone());
+    let prefill = prefill_unkeyed(config, layout.clone());
     let addr = prefill.local_addr();
     let open: Vec<TcpStream> = (0..2)
         .map(|_| {
@@ -66,7 +66,7 @@ fn pins_in_flight_are_limited_per_connection_and_expire_when_never_unpinned() {
     config.limits.max_inflight_reads = 4;
     config.limits.pin_timeout = Duration::from_millis(400);
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(config, layout.clone());
+    let prefill = prefill_unkeyed(config, layout.clone());
     let result = prefill.lease_parent("P", vec![(0..8).collect()], 1, None).expect("lease");
     let child = &result.children()[0];
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
@@ -116,7 +116,7 @@ fn a_frame_stalled_midway_closes_its_connection_but_idle_ones_stay() {
     let mut config = AgentConfig::new("prefill").io_timeout(Duration::from_millis(300));
     config.limits.max_connections = 8;
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(config, layout.clone());
+    let prefill = prefill_unkeyed(config, layout.clone());
     let addr = prefill.local_addr();
     let mut idle = TcpStream::connect(addr).expect("connect");
     idle.write_all(&hello(&layout)).expect("hello");
@@ -170,9 +170,7 @@ fn a_flood_of_bogus_notifications_and_reads_is_refused_while_a_real_pull_complet
             let (addr, layout) = (addr.clone(), layout.clone());
             tasks.push(tokio::spawn(async move {
                 let hello = raw_hello(&layout, &format!("flooder-{f}"));
-                let mut c = kvxfer_tcp::Connection::connect(&addr, &hello, kvxfer_tcp::Limits::default())
-                    .await
-                    .expect("flooder connects");
+                let mut c = raw_connect(&addr, &hello).await.expect("flooder connects");
                 let dest = kvmem(1);
                 let mut refused = [0usize; 3];
                 for i in 0..FLOOD / FLOODERS {

@@ -18,6 +18,12 @@
 //! ```
 //! Prefill memory holds `kvxfer_mem::pattern` bytes, so the decode side verifies every
 //! byte it pulled. Local blocks are the remote ones, child by child.
+//!
+//! Both roles authenticate peers with the cluster key of `KVXFER_CLUSTER_KEY` (hex) or
+//! `KVXFER_CLUSTER_KEY_FILE`, and run unauthenticated when neither is set. A decode node
+//! also reports blocks held by a one-sided read it could not stop
+//! (`"outcome":"failed_blocks_held"`) and, when that read completes,
+//! `{"event":"reclaimed","children":[..],"local_blocks":[..]}`.
 
 use std::io::BufRead;
 use std::time::Duration;
@@ -83,6 +89,7 @@ impl Common {
             .io_timeout(Duration::from_millis(self.io_timeout_ms))
             .transport(self.transport)
             .ucx_options(self.ucx_tls.clone(), self.ucx_peer_failure)
+            .and_then(AgentConfig::cluster_key_from_env)
             .map_err(|e| e.to_string())
     }
     fn layout(&self) -> Result<BlockLayout, String> {
@@ -149,7 +156,8 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
                     "event": "stats", "leased": s.leases.leased, "pulled": s.leases.pulled,
                     "released": s.leases.released, "expired": s.leases.expired, "live": s.leases.live,
                     "unrecognized": s.leases.unrecognized, "pins_open": s.server.pins_open,
-                    "bytes_served": s.server.bytes_served,
+                    "bytes_served": s.server.bytes_served, "auth_required": s.server.auth_required,
+                    "auth_failed": s.server.auth_failed,
                 }));
             }
             other => emit(json!({"event": "error", "message": format!("unknown command {other:?}")})),
@@ -162,6 +170,15 @@ fn decode(common: &Common) -> Result<(), String> {
     let mem = KvMemory::alloc(common.layout()?).map_err(|e| e.to_string())?;
     let agent = DecodeAgent::start(common.config("node-decode")?, mem).map_err(|e| e.to_string())?;
     emit(json!({"event": "ready"}));
+    let reclaimed = agent.reclaimed().clone();
+    std::thread::spawn(move || {
+        for r in reclaimed.iter() {
+            emit(json!({
+                "event": "reclaimed", "parent": r.parent_request_id, "children": r.children,
+                "local_blocks": r.local_blocks,
+            }));
+        }
+    });
     for cmd in commands() {
         if cmd["cmd"].as_str() != Some("pull") {
             emit(json!({"event": "error", "message": format!("unknown command {cmd}")}));
@@ -209,6 +226,10 @@ fn decode(common: &Common) -> Result<(), String> {
                 ChildOutcome::Cancelled { .. } => {
                     emit(json!({"event": "child", "child": i, "outcome": "cancelled"}))
                 }
+                ChildOutcome::FailedBlocksHeld { reason, held_local_blocks } => emit(json!({
+                    "event": "child", "child": i, "outcome": "failed_blocks_held", "reason": reason,
+                    "held_local_blocks": held_local_blocks,
+                })),
             }
         }
         emit(

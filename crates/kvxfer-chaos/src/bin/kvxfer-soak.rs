@@ -10,6 +10,9 @@
 //! - resident memory back near where it started.
 //!
 //! `cargo run --release -p kvxfer-chaos --bin kvxfer-soak -- --seconds 300`
+//!
+//! Every agent authenticates its peers with the cluster key of `KVXFER_CLUSTER_KEY` /
+//! `KVXFER_CLUSTER_KEY_FILE`, or, when neither is set, a random key for the run.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -63,6 +66,19 @@ struct Cli {
     /// Print the final books as one JSON line.
     #[arg(long)]
     json: bool,
+    /// The cluster key of every agent (from the environment, else random for the run).
+    #[arg(skip)]
+    key: Option<kvxfer::ClusterKey>,
+}
+
+impl Cli {
+    /// `config` with the run's cluster key.
+    fn keyed(&self, config: AgentConfig) -> AgentConfig {
+        match &self.key {
+            Some(k) => config.cluster_key(k.clone()),
+            None => config,
+        }
+    }
 }
 
 /// One prefill agent's life: the agent, its free blocks, the ends it delivered.
@@ -247,7 +263,7 @@ fn start_prefill(cli: &Cli, id: usize) -> Result<Arc<Incarnation>, String> {
         .lease_ttl(Duration::from_millis(cli.ttl_ms))
         .io_timeout(Duration::from_secs(2))
         .transport(TransportChoice::Tcp);
-    let agent = PrefillAgent::start(config, "127.0.0.1:0", mem).map_err(|e| e.to_string())?;
+    let agent = PrefillAgent::start(cli.keyed(config), "127.0.0.1:0", mem).map_err(|e| e.to_string())?;
     Ok(Arc::new(Incarnation {
         id,
         agent,
@@ -313,7 +329,14 @@ fn main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    cli.key = match kvxfer::ClusterKey::from_env() {
+        Ok(key) => Some(key.unwrap_or_else(kvxfer::ClusterKey::generate)),
+        Err(e) => {
+            eprintln!("kvxfer-soak: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     match run(&cli) {
         Ok(true) => std::process::ExitCode::SUCCESS,
         Ok(false) => std::process::ExitCode::FAILURE,
@@ -339,8 +362,11 @@ fn run(cli: &Cli) -> Result<bool, String> {
     let decode_config =
         AgentConfig::new("soak-decode").io_timeout(Duration::from_secs(2)).transport(TransportChoice::Tcp);
     let decode = Arc::new(
-        DecodeAgent::start(decode_config, KvMemory::alloc(decode_layout).map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?,
+        DecodeAgent::start(
+            cli.keyed(decode_config),
+            KvMemory::alloc(decode_layout).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| e.to_string())?,
     );
     let local_free = Arc::new(Mutex::new((0..local_blocks).collect::<Vec<BlockId>>()));
     let rss_setup = rss_kib("VmRSS:");
@@ -455,6 +481,9 @@ fn run(cli: &Cli) -> Result<bool, String> {
                         }
                         ChildOutcome::Cancelled { released, .. } => Seen::Cancelled { released: *released },
                         ChildOutcome::Failed { .. } => Seen::Failed,
+                        // Only a one-sided (UCX) read can be left running; the soak pulls over
+                        // TCP. Its blocks would be the agent's until reclaimed.
+                        ChildOutcome::FailedBlocksHeld { .. } => Seen::Failed,
                     };
                     outcomes.push((c.remote_request_id.as_str().into(), s));
                 }

@@ -1,13 +1,34 @@
 //! Shared harness of the engine's integration tests: agents on 127.0.0.1 (free ports),
 //! patterned prefill memory, verification, and waiting for lease ends.
+//!
+//! Agents made here hold the test cluster key ([`test_key`]) unless made with
+//! [`prefill_unkeyed`] / [`decode_unkeyed`]: the suite runs authenticated, and the tests
+//! that speak raw frames or script fake peers run without a key.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
 use std::time::{Duration, Instant};
 
-use kvxfer::{AgentConfig, BlockId, BlockLayout, DecodeAgent, KvMemory, LeaseEnd, PrefillAgent};
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ClusterKey, DecodeAgent, KvMemory, LeaseEnd, PrefillAgent};
 use kvxfer_mem::pattern;
 
 pub const BLOCK: u64 = 4096;
+
+/// The cluster key of the test suite, as hex (what `KVXFER_CLUSTER_KEY` would hold).
+pub const TEST_KEY_HEX: &str = "6b767866657220746573742d737569746520636c7573746572206b6579";
+
+/// The cluster key of the test suite.
+pub fn test_key() -> ClusterKey {
+    ClusterKey::from_hex(TEST_KEY_HEX).expect("test key")
+}
+
+/// `config` with the test cluster key, unless it has a key already.
+pub fn keyed(config: AgentConfig) -> AgentConfig {
+    if config.cluster_key.is_some() {
+        config
+    } else {
+        config.cluster_key(test_key())
+    }
+}
 
 /// The data paths the suite runs over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +121,13 @@ pub fn prefill(blocks: u32, ttl: Duration) -> PrefillAgent {
     prefill_with(config, BlockLayout::single(blocks, BLOCK).expect("layout"))
 }
 
+/// A prefill agent with the test cluster key (unless `config` has another).
 pub fn prefill_with(config: AgentConfig, layout: BlockLayout) -> PrefillAgent {
+    prefill_unkeyed(keyed(config), layout)
+}
+
+/// A prefill agent with exactly `config`'s key (none: unauthenticated peers).
+pub fn prefill_unkeyed(config: AgentConfig, layout: BlockLayout) -> PrefillAgent {
     init_tracing();
     let mem = pattern::alloc_filled(layout).expect("patterned memory");
     PrefillAgent::start(config, "127.0.0.1:0", mem).expect("prefill agent")
@@ -112,7 +139,13 @@ pub fn decode(blocks: u32) -> DecodeAgent {
     decode_with(config, BlockLayout::single(blocks, BLOCK).expect("layout"))
 }
 
+/// A decode agent with the test cluster key (unless `config` has another).
 pub fn decode_with(config: AgentConfig, layout: BlockLayout) -> DecodeAgent {
+    decode_unkeyed(keyed(config), layout)
+}
+
+/// A decode agent with exactly `config`'s key (none: unauthenticated).
+pub fn decode_unkeyed(config: AgentConfig, layout: BlockLayout) -> DecodeAgent {
     init_tracing();
     DecodeAgent::start(config, KvMemory::alloc(layout).expect("alloc")).expect("decode agent")
 }
@@ -186,4 +219,51 @@ pub fn frame_bytes(ty: kvxfer_proto::v1::FrameType, body: &impl kvxfer_proto::Me
     out.push(ty as u8);
     out.extend_from_slice(&b);
     out
+}
+
+/// A raw test connection holding the test cluster key.
+pub async fn raw_connect(
+    addr: &str,
+    hello: &kvxfer_proto::v1::Hello,
+) -> Result<kvxfer_tcp::Connection, kvxfer_tcp::ClientError> {
+    kvxfer_tcp::Connection::connect_with_key(addr, hello, Some(&test_key()), kvxfer_tcp::Limits::default())
+        .await
+}
+
+/// Reads one frame from a blocking socket: (type, body).
+pub fn read_raw_frame(s: &mut std::net::TcpStream) -> Option<(u8, Vec<u8>)> {
+    use std::io::Read;
+    let mut h = [0u8; 5];
+    s.read_exact(&mut h).ok()?;
+    let len = u32::from_be_bytes([h[0], h[1], h[2], h[3]]) as usize;
+    let mut body = vec![0u8; len.checked_sub(1)?];
+    s.read_exact(&mut body).ok()?;
+    Some((h[4], body))
+}
+
+/// The authenticated handshake by hand over a blocking socket, with `key`: hello, the
+/// challenge (checked), the proof. Returns the type of the frame that answers the proof
+/// (a `HelloAck` when accepted) and its body.
+pub fn raw_handshake(
+    s: &mut std::net::TcpStream,
+    layout: &BlockLayout,
+    key: &ClusterKey,
+) -> Option<(u8, Vec<u8>)> {
+    use kvxfer_proto::v1;
+    use kvxfer_proto::Message;
+    use kvxfer_tcp::handshake::Role;
+    use std::io::Write;
+    let mut hello = raw_hello(layout, "raw");
+    hello.authenticated = true;
+    hello.nonce = kvxfer_tcp::handshake::nonce();
+    s.write_all(&frame_bytes(v1::FrameType::Hello, &hello)).ok()?;
+    let (ty, body) = read_raw_frame(s)?;
+    if ty != v1::FrameType::HelloChallenge as u8 {
+        return Some((ty, body));
+    }
+    let ch = v1::HelloChallenge::decode(&body[..]).ok()?;
+    assert!(key.verify_handshake_mac(Role::Accepting, &hello.nonce, &ch.nonce, (&hello).into(), &ch.mac));
+    let mac = key.handshake_mac(Role::Connecting, &hello.nonce, &ch.nonce, (&hello).into());
+    s.write_all(&frame_bytes(v1::FrameType::HelloProof, &v1::HelloProof { mac })).ok()?;
+    read_raw_frame(s)
 }
