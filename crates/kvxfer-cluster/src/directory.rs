@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::backoff::{Backoff, WarnLimiter};
 use crate::error::{Error, EtcdError, EtcdOp, RecordError};
-use crate::etcd::{wait_for_state, EtcdConfig, EtcdState, EtcdStatus, StatusCell};
+use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusCell, StatusWatch};
 use crate::names::{engines_prefix, EngineId, EngineKey, Namespace};
 use crate::record::EngineRecord;
 
@@ -449,7 +449,7 @@ impl EngineDirectory {
 
     /// Waits until the cache is filled from etcd and being watched, up to `timeout`.
     pub async fn wait_synced(&self, timeout: Duration) -> Result<EtcdStatus, EtcdStatus> {
-        wait_for_state(self.status_watch(), timeout, |s| s == EtcdState::Connected).await
+        self.status_watch().wait_until(timeout, |s| s.state == EtcdState::Connected).await
     }
 
     /// Where it stands with etcd.
@@ -458,7 +458,7 @@ impl EngineDirectory {
     }
 
     /// A receiver that sees every status change.
-    pub fn status_watch(&self) -> tokio::sync::watch::Receiver<EtcdStatus> {
+    pub fn status_watch(&self) -> StatusWatch {
         self.shared.status.subscribe()
     }
 

@@ -142,8 +142,8 @@ impl StatusCell {
         self.tx.borrow().clone()
     }
 
-    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<EtcdStatus> {
-        self.tx.subscribe()
+    pub(crate) fn subscribe(&self) -> StatusWatch {
+        StatusWatch { rx: self.tx.subscribe() }
     }
 
     /// Records success; returns whether this was a recovery from a failure.
@@ -187,15 +187,36 @@ impl StatusCell {
     }
 }
 
-/// Waits until `rx`'s state satisfies `want`, up to `timeout`; returns the last status seen.
-pub(crate) async fn wait_for_state(
-    mut rx: tokio::sync::watch::Receiver<EtcdStatus>,
-    timeout: Duration,
-    want: impl Fn(EtcdState) -> bool,
-) -> Result<EtcdStatus, EtcdStatus> {
-    let waited = match tokio::time::timeout(timeout, rx.wait_for(|s| want(s.state))).await {
-        Ok(Ok(status)) => Some(status.clone()),
-        _ => None,
-    };
-    waited.ok_or_else(|| rx.borrow().clone())
+/// Follows a registration's or directory's status. Hands out copies only, so no caller can
+/// hold the status lock while the background task needs it.
+#[derive(Debug, Clone)]
+pub struct StatusWatch {
+    rx: tokio::sync::watch::Receiver<EtcdStatus>,
+}
+
+impl StatusWatch {
+    /// The status now.
+    pub fn current(&self) -> EtcdStatus {
+        self.rx.borrow().clone()
+    }
+
+    /// Waits for the next change; `None` once the registration or directory is gone.
+    pub async fn changed(&mut self) -> Option<EtcdStatus> {
+        self.rx.changed().await.ok()?;
+        Some(self.rx.borrow_and_update().clone())
+    }
+
+    /// Waits until the status satisfies `want` (checked at once, then at every change), up
+    /// to `timeout`; on timeout (or when the owner is gone) returns the status as it then is.
+    pub async fn wait_until(
+        &mut self,
+        timeout: Duration,
+        want: impl Fn(&EtcdStatus) -> bool,
+    ) -> Result<EtcdStatus, EtcdStatus> {
+        let reached = match tokio::time::timeout(timeout, self.rx.wait_for(|s| want(s))).await {
+            Ok(Ok(status)) => Some(status.clone()),
+            _ => None,
+        };
+        reached.ok_or_else(|| self.current())
+    }
 }

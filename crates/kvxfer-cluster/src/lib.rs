@@ -108,7 +108,7 @@ pub use directory::{
     IgnoreReason,
 };
 pub use error::{ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, RecordError};
-pub use etcd::{EtcdConfig, EtcdState, EtcdStatus};
+pub use etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusWatch};
 pub use http::MetricsServer;
 pub use metrics::{
     DecodeSnapshot, HandoffOutcome, Metrics, PerTransport, PrefillSnapshot, SourceGuard, Transport,

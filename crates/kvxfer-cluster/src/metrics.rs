@@ -551,9 +551,14 @@ struct Writer<'a, 'b> {
     enc: &'a mut DescriptorEncoder<'b>,
 }
 
+/// Help texts end with a full stop, as the registry writes them for registered metrics.
+fn sentence(help: &str) -> String {
+    format!("{help}.")
+}
+
 impl Writer<'_, '_> {
     fn counter(&mut self, name: &str, help: &str, unit: Option<&Unit>, value: u64) -> fmt::Result {
-        let m = self.enc.encode_descriptor(name, help, unit, MetricType::Counter)?;
+        let m = self.enc.encode_descriptor(name, &sentence(help), unit, MetricType::Counter)?;
         ConstCounter::new(value).encode(m)
     }
 
@@ -565,7 +570,7 @@ impl Writer<'_, '_> {
         label: &str,
         values: &[(&str, u64)],
     ) -> fmt::Result {
-        let mut m = self.enc.encode_descriptor(name, help, unit, MetricType::Counter)?;
+        let mut m = self.enc.encode_descriptor(name, &sentence(help), unit, MetricType::Counter)?;
         for (label_value, value) in values {
             ConstCounter::new(*value).encode(m.encode_family(&[(label, *label_value)])?)?;
         }
@@ -573,7 +578,7 @@ impl Writer<'_, '_> {
     }
 
     fn gauge(&mut self, name: &str, help: &str, value: u64) -> fmt::Result {
-        let m = self.enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        let m = self.enc.encode_descriptor(name, &sentence(help), None, MetricType::Gauge)?;
         ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(m)
     }
 }
@@ -713,7 +718,7 @@ impl Collector for SnapshotCollector {
                     .collect();
             let mut m = w.enc.encode_descriptor(
                 "etcd_state",
-                "Registrations and directories in each etcd connection state",
+                "Registrations and directories in each etcd connection state.",
                 None,
                 MetricType::Gauge,
             )?;

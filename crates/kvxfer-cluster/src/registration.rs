@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 
 use crate::backoff::Backoff;
 use crate::error::{ConfigError, Error, EtcdError, EtcdOp};
-use crate::etcd::{wait_for_state, EtcdConfig, EtcdState, EtcdStatus, StatusCell};
+use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusCell, StatusWatch};
 use crate::names::EngineKey;
 use crate::record::EngineRecord;
 
@@ -143,14 +143,14 @@ impl Registration {
     }
 
     /// A receiver that sees every status change.
-    pub fn status_watch(&self) -> tokio::sync::watch::Receiver<EtcdStatus> {
+    pub fn status_watch(&self) -> StatusWatch {
         self.shared.status.subscribe()
     }
 
     /// Waits until the key is in etcd (state `Connected`), up to `timeout`; on timeout
     /// returns the status as it then is (with the last error).
     pub async fn wait_registered(&self, timeout: Duration) -> Result<EtcdStatus, EtcdStatus> {
-        wait_for_state(self.status_watch(), timeout, |s| s == EtcdState::Connected).await
+        self.status_watch().wait_until(timeout, |s| s.state == EtcdState::Connected).await
     }
 
     /// The etcd lease the key is on now, if any (for diagnostics).
