@@ -399,3 +399,31 @@ async fn unreachable_etcd_leaves_the_cache_answering_and_says_degraded() {
     dir.shutdown().await;
     late.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_that_stops_answering_is_noticed_and_recovered_from() {
+    let etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-s", 3);
+    registered(&reg).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-s")).await;
+
+    // No RST, no FIN: only HTTP/2 pings and request timeouts can tell.
+    etcd.pause();
+    wait_state("directory", dir.status_watch(), EtcdState::Degraded).await;
+    wait_state("registration", reg.status_watch(), EtcdState::Degraded).await;
+    assert!(dir.resolve("engine-s", 0).is_some(), "the cache answers while etcd hangs");
+    etcd.resume();
+    wait_state("directory", dir.status_watch(), EtcdState::Connected).await;
+    wait_state("registration", reg.status_watch(), EtcdState::Connected).await;
+    // Whether the lease outlived the pause or was re-granted, the engine is registered.
+    let deadline = Instant::now() + WAIT;
+    while dir.resolve("engine-s", 0).is_none() {
+        assert!(Instant::now() < deadline, "engine-s not back: {:?}", reg.status());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(stored(&etcd, "engine-s").await.is_some());
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}

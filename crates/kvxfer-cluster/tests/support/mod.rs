@@ -154,6 +154,23 @@ impl EtcdServer {
         }
     }
 
+    /// Freezes etcd (SIGSTOP): its connections stay open and nothing answers, as when
+    /// etcd hangs or the network drops packets.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a paused etcd (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("etcd running").id().to_string();
+        let status = Command::new("kill").args([signal, &pid]).status().expect("run kill");
+        assert!(status.success(), "kill {signal} {pid}: {status}");
+    }
+
     /// Starts etcd again on the same ports and data directory.
     pub fn restart(&mut self) {
         self.kill();
@@ -179,6 +196,7 @@ impl EtcdServer {
 
 impl Drop for EtcdServer {
     fn drop(&mut self) {
+        // SIGKILL ends a stopped process too.
         self.kill();
     }
 }
