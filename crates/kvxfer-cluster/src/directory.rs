@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::backoff::{Backoff, WarnLimiter};
-use crate::error::{Error, EtcdError, EtcdOp, RecordError};
+use crate::error::{Error, EtcdError, EtcdOp, RecordError, ResolveError};
 use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusCell, StatusWatch};
 use crate::names::{engines_prefix, EngineId, EngineKey, Namespace};
 use crate::record::EngineRecord;
@@ -233,6 +233,35 @@ impl DirectoryCache {
     }
 }
 
+/// The rules of [`EngineDirectory::resolve_current`].
+fn check_current(
+    entry: Option<Arc<EngineEntry>>,
+    synced: bool,
+    engine_id: &str,
+    rank: u32,
+    incarnation: Option<u64>,
+) -> Result<Arc<EngineEntry>, ResolveError> {
+    let engine = || engine_id.to_owned();
+    let Some(entry) = entry else {
+        return Err(if synced {
+            ResolveError::NotRegistered { engine: engine(), rank }
+        } else {
+            ResolveError::NotSynced { engine: engine(), rank }
+        });
+    };
+    match incarnation {
+        Some(handoff) if handoff != 0 && handoff != entry.record.incarnation => {
+            Err(ResolveError::StaleIncarnation {
+                engine: engine(),
+                rank,
+                handoff,
+                registered: entry.record.incarnation,
+            })
+        }
+        _ => Ok(entry),
+    }
+}
+
 /// Options of a directory.
 #[derive(Debug, Clone, Default)]
 pub struct DirectoryOptions {
@@ -423,6 +452,19 @@ impl EngineDirectory {
     /// unreachable this is the last state seen (see [`Self::status`]).
     pub fn resolve(&self, engine_id: &str, rank: u32) -> Option<Arc<EngineEntry>> {
         self.shared.cache().get(engine_id, rank)
+    }
+
+    /// The cached entry a pull from `engine_id`'s rank `rank` should use, checked against
+    /// the hand-off's `incarnation` when it states one (nonzero): an engine that is gone or
+    /// restarted fails at once, with why, instead of at the next I/O timeout.
+    pub fn resolve_current(
+        &self,
+        engine_id: &str,
+        rank: u32,
+        incarnation: Option<u64>,
+    ) -> Result<Arc<EngineEntry>, ResolveError> {
+        let entry = self.resolve(engine_id, rank);
+        check_current(entry, self.is_synced(), engine_id, rank, incarnation)
     }
 
     /// Every cached rank of `engine_id`, by rank.
@@ -666,6 +708,22 @@ mod tests {
         let (_, i) = c.apply_put(&kv(k, v2.as_bytes()));
         assert_eq!(i.map(|i| i.reason), Some(IgnoreReason::UnsupportedVersion));
         assert_eq!(c.len(), 0);
+    }
+
+    #[test]
+    fn resolving_for_a_pull_names_why_an_engine_cannot_be_used() {
+        let mut c = cache();
+        c.apply_put(&kv(b"/ns/v1/engines/e1/0", &record(5, 0xab)));
+        let entry = c.get("e1", 0);
+        assert!(check_current(entry.clone(), true, "e1", 0, Some(5)).is_ok());
+        assert!(check_current(entry.clone(), true, "e1", 0, None).is_ok());
+        assert!(check_current(entry.clone(), true, "e1", 0, Some(0)).is_ok(), "0 states nothing");
+        assert!(matches!(
+            check_current(entry, true, "e1", 0, Some(4)),
+            Err(ResolveError::StaleIncarnation { handoff: 4, registered: 5, .. })
+        ));
+        assert!(matches!(check_current(None, true, "e2", 0, None), Err(ResolveError::NotRegistered { .. })));
+        assert!(matches!(check_current(None, false, "e2", 0, None), Err(ResolveError::NotSynced { .. })));
     }
 
     #[test]

@@ -21,6 +21,46 @@ pub enum Error {
     /// The metrics endpoint failed.
     #[error(transparent)]
     Metrics(#[from] MetricsError),
+    /// An engine named by a hand-off cannot be pulled from.
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+}
+
+/// Why the directory cannot give a usable address for an engine rank.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResolveError {
+    /// The directory has not listed etcd yet (it says nothing about the engine).
+    #[error("the engine directory has not listed etcd yet; {engine}/{rank} is unknown so far")]
+    NotSynced {
+        /// The engine id.
+        engine: String,
+        /// The rank.
+        rank: u32,
+    },
+    /// No such engine rank is registered (never was, shut down, or its lease expired).
+    #[error("engine {engine} rank {rank} is not registered (shut down, crashed, or never started)")]
+    NotRegistered {
+        /// The engine id.
+        engine: String,
+        /// The rank.
+        rank: u32,
+    },
+    /// Registered, but by another process than the one that issued the hand-off.
+    #[error(
+        "engine {engine} rank {rank} restarted: the hand-off is from incarnation {handoff:016x}, \
+         the registered one is {registered:016x}"
+    )]
+    StaleIncarnation {
+        /// The engine id.
+        engine: String,
+        /// The rank.
+        rank: u32,
+        /// The incarnation the hand-off names.
+        handoff: u64,
+        /// The incarnation registered now.
+        registered: u64,
+    },
 }
 
 /// A name or key that cannot be used.

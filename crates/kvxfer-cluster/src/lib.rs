@@ -107,7 +107,7 @@ pub use directory::{
     DirectoryEvent, DirectoryEvents, DirectoryOptions, DirectoryStats, EngineDirectory, EngineEntry,
     IgnoreReason,
 };
-pub use error::{ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, RecordError};
+pub use error::{ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, RecordError, ResolveError};
 pub use etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusWatch};
 pub use http::MetricsServer;
 pub use metrics::{

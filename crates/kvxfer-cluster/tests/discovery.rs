@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_cluster::{
     engines_prefix, DirectoryEvent, DirectoryOptions, EngineDirectory, EngineRecord, EtcdState, Registration,
-    RegistrationConfig, StatusWatch,
+    RegistrationConfig, ResolveError, StatusWatch,
 };
 use support::{
     is_added, is_removed, key, namespace, next_event, record, wait_added, wait_event, EtcdServer, LAYOUT_HASH,
@@ -146,6 +146,13 @@ async fn killed_registering_process_vanishes_within_the_lease_ttl() {
     assert!(is_removed(&removed, "engine-k"), "{removed:?}");
     assert!(stored(&etcd, "engine-k").await.is_none());
     assert!(dir.resolve("engine-k", 0).is_none());
+    // A pull naming the dead engine fails at once, saying why.
+    let handoff_incarnation =
+        u64::from_str_radix(line["incarnation"].as_str().expect("incarnation"), 16).ok();
+    assert!(matches!(
+        dir.resolve_current("engine-k", 0, handoff_incarnation),
+        Err(ResolveError::NotRegistered { .. })
+    ));
     println!(
         "kill -9 of the registering process -> directory Removed after {:.0} ms (lease TTL {} s; goal <= TTL + 1 s)",
         elapsed.as_secs_f64() * 1000.0,
@@ -191,6 +198,12 @@ async fn new_incarnation_is_an_update_and_outlives_the_old_lease() {
         other => panic!("expected Updated, got {other:?}"),
     }
     assert_eq!(dir.resolve("engine-r", 0).map(|e| e.record.incarnation), Some(0x02));
+    // A hand-off issued by the crashed process is stale; one from the new process is fine.
+    assert!(matches!(
+        dir.resolve_current("engine-r", 0, Some(0x01)),
+        Err(ResolveError::StaleIncarnation { handoff: 0x01, registered: 0x02, .. })
+    ));
+    assert!(dir.resolve_current("engine-r", 0, Some(0x02)).is_ok());
 
     // The old lease ending must not take the new registration's key with it.
     let mut client = etcd.client().await;
