@@ -27,7 +27,7 @@ struct Args {
     /// Rank.
     #[arg(long, default_value_t = 0)]
     rank: u32,
-    /// Advertise address: host:port or [v6]:port.
+    /// Advertise address: `host:port` or `[v6]:port`.
     #[arg(long)]
     addr: String,
     /// Transports offered, comma-separated.
