@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev)
+SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server protobuf-compiler)
 missing=()
 for p in "${SYSTEM_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,131 @@
+//! Registers one engine rank in etcd and keeps its lease alive until stdin closes (then
+//! revokes it: the key goes at once) or the process is killed (the key expires within the
+//! TTL). Prints one JSON line once registered. Used by the `kill -9` discovery test; also
+//! a way to publish an engine by hand.
+
+use std::io::Read;
+use std::time::Duration;
+
+use clap::Parser;
+use kvxfer_cluster::{
+    AdvertiseAddr, AgentName, EngineId, EngineKey, EngineRecord, EtcdConfig, Namespace, Registration,
+    RegistrationConfig, TransportName,
+};
+
+#[derive(Parser, Debug)]
+#[command(about = "Register an engine rank in etcd until stdin closes or the process dies")]
+struct Args {
+    /// etcd client URL (repeat for several).
+    #[arg(long = "etcd", required = true)]
+    etcd: Vec<String>,
+    /// Namespace (first key segment).
+    #[arg(long, default_value = "kvxfer")]
+    namespace: String,
+    /// Engine id.
+    #[arg(long)]
+    engine_id: String,
+    /// Rank.
+    #[arg(long, default_value_t = 0)]
+    rank: u32,
+    /// Advertise address: `host:port` or `[v6]:port`.
+    #[arg(long)]
+    addr: String,
+    /// Transports offered, comma-separated.
+    #[arg(long, default_value = "tcp", value_delimiter = ',')]
+    transports: Vec<String>,
+    /// Layout compatibility hash (16 hex digits).
+    #[arg(long, default_value = "0000000000000000")]
+    compat_hash: String,
+    /// Protocol version.
+    #[arg(long, default_value_t = 2)]
+    protocol_version: u32,
+    /// Incarnation (16 hex digits); random when absent.
+    #[arg(long)]
+    incarnation: Option<String>,
+    /// Agent name.
+    #[arg(long, default_value = "kvxfer-register")]
+    agent: String,
+    /// Lease TTL in seconds (2 or more).
+    #[arg(long, default_value_t = 10)]
+    ttl_secs: u64,
+}
+
+fn hex64(what: &str, s: &str) -> Result<u64, String> {
+    u64::from_str_radix(s, 16).map_err(|e| format!("--{what} {s:?}: {e}"))
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("kvxfer-register: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), String> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let s = |e: kvxfer_cluster::NameError| e.to_string();
+    let key = EngineKey::new(
+        Namespace::new(&args.namespace).map_err(s)?,
+        EngineId::new(&args.engine_id).map_err(s)?,
+        args.rank,
+    );
+    let incarnation = match &args.incarnation {
+        Some(h) => hex64("incarnation", h)?,
+        None => rand::random::<u64>() | 1,
+    };
+    let record = EngineRecord {
+        addr: args.addr.parse::<AdvertiseAddr>().map_err(|e| e.to_string())?,
+        transports: args
+            .transports
+            .iter()
+            .map(|t| TransportName::new(t))
+            .collect::<Result<_, _>>()
+            .map_err(s)?,
+        compat_hash: hex64("compat-hash", &args.compat_hash)?,
+        protocol_version: args.protocol_version,
+        incarnation,
+        agent: AgentName::new(&args.agent).map_err(s)?,
+    };
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let config = RegistrationConfig { key: key.clone(), record, ttl: Duration::from_secs(args.ttl_secs) };
+    let registration = Registration::start(runtime.handle(), EtcdConfig::new(args.etcd), config)
+        .map_err(|e| e.to_string())?;
+    // stdin closing is the signal to leave cleanly; a blocking thread watches for it.
+    let (eof_tx, eof_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let mut sink = [0u8; 256];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        let _ = eof_tx.send(());
+    });
+    runtime.block_on(async {
+        let mut status = registration.status_watch();
+        let registered = status
+            .wait_until(Duration::MAX, |s| s.state == kvxfer_cluster::EtcdState::Connected)
+            .await
+            .is_ok();
+        if registered {
+            let lease = registration.lease_id().unwrap_or(0);
+            let line = serde_json::json!({
+                "event": "registered",
+                "key": key.to_key(),
+                "lease": lease,
+                "incarnation": format!("{incarnation:016x}"),
+                "pid": std::process::id(),
+            });
+            println!("{line}");
+        }
+        let _ = eof_rx.await;
+        registration.shutdown().await.map_err(|e| e.to_string())?;
+        println!("{}", serde_json::json!({ "event": "revoked", "key": key.to_key() }));
+        Ok(())
+    })
+}

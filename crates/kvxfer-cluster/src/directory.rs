@@ -1,0 +1,751 @@
+//! The decode side's view of the registered engines: a cache filled by one prefix list and
+//! kept current by a prefix watch.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use rand::SeedableRng;
+use tokio::runtime::Handle;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::backoff::{Backoff, WarnLimiter};
+use crate::error::{Error, EtcdError, EtcdOp, RecordError, ResolveError};
+use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusCell, StatusWatch};
+use crate::names::{engines_prefix, EngineId, EngineKey, Namespace};
+use crate::record::EngineRecord;
+
+/// One registered engine rank as the directory last saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineEntry {
+    /// Its key.
+    pub key: EngineKey,
+    /// Its record.
+    pub record: EngineRecord,
+    /// The etcd revision of the value.
+    pub mod_revision: i64,
+    /// The etcd lease the key is on (0: none — not written by a [`crate::Registration`]).
+    pub lease: i64,
+}
+
+/// A change of the cache, sent to subscribers right after the cache changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DirectoryEvent {
+    /// A rank appeared.
+    Added(Arc<EngineEntry>),
+    /// A rank's record changed: a new incarnation (the agent restarted), or a new address,
+    /// transports, layout or protocol. Connections to `old` must not be reused.
+    Updated {
+        /// What was cached.
+        old: Arc<EngineEntry>,
+        /// What is cached now.
+        new: Arc<EngineEntry>,
+    },
+    /// A rank disappeared: its lease expired (crash), was revoked (shutdown), or its value
+    /// stopped being a usable record.
+    Removed(Arc<EngineEntry>),
+}
+
+impl DirectoryEvent {
+    /// The rank it is about.
+    pub fn key(&self) -> &EngineKey {
+        match self {
+            DirectoryEvent::Added(e) | DirectoryEvent::Removed(e) => &e.key,
+            DirectoryEvent::Updated { new, .. } => &new.key,
+        }
+    }
+}
+
+/// Why a value under the namespace was not taken into the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IgnoreReason {
+    /// A key that is not `<engine_id>/<rank>` under the engines prefix.
+    BadKey,
+    /// A value that is not a valid record (garbage bytes, bad JSON, bad fields).
+    Malformed,
+    /// A record of another format version.
+    UnsupportedVersion,
+    /// A record whose layout hash differs from the expected one.
+    LayoutMismatch,
+}
+
+impl IgnoreReason {
+    /// A short lowercase name (a metric label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IgnoreReason::BadKey => "bad_key",
+            IgnoreReason::Malformed => "malformed",
+            IgnoreReason::UnsupportedVersion => "unsupported_version",
+            IgnoreReason::LayoutMismatch => "layout_mismatch",
+        }
+    }
+
+    /// Every reason.
+    pub const ALL: [IgnoreReason; 4] = [
+        IgnoreReason::BadKey,
+        IgnoreReason::Malformed,
+        IgnoreReason::UnsupportedVersion,
+        IgnoreReason::LayoutMismatch,
+    ];
+}
+
+/// One value that was ignored, with what to log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Ignored {
+    pub(crate) reason: IgnoreReason,
+    pub(crate) key: String,
+    pub(crate) detail: String,
+}
+
+/// The cache and the rules that turn etcd's keys and values into events (sans-IO).
+#[derive(Debug)]
+pub(crate) struct DirectoryCache {
+    namespace: Namespace,
+    expected_compat_hash: Option<u64>,
+    engines: HashMap<EngineId, BTreeMap<u32, Arc<EngineEntry>>>,
+    len: usize,
+}
+
+/// A key-value pair as etcd delivers it.
+pub(crate) struct Kv<'a> {
+    pub(crate) key: &'a [u8],
+    pub(crate) value: &'a [u8],
+    pub(crate) mod_revision: i64,
+    pub(crate) lease: i64,
+}
+
+impl DirectoryCache {
+    pub(crate) fn new(namespace: Namespace, expected_compat_hash: Option<u64>) -> Self {
+        Self { namespace, expected_compat_hash, engines: HashMap::new(), len: 0 }
+    }
+
+    pub(crate) fn get(&self, engine_id: &str, rank: u32) -> Option<Arc<EngineEntry>> {
+        self.engines.get(engine_id)?.get(&rank).cloned()
+    }
+
+    pub(crate) fn engine(&self, engine_id: &str) -> Vec<Arc<EngineEntry>> {
+        self.engines.get(engine_id).map(|ranks| ranks.values().cloned().collect()).unwrap_or_default()
+    }
+
+    pub(crate) fn entries(&self) -> Vec<Arc<EngineEntry>> {
+        self.engines.values().flat_map(|ranks| ranks.values().cloned()).collect()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Turns a key-value pair into an entry, or says why it is ignored. A bad key yields
+    /// `Err((None, ..))`; a good key with a bad value `Err((Some(key), ..))`.
+    fn parse(&self, kv: &Kv<'_>) -> Result<EngineEntry, (Option<EngineKey>, Ignored)> {
+        let lossy_key = || String::from_utf8_lossy(kv.key).into_owned();
+        let key = EngineKey::parse(&self.namespace, kv.key).map_err(|e| {
+            (None, Ignored { reason: IgnoreReason::BadKey, key: lossy_key(), detail: e.to_string() })
+        })?;
+        let record = EngineRecord::from_json(kv.value).map_err(|e| {
+            let reason = match e {
+                RecordError::UnsupportedVersion { .. } => IgnoreReason::UnsupportedVersion,
+                _ => IgnoreReason::Malformed,
+            };
+            (Some(key.clone()), Ignored { reason, key: lossy_key(), detail: e.to_string() })
+        })?;
+        if let Some(expected) = self.expected_compat_hash {
+            if record.compat_hash != expected {
+                let detail = format!(
+                    "layout hash {:016x} differs from this agent's {expected:016x}",
+                    record.compat_hash
+                );
+                let ignored = Ignored { reason: IgnoreReason::LayoutMismatch, key: lossy_key(), detail };
+                return Err((Some(key), ignored));
+            }
+        }
+        Ok(EngineEntry { key, record, mod_revision: kv.mod_revision, lease: kv.lease })
+    }
+
+    fn insert(&mut self, entry: EngineEntry) -> Option<DirectoryEvent> {
+        let new = Arc::new(entry);
+        let ranks = self.engines.entry(new.key.engine_id.clone()).or_default();
+        match ranks.insert(new.key.rank, new.clone()) {
+            None => {
+                self.len += 1;
+                Some(DirectoryEvent::Added(new))
+            }
+            // The same record written again (a re-registration on a new lease): nothing
+            // a connection cares about changed.
+            Some(old) if old.record == new.record => None,
+            Some(old) => Some(DirectoryEvent::Updated { old, new }),
+        }
+    }
+
+    fn remove(&mut self, key: &EngineKey) -> Option<DirectoryEvent> {
+        let ranks = self.engines.get_mut(key.engine_id.as_str())?;
+        let old = ranks.remove(&key.rank)?;
+        if ranks.is_empty() {
+            self.engines.remove(key.engine_id.as_str());
+        }
+        self.len -= 1;
+        Some(DirectoryEvent::Removed(old))
+    }
+
+    /// A PUT seen by the watch. A good key whose value is no longer a usable record loses
+    /// its cached entry (it no longer describes a reachable engine).
+    pub(crate) fn apply_put(&mut self, kv: &Kv<'_>) -> (Option<DirectoryEvent>, Option<Ignored>) {
+        match self.parse(kv) {
+            Ok(entry) => (self.insert(entry), None),
+            Err((Some(key), ignored)) => (self.remove(&key), Some(ignored)),
+            Err((None, ignored)) => (None, Some(ignored)),
+        }
+    }
+
+    /// A DELETE seen by the watch (keys that are not engine keys were never cached).
+    pub(crate) fn apply_delete(&mut self, key: &[u8]) -> Option<DirectoryEvent> {
+        let key = EngineKey::parse(&self.namespace, key).ok()?;
+        self.remove(&key)
+    }
+
+    /// A full listing: replaces the cache, and returns what changed since the last one.
+    pub(crate) fn replace_all<'a>(
+        &mut self,
+        kvs: impl IntoIterator<Item = Kv<'a>>,
+    ) -> (Vec<DirectoryEvent>, Vec<Ignored>) {
+        let mut fresh = Vec::new();
+        let mut ignored = Vec::new();
+        for kv in kvs {
+            match self.parse(&kv) {
+                Ok(entry) => fresh.push(entry),
+                Err((_, i)) => ignored.push(i),
+            }
+        }
+        let mut events = Vec::new();
+        let listed: std::collections::HashSet<EngineKey> = fresh.iter().map(|e| e.key.clone()).collect();
+        let gone: Vec<EngineKey> =
+            self.entries().into_iter().map(|e| e.key.clone()).filter(|k| !listed.contains(k)).collect();
+        for key in gone {
+            events.extend(self.remove(&key));
+        }
+        for entry in fresh {
+            events.extend(self.insert(entry));
+        }
+        (events, ignored)
+    }
+}
+
+/// The rules of [`EngineDirectory::resolve_current`].
+fn check_current(
+    entry: Option<Arc<EngineEntry>>,
+    synced: bool,
+    engine_id: &str,
+    rank: u32,
+    incarnation: Option<u64>,
+) -> Result<Arc<EngineEntry>, ResolveError> {
+    let engine = || engine_id.to_owned();
+    let Some(entry) = entry else {
+        return Err(if synced {
+            ResolveError::NotRegistered { engine: engine(), rank }
+        } else {
+            ResolveError::NotSynced { engine: engine(), rank }
+        });
+    };
+    match incarnation {
+        Some(handoff) if handoff != 0 && handoff != entry.record.incarnation => {
+            Err(ResolveError::StaleIncarnation {
+                engine: engine(),
+                rank,
+                handoff,
+                registered: entry.record.incarnation,
+            })
+        }
+        _ => Ok(entry),
+    }
+}
+
+/// Options of a directory.
+#[derive(Debug, Clone, Default)]
+pub struct DirectoryOptions {
+    /// When set, records with another layout hash are ignored (and counted): this agent
+    /// could not pull from them anyway.
+    pub expected_compat_hash: Option<u64>,
+}
+
+/// Counters of a directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DirectoryStats {
+    /// Ranks cached now.
+    pub entries: u64,
+    /// `Added` events.
+    pub added: u64,
+    /// `Updated` events.
+    pub updated: u64,
+    /// `Removed` events.
+    pub removed: u64,
+    /// Values ignored: key not `<engine_id>/<rank>`.
+    pub ignored_bad_key: u64,
+    /// Values ignored: not a valid record.
+    pub ignored_malformed: u64,
+    /// Values ignored: another record format version.
+    pub ignored_unsupported_version: u64,
+    /// Values ignored: another layout hash.
+    pub ignored_layout_mismatch: u64,
+    /// Full listings (1 + one per reconnection).
+    pub listings: u64,
+}
+
+impl DirectoryStats {
+    /// The ignored count for `reason`.
+    pub fn ignored(&self, reason: IgnoreReason) -> u64 {
+        match reason {
+            IgnoreReason::BadKey => self.ignored_bad_key,
+            IgnoreReason::Malformed => self.ignored_malformed,
+            IgnoreReason::UnsupportedVersion => self.ignored_unsupported_version,
+            IgnoreReason::LayoutMismatch => self.ignored_layout_mismatch,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    added: AtomicU64,
+    updated: AtomicU64,
+    removed: AtomicU64,
+    ignored: [AtomicU64; 4],
+    listings: AtomicU64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) status: StatusCell,
+    cache: RwLock<DirectoryCache>,
+    subscribers: Mutex<Vec<mpsc::UnboundedSender<DirectoryEvent>>>,
+    counters: Counters,
+    synced: AtomicBool,
+    warn: Mutex<WarnLimiter>,
+}
+
+impl Shared {
+    fn cache(&self) -> std::sync::RwLockReadGuard<'_, DirectoryCache> {
+        self.cache.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn stats(&self) -> DirectoryStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let c = &self.counters;
+        DirectoryStats {
+            entries: self.cache().len() as u64,
+            added: l(&c.added),
+            updated: l(&c.updated),
+            removed: l(&c.removed),
+            ignored_bad_key: l(&c.ignored[0]),
+            ignored_malformed: l(&c.ignored[1]),
+            ignored_unsupported_version: l(&c.ignored[2]),
+            ignored_layout_mismatch: l(&c.ignored[3]),
+            listings: l(&c.listings),
+        }
+    }
+
+    /// Applies `change` to the cache under the write lock, then (lock released) counts,
+    /// logs and sends what came out of it.
+    fn update(&self, change: impl FnOnce(&mut DirectoryCache) -> (Vec<DirectoryEvent>, Vec<Ignored>)) {
+        let (events, ignored) = {
+            let mut cache = self.cache.write().unwrap_or_else(PoisonError::into_inner);
+            change(&mut cache)
+        };
+        for i in ignored {
+            let index = IgnoreReason::ALL.iter().position(|r| *r == i.reason).unwrap_or(0);
+            self.counters.ignored[index].fetch_add(1, Ordering::Relaxed);
+            let allowed = self.warn.lock().unwrap_or_else(PoisonError::into_inner).allow(Instant::now());
+            if let Some(suppressed) = allowed {
+                tracing::warn!(key = %i.key, reason = i.reason.as_str(), detail = %i.detail, suppressed, "ignoring a value in the engine directory");
+            }
+        }
+        if events.is_empty() {
+            return;
+        }
+        for event in &events {
+            let counter = match event {
+                DirectoryEvent::Added(e) => {
+                    tracing::info!(engine = %e.key, addr = %e.record.addr, incarnation = %format_args!("{:016x}", e.record.incarnation), "engine registered");
+                    &self.counters.added
+                }
+                DirectoryEvent::Updated { old, new } => {
+                    tracing::info!(engine = %new.key, addr = %new.record.addr, old_incarnation = %format_args!("{:016x}", old.record.incarnation), new_incarnation = %format_args!("{:016x}", new.record.incarnation), "engine record changed");
+                    &self.counters.updated
+                }
+                DirectoryEvent::Removed(e) => {
+                    tracing::info!(engine = %e.key, addr = %e.record.addr, "engine gone");
+                    &self.counters.removed
+                }
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut subscribers = self.subscribers.lock().unwrap_or_else(PoisonError::into_inner);
+        subscribers.retain(|tx| events.iter().all(|e| tx.send(e.clone()).is_ok()));
+    }
+}
+
+/// The events of one subscriber, in the order the cache changed. Unbounded: a subscriber
+/// never misses an event (etcd's rate of changes bounds the queue).
+#[derive(Debug)]
+pub struct DirectoryEvents {
+    rx: mpsc::UnboundedReceiver<DirectoryEvent>,
+}
+
+impl DirectoryEvents {
+    /// The next event; `None` once the directory is gone.
+    pub async fn recv(&mut self) -> Option<DirectoryEvent> {
+        self.rx.recv().await
+    }
+
+    /// The next event if one is queued.
+    pub fn try_recv(&mut self) -> Option<DirectoryEvent> {
+        self.rx.try_recv().ok()
+    }
+
+    /// The next event, blocking this thread (not for use inside an async task).
+    pub fn blocking_recv(&mut self) -> Option<DirectoryEvent> {
+        self.rx.blocking_recv()
+    }
+}
+
+/// The registered engines of one namespace, cached and kept current from etcd.
+/// [`Self::resolve`] answers from the cache and never waits for etcd.
+#[derive(Debug)]
+pub struct EngineDirectory {
+    shared: Arc<Shared>,
+    namespace: Namespace,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl EngineDirectory {
+    /// Starts listing and watching `namespace` on `runtime`; returns at once (the cache fills
+    /// in the background: [`Self::wait_synced`] waits for the first listing).
+    pub fn start(
+        runtime: &Handle,
+        etcd: EtcdConfig,
+        namespace: Namespace,
+        options: DirectoryOptions,
+    ) -> Result<Self, Error> {
+        etcd.check()?;
+        let shared = Arc::new(Shared {
+            status: StatusCell::new(),
+            cache: RwLock::new(DirectoryCache::new(namespace.clone(), options.expected_compat_hash)),
+            subscribers: Mutex::new(Vec::new()),
+            counters: Counters::default(),
+            synced: AtomicBool::new(false),
+            warn: Mutex::new(WarnLimiter::new(10)),
+        });
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let watcher = Watcher { shared: shared.clone(), etcd, prefix: engines_prefix(&namespace) };
+        let task = runtime.spawn(watcher.run(stop_rx));
+        Ok(Self { shared, namespace, stop: Some(stop_tx), task: Some(task) })
+    }
+
+    /// The namespace it watches.
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+
+    /// The cached entry of `engine_id`'s rank `rank`. Never touches etcd: while etcd is
+    /// unreachable this is the last state seen (see [`Self::status`]).
+    pub fn resolve(&self, engine_id: &str, rank: u32) -> Option<Arc<EngineEntry>> {
+        self.shared.cache().get(engine_id, rank)
+    }
+
+    /// The cached entry a pull from `engine_id`'s rank `rank` should use, checked against
+    /// the hand-off's `incarnation` when it states one (nonzero): an engine that is gone or
+    /// restarted fails at once, with why, instead of at the next I/O timeout.
+    pub fn resolve_current(
+        &self,
+        engine_id: &str,
+        rank: u32,
+        incarnation: Option<u64>,
+    ) -> Result<Arc<EngineEntry>, ResolveError> {
+        let entry = self.resolve(engine_id, rank);
+        check_current(entry, self.is_synced(), engine_id, rank, incarnation)
+    }
+
+    /// Every cached rank of `engine_id`, by rank.
+    pub fn engine(&self, engine_id: &str) -> Vec<Arc<EngineEntry>> {
+        self.shared.cache().engine(engine_id)
+    }
+
+    /// Every cached rank.
+    pub fn entries(&self) -> Vec<Arc<EngineEntry>> {
+        self.shared.cache().entries()
+    }
+
+    /// A new subscriber: receives every change from now on.
+    pub fn subscribe(&self) -> DirectoryEvents {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.shared.subscribers.lock().unwrap_or_else(PoisonError::into_inner).push(tx);
+        DirectoryEvents { rx }
+    }
+
+    /// Whether a first listing has filled the cache.
+    pub fn is_synced(&self) -> bool {
+        self.shared.synced.load(Ordering::Acquire)
+    }
+
+    /// Waits until the cache is filled from etcd and being watched, up to `timeout`.
+    pub async fn wait_synced(&self, timeout: Duration) -> Result<EtcdStatus, EtcdStatus> {
+        self.status_watch().wait_until(timeout, |s| s.state == EtcdState::Connected).await
+    }
+
+    /// Where it stands with etcd.
+    pub fn status(&self) -> EtcdStatus {
+        self.shared.status.get()
+    }
+
+    /// A receiver that sees every status change.
+    pub fn status_watch(&self) -> StatusWatch {
+        self.shared.status.subscribe()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> DirectoryStats {
+        self.shared.stats()
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Stops watching (the cache stays readable until this value is dropped).
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for EngineDirectory {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// The background task: list, then watch from the listing's revision; on any failure,
+/// back off and list again (which also covers a compacted watch and a restarted etcd).
+struct Watcher {
+    shared: Arc<Shared>,
+    etcd: EtcdConfig,
+    prefix: String,
+}
+
+impl Watcher {
+    async fn run(self, mut stop: oneshot::Receiver<()>) {
+        let mut rng = rand::rngs::StdRng::from_os_rng();
+        let mut backoff = Backoff::new(self.etcd.backoff_initial, self.etcd.backoff_max);
+        loop {
+            let failed = tokio::select! {
+                _ = &mut stop => break,
+                e = self.session(&mut backoff) => e,
+            };
+            let delay = backoff.next_delay(&mut rng);
+            if self.shared.status.failed(&failed) {
+                tracing::warn!(prefix = %self.prefix, error = %failed, "engine directory degraded; serving from its cache and retrying");
+            } else {
+                tracing::debug!(prefix = %self.prefix, error = %failed, retry_in = ?delay, "engine directory still cannot reach etcd");
+            }
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = tokio::time::sleep(delay) => {}
+            }
+        }
+        self.shared.status.stopped();
+    }
+
+    /// One connection: list, watch, apply until something fails. Never returns `Ok`.
+    async fn session(&self, backoff: &mut Backoff) -> EtcdError {
+        let etcd = &self.etcd;
+        // A fresh client per attempt: no state survives from a broken connection.
+        let mut client: Client = match etcd.client().await {
+            Ok(c) => c,
+            Err(e) => return e,
+        };
+        let listing =
+            etcd.call(EtcdOp::List, client.get(self.prefix.as_str(), Some(GetOptions::new().with_prefix())));
+        let listing = match listing.await {
+            Ok(r) => r,
+            Err(e) => return e,
+        };
+        let revision = listing.header().map_or(0, |h| h.revision());
+        self.shared.counters.listings.fetch_add(1, Ordering::Relaxed);
+        self.shared.update(|cache| {
+            cache.replace_all(listing.kvs().iter().map(|kv| Kv {
+                key: kv.key(),
+                value: kv.value(),
+                mod_revision: kv.mod_revision(),
+                lease: kv.lease(),
+            }))
+        });
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+        let mut stream =
+            match etcd.call(EtcdOp::Watch, client.watch(self.prefix.as_str(), Some(options))).await {
+                Ok(s) => s,
+                Err(e) => return e,
+            };
+        self.shared.synced.store(true, Ordering::Release);
+        backoff.reset();
+        if self.shared.status.connected() {
+            tracing::info!(prefix = %self.prefix, revision, "engine directory reconnected to etcd and re-listed");
+        } else {
+            tracing::info!(prefix = %self.prefix, revision, entries = self.shared.cache().len(), "engine directory listed and watching");
+        }
+        loop {
+            // No timeout: HTTP/2 pings bound how long a dead connection goes unnoticed.
+            let response = match stream.message().await {
+                Ok(Some(r)) => r,
+                Ok(None) => {
+                    return EtcdError::StreamEnded { op: EtcdOp::Watch, reason: "closed by etcd".into() }
+                }
+                Err(source) => return EtcdError::Client { op: EtcdOp::Watch, source },
+            };
+            if response.canceled() || response.compact_revision() > 0 {
+                let reason = format!(
+                    "cancelled by etcd (compacted at revision {}; {})",
+                    response.compact_revision(),
+                    response.cancel_reason()
+                );
+                return EtcdError::StreamEnded { op: EtcdOp::Watch, reason };
+            }
+            if response.events().is_empty() {
+                continue;
+            }
+            self.shared.update(|cache| {
+                let mut events = Vec::new();
+                let mut ignored = Vec::new();
+                for event in response.events() {
+                    let Some(kv) = event.kv() else { continue };
+                    match event.event_type() {
+                        EventType::Put => {
+                            let (e, i) = cache.apply_put(&Kv {
+                                key: kv.key(),
+                                value: kv.value(),
+                                mod_revision: kv.mod_revision(),
+                                lease: kv.lease(),
+                            });
+                            events.extend(e);
+                            ignored.extend(i);
+                        }
+                        EventType::Delete => events.extend(cache.apply_delete(kv.key())),
+                    }
+                }
+                (events, ignored)
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::names::{AgentName, TransportName};
+    use crate::record::{AdvertiseAddr, Host};
+
+    fn record(incarnation: u64, hash: u64) -> Vec<u8> {
+        EngineRecord {
+            addr: AdvertiseAddr::new(Host::parse("10.0.0.1").expect("host"), 7000).expect("addr"),
+            transports: vec![TransportName::tcp()],
+            compat_hash: hash,
+            protocol_version: 2,
+            incarnation,
+            agent: AgentName::new("p").expect("name"),
+        }
+        .to_json()
+    }
+
+    fn kv<'a>(key: &'a [u8], value: &'a [u8]) -> Kv<'a> {
+        Kv { key, value, mod_revision: 1, lease: 7 }
+    }
+
+    fn cache() -> DirectoryCache {
+        DirectoryCache::new(Namespace::new("ns").expect("ns"), Some(0xab))
+    }
+
+    #[test]
+    fn puts_and_deletes_become_events() {
+        let mut c = cache();
+        let k = b"/ns/v1/engines/e1/0";
+        let (e, i) = c.apply_put(&kv(k, &record(1, 0xab)));
+        assert!(matches!(e, Some(DirectoryEvent::Added(_))) && i.is_none());
+        // The same record again (re-registration on a new lease): no event.
+        assert_eq!(c.apply_put(&kv(k, &record(1, 0xab))), (None, None));
+        // A new incarnation: Updated with both.
+        match c.apply_put(&kv(k, &record(2, 0xab))) {
+            (Some(DirectoryEvent::Updated { old, new }), None) => {
+                assert_eq!((old.record.incarnation, new.record.incarnation), (1, 2));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.get("e1", 0).map(|e| e.record.incarnation), Some(2));
+        assert!(matches!(c.apply_delete(k), Some(DirectoryEvent::Removed(_))));
+        assert_eq!(c.apply_delete(k), None);
+        assert_eq!(c.len(), 0);
+    }
+
+    #[test]
+    fn bad_values_are_ignored_and_evict_a_good_one() {
+        let mut c = cache();
+        let k = b"/ns/v1/engines/e1/0";
+        c.apply_put(&kv(k, &record(1, 0xab)));
+        let (e, i) = c.apply_put(&kv(k, b"\xff\x00garbage"));
+        assert!(matches!(e, Some(DirectoryEvent::Removed(_))));
+        assert_eq!(i.map(|i| i.reason), Some(IgnoreReason::Malformed));
+        let (e, i) = c.apply_put(&kv(k, &record(1, 0xcd)));
+        assert_eq!((e, i.map(|i| i.reason)), (None, Some(IgnoreReason::LayoutMismatch)));
+        let (e, i) = c.apply_put(&kv(b"/ns/v1/engines/e1/x", &record(1, 0xab)));
+        assert_eq!((e, i.map(|i| i.reason)), (None, Some(IgnoreReason::BadKey)));
+        let v2 = String::from_utf8(record(1, 0xab)).expect("utf8").replace(r#""v":1"#, r#""v":9"#);
+        let (_, i) = c.apply_put(&kv(k, v2.as_bytes()));
+        assert_eq!(i.map(|i| i.reason), Some(IgnoreReason::UnsupportedVersion));
+        assert_eq!(c.len(), 0);
+    }
+
+    #[test]
+    fn resolving_for_a_pull_names_why_an_engine_cannot_be_used() {
+        let mut c = cache();
+        c.apply_put(&kv(b"/ns/v1/engines/e1/0", &record(5, 0xab)));
+        let entry = c.get("e1", 0);
+        assert!(check_current(entry.clone(), true, "e1", 0, Some(5)).is_ok());
+        assert!(check_current(entry.clone(), true, "e1", 0, None).is_ok());
+        assert!(check_current(entry.clone(), true, "e1", 0, Some(0)).is_ok(), "0 states nothing");
+        assert!(matches!(
+            check_current(entry, true, "e1", 0, Some(4)),
+            Err(ResolveError::StaleIncarnation { handoff: 4, registered: 5, .. })
+        ));
+        assert!(matches!(check_current(None, true, "e2", 0, None), Err(ResolveError::NotRegistered { .. })));
+        assert!(matches!(check_current(None, false, "e2", 0, None), Err(ResolveError::NotSynced { .. })));
+    }
+
+    #[test]
+    fn a_listing_reports_what_changed_since_the_last() {
+        let mut c = cache();
+        let (a, b, d) = (&b"/ns/v1/engines/a/0"[..], &b"/ns/v1/engines/b/0"[..], &b"/ns/v1/engines/d/1"[..]);
+        let (r1, r2) = (record(1, 0xab), record(2, 0xab));
+        let (events, _) = c.replace_all([kv(a, &r1), kv(b, &r1)]);
+        assert_eq!(events.len(), 2);
+        // Meanwhile: a restarted (new incarnation), b gone, d new, plus garbage.
+        let (events, ignored) = c.replace_all([kv(a, &r2), kv(d, &r1), kv(b"/ns/v1/engines/zz", b"x")]);
+        let kinds: Vec<&str> = events
+            .iter()
+            .map(|e| match e {
+                DirectoryEvent::Added(_) => "added",
+                DirectoryEvent::Updated { .. } => "updated",
+                DirectoryEvent::Removed(_) => "removed",
+            })
+            .collect();
+        assert_eq!(kinds, ["removed", "updated", "added"]);
+        assert_eq!(ignored.len(), 1);
+        assert_eq!(c.engine("d").len(), 1);
+        assert_eq!(c.entries().len(), 2);
+    }
+}

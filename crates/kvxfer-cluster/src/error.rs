@@ -1,0 +1,263 @@
+//! Errors: one `#[non_exhaustive]` top-level [`Error`] wrapping narrow enums.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in this crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A name (namespace, engine id, agent name, transport) or key is not acceptable.
+    #[error(transparent)]
+    Name(#[from] NameError),
+    /// A value under the namespace is not an engine record this version understands.
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    /// Talking to etcd failed.
+    #[error(transparent)]
+    Etcd(#[from] EtcdError),
+    /// A setting is out of range.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The metrics endpoint failed.
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
+    /// An engine named by a hand-off cannot be pulled from.
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+}
+
+/// Why the directory cannot give a usable address for an engine rank.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResolveError {
+    /// The directory has not listed etcd yet (it says nothing about the engine).
+    #[error("the engine directory has not listed etcd yet; {engine}/{rank} is unknown so far")]
+    NotSynced {
+        /// The engine id.
+        engine: String,
+        /// The rank.
+        rank: u32,
+    },
+    /// No such engine rank is registered (never was, shut down, or its lease expired).
+    #[error("engine {engine} rank {rank} is not registered (shut down, crashed, or never started)")]
+    NotRegistered {
+        /// The engine id.
+        engine: String,
+        /// The rank.
+        rank: u32,
+    },
+    /// Registered, but by another process than the one that issued the hand-off.
+    #[error(
+        "engine {engine} rank {rank} restarted: the hand-off is from incarnation {handoff:016x}, \
+         the registered one is {registered:016x}"
+    )]
+    StaleIncarnation {
+        /// The engine id.
+        engine: String,
+        /// The rank.
+        rank: u32,
+        /// The incarnation the hand-off names.
+        handoff: u64,
+        /// The incarnation registered now.
+        registered: u64,
+    },
+}
+
+/// A name or key that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NameError {
+    /// Empty, or longer than allowed.
+    #[error("{what} must be 1..={max} bytes long, got {len}")]
+    Length {
+        /// What was being named.
+        what: &'static str,
+        /// Its length.
+        len: usize,
+        /// The longest allowed.
+        max: usize,
+    },
+    /// A character that is not allowed.
+    #[error("{what} {value:?} contains {ch:?}, which is not allowed ({allowed})")]
+    Character {
+        /// What was being named.
+        what: &'static str,
+        /// The rejected value (escaped when printed).
+        value: String,
+        /// The first rejected character.
+        ch: char,
+        /// What is allowed, in words.
+        allowed: &'static str,
+    },
+    /// `.` and `..` would read as path steps.
+    #[error("{what} cannot be {value:?}")]
+    Reserved {
+        /// What was being named.
+        what: &'static str,
+        /// The rejected value.
+        value: String,
+    },
+    /// A key under the engines prefix that is not `<engine_id>/<rank>`.
+    #[error("key {key:?} is not <prefix><engine_id>/<rank>: {reason}")]
+    Key {
+        /// The key, lossily decoded.
+        key: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+/// A value that is not an engine record this version understands.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// Larger than any record this version writes.
+    #[error("record of {len} bytes exceeds the {max}-byte limit")]
+    TooLarge {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Not JSON, or not the JSON of a record (the parser's message).
+    #[error("record is not valid JSON for its version: {0}")]
+    Json(String),
+    /// A record format version this build does not read.
+    #[error("record format version {found} is not supported (this build reads {supported})")]
+    UnsupportedVersion {
+        /// The version found.
+        found: u64,
+        /// The version this build reads.
+        supported: u64,
+    },
+    /// A hex field that is not 16 hex digits.
+    #[error("{field} must be 16 hex digits, got {value:?}")]
+    Hex {
+        /// The field.
+        field: &'static str,
+        /// What it held.
+        value: String,
+    },
+    /// An advertise address that cannot be connected to.
+    #[error("bad advertise address: {0}")]
+    Address(String),
+    /// A field that breaks a name rule.
+    #[error("bad {field}: {source}")]
+    Field {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        source: NameError,
+    },
+    /// More transports than a record may list.
+    #[error("{count} transports listed, at most {max} allowed")]
+    TooManyTransports {
+        /// How many were listed.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
+/// Which etcd operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EtcdOp {
+    /// Creating the client.
+    Connect,
+    /// Granting a lease.
+    Grant,
+    /// Asking for a lease's remaining time.
+    TimeToLive,
+    /// Writing the registration.
+    Put,
+    /// Keeping a lease alive.
+    KeepAlive,
+    /// Revoking a lease.
+    Revoke,
+    /// Listing the engines.
+    List,
+    /// Watching the engines.
+    Watch,
+}
+
+impl std::fmt::Display for EtcdOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EtcdOp::Connect => "connect",
+            EtcdOp::Grant => "lease grant",
+            EtcdOp::TimeToLive => "lease time-to-live",
+            EtcdOp::Put => "put",
+            EtcdOp::KeepAlive => "lease keep-alive",
+            EtcdOp::Revoke => "lease revoke",
+            EtcdOp::List => "list",
+            EtcdOp::Watch => "watch",
+        })
+    }
+}
+
+/// Talking to etcd failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EtcdError {
+    /// etcd answered with an error, or the connection failed.
+    #[error("etcd {op} failed: {source}")]
+    Client {
+        /// The operation.
+        op: EtcdOp,
+        /// The client's error.
+        source: etcd_client::Error,
+    },
+    /// No answer in time (etcd down, unreachable, or overloaded).
+    #[error("etcd {op} got no answer within {after:?}")]
+    Timeout {
+        /// The operation.
+        op: EtcdOp,
+        /// How long it waited.
+        after: Duration,
+    },
+    /// A stream (watch or keep-alive) ended or was cancelled by etcd.
+    #[error("etcd {op} stream ended: {reason}")]
+    StreamEnded {
+        /// The operation.
+        op: EtcdOp,
+        /// Why, as far as known.
+        reason: String,
+    },
+}
+
+/// A setting out of range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// No etcd endpoint given.
+    #[error("no etcd endpoint given")]
+    NoEndpoints,
+    /// A lease TTL etcd would not honour.
+    #[error("lease TTL {ttl:?} is out of range ({min}..={max} whole seconds)")]
+    LeaseTtl {
+        /// The TTL asked for.
+        ttl: Duration,
+        /// The shortest TTL (etcd's default minimum).
+        min: u64,
+        /// The longest TTL.
+        max: u64,
+    },
+}
+
+/// The metrics endpoint failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetricsError {
+    /// The listen address could not be bound.
+    #[error("cannot listen for /metrics on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Encoding the registry failed.
+    #[error("encoding the metrics failed")]
+    Encode,
+}

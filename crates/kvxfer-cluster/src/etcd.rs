@@ -1,0 +1,222 @@
+//! The etcd connection settings and the connection state both halves expose.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, ConnectOptions};
+
+use crate::error::{ConfigError, EtcdError, EtcdOp};
+
+/// How to reach etcd and how hard to try.
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    /// Client URLs, e.g. `http://10.0.0.1:2379` (`host:port` means `http://host:port`).
+    pub endpoints: Vec<String>,
+    /// Longest wait for a TCP connection to an endpoint.
+    pub connect_timeout: Duration,
+    /// Longest wait for any one answer (a grant, a put, a list, a watch being set up).
+    pub request_timeout: Duration,
+    /// HTTP/2 pings on idle connections, so a dead etcd (or path to it) is noticed by open
+    /// watch and keep-alive streams within `keepalive_interval + keepalive_timeout`.
+    pub keepalive_interval: Duration,
+    /// How long a ping may go unanswered.
+    pub keepalive_timeout: Duration,
+    /// First retry delay after a failure; doubles per failure (with jitter).
+    pub backoff_initial: Duration,
+    /// Longest retry delay.
+    pub backoff_max: Duration,
+}
+
+impl EtcdConfig {
+    /// Defaults for `endpoints`: 2 s connect and request timeouts, 1 s + 1 s HTTP/2 pings,
+    /// retries from 100 ms doubling to at most 2 s.
+    pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
+        Self {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(2),
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_timeout: Duration::from_secs(1),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(2),
+        }
+    }
+
+    pub(crate) fn check(&self) -> Result<(), ConfigError> {
+        if self.endpoints.iter().all(|e| e.trim().is_empty()) {
+            return Err(ConfigError::NoEndpoints);
+        }
+        Ok(())
+    }
+
+    /// Makes a client. etcd-client connects lazily, so this does no I/O and succeeds while
+    /// etcd is down; every call made with it is bounded by [`Self::call`].
+    pub(crate) async fn client(&self) -> Result<Client, EtcdError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(self.connect_timeout)
+            .with_keep_alive(self.keepalive_interval, self.keepalive_timeout)
+            .with_keep_alive_while_idle(true);
+        let endpoints: Vec<&str> =
+            self.endpoints.iter().map(|e| e.trim()).filter(|e| !e.is_empty()).collect();
+        self.call(EtcdOp::Connect, Client::connect(endpoints, Some(options))).await
+    }
+
+    /// Runs one etcd call with the request timeout.
+    pub(crate) async fn call<T>(
+        &self,
+        op: EtcdOp,
+        fut: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, EtcdError> {
+        match tokio::time::timeout(self.request_timeout, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(source)) => Err(EtcdError::Client { op, source }),
+            Err(_) => Err(EtcdError::Timeout { op, after: self.request_timeout }),
+        }
+    }
+}
+
+/// Where a registration or directory stands with etcd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EtcdState {
+    /// Started, no answer from etcd yet.
+    Connecting,
+    /// Registered (registration) or listed and watching (directory).
+    Connected,
+    /// Lost etcd; retrying with backoff while serving from what it has.
+    Degraded,
+    /// Shut down.
+    Stopped,
+}
+
+impl EtcdState {
+    /// A short lowercase name (a metric label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EtcdState::Connecting => "connecting",
+            EtcdState::Connected => "connected",
+            EtcdState::Degraded => "degraded",
+            EtcdState::Stopped => "stopped",
+        }
+    }
+
+    /// Every state, for metrics that list all of them.
+    pub const ALL: [EtcdState; 4] =
+        [EtcdState::Connecting, EtcdState::Connected, EtcdState::Degraded, EtcdState::Stopped];
+}
+
+/// A snapshot of a registration's or directory's connection to etcd.
+#[derive(Debug, Clone)]
+pub struct EtcdStatus {
+    /// The state.
+    pub state: EtcdState,
+    /// Since when.
+    pub since: Instant,
+    /// The latest failure, kept after recovery (for logs and diagnostics).
+    pub last_error: Option<Arc<str>>,
+    /// Failures so far (each one followed by a retry).
+    pub failures: u64,
+    /// Times it became connected again after a failure.
+    pub recoveries: u64,
+}
+
+/// The shared, watchable status of one registration or directory.
+#[derive(Debug)]
+pub(crate) struct StatusCell {
+    tx: tokio::sync::watch::Sender<EtcdStatus>,
+}
+
+impl StatusCell {
+    pub(crate) fn new() -> Self {
+        let status = EtcdStatus {
+            state: EtcdState::Connecting,
+            since: Instant::now(),
+            last_error: None,
+            failures: 0,
+            recoveries: 0,
+        };
+        Self { tx: tokio::sync::watch::Sender::new(status) }
+    }
+
+    pub(crate) fn get(&self) -> EtcdStatus {
+        self.tx.borrow().clone()
+    }
+
+    pub(crate) fn subscribe(&self) -> StatusWatch {
+        StatusWatch { rx: self.tx.subscribe() }
+    }
+
+    /// Records success; returns whether this was a recovery from a failure.
+    pub(crate) fn connected(&self) -> bool {
+        let mut recovered = false;
+        self.tx.send_if_modified(|s| {
+            if s.state == EtcdState::Connected {
+                return false;
+            }
+            recovered = s.state == EtcdState::Degraded;
+            if recovered {
+                s.recoveries += 1;
+            }
+            s.state = EtcdState::Connected;
+            s.since = Instant::now();
+            true
+        });
+        recovered
+    }
+
+    /// Records a failure; returns whether it was connected (or connecting) until now.
+    pub(crate) fn failed(&self, error: &dyn std::fmt::Display) -> bool {
+        let mut was_ok = false;
+        self.tx.send_modify(|s| {
+            was_ok = s.state != EtcdState::Degraded;
+            s.failures += 1;
+            s.last_error = Some(Arc::from(error.to_string()));
+            if was_ok {
+                s.state = EtcdState::Degraded;
+                s.since = Instant::now();
+            }
+        });
+        was_ok
+    }
+
+    pub(crate) fn stopped(&self) {
+        self.tx.send_modify(|s| {
+            s.state = EtcdState::Stopped;
+            s.since = Instant::now();
+        });
+    }
+}
+
+/// Follows a registration's or directory's status. Hands out copies only, so no caller can
+/// hold the status lock while the background task needs it.
+#[derive(Debug, Clone)]
+pub struct StatusWatch {
+    rx: tokio::sync::watch::Receiver<EtcdStatus>,
+}
+
+impl StatusWatch {
+    /// The status now.
+    pub fn current(&self) -> EtcdStatus {
+        self.rx.borrow().clone()
+    }
+
+    /// Waits for the next change; `None` once the registration or directory is gone.
+    pub async fn changed(&mut self) -> Option<EtcdStatus> {
+        self.rx.changed().await.ok()?;
+        Some(self.rx.borrow_and_update().clone())
+    }
+
+    /// Waits until the status satisfies `want` (checked at once, then at every change), up
+    /// to `timeout`; on timeout (or when the owner is gone) returns the status as it then is.
+    pub async fn wait_until(
+        &mut self,
+        timeout: Duration,
+        want: impl Fn(&EtcdStatus) -> bool,
+    ) -> Result<EtcdStatus, EtcdStatus> {
+        let reached = match tokio::time::timeout(timeout, self.rx.wait_for(|s| want(s))).await {
+            Ok(Ok(status)) => Some(status.clone()),
+            _ => None,
+        };
+        reached.ok_or_else(|| self.current())
+    }
+}

@@ -1,0 +1,442 @@
+//! Discovery against a real etcd: registration, directory, crashes, restarts, bad values.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvxfer_cluster::{
+    engines_prefix, DirectoryEvent, DirectoryOptions, EngineDirectory, EngineRecord, EtcdState, Registration,
+    RegistrationConfig, ResolveError, StatusWatch,
+};
+use support::{
+    is_added, is_removed, key, namespace, next_event, record, wait_added, wait_event, EtcdServer, LAYOUT_HASH,
+};
+use tokio::runtime::Handle;
+
+const TTL: Duration = Duration::from_secs(2);
+const WAIT: Duration = Duration::from_secs(15);
+
+fn register(etcd: &EtcdServer, engine: &str, incarnation: u64) -> Registration {
+    let config = RegistrationConfig { key: key(engine, 0), record: record(7000, incarnation), ttl: TTL };
+    Registration::start(&Handle::current(), etcd.config(), config).expect("start registration")
+}
+
+async fn directory(etcd: &EtcdServer) -> EngineDirectory {
+    let options = DirectoryOptions { expected_compat_hash: Some(LAYOUT_HASH) };
+    let dir = EngineDirectory::start(&Handle::current(), etcd.config(), namespace(), options)
+        .expect("start directory");
+    dir.wait_synced(WAIT).await.expect("directory synced");
+    dir
+}
+
+async fn registered(reg: &Registration) {
+    if let Err(status) = reg.wait_registered(WAIT).await {
+        panic!("not registered: {status:?}");
+    }
+}
+
+/// The value stored under `engine`'s key, if any.
+async fn stored(etcd: &EtcdServer, engine: &str) -> Option<(EngineRecord, i64)> {
+    let mut client = etcd.client().await;
+    let got = client.get(key(engine, 0).to_key(), None).await.expect("get");
+    got.kvs().first().map(|kv| (EngineRecord::from_json(kv.value()).expect("our own record"), kv.lease()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registered_engine_resolves_from_the_cache() {
+    let etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-a", 0xa1);
+    registered(&reg).await;
+    let added = next_event(&mut events, "Added engine-a").await;
+    let DirectoryEvent::Added(entry) = added else { panic!("expected Added, got {added:?}") };
+    assert_eq!(entry.key, key("engine-a", 0));
+    assert_eq!(entry.record, record(7000, 0xa1));
+    assert_eq!(Some(entry.lease), reg.lease_id(), "the key is on the registration's lease");
+
+    let resolved = dir.resolve("engine-a", 0).expect("resolves");
+    assert_eq!(resolved.record.addr.to_string(), "127.0.0.1:7000");
+    assert!(resolved.record.offers("ucx"));
+    assert!(dir.resolve("engine-a", 1).is_none());
+    assert!(dir.resolve("engine-b", 0).is_none());
+    assert_eq!(dir.engine("engine-a").len(), 1);
+    assert_eq!(stored(&etcd, "engine-a").await.map(|(r, _)| r), Some(record(7000, 0xa1)));
+
+    // A directory started later finds it in its first listing.
+    let late = directory(&etcd).await;
+    assert_eq!(late.resolve("engine-a", 0).map(|e| e.record.incarnation), Some(0xa1));
+    assert_eq!(late.stats().entries, 1);
+
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+    late.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_revokes_the_key_at_once() {
+    let etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-a", 1);
+    registered(&reg).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-a")).await;
+
+    reg.shutdown().await.expect("revoked");
+    // Revoke deletes the lease's keys before it answers: gone now, not within a TTL.
+    assert!(stored(&etcd, "engine-a").await.is_none(), "key still there after shutdown");
+    let removed = next_event(&mut events, "Removed after shutdown").await;
+    assert!(is_removed(&removed, "engine-a"), "{removed:?}");
+    assert!(dir.resolve("engine-a", 0).is_none());
+    dir.shutdown().await;
+}
+
+/// Runs the crate's `kvxfer-register` binary against `etcd` and waits for its
+/// "registered" line.
+fn spawn_registering_process(etcd: &EtcdServer, engine: &str) -> (std::process::Child, serde_json::Value) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvxfer-register"))
+        .args(["--etcd", &etcd.endpoint(), "--namespace", namespace().as_str(), "--engine-id", engine])
+        .args(["--addr", "127.0.0.1:7100", "--transports", "tcp,ucx", "--ttl-secs", "2"])
+        .args(["--compat-hash", &format!("{LAYOUT_HASH:016x}")])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvxfer-register");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let line = match rx.recv_timeout(WAIT) {
+        Ok(line) => line,
+        Err(_) => {
+            let _ = child.kill();
+            panic!("kvxfer-register printed nothing within {WAIT:?}");
+        }
+    };
+    let json: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+    assert_eq!(json["event"], "registered", "{line}");
+    (child, json)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_registering_process_vanishes_within_the_lease_ttl() {
+    let etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let (mut child, line) = spawn_registering_process(&etcd, "engine-k");
+    let added = wait_event(&mut events, "Added engine-k", |e| is_added(e, "engine-k")).await;
+    let DirectoryEvent::Added(entry) = added else { unreachable!() };
+    assert_eq!(line["lease"].as_i64(), Some(entry.lease));
+
+    let killed_at = Instant::now();
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reap");
+    // No revoke happened: only the lease running out removes the key.
+    let removed = next_event(&mut events, "Removed after kill -9").await;
+    let elapsed = killed_at.elapsed();
+    assert!(is_removed(&removed, "engine-k"), "{removed:?}");
+    assert!(stored(&etcd, "engine-k").await.is_none());
+    assert!(dir.resolve("engine-k", 0).is_none());
+    // A pull naming the dead engine fails at once, saying why.
+    let handoff_incarnation =
+        u64::from_str_radix(line["incarnation"].as_str().expect("incarnation"), 16).ok();
+    assert!(matches!(
+        dir.resolve_current("engine-k", 0, handoff_incarnation),
+        Err(ResolveError::NotRegistered { .. })
+    ));
+    println!(
+        "kill -9 of the registering process -> directory Removed after {:.0} ms (lease TTL {} s; goal <= TTL + 1 s)",
+        elapsed.as_secs_f64() * 1000.0,
+        TTL.as_secs()
+    );
+    dir.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registering_process_revokes_when_told_to_leave() {
+    let etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let (mut child, _) = spawn_registering_process(&etcd, "engine-q");
+    wait_event(&mut events, "Added engine-q", |e| is_added(e, "engine-q")).await;
+    drop(child.stdin.take()); // stdin closes: the process shuts its registration down
+    let status = child.wait().expect("exit");
+    assert!(status.success(), "{status}");
+    // It revoked before exiting: the key is gone already.
+    assert!(stored(&etcd, "engine-q").await.is_none());
+    let removed = next_event(&mut events, "Removed after a clean exit").await;
+    assert!(is_removed(&removed, "engine-q"), "{removed:?}");
+    dir.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_incarnation_is_an_update_and_outlives_the_old_lease() {
+    let etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let old = register(&etcd, "engine-r", 0x01);
+    registered(&old).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-r")).await;
+    let old_lease = old.lease_id().expect("lease");
+    drop(old); // the old process crashed: its key stays until its lease runs out
+
+    let new = register(&etcd, "engine-r", 0x02);
+    registered(&new).await;
+    match next_event(&mut events, "Updated").await {
+        DirectoryEvent::Updated { old, new } => {
+            assert_eq!((old.record.incarnation, new.record.incarnation), (0x01, 0x02));
+        }
+        other => panic!("expected Updated, got {other:?}"),
+    }
+    assert_eq!(dir.resolve("engine-r", 0).map(|e| e.record.incarnation), Some(0x02));
+    // A hand-off issued by the crashed process is stale; one from the new process is fine.
+    assert!(matches!(
+        dir.resolve_current("engine-r", 0, Some(0x01)),
+        Err(ResolveError::StaleIncarnation { handoff: 0x01, registered: 0x02, .. })
+    ));
+    assert!(dir.resolve_current("engine-r", 0, Some(0x02)).is_ok());
+
+    // The old lease ending must not take the new registration's key with it.
+    let mut client = etcd.client().await;
+    client.lease_revoke(old_lease).await.expect("revoke the old lease");
+    let marker = register(&etcd, "marker", 9);
+    registered(&marker).await;
+    // Events arrive in order: a Removed for engine-r would come before the marker's Added.
+    let next = next_event(&mut events, "the marker's Added").await;
+    assert!(is_added(&next, "marker"), "engine-r must stay registered, got {next:?}");
+    assert_eq!(stored(&etcd, "engine-r").await.map(|(r, _)| r.incarnation), Some(0x02));
+
+    new.shutdown().await.expect("shutdown");
+    marker.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_lease_is_granted_again_and_the_key_put_back() {
+    let etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-l", 7);
+    registered(&reg).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-l")).await;
+    let first_lease = reg.lease_id().expect("lease");
+
+    // An operator (or an expiry during a long stall) ends the lease under the agent.
+    etcd.client().await.lease_revoke(first_lease).await.expect("revoke");
+    let removed = next_event(&mut events, "Removed by the revoke").await;
+    assert!(is_removed(&removed, "engine-l"), "{removed:?}");
+    // The next keep-alive finds the lease gone: a new lease, the key put back.
+    let added = next_event(&mut events, "Added again").await;
+    let DirectoryEvent::Added(entry) = added else { panic!("expected Added, got {added:?}") };
+    assert_eq!(entry.record, record(7000, 7));
+    assert_ne!(entry.lease, first_lease);
+    let stats = reg.stats();
+    assert_eq!((stats.grants, stats.leases_lost), (2, 1), "{stats:?}");
+    assert_eq!(reg.lease_id(), Some(entry.lease));
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}
+
+async fn wait_state(what: &str, mut watch: StatusWatch, want: EtcdState) {
+    if let Err(status) = watch.wait_until(WAIT, |s| s.state == want).await {
+        panic!("{what} did not become {want:?}: {status:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restart_brings_registrations_back_and_the_watch_resumes() {
+    let mut etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let a = register(&etcd, "engine-a", 0xa);
+    let b = register(&etcd, "engine-b", 0xb);
+    registered(&a).await;
+    registered(&b).await;
+    wait_added(&mut events, &["engine-a", "engine-b"]).await;
+    let lease_a = a.lease_id();
+
+    // 1. etcd stops and comes back with its data on the same ports.
+    etcd.kill();
+    wait_state("directory", dir.status_watch(), EtcdState::Degraded).await;
+    wait_state("registration a", a.status_watch(), EtcdState::Degraded).await;
+    assert!(dir.resolve("engine-a", 0).is_some(), "the cache answers while etcd is down");
+    etcd.restart();
+    wait_state("registration a", a.status_watch(), EtcdState::Connected).await;
+    wait_state("directory", dir.status_watch(), EtcdState::Connected).await;
+    assert_eq!(a.lease_id(), lease_a, "etcd kept the lease across its restart: no new grant");
+    assert!(a.status().recoveries >= 1 && dir.status().recoveries >= 1);
+    // The watch is live again: a later change arrives.
+    let c = register(&etcd, "engine-c", 0xc);
+    registered(&c).await;
+    wait_event(&mut events, "Added c after the restart", |e| is_added(e, "engine-c")).await;
+
+    // 2. b crashes, and etcd comes back empty (data lost, revisions restart from 1).
+    drop(b);
+    etcd.restart_empty();
+    // a and c register again on new leases; b cannot. The directory lists again and
+    // reports b gone (it may also see a and c go and come back, in either order).
+    let mut b_removed = false;
+    let deadline = Instant::now() + WAIT;
+    while !(b_removed && dir.resolve("engine-a", 0).is_some() && dir.resolve("engine-c", 0).is_some()) {
+        assert!(Instant::now() < deadline, "directory did not converge: {:?}", dir.entries());
+        let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(200), events.recv()).await else {
+            continue;
+        };
+        assert!(!is_added(&e, "engine-b"), "b came back: {e:?}");
+        b_removed |= is_removed(&e, "engine-b");
+    }
+    assert!(dir.resolve("engine-b", 0).is_none());
+    assert!(a.stats().leases_lost >= 1, "a's lease died with etcd's data: {:?}", a.stats());
+    assert!(stored(&etcd, "engine-a").await.is_some());
+    // The watch follows the new etcd's revisions.
+    let d = register(&etcd, "engine-d", 0xd);
+    registered(&d).await;
+    wait_event(&mut events, "Added d on the empty etcd", |e| is_added(e, "engine-d")).await;
+    for r in [a, c, d] {
+        r.shutdown().await.expect("shutdown");
+    }
+    dir.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_values_are_ignored_counted_and_the_watcher_lives_on() {
+    let etcd = EtcdServer::start();
+    let mut client = etcd.client().await;
+    let prefix = engines_prefix(&namespace());
+    let valid = |engine: &str, hash: u64| {
+        let mut r = record(7000, 1);
+        r.compat_hash = hash;
+        (format!("{prefix}{engine}/0"), r.to_json())
+    };
+    // Already there when the directory lists.
+    client.put(format!("{prefix}early/0"), b"\x00\xffnot json".to_vec(), None).await.expect("put");
+    client.put(format!("{prefix}no-rank"), valid("x", LAYOUT_HASH).1, None).await.expect("put");
+
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let s = dir.stats();
+    assert_eq!((s.ignored_malformed, s.ignored_bad_key, s.entries), (1, 1, 0), "{s:?}");
+
+    // Seen by the watch.
+    let v1 = String::from_utf8(valid("e", LAYOUT_HASH).1).expect("utf8");
+    let puts: Vec<(String, Vec<u8>)> = vec![
+        (format!("{prefix}garbage/0"), vec![0xde, 0xad, 0xbe, 0xef]),
+        (format!("{prefix}number/0"), b"42".to_vec()),
+        (format!("{prefix}future/0"), v1.replace(r#""v":1"#, r#""v":2"#).into_bytes()),
+        (
+            format!("{prefix}badhex/0"),
+            v1.replace(r#""incarnation":"0000000000000001""#, r#""incarnation":"zz""#).into_bytes(),
+        ),
+        (format!("{prefix}huge/0"), vec![b' '; 5000]),
+        valid("other-layout", 0xbad),
+        (format!("{prefix}a/b/c"), v1.clone().into_bytes()),
+        (format!("{prefix}rank/01"), v1.clone().into_bytes()),
+        (format!("{prefix}rank/-1"), v1.clone().into_bytes()),
+        valid("good", LAYOUT_HASH),
+    ];
+    for (k, v) in puts {
+        client.put(k, v, None).await.expect("put");
+    }
+    // Only the last one is an engine; events are in order, so everything before is counted.
+    let e = next_event(&mut events, "Added good").await;
+    assert!(is_added(&e, "good"), "only the valid record is an event: {e:?}");
+    let s = dir.stats();
+    assert_eq!(
+        (s.ignored_malformed, s.ignored_unsupported_version, s.ignored_layout_mismatch, s.ignored_bad_key),
+        (1 + 4, 1, 1, 1 + 3),
+        "{s:?}"
+    );
+    assert_eq!(dir.status().state, EtcdState::Connected, "the watcher lives on");
+
+    // A good engine overwritten with garbage no longer resolves.
+    client.put(format!("{prefix}good/0"), b"{".to_vec(), None).await.expect("put");
+    let e = next_event(&mut events, "Removed good").await;
+    assert!(is_removed(&e, "good"), "{e:?}");
+    assert!(dir.resolve("good", 0).is_none());
+    // And the watcher still takes the next valid value.
+    let (k, v) = valid("good", LAYOUT_HASH);
+    client.put(k, v, None).await.expect("put");
+    assert!(is_added(&next_event(&mut events, "Added good again").await, "good"));
+    assert_eq!(dir.stats().listings, 1, "no reconnection was needed");
+    dir.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_etcd_leaves_the_cache_answering_and_says_degraded() {
+    let mut etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-u", 5);
+    registered(&reg).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-u")).await;
+
+    etcd.kill();
+    wait_state("directory", dir.status_watch(), EtcdState::Degraded).await;
+    wait_state("registration", reg.status_watch(), EtcdState::Degraded).await;
+    let status = dir.status();
+    assert!(status.last_error.is_some(), "{status:?}");
+    println!("directory while etcd is down: {status:?}");
+    // resolve answers from the cache; nothing waits for etcd.
+    let entry = dir.resolve("engine-u", 0).expect("cached entry still resolves");
+    assert_eq!(entry.record.incarnation, 5);
+    // Both keep retrying (with backoff).
+    let failures = dir.status().failures;
+    let mut watch = dir.status_watch();
+    let retried = watch.wait_until(WAIT, |s| s.failures >= failures + 2).await;
+    assert!(retried.is_ok(), "no retries: {retried:?}");
+
+    // Started while etcd is down: start returns, the state says so, nothing resolves.
+    let late =
+        EngineDirectory::start(&Handle::current(), etcd.config(), namespace(), DirectoryOptions::default())
+            .expect("start without etcd");
+    assert!(late.resolve("engine-u", 0).is_none());
+    assert!(!late.is_synced());
+    wait_state("late directory", late.status_watch(), EtcdState::Degraded).await;
+    let late_reg = register(&etcd, "engine-v", 6);
+    wait_state("late registration", late_reg.status_watch(), EtcdState::Degraded).await;
+    assert!(late_reg.lease_id().is_none());
+
+    // Shutting down cannot revoke: it says so (the key would expire within its TTL).
+    let result = reg.shutdown().await;
+    assert!(result.is_err(), "revoke cannot succeed without etcd: {result:?}");
+    late_reg.shutdown().await.expect("nothing to revoke");
+    dir.shutdown().await;
+    late.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_that_stops_answering_is_noticed_and_recovered_from() {
+    let etcd = EtcdServer::start();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-s", 3);
+    registered(&reg).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-s")).await;
+
+    // No RST, no FIN: only HTTP/2 pings and request timeouts can tell.
+    etcd.pause();
+    wait_state("directory", dir.status_watch(), EtcdState::Degraded).await;
+    wait_state("registration", reg.status_watch(), EtcdState::Degraded).await;
+    assert!(dir.resolve("engine-s", 0).is_some(), "the cache answers while etcd hangs");
+    etcd.resume();
+    wait_state("directory", dir.status_watch(), EtcdState::Connected).await;
+    wait_state("registration", reg.status_watch(), EtcdState::Connected).await;
+    // Whether the lease outlived the pause or was re-granted, the engine is registered.
+    let deadline = Instant::now() + WAIT;
+    while dir.resolve("engine-s", 0).is_none() {
+        assert!(Instant::now() < deadline, "engine-s not back: {:?}", reg.status());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(stored(&etcd, "engine-s").await.is_some());
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}

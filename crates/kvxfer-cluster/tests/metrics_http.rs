@@ -1,0 +1,244 @@
+//! `/metrics` over real HTTP: names, types, units, labels and values of a real scrape.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvxfer_cluster::{
+    DecodeSnapshot, DirectoryOptions, EngineDirectory, HandoffOutcome, Metrics, MetricsServer, PerTransport,
+    PrefillSnapshot, Registration, RegistrationConfig, OPENMETRICS_CONTENT_TYPE,
+};
+use support::{key, namespace, record, EtcdServer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::runtime::Handle;
+
+/// One HTTP/1.1 request; returns (status, headers lowercased, body).
+async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, BTreeMap<String, String>, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
+        .await
+        .expect("response within 10 s")
+        .expect("read");
+    let text = String::from_utf8(raw).expect("utf-8 response");
+    let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
+    let mut lines = head.lines();
+    let status_line = lines.next().expect("status line");
+    let status = status_line.split(' ').nth(1).and_then(|s| s.parse().ok()).expect("status code");
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers, body.to_owned())
+}
+
+/// A metric family as declared by `# TYPE` (and `# UNIT`).
+#[derive(Debug, Default)]
+struct FamilyDecl {
+    kind: String,
+    unit: Option<String>,
+    help: bool,
+}
+
+/// A strict reading of the OpenMetrics text format, enough to check what we export:
+/// every sample belongs to a declared family with the suffixes its type allows, every
+/// family has HELP and TYPE, units end the family name, and the text ends with `# EOF`.
+fn parse_openmetrics(text: &str) -> (BTreeMap<String, FamilyDecl>, BTreeMap<String, f64>) {
+    let mut families: BTreeMap<String, FamilyDecl> = BTreeMap::new();
+    let mut samples = BTreeMap::new();
+    let mut lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.pop(), Some("# EOF"), "the exposition must end with # EOF");
+    for line in lines {
+        if let Some(rest) = line.strip_prefix("# ") {
+            let mut parts = rest.splitn(3, ' ');
+            let (what, name, arg) = (parts.next(), parts.next(), parts.next());
+            let (Some(what), Some(name), Some(arg)) = (what, name, arg) else {
+                panic!("bad comment line {line:?}")
+            };
+            let family = families.entry(name.to_owned()).or_default();
+            match what {
+                "HELP" => family.help = true,
+                "TYPE" => family.kind = arg.to_owned(),
+                "UNIT" => family.unit = Some(arg.to_owned()),
+                other => panic!("unknown descriptor {other:?} in {line:?}"),
+            }
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line {line:?}"));
+        let value: f64 = value.parse().unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        let name = series.split('{').next().expect("name");
+        let owner = families
+            .iter()
+            .filter(|(family, decl)| {
+                let suffixes: &[&str] = match decl.kind.as_str() {
+                    "counter" => &["_total", "_created"],
+                    "gauge" => &[""],
+                    "histogram" => &["_bucket", "_sum", "_count", "_created"],
+                    other => panic!("unexpected type {other:?}"),
+                };
+                suffixes.iter().any(|s| name.strip_suffix(s) == Some(family.as_str()))
+            })
+            .count();
+        assert_eq!(owner, 1, "sample {line:?} must belong to exactly one declared family");
+        assert!(samples.insert(series.to_owned(), value).is_none(), "duplicate series {series}");
+    }
+    for (name, decl) in &families {
+        assert!(name.starts_with("kvxfer_"), "{name} lacks the kvxfer_ prefix");
+        assert!(decl.help && !decl.kind.is_empty(), "{name} lacks HELP or TYPE: {decl:?}");
+        assert!(!name.ends_with("_total"), "{name}: the family name carries no _total");
+        if let Some(unit) = &decl.unit {
+            assert!(name.ends_with(&format!("_{unit}")), "{name} does not end with its unit {unit}");
+        }
+    }
+    (families, samples)
+}
+
+/// The label names used in `series`.
+fn label_names(series: &str) -> Vec<String> {
+    let Some((_, labels)) = series.split_once('{') else { return Vec::new() };
+    labels
+        .trim_end_matches('}')
+        .split(',')
+        .filter_map(|kv| kv.split_once('=').map(|(k, _)| k.to_owned()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_served_over_http_and_parse() {
+    let etcd = EtcdServer::start();
+    let metrics = Arc::new(Metrics::new());
+
+    // An agent's counters, read at scrape time.
+    let served = Arc::new(AtomicU64::new(4096));
+    let served_by_agent = served.clone();
+    let _prefill = metrics.add_prefill_source(move || PrefillSnapshot {
+        leases_made: 10,
+        leases_pulled: 6,
+        leases_released: 2,
+        leases_expired: 1,
+        leases_live: 1,
+        notifications_bad_token: 3,
+        bytes_served: PerTransport { tcp: served_by_agent.load(Ordering::Relaxed), ucx: 0, rdma: 0 },
+        reads_served: 6,
+        connections_accepted: 2,
+        connections_refused_limit: 1,
+        pins_open: 2,
+        ..Default::default()
+    });
+    let _decode = metrics.add_decode_source(|| DecodeSnapshot {
+        pulls: 4,
+        children_done: 7,
+        children_failed: 1,
+        bytes_pulled: PerTransport { tcp: 100, ucx: 200, rdma: 0 },
+        integrity_failures: PerTransport { tcp: 1, ucx: 0, rdma: 0 },
+        connections_opened: 3,
+        peers: 1,
+        ..Default::default()
+    });
+    metrics.observe_pull(Duration::from_millis(3));
+    metrics.observe_pull(Duration::from_millis(40));
+    metrics.observe_child_handoff(HandoffOutcome::Pulled, Duration::from_millis(12));
+    metrics.observe_child_handoff(HandoffOutcome::Expired, Duration::from_secs(30));
+
+    // A real registration and directory report their etcd state.
+    let reg = Registration::start(
+        &Handle::current(),
+        etcd.config(),
+        RegistrationConfig { key: key("engine-m", 0), record: record(7000, 1), ttl: Duration::from_secs(2) },
+    )
+    .expect("registration");
+    reg.wait_registered(Duration::from_secs(15)).await.expect("registered");
+    let dir =
+        EngineDirectory::start(&Handle::current(), etcd.config(), namespace(), DirectoryOptions::default())
+            .expect("directory");
+    dir.wait_synced(Duration::from_secs(15)).await.expect("synced");
+    let _reg_metrics = metrics.add_registration(&reg);
+    let _dir_metrics = metrics.add_directory(&dir);
+
+    let server =
+        MetricsServer::start(&Handle::current(), "127.0.0.1:0", metrics.clone()).expect("metrics server");
+    let addr = server.local_addr();
+    assert!(addr.ip().is_loopback() && addr.port() != 0);
+
+    let (status, headers, body) = http(addr, "GET", "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(headers.get("content-type").map(String::as_str), Some(OPENMETRICS_CONTENT_TYPE));
+    let (families, samples) = parse_openmetrics(&body);
+
+    let expected_types = [
+        ("kvxfer_leases_made", "counter"),
+        ("kvxfer_leases_ended", "counter"),
+        ("kvxfer_leases_live", "gauge"),
+        ("kvxfer_leases_draining", "gauge"),
+        ("kvxfer_notifications_rejected", "counter"),
+        ("kvxfer_served_bytes", "counter"),
+        ("kvxfer_pulled_bytes", "counter"),
+        ("kvxfer_pull_duration_seconds", "histogram"),
+        ("kvxfer_child_handoff_duration_seconds", "histogram"),
+        ("kvxfer_connections_opened", "counter"),
+        ("kvxfer_connections_refused", "counter"),
+        ("kvxfer_pins", "counter"),
+        ("kvxfer_pins_open", "gauge"),
+        ("kvxfer_integrity_failures", "counter"),
+        ("kvxfer_etcd_state", "gauge"),
+        ("kvxfer_etcd_failures", "counter"),
+        ("kvxfer_discovery_engines", "gauge"),
+        ("kvxfer_discovery_ignored", "counter"),
+    ];
+    for (name, kind) in expected_types {
+        let decl = families.get(name).unwrap_or_else(|| panic!("{name} missing from:\n{body}"));
+        assert_eq!(decl.kind, kind, "{name}");
+    }
+    assert_eq!(families["kvxfer_served_bytes"].unit.as_deref(), Some("bytes"));
+    assert_eq!(families["kvxfer_pull_duration_seconds"].unit.as_deref(), Some("seconds"));
+
+    let value =
+        |series: &str| samples.get(series).copied().unwrap_or_else(|| panic!("{series} missing:\n{body}"));
+    assert_eq!(value("kvxfer_leases_made_total"), 10.0);
+    assert_eq!(value(r#"kvxfer_leases_ended_total{outcome="expired"}"#), 1.0);
+    assert_eq!(value(r#"kvxfer_notifications_rejected_total{kind="bad_token"}"#), 3.0);
+    assert_eq!(value(r#"kvxfer_served_bytes_total{transport="tcp"}"#), 4096.0);
+    assert_eq!(value(r#"kvxfer_pulled_bytes_total{transport="ucx"}"#), 200.0);
+    assert_eq!(value(r#"kvxfer_connections_opened_total{side="decode"}"#), 3.0);
+    assert_eq!(value(r#"kvxfer_connections_refused_total{kind="limit"}"#), 1.0);
+    assert_eq!(value("kvxfer_pull_duration_seconds_count"), 2.0);
+    assert_eq!(value(r#"kvxfer_child_handoff_duration_seconds_count{outcome="expired"}"#), 1.0);
+    assert_eq!(value(r#"kvxfer_etcd_state{component="registration",state="connected"}"#), 1.0);
+    assert_eq!(value(r#"kvxfer_etcd_state{component="directory",state="connected"}"#), 1.0);
+    assert_eq!(value(r#"kvxfer_etcd_state{component="directory",state="degraded"}"#), 0.0);
+    assert_eq!(value("kvxfer_discovery_engines"), 1.0);
+
+    // Bounded label names only (no request ids, no addresses).
+    let allowed: BTreeSet<&str> =
+        ["transport", "outcome", "kind", "side", "component", "state", "reason", "le"].into();
+    for series in samples.keys() {
+        for label in label_names(series) {
+            assert!(allowed.contains(label.as_str()), "unexpected label {label} in {series}");
+        }
+    }
+
+    // Read at scrape time: a counter the agent bumps shows in the next scrape.
+    served.store(8192, Ordering::Relaxed);
+    let (_, _, body) = http(addr, "GET", "/metrics").await;
+    let (_, samples) = parse_openmetrics(&body);
+    assert_eq!(samples.get(r#"kvxfer_served_bytes_total{transport="tcp"}"#), Some(&8192.0));
+
+    let (status, _, _) = http(addr, "GET", "/").await;
+    assert_eq!(status, 404);
+    let (status, _, _) = http(addr, "GET", "/metrics/extra").await;
+    assert_eq!(status, 404);
+    let (status, headers, _) = http(addr, "POST", "/metrics").await;
+    assert_eq!((status, headers.get("allow").map(String::as_str)), (405, Some("GET, HEAD")));
+
+    server.shutdown().await;
+    let refused = tokio::net::TcpStream::connect(addr).await;
+    assert!(refused.is_err(), "the listener is closed after shutdown");
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}
