@@ -813,7 +813,7 @@ impl Pull {
         let (_permit, mut conn) = peer.checkout(&self.inner).await?;
         let id = child.remote_request_id();
         let verify = self.inner.config.ucx.verify_payloads;
-        let (seq, pinned_crc) = match conn.pin(id, child.token().as_bytes(), runs, verify).await {
+        let grant = match conn.pin(id, child.token().as_bytes(), runs, verify).await {
             Ok(p) => p,
             Err(e) => {
                 let message = e.to_string();
@@ -834,7 +834,12 @@ impl Pull {
         // Bounded: a peer that stops answering must not hang the pull. The allowance grows
         // with the size of the read (100 MB/s is far below any working UCX transport).
         let bytes: u64 = runs.iter().map(|r| u64::from(r.count)).sum::<u64>() * remote.block_bytes();
-        let limit = self.inner.config.limits.io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
+        // Never past the time the prefill side holds the pin (it grows with the pin's size):
+        // a read finishing after that would be refused by the unpin anyway (`held = false`).
+        let stuck = self.inner.config.limits.io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
+        let limit = stuck.min(grant.held_for);
+        let why = if limit < stuck { "within the time the prefill side holds the pin" } else { "progress" };
+        let (seq, pinned_crc) = (grant.seq, grant.payload_crc32c);
         let mut rx = rx;
         let result = match tokio::time::timeout(limit, &mut rx).await {
             Ok(Ok(r)) => r.map_err(|e| e.to_string()),
@@ -842,13 +847,13 @@ impl Pull {
             Err(_) => {
                 init.abort(&peer.addr);
                 match tokio::time::timeout(self.inner.config.limits.io_timeout, rx).await {
-                    Ok(_) => Err(format!("UCX read made no progress in {limit:?}; endpoint aborted")),
+                    Ok(_) => Err(format!("UCX read made no {why} ({limit:?}); endpoint aborted")),
                     Err(_) => {
                         // UCX still owns the read: its destination blocks must never be
                         // handed back, since UCX might still write them.
                         self.poisoned.store(true, Ordering::Relaxed);
                         Err(format!(
-                            "UCX read made no progress in {limit:?} and did not stop after the endpoint \
+                            "UCX read made no {why} ({limit:?}) and did not stop after the endpoint \
                              was aborted; its local blocks stay reserved"
                         ))
                     }

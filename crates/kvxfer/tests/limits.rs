@@ -80,9 +80,12 @@ fn pins_in_flight_are_limited_per_connection_and_expire_when_never_unpinned() {
         let mut seqs = Vec::new();
         for b in 0..4 {
             // Blocks 0 and 1 with their checksum, 2 and 3 without.
-            let (seq, crc) = c.pin(child.remote_request_id(), token, &runs(b, 1), b < 2).await.expect("pin");
-            crcs.push(crc);
-            seqs.push(seq);
+            let grant = c.pin(child.remote_request_id(), token, &runs(b, 1), b < 2).await.expect("pin");
+            // One block held for pin_timeout plus its size at the minimum transfer rate.
+            let limits = kvxfer::Limits { pin_timeout: Duration::from_millis(400), ..Default::default() };
+            assert_eq!(grant.held_for.as_millis(), limits.pin_hold(BLOCK).as_millis());
+            crcs.push(grant.payload_crc32c);
+            seqs.push(grant.seq);
         }
         match c.pin(child.remote_request_id(), token, &runs(4, 1), false).await {
             Err(kvxfer_tcp::ClientError::Refused { code, .. }) => {
@@ -195,8 +198,9 @@ fn a_flood_of_bogus_notifications_and_reads_is_refused_while_a_real_pull_complet
                         _ => {
                             // SAFETY: `dest` is this task's own memory; block 0 is in its layout.
                             let r = unsafe { c.read_into("V", &[3u8; 16], &runs(0, 1), &dest) }.await;
+                            // A wrong token is told exactly what an unknown id is told.
                             if let Err(kvxfer_tcp::ClientError::Refused {
-                                code: v1::ErrorCode::BadToken,
+                                code: v1::ErrorCode::UnknownLease,
                                 ..
                             }) = r
                             {
