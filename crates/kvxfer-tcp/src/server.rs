@@ -588,9 +588,12 @@ fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), 
     }
 }
 
-/// Counts (and warns about, rate-limited) a read whose payload missed its deadline.
-fn too_slow(ctx: &ServeContext, e: &FrameError, bytes: u64) {
+/// Counts (and warns about, rate-limited) a read whose payload missed its deadline, and
+/// makes the close a reset: what is still queued in the send buffer is dropped rather than
+/// trickled out to the slow reader after the connection is "closed".
+fn too_slow(stream: &TcpStream, ctx: &ServeContext, e: &FrameError, bytes: u64) {
     if matches!(e, FrameError::Timeout) {
+        let _ = socket2::SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO));
         bump(&ctx.counters.slow_transfers);
         if let Some(suppressed) = ctx.counters.warnings.allow() {
             warn!(
@@ -671,7 +674,7 @@ async fn serve_read(
                 if group >= CRC_GROUP {
                     write_all_vectored(stream, &mut slices, io_timeout, deadline)
                         .await
-                        .inspect_err(|e| too_slow(ctx, e, payload_len))?;
+                        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
                     slices.clear();
                     group = 0;
                 }
@@ -682,7 +685,7 @@ async fn serve_read(
     slices.push(IoSlice::new(&trailer));
     write_all_vectored(stream, &mut slices, io_timeout, deadline)
         .await
-        .inspect_err(|e| too_slow(ctx, e, payload_len))?;
+        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
     drop(slices);
     drop(guard);
     ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);

@@ -838,7 +838,11 @@ impl Pull {
         // a read finishing after that would be refused by the unpin anyway (`held = false`).
         let stuck = self.inner.config.limits.io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
         let limit = stuck.min(grant.held_for);
-        let why = if limit < stuck { "within the time the prefill side holds the pin" } else { "progress" };
+        let why = if limit < stuck {
+            "did not finish within the time the prefill side holds the pin"
+        } else {
+            "made no progress"
+        };
         let (seq, pinned_crc) = (grant.seq, grant.payload_crc32c);
         let mut rx = rx;
         let result = match tokio::time::timeout(limit, &mut rx).await {
@@ -847,13 +851,13 @@ impl Pull {
             Err(_) => {
                 init.abort(&peer.addr);
                 match tokio::time::timeout(self.inner.config.limits.io_timeout, rx).await {
-                    Ok(_) => Err(format!("UCX read made no {why} ({limit:?}); endpoint aborted")),
+                    Ok(_) => Err(format!("UCX read {why} ({limit:?}); endpoint aborted")),
                     Err(_) => {
                         // UCX still owns the read: its destination blocks must never be
                         // handed back, since UCX might still write them.
                         self.poisoned.store(true, Ordering::Relaxed);
                         Err(format!(
-                            "UCX read made no {why} ({limit:?}) and did not stop after the endpoint \
+                            "UCX read {why} ({limit:?}) and did not stop after the endpoint \
                              was aborted; its local blocks stay reserved"
                         ))
                     }

@@ -161,3 +161,198 @@ fn pins_expire_even_when_a_frame_is_always_queued() {
     assert_eq!(answers[4 + hello_len + 4], v1::FrameType::PinAck as u8, "the pin was granted");
     assert_eq!(stats.pins_expired, 1, "the pin outlived its timeout while frames kept arriving: {stats:?}");
 }
+
+/// Endings survive a lost reply, on the wire: a retried notify, cancel or heartbeat with the
+/// token of an ended lease is answered "already ..." and changes nothing; without the token
+/// an ended lease is told exactly what an unknown id is told.
+#[test]
+fn retries_of_an_ended_lease_are_answered_already_ended_on_the_wire() {
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(AgentConfig::new("prefill"), layout.clone());
+    let pulled = prefill.lease(LeaseRequest::new("A", 0, 1, vec![1])).expect("lease");
+    let released = prefill.lease(LeaseRequest::new("B", 0, 1, vec![2])).expect("lease");
+    let addr = prefill.local_addr().to_string();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let mut c = kvxfer_tcp::Connection::connect(&addr, &raw_hello(&layout, "raw"), Default::default())
+            .await
+            .expect("connect");
+        let (a, ta) = (pulled.remote_request_id(), pulled.token().as_bytes());
+        let (b, tb) = (released.remote_request_id(), released.token().as_bytes());
+        let outcome = |o: i32| v1::LeaseOutcome::try_from(o).expect("known outcome");
+        assert_eq!(outcome(c.notify(a, ta, "d0").await.expect("ack").outcome), v1::LeaseOutcome::Pulled);
+        assert_eq!(c.cancel(b, tb).await.expect("ack"), v1::LeaseOutcome::Released);
+        // The first answers were "lost": the retries learn what happened.
+        assert_eq!(
+            outcome(c.notify(a, ta, "d0").await.expect("ack").outcome),
+            v1::LeaseOutcome::AlreadyPulled
+        );
+        assert_eq!(c.cancel(a, ta).await.expect("ack"), v1::LeaseOutcome::AlreadyPulled);
+        assert_eq!(c.cancel(b, tb).await.expect("ack"), v1::LeaseOutcome::AlreadyReleased);
+        let refs =
+            |id: &str, t: &[u8]| v1::LeaseRef { remote_request_id: id.into(), lease_token: t.to_vec() };
+        let hb = c
+            .heartbeat(vec![refs(a, ta), refs(b, tb), refs(a, &[0; 16]), refs("nope", ta)])
+            .await
+            .expect("hb");
+        assert_eq!(
+            hb,
+            vec![
+                v1::LeaseOutcome::AlreadyPulled,
+                v1::LeaseOutcome::AlreadyReleased,
+                v1::LeaseOutcome::Unrecognized,
+                v1::LeaseOutcome::Unrecognized
+            ]
+        );
+        // Wrong token and unknown id: the same answer for notify, cancel and reads too.
+        assert_eq!(
+            outcome(c.notify(a, &[0; 16], "d0").await.expect("ack").outcome),
+            v1::LeaseOutcome::Unrecognized
+        );
+        assert_eq!(c.cancel(b, &[0; 16]).await.expect("ack"), v1::LeaseOutcome::Unrecognized);
+        let dest = kvxfer::KvMemory::alloc(layout.clone()).expect("alloc");
+        let mut messages = Vec::new();
+        for (id, tok) in [(a, &[0u8; 16][..]), ("nope", ta)] {
+            // SAFETY: `dest` is this test's own memory; local block 0 is in its layout.
+            match unsafe { c.read_into(id, tok, &runs(&[(1, 1)]), &dest) }.await {
+                Err(kvxfer_tcp::ClientError::Refused { code, message, .. }) => {
+                    assert_eq!(code, v1::ErrorCode::UnknownLease);
+                    messages.push(message.replace(id, "<id>"));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(messages[0], messages[1], "the messages do not tell them apart either");
+    });
+    // One end each, however many retries.
+    assert_eq!(wait_ends(&prefill, 2, Duration::from_secs(5)).len(), 2);
+    assert_no_more_ends(&prefill, Duration::from_millis(100));
+    let s = prefill.stats().leases;
+    // 5 answered from the records; the prefill side still tells wrong tokens from unknown ids.
+    assert_eq!(
+        (s.pulled, s.released, s.already_ended, s.bad_token, s.unrecognized),
+        (1, 1, 5, 4, 1),
+        "{s:?}"
+    );
+}
+
+/// `AgentConfig::max_lease_lifetime` reaches the lease table: a longer ttl is clamped.
+#[test]
+fn the_maximum_lease_lifetime_clamps_the_ttl() {
+    let config = AgentConfig::new("prefill").max_lease_lifetime(Duration::from_secs(5)).max_children(4);
+    let prefill = prefill_with(config, BlockLayout::single(16, BLOCK).expect("layout"));
+    let h =
+        prefill.lease(LeaseRequest::new("M", 0, 1, vec![1]).ttl(Duration::from_secs(3600))).expect("lease");
+    assert_eq!(h.ttl(), Duration::from_secs(5));
+    assert!(prefill.lease(LeaseRequest::new("N", 0, 5, vec![1])).is_err(), "n above max_children");
+}
+
+/// Arbitrary ranges, read and pinned (with and without the pin's CRC), through a real
+/// server: each is served exactly when it is valid, refused cleanly (BLOCK_OUT_OF_RANGE)
+/// otherwise, and the connection and the agent keep serving throughout.
+#[test]
+fn arbitrary_read_and_pin_ranges_through_a_real_server() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+    const LEASED: std::ops::Range<u32> = 4..12;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(AgentConfig::new("prefill"), layout.clone());
+    let result = prefill.lease_parent("F", vec![LEASED.collect()], 1, None).expect("lease");
+    let child = result.children()[0].clone();
+    let dest = kvxfer::KvMemory::alloc(BlockLayout::single(64, BLOCK).expect("layout")).expect("alloc");
+    let addr = prefill.local_addr().to_string();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    // TestRunner::run takes a `Fn`: the connection and tallies live in cells.
+    let conn = std::cell::RefCell::new(rt.block_on(async {
+        kvxfer_tcp::Connection::connect(&addr, &raw_hello(&layout, "raw"), Default::default())
+            .await
+            .expect("connect")
+    }));
+    let start = prop_oneof![0u32..20, 990u32..1010, (u32::MAX - 8)..=u32::MAX, any::<u32>()];
+    let count = prop_oneof![0u32..5, 5u32..20, Just(u32::MAX), any::<u32>()];
+    let ranges = proptest::collection::vec((start, count), 0..5);
+    let mut runner = TestRunner::new(Config { cases: 300, failure_persistence: None, ..Config::default() });
+    let (served, refused) = (std::cell::Cell::new(0u32), std::cell::Cell::new(0u32));
+    runner
+        .run(&(ranges, 0u8..3), |(ranges, how)| {
+            let mut c = conn.borrow_mut();
+            let runs: Vec<BlockRun> = ranges
+                .iter()
+                .map(|&(remote_start, count)| BlockRun { remote_start, local_start: 0, count })
+                .collect();
+            let total: u64 = ranges.iter().map(|&(_, n)| u64::from(n)).sum();
+            let valid = !ranges.is_empty()
+                && ranges.iter().all(|&(s, n)| {
+                    n > 0
+                        && u64::from(s) >= u64::from(LEASED.start)
+                        && u64::from(s) + u64::from(n) <= u64::from(LEASED.end)
+                })
+                && total <= u64::from(LEASED.end - LEASED.start);
+            let (id, tok) = (child.remote_request_id(), child.token().as_bytes());
+            let outcome = rt.block_on(async {
+                if how == 0 {
+                    // SAFETY: `dest` is this test's own memory. A read is only answered with
+                    // bytes when valid, and then every run is at most 8 blocks at local 0.
+                    unsafe { c.read_into(id, tok, &runs, &dest) }.await.map(|_| ())
+                } else {
+                    let grant = c.pin(id, tok, &runs, how == 2).await?;
+                    let held = c.unpin(grant.seq, true).await?;
+                    assert!(held, "a fresh pin is held");
+                    Ok(())
+                }
+            });
+            match outcome {
+                Ok(()) => {
+                    prop_assert!(valid, "served an invalid request {ranges:?}");
+                    served.set(served.get() + 1);
+                }
+                Err(kvxfer_tcp::ClientError::Refused { code, .. }) => {
+                    prop_assert!(!valid, "refused a valid request {ranges:?}");
+                    prop_assert_eq!(code, v1::ErrorCode::BlockOutOfRange);
+                    refused.set(refused.get() + 1);
+                }
+                Err(e) => prop_assert!(false, "{ranges:?}: the connection broke: {e}"),
+            }
+            Ok(())
+        })
+        .expect("every range is served or refused cleanly");
+    let (served, refused) = (served.get(), refused.get());
+    assert!(served > 0 && refused > 0, "served {served}, refused {refused}");
+    let s = prefill.stats();
+    assert_eq!(s.server.protocol_errors, 0);
+    assert_eq!(s.leases.live, 1, "the lease is untouched");
+    drop(conn);
+    // And the agent still serves a new connection.
+    rt.block_on(async {
+        let mut c = kvxfer_tcp::Connection::connect(&addr, &raw_hello(&layout, "raw"), Default::default())
+            .await
+            .expect("connect");
+        let (id, tok) = (child.remote_request_id(), child.token().as_bytes());
+        // SAFETY: as above.
+        unsafe { c.read_into(id, tok, &runs(&[(4, 8)]), &dest) }.await.expect("read");
+    });
+}
+
+/// A large one-sided read gets the time it needs: the prefill side holds a pin for
+/// `pin_timeout + bytes / min_transfer_rate` and says so in the grant. Before, a pin was
+/// held `pin_timeout` whatever its size, so a read longer than that always failed
+/// `held = false` — here (pin_timeout ~0) every read did.
+#[cfg(feature = "ucx")]
+#[test]
+fn a_large_one_sided_read_is_held_long_enough() {
+    let mut config = Transport::UcxShm.config(AgentConfig::new("prefill").io_timeout(Duration::from_secs(5)));
+    config.limits.pin_timeout = Duration::from_nanos(1);
+    config.limits.min_transfer_rate = 2 << 20; // 16 MiB: held 8 s
+    let layout = BlockLayout::single(256, 64 * 1024).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let decode = decode_with(
+        Transport::UcxShm.config(AgentConfig::new("decode").io_timeout(Duration::from_secs(5))),
+        layout,
+    );
+    let blocks: Vec<kvxfer::BlockId> = (0..256).collect();
+    let result = prefill.lease_parent("X", vec![blocks.clone()], 1, None).expect("lease");
+    let report = decode.submit(result, vec![blocks.clone()]).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    assert!(verify(&decode, &blocks, &blocks));
+    assert_eq!(prefill.stats().server.pins_expired, 0);
+}

@@ -260,3 +260,192 @@ fn a_flood_of_bogus_notifications_and_reads_is_refused_while_a_real_pull_complet
         "peak RSS grew {rss_before} -> {rss_after} KiB"
     );
 }
+
+/// A connection with no pin and no frame for `idle_timeout` is closed; one with a pin open
+/// stays until the pin is gone.
+#[test]
+fn idle_connections_without_pins_are_closed() {
+    let mut config = AgentConfig::new("prefill");
+    config.limits.idle_timeout = Duration::from_millis(300);
+    config.limits.pin_timeout = Duration::from_millis(800);
+    config.limits.min_transfer_rate = u64::MAX;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let result = prefill.lease_parent("I", vec![vec![1]], 1, None).expect("lease");
+    let child = &result.children()[0];
+    let mut idle = TcpStream::connect(prefill.local_addr()).expect("connect");
+    idle.write_all(&hello(&layout)).expect("hello");
+    assert_eq!(first_frame_type(&mut idle), v1::FrameType::HelloAck as u8);
+    let mut pinned = TcpStream::connect(prefill.local_addr()).expect("connect");
+    pinned.write_all(&hello(&layout)).expect("hello");
+    assert_eq!(first_frame_type(&mut pinned), v1::FrameType::HelloAck as u8);
+    let pin = v1::ReadRequest {
+        seq: 1,
+        remote_request_id: child.remote_request_id().into(),
+        lease_token: child.token().as_bytes().to_vec(),
+        ranges: vec![v1::BlockRange { start: 1, count: 1 }],
+        pin_crc32c: false,
+    };
+    pinned.write_all(&frame_bytes(v1::FrameType::Pin, &pin)).expect("pin");
+    assert_eq!(first_frame_type(&mut pinned), v1::FrameType::PinAck as u8);
+    let mut b = [0u8; 1];
+    assert_eq!(idle.read(&mut b).expect("closed"), 0, "the idle connection was closed");
+    assert_eq!(prefill.stats().server.idle_closed, 1);
+    // The pinned one outlives the idle timeout: it closes only once its pin expired.
+    assert_eq!(pinned.read(&mut b).expect("closed"), 0);
+    let s = prefill.stats().server;
+    assert_eq!((s.pins_expired, s.idle_closed), (1, 2), "{s:?}");
+}
+
+/// One peer address cannot take every slot: past `max_connections_per_peer` its
+/// connections are refused with an error frame, while another address is still served.
+#[test]
+fn connections_per_peer_address_are_capped() {
+    let mut config = AgentConfig::new("prefill");
+    config.limits.max_connections_per_peer = 2;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let addr = prefill.local_addr();
+    let open: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            s.write_all(&hello(&layout)).expect("hello");
+            assert_eq!(first_frame_type(&mut s), v1::FrameType::HelloAck as u8);
+            s
+        })
+        .collect();
+    let mut third = TcpStream::connect(addr).expect("connect");
+    assert_eq!(first_frame_type(&mut third), v1::FrameType::Error as u8);
+    let s = prefill.stats().server;
+    assert_eq!((s.peer_connections_refused, s.connections_refused), (1, 0));
+    // Another loopback address is another peer.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.bind("127.0.0.2:0".parse().expect("addr")).expect("bind 127.0.0.2");
+        let mut other = socket.connect(addr).await.expect("connect").into_std().expect("std");
+        other.set_nonblocking(false).expect("blocking");
+        other.write_all(&hello(&layout)).expect("hello");
+        assert_eq!(first_frame_type(&mut other), v1::FrameType::HelloAck as u8);
+    });
+    drop(open);
+    eventually("a slot frees up", || {
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.write_all(&hello(&layout)).expect("hello");
+        first_frame_type(&mut s) == v1::FrameType::HelloAck as u8
+    });
+}
+
+/// A reader that takes a little of the payload often enough to beat the progress timeout
+/// cannot hold a read (and its lease's blocks) for ever: the payload must move within
+/// `io_timeout + bytes / min_transfer_rate`.
+#[test]
+fn a_trickling_reader_is_cut_off_at_the_overall_deadline() {
+    let mut config = AgentConfig::new("prefill").io_timeout(Duration::from_secs(2));
+    config.limits.min_transfer_rate = 256 << 20;
+    // 64 MiB: far more than the socket buffers hold, so the writer must wait on the reader.
+    let layout = BlockLayout::single(1024, 64 * 1024).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let result = prefill.lease_parent("T", vec![(0..1024).collect()], 1, None).expect("lease");
+    let child = &result.children()[0];
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    let mut s = rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("small receive buffer");
+        let s = socket.connect(prefill.local_addr()).await.expect("connect").into_std().expect("std");
+        s.set_nonblocking(false).expect("blocking");
+        s
+    });
+    s.write_all(&hello(&layout)).expect("hello");
+    assert_eq!(first_frame_type(&mut s), v1::FrameType::HelloAck as u8);
+    let read = v1::ReadRequest {
+        seq: 1,
+        remote_request_id: child.remote_request_id().into(),
+        lease_token: child.token().as_bytes().to_vec(),
+        ranges: vec![v1::BlockRange { start: 0, count: 1024 }],
+        pin_crc32c: false,
+    };
+    s.write_all(&frame_bytes(v1::FrameType::ReadRequest, &read)).expect("read request");
+    s.set_read_timeout(Some(Duration::from_secs(3))).expect("read timeout");
+    // 64 KiB every 5 ms (about 12 MiB/s): the writer makes progress well within the 2 s
+    // timeout, but the whole payload takes about 5 s, past its 2.25 s deadline. Give up
+    // after 10 s.
+    let started = std::time::Instant::now();
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 64 * 1024];
+    let cut_off = loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break true,
+            Ok(n) => got += n,
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(cut_off, "the trickling reader still held its read after 10 s ({got} bytes)");
+    assert!(got < 64 << 20, "the whole payload arrived ({got} bytes in {:?})", started.elapsed());
+    eventually("the slow transfer is counted", || prefill.stats().server.slow_transfers == 1);
+}
+
+/// The decode side bounds a read overall too: a peer that trickles a payload a byte at a
+/// time, often enough to beat the progress timeout, fails the read with a timeout.
+#[test]
+fn a_trickling_sender_fails_the_read_at_the_overall_deadline() {
+    use std::net::TcpListener;
+    let layout = BlockLayout::single(4, BLOCK).expect("layout");
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let ack = v1::HelloAck {
+        protocol_version: kvxfer_proto::PROTOCOL_VERSION,
+        engine_id: "trickler".into(),
+        agent_name: "trickler".into(),
+        compat_hash: layout.compat_hash(),
+        layout: Some(layout.to_wire()),
+        ..Default::default()
+    };
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let frame = |s: &mut std::net::TcpStream| {
+            let mut h = [0u8; 5];
+            s.read_exact(&mut h).expect("header");
+            let mut body = vec![0u8; u32::from_be_bytes([h[0], h[1], h[2], h[3]]) as usize - 1];
+            s.read_exact(&mut body).expect("body");
+            (h[4], body)
+        };
+        let (ty, _) = frame(&mut s);
+        assert_eq!(ty, v1::FrameType::Hello as u8);
+        s.write_all(&frame_bytes(v1::FrameType::HelloAck, &ack)).expect("ack");
+        let (ty, body) = frame(&mut s);
+        assert_eq!(ty, v1::FrameType::ReadRequest as u8);
+        let req = <v1::ReadRequest as kvxfer_proto::Message>::decode(body.as_slice()).expect("request");
+        let resp = v1::ReadResponse { seq: req.seq, payload_len: BLOCK };
+        s.write_all(&frame_bytes(v1::FrameType::ReadResponse, &resp)).expect("response");
+        // One byte every 50 ms, for at most 10 s.
+        for _ in 0..200 {
+            if s.write_all(&[0]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let limits = kvxfer::Limits {
+        io_timeout: Duration::from_millis(300),
+        min_transfer_rate: 64 * 1024,
+        ..Default::default()
+    };
+    let dest = kvmem(4);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    let err = rt.block_on(async {
+        let mut c = kvxfer_tcp::Connection::connect(&addr, &raw_hello(&layout, "raw"), limits)
+            .await
+            .expect("connect");
+        // SAFETY: `dest` is this test's own memory; block 0 is in its layout.
+        unsafe { c.read_into("R", &[1; 16], &runs(0, 1), &dest) }.await.expect_err("trickled")
+    });
+    assert!(
+        matches!(err, kvxfer_tcp::ClientError::Frame { source: kvxfer_tcp::FrameError::Timeout, .. }),
+        "the read must fail at its deadline, not when the sender gives up: {err}"
+    );
+    server.join().expect("server");
+}
