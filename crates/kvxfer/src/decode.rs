@@ -834,15 +834,13 @@ impl Pull {
         // Bounded: a peer that stops answering must not hang the pull. The allowance grows
         // with the size of the read (100 MB/s is far below any working UCX transport).
         let bytes: u64 = runs.iter().map(|r| u64::from(r.count)).sum::<u64>() * remote.block_bytes();
-        // Never past the time the prefill side holds the pin (it grows with the pin's size):
-        // a read finishing after that would be refused by the unpin anyway (`held = false`).
+        // Never shorter than the time the prefill side holds the pin (it grows with the pin's
+        // size), so a large read is not given up while it still counts; that extension is
+        // capped by this agent's own `Limits::transfer_deadline`, so a peer cannot make it
+        // wait for ever. (Not cut short at the hold either: aborting a UCX endpoint with a
+        // get in flight made UCX 1.13 abort the prefill process over tcp.)
         let stuck = self.inner.config.limits.io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
-        let limit = stuck.min(grant.held_for);
-        let why = if limit < stuck {
-            "did not finish within the time the prefill side holds the pin"
-        } else {
-            "made no progress"
-        };
+        let limit = stuck.max(grant.held_for.min(self.inner.config.limits.transfer_deadline(bytes)));
         let (seq, pinned_crc) = (grant.seq, grant.payload_crc32c);
         let mut rx = rx;
         let result = match tokio::time::timeout(limit, &mut rx).await {
@@ -851,13 +849,13 @@ impl Pull {
             Err(_) => {
                 init.abort(&peer.addr);
                 match tokio::time::timeout(self.inner.config.limits.io_timeout, rx).await {
-                    Ok(_) => Err(format!("UCX read {why} ({limit:?}); endpoint aborted")),
+                    Ok(_) => Err(format!("UCX read made no progress in {limit:?}; endpoint aborted")),
                     Err(_) => {
                         // UCX still owns the read: its destination blocks must never be
                         // handed back, since UCX might still write them.
                         self.poisoned.store(true, Ordering::Relaxed);
                         Err(format!(
-                            "UCX read {why} ({limit:?}) and did not stop after the endpoint \
+                            "UCX read made no progress in {limit:?} and did not stop after the endpoint \
                              was aborted; its local blocks stay reserved"
                         ))
                     }
