@@ -834,13 +834,12 @@ impl Pull {
         // Bounded: a peer that stops answering must not hang the pull. The allowance grows
         // with the size of the read (100 MB/s is far below any working UCX transport).
         let bytes: u64 = runs.iter().map(|r| u64::from(r.count)).sum::<u64>() * remote.block_bytes();
-        // Never shorter than the time the prefill side holds the pin (it grows with the pin's
-        // size), so a large read is not given up while it still counts; that extension is
-        // capped by this agent's own `Limits::transfer_deadline`, so a peer cannot make it
-        // wait for ever. (Not cut short at the hold either: aborting a UCX endpoint with a
-        // get in flight made UCX 1.13 abort the prefill process over tcp.)
+        // Not past the time the prefill side holds the pin (it grows with the pin's size; a
+        // read finishing after it is refused by the unpin anyway), but never sooner than
+        // `io_timeout`, the least a read is given before it counts as stuck: aborting a UCX
+        // endpoint with a get in flight can make UCX 1.13 abort the prefill process (tcp).
         let stuck = self.inner.config.limits.io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
-        let limit = stuck.max(grant.held_for.min(self.inner.config.limits.transfer_deadline(bytes)));
+        let limit = stuck.min(grant.held_for.max(self.inner.config.limits.io_timeout));
         let (seq, pinned_crc) = (grant.seq, grant.payload_crc32c);
         let mut rx = rx;
         let result = match tokio::time::timeout(limit, &mut rx).await {
