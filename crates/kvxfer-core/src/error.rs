@@ -55,6 +55,16 @@ pub enum LeaseError {
     /// `expected_consumers` must be at least 1.
     #[error("lease for request {0}: expected_consumers must be at least 1")]
     NoConsumers(String),
+    /// `n` is larger than `LeaseConfig::max_children`.
+    #[error("lease for request {request}: n = {n} children is more than the {max} allowed (LeaseConfig::max_children)")]
+    TooManyChildren {
+        /// The request id.
+        request: String,
+        /// The parent's n.
+        n: u32,
+        /// The configured maximum.
+        max: u32,
+    },
     /// The child index is not below `n`, or `n` is 0.
     #[error("lease for request {request}: child index {index} is not below n = {n}")]
     BadChildIndex {
@@ -186,24 +196,51 @@ pub enum LayoutError {
     Missing,
 }
 
-/// Why `kv_transfer_params` could not be read or used.
+/// Why `kv_transfer_params` could not be read or used. Every variant names the field.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ParamsError {
-    /// The JSON did not parse into the dict's shape.
-    #[error("kv_transfer_params: {0}")]
-    Json(#[from] serde_json::Error),
+    /// The JSON did not parse into the dict's shape; `field` is the path to the value that
+    /// failed (`.` when the text is not a JSON object at all).
+    #[error("kv_transfer_params: field {field}: {source}")]
+    Json {
+        /// Path to the offending value, e.g. `remote_port` or `remote_block_ids[1]`.
+        field: String,
+        /// serde's message.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A field needed to pull is null or missing.
     #[error("kv_transfer_params: field {0} is required to pull")]
     Missing(&'static str),
     /// A field holds a value kvxfer cannot use.
-    #[error("kv_transfer_params: {0}")]
-    Invalid(Box<HandoffError>),
+    #[error("kv_transfer_params: field {field}: {source}")]
+    Invalid {
+        /// The field.
+        field: &'static str,
+        /// Why its value is unusable.
+        #[source]
+        source: Box<HandoffError>,
+    },
+    /// `remote_block_ids` lists more than one KV-cache group (a hybrid model). Until
+    /// per-group layouts exist, only one group can be pulled: flattening would lose which
+    /// pool each id indexes.
+    #[error(
+        "kv_transfer_params: field {field} has {groups} KV-cache groups; kvxfer pulls a single group \
+         (per-group layouts are not supported yet)"
+    )]
+    TooManyGroups {
+        /// The field (`remote_block_ids`).
+        field: &'static str,
+        /// Groups listed.
+        groups: usize,
+    },
 }
 
-impl From<HandoffError> for ParamsError {
-    fn from(e: HandoffError) -> Self {
-        ParamsError::Invalid(Box::new(e))
+impl ParamsError {
+    /// `e` about the value of `field`.
+    pub(crate) fn invalid(field: &'static str, e: HandoffError) -> Self {
+        ParamsError::Invalid { field, source: Box::new(e) }
     }
 }
 

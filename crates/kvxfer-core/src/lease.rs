@@ -9,6 +9,12 @@
 //! `(deadline, sequence)`: expiry pops from the front (O(log n) per expired lease, never a
 //! scan), and a heartbeat moves one entry, so an old lease that was extended never holds
 //! back younger ones. Ended leases go to one channel, drained by the owner.
+//!
+//! Ended leases leave a bounded record (per shard, oldest dropped first) of how they ended,
+//! a SHA-256 of their token (never the token) and which consumers had notified, so a
+//! notify, heartbeat or cancel retried after its first answer was lost is answered "already
+//! pulled / released / expired" — but only when it carries the lease's token: without it,
+//! an ended id looks exactly like a live one with a wrong token.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +24,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use rand::SeedableRng;
 use rand_chacha::ChaCha12Rng;
+use sha2::{Digest, Sha256};
 
 use crate::error::{LeaseError, MAX_IDS_SHOWN};
 use crate::handoff::{ChildHandoff, EngineInfo};
@@ -39,12 +46,32 @@ pub struct LeaseConfig {
     pub engine: EngineInfo,
     /// Number of shards (rounded up to a power of two, at least 1).
     pub shards: usize,
+    /// Longest a lease can live, from the moment it is made: heartbeats never extend it
+    /// past this, and a larger ttl is clamped to it (the hand-off states the clamped ttl).
+    /// Bounds how long a decode peer that keeps heartbeating can hold blocks.
+    pub max_lifetime: Duration,
+    /// Largest `n` (children of one parent) a lease may name; more is refused with
+    /// [`LeaseError::TooManyChildren`], so per-parent bookkeeping stays bounded.
+    pub max_children: u32,
 }
 
 impl LeaseConfig {
-    /// A config with vLLM's default lease of 30 s and 16 shards.
+    /// Default maximum lease lifetime: 10 minutes.
+    pub const DEFAULT_MAX_LIFETIME: Duration = Duration::from_secs(600);
+    /// Default bound on `n`: 1024 children per parent.
+    pub const DEFAULT_MAX_CHILDREN: u32 = 1024;
+
+    /// A config with vLLM's default lease of 30 s, 16 shards, leases living at most
+    /// 10 minutes, and at most 1024 children per parent.
     pub fn new(engine: EngineInfo, num_blocks: u32) -> Self {
-        LeaseConfig { default_ttl: Duration::from_secs(30), num_blocks, engine, shards: 16 }
+        LeaseConfig {
+            default_ttl: Duration::from_secs(30),
+            num_blocks,
+            engine,
+            shards: 16,
+            max_lifetime: Self::DEFAULT_MAX_LIFETIME,
+            max_children: Self::DEFAULT_MAX_CHILDREN,
+        }
     }
 }
 
@@ -135,10 +162,18 @@ pub enum NotifyOutcome {
     Pulled,
     /// This consumer already notified; nothing changed.
     Duplicate,
-    /// No live lease has this id; nothing changed.
+    /// No lease (live or recently ended) has this id; nothing changed.
     Unrecognized,
     /// The token is wrong; nothing changed.
     BadToken,
+    /// The lease had already ended (a retried notification whose first answer was lost, or
+    /// one that came too late); nothing changed. Only told to a holder of the token.
+    AlreadyEnded {
+        /// How it ended.
+        kind: EndKind,
+        /// This consumer's notification had been counted before it ended.
+        counted: bool,
+    },
 }
 
 /// Result of [`LeaseTable::heartbeat`].
@@ -149,10 +184,13 @@ pub enum HeartbeatOutcome {
         /// The new deadline.
         deadline: Instant,
     },
-    /// No live lease has this id.
+    /// No lease (live or recently ended) has this id.
     Unrecognized,
     /// The token is wrong; nothing changed.
     BadToken,
+    /// The lease had already ended, as `EndKind` says; nothing changed. Only told to a
+    /// holder of the token.
+    AlreadyEnded(EndKind),
 }
 
 /// Result of [`LeaseTable::cancel`].
@@ -160,6 +198,25 @@ pub enum HeartbeatOutcome {
 pub enum CancelOutcome {
     /// The lease ended as released.
     Released,
+    /// No lease (live or recently ended) has this id.
+    Unrecognized,
+    /// The token is wrong; nothing changed.
+    BadToken,
+    /// The lease had already ended, as `EndKind` says (a retried cancel whose first answer
+    /// was lost says `Released`); nothing changed. Only told to a holder of the token.
+    AlreadyEnded(EndKind),
+}
+
+/// Result of [`LeaseTable::retract`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetractOutcome {
+    /// The lease is gone, and no end is ever delivered for it.
+    Retracted,
+    /// A read of the lease was in flight, so its hand-off had escaped after all: it was
+    /// released instead, and its end is delivered on [`LeaseTable::ended`] as usual.
+    Released,
+    /// The lease had already ended; its end is (or was) delivered as usual.
+    AlreadyEnded(EndKind),
     /// No live lease has this id.
     Unrecognized,
     /// The token is wrong; nothing changed.
@@ -176,9 +233,19 @@ pub enum ReadRefused {
     /// The token is wrong.
     #[error("wrong lease token for request {0}")]
     BadToken(String),
-    /// The lease has ended.
+    /// The lease has ended (only said to a holder of its token).
     #[error("the lease for request {0} has ended")]
     Ended(String),
+    /// A range names no blocks (`count == 0`).
+    #[error("read for request {request}: range {index} (starting at block {start}) names no blocks")]
+    EmptyRange {
+        /// The request id.
+        request: String,
+        /// Index of the range in the request.
+        index: usize,
+        /// Its first block.
+        start: BlockId,
+    },
     /// Block ids outside the layout.
     #[error("read for request {request}: block ids {ids:?} are outside the layout of {num_blocks} blocks")]
     OutOfRange {
@@ -209,7 +276,7 @@ pub enum ReadRefused {
     },
 }
 
-/// Counters of a [`LeaseTable`]. `leased == pulled + released + expired + live`.
+/// Counters of a [`LeaseTable`]. `leased == pulled + released + expired + retracted + live`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LeaseStats {
     /// Leases made.
@@ -220,6 +287,9 @@ pub struct LeaseStats {
     pub released: u64,
     /// Leases ended as expired.
     pub expired: u64,
+    /// Leases withdrawn before their hand-off was published ([`LeaseTable::retract`]); no
+    /// end is delivered for them.
+    pub retracted: u64,
     /// Leases not yet ended.
     pub live: u64,
     /// Ended leases whose blocks wait for reads in flight.
@@ -232,6 +302,9 @@ pub struct LeaseStats {
     pub duplicate: u64,
     /// Reads refused for any reason.
     pub reads_refused: u64,
+    /// Notifications, heartbeats and cancels with the right token for a lease that had
+    /// already ended (answered from the ended-lease record; nothing changed).
+    pub already_ended: u64,
 }
 
 #[derive(Default)]
@@ -240,6 +313,8 @@ struct Counters {
     pulled: AtomicU64,
     released: AtomicU64,
     expired: AtomicU64,
+    retracted: AtomicU64,
+    already_ended: AtomicU64,
     draining: AtomicU64,
     unrecognized: AtomicU64,
     bad_token: AtomicU64,
@@ -261,10 +336,12 @@ struct Lease {
     /// already sorted (leasing stays cheap; reads check membership by binary search).
     sorted: Option<Box<[BlockId]>>,
     expected: u32,
-    /// Consumers that notified (kept only while more than one is expected).
+    /// Consumers that notified.
     consumers: Vec<Box<str>>,
     ttl: Duration,
     deadline: Instant,
+    /// `max_lifetime` after the lease was made: heartbeats never extend `deadline` past it.
+    max_deadline: Instant,
     seq: u64,
     readers: u32,
     ended: Option<EndKind>,
@@ -287,13 +364,39 @@ impl Lease {
 /// SipHash on short ids, and still keyed so ids cannot be chosen to collide.
 type IdMap<V> = HashMap<Arc<str>, V, foldhash::fast::RandomState>;
 
+/// What is kept of an ended lease: how it ended, a SHA-256 of its token, hashes of the
+/// consumers that had notified, and the lease's sequence number (which matches its entry in
+/// `Shard::recent_order`).
+struct Tombstone {
+    kind: EndKind,
+    token_hash: [u8; 32],
+    consumers: Box<[u64]>,
+    seq: u64,
+}
+
+fn token_hash(token: &[u8]) -> [u8; 32] {
+    Sha256::digest(token).into()
+}
+
+/// Constant-time comparison of two token hashes.
+fn hashes_match(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+fn consumer_hash(consumer: &str) -> u64 {
+    fnv1a(consumer.as_bytes(), FNV_OFFSET)
+}
+
 struct Shard {
     leases: IdMap<Lease>,
     deadlines: BTreeMap<(Instant, u64), Arc<str>>,
-    /// Ids of recently ended leases (bounded, oldest dropped first), so a late read can be
-    /// told "ended" rather than "unknown".
-    recent: IdMap<EndKind>,
-    recent_order: VecDeque<Arc<str>>,
+    /// Records of recently ended leases (bounded, oldest dropped first), so a late or
+    /// retried request with the lease's token can be told how it ended.
+    recent: IdMap<Tombstone>,
+    /// Ended ids in the order they ended, with the sequence number of the lease that ended:
+    /// an entry whose id was leased again since (and whose record was replaced) evicts
+    /// nothing but itself.
+    recent_order: VecDeque<(Arc<str>, u64)>,
     rng: ChaCha12Rng,
     next_seq: u64,
 }
@@ -318,8 +421,15 @@ impl std::fmt::Debug for LeaseTable {
 /// Outcome of looking a lease up by id and token, expiring it first if its deadline passed.
 enum Found<'a> {
     Live(&'a mut Lease),
+    /// Neither a lease nor an ended-lease record has this id.
     Missing,
-    Ended,
+    /// The lease ended (the token matched): how, and whether the consumer asked about had
+    /// notified.
+    Ended {
+        kind: EndKind,
+        counted: bool,
+    },
+    /// A lease or ended-lease record has this id, but not this token.
     BadToken,
 }
 
@@ -368,9 +478,14 @@ impl LeaseTable {
         self.shards[index].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers a lease and only then returns its hand-off, with a fresh 128-bit token.
-    pub fn lease(&self, req: LeaseRequest, now: Instant) -> Result<ChildHandoff, LeaseError> {
+    /// Checks everything about `req` that does not depend on the table's contents (child
+    /// index, `n` against `max_children`, blocks, consumers): what [`Self::lease`] checks
+    /// before it looks for a live lease of the same id. Returns the request id.
+    pub fn validate(&self, req: &LeaseRequest) -> Result<String, LeaseError> {
         let id = child_request_id(&req.parent_request_id, req.child_index, req.n);
+        if req.n > self.config.max_children {
+            return Err(LeaseError::TooManyChildren { request: id, n: req.n, max: self.config.max_children });
+        }
         if req.n == 0 || req.child_index >= req.n {
             return Err(LeaseError::BadChildIndex { request: id, index: req.child_index, n: req.n });
         }
@@ -385,8 +500,16 @@ impl LeaseTable {
             let ids = req.blocks.iter().copied().filter(|&b| b >= num_blocks).take(MAX_IDS_SHOWN);
             return Err(LeaseError::BlocksOutOfRange { request: id, ids: ids.collect(), num_blocks });
         }
-        let ttl = req.ttl.unwrap_or(self.config.default_ttl);
+        Ok(id)
+    }
+
+    /// Registers a lease and only then returns its hand-off, with a fresh 128-bit token.
+    /// A ttl above [`LeaseConfig::max_lifetime`] is clamped to it.
+    pub fn lease(&self, req: LeaseRequest, now: Instant) -> Result<ChildHandoff, LeaseError> {
+        let id = self.validate(&req)?;
+        let ttl = req.ttl.unwrap_or(self.config.default_ttl).min(self.config.max_lifetime);
         let deadline = now + ttl;
+        let max_deadline = now + self.config.max_lifetime;
         let key: Arc<str> = Arc::from(id);
         let parent: Arc<str> = Arc::from(req.parent_request_id);
         let blocks: Arc<[BlockId]> = Arc::from(req.blocks);
@@ -413,6 +536,7 @@ impl LeaseTable {
                 consumers: Vec::new(),
                 ttl,
                 deadline,
+                max_deadline,
                 seq,
                 readers: 0,
                 ended: None,
@@ -433,17 +557,43 @@ impl LeaseTable {
         ))
     }
 
-    /// Looks up `id`, expiring it first when its deadline is at or before `now`.
-    fn find<'s>(&self, shard: &'s mut Shard, id: &str, token: &[u8], now: Instant) -> Found<'s> {
+    /// Looks up `id` with `token`, expiring it first when its deadline is at or before
+    /// `now`. The token is checked before anything else is told: a live lease, a draining
+    /// one and an ended-lease record all answer `BadToken` to a wrong token. `consumer`, if
+    /// given, is looked up among the notifiers of an ended lease.
+    fn find<'s>(
+        &self,
+        shard: &'s mut Shard,
+        id: &str,
+        token: &[u8],
+        consumer: Option<&str>,
+        now: Instant,
+    ) -> Found<'s> {
         let expired = match shard.leases.get(id) {
-            None => return Found::Missing,
-            Some(l) if l.ended.is_some() => return Found::Ended,
+            None => {
+                return match shard.recent.get(id) {
+                    None => Found::Missing,
+                    Some(t) if !hashes_match(&t.token_hash, &token_hash(token)) => Found::BadToken,
+                    Some(t) => Found::Ended {
+                        kind: t.kind,
+                        counted: consumer.is_some_and(|c| t.consumers.contains(&consumer_hash(c))),
+                    },
+                }
+            }
             Some(l) if !l.token.matches(token) => return Found::BadToken,
-            Some(l) => l.deadline <= now,
+            Some(l) => match l.ended {
+                Some(kind) => {
+                    let counted = consumer.is_some_and(|c| l.consumers.iter().any(|n| &**n == c));
+                    return Found::Ended { kind, counted };
+                }
+                None => l.deadline <= now,
+            },
         };
         if expired {
+            let counted = consumer
+                .is_some_and(|c| shard.leases.get(id).is_some_and(|l| l.consumers.iter().any(|n| &**n == c)));
             self.end(shard, id, EndKind::Expired);
-            return Found::Ended;
+            return Found::Ended { kind: EndKind::Expired, counted };
         }
         match shard.leases.get_mut(id) {
             Some(l) => Found::Live(l),
@@ -478,17 +628,23 @@ impl LeaseTable {
         let Some((key, lease)) = shard.leases.remove_entry(id) else { return };
         let Some(kind) = lease.ended else { return };
         if shard.recent_order.len() >= RECENT_PER_SHARD {
-            if let Some(old) = shard.recent_order.pop_front() {
-                shard.recent.remove(&old);
+            if let Some((old, seq)) = shard.recent_order.pop_front() {
+                // Only the record this entry was made for: a stale entry of an id leased
+                // again since must not evict the newer record.
+                if shard.recent.get(&old).is_some_and(|t| t.seq == seq) {
+                    shard.recent.remove(&old);
+                }
             }
         }
-        shard.recent.insert(key.clone(), kind);
-        shard.recent_order.push_back(key.clone());
-        let consumers_seen = if lease.expected > 1 {
-            lease.consumers.len() as u32
-        } else {
-            u32::from(kind == EndKind::Pulled)
+        let tombstone = Tombstone {
+            kind,
+            token_hash: token_hash(lease.token.as_bytes()),
+            consumers: lease.consumers.iter().map(|c| consumer_hash(c)).collect(),
+            seq: lease.seq,
         };
+        shard.recent.insert(key.clone(), tombstone);
+        shard.recent_order.push_back((key.clone(), lease.seq));
+        let consumers_seen = lease.consumers.len() as u32;
         let end = LeaseEnd {
             remote_request_id: key,
             parent_request_id: lease.parent,
@@ -504,30 +660,31 @@ impl LeaseTable {
     }
 
     /// A consumer finished pulling `id`. The lease ends as pulled when every expected
-    /// consumer has notified. Unknown ids, wrong tokens and duplicates change nothing.
+    /// consumer has notified. Unknown ids, wrong tokens, duplicates and notifications of
+    /// ended leases change nothing; the last are answered from the ended-lease record.
     pub fn notify(&self, id: &str, token: &[u8], consumer: &str, now: Instant) -> NotifyOutcome {
         let mut shard = self.lock(self.shard_of(id));
-        let lease = match self.find(&mut shard, id, token, now) {
+        let lease = match self.find(&mut shard, id, token, Some(consumer), now) {
             Found::Live(l) => l,
-            Found::Missing | Found::Ended => {
+            Found::Missing => {
                 bump(&self.counters.unrecognized);
                 return NotifyOutcome::Unrecognized;
+            }
+            Found::Ended { kind, counted } => {
+                bump(&self.counters.already_ended);
+                return NotifyOutcome::AlreadyEnded { kind, counted };
             }
             Found::BadToken => {
                 bump(&self.counters.bad_token);
                 return NotifyOutcome::BadToken;
             }
         };
-        let remaining = if lease.expected == 1 {
-            0
-        } else {
-            if lease.consumers.iter().any(|c| &**c == consumer) {
-                bump(&self.counters.duplicate);
-                return NotifyOutcome::Duplicate;
-            }
-            lease.consumers.push(consumer.into());
-            lease.expected - lease.consumers.len() as u32
-        };
+        if lease.consumers.iter().any(|c| &**c == consumer) {
+            bump(&self.counters.duplicate);
+            return NotifyOutcome::Duplicate;
+        }
+        lease.consumers.push(consumer.into());
+        let remaining = lease.expected.saturating_sub(lease.consumers.len() as u32);
         if remaining > 0 {
             return NotifyOutcome::Counted { remaining };
         }
@@ -535,14 +692,19 @@ impl LeaseTable {
         NotifyOutcome::Pulled
     }
 
-    /// Extends a live lease to `max(deadline, now + 2/3 ttl)`.
+    /// Extends a live lease to `max(deadline, min(now + 2/3 ttl, made + max_lifetime))`:
+    /// never shortened, never past the lease's maximum lifetime.
     pub fn heartbeat(&self, id: &str, token: &[u8], now: Instant) -> HeartbeatOutcome {
         let mut shard = self.lock(self.shard_of(id));
-        let lease = match self.find(&mut shard, id, token, now) {
+        let lease = match self.find(&mut shard, id, token, None, now) {
             Found::Live(l) => l,
-            Found::Missing | Found::Ended => {
+            Found::Missing => {
                 bump(&self.counters.unrecognized);
                 return HeartbeatOutcome::Unrecognized;
+            }
+            Found::Ended { kind, .. } => {
+                bump(&self.counters.already_ended);
+                return HeartbeatOutcome::AlreadyEnded(kind);
             }
             Found::BadToken => {
                 bump(&self.counters.bad_token);
@@ -550,7 +712,7 @@ impl LeaseTable {
             }
         };
         let old = (lease.deadline, lease.seq);
-        let new = lease.deadline.max(now + lease.ttl * 2 / 3);
+        let new = lease.deadline.max((now + lease.ttl * 2 / 3).min(lease.max_deadline));
         lease.deadline = new;
         if new != old.0 {
             if let Some(key) = shard.deadlines.remove(&old) {
@@ -563,11 +725,15 @@ impl LeaseTable {
     /// Releases a live lease at once (the decode side or the owner dropped the child).
     pub fn cancel(&self, id: &str, token: &[u8], now: Instant) -> CancelOutcome {
         let mut shard = self.lock(self.shard_of(id));
-        match self.find(&mut shard, id, token, now) {
+        match self.find(&mut shard, id, token, None, now) {
             Found::Live(_) => {}
-            Found::Missing | Found::Ended => {
+            Found::Missing => {
                 bump(&self.counters.unrecognized);
                 return CancelOutcome::Unrecognized;
+            }
+            Found::Ended { kind, .. } => {
+                bump(&self.counters.already_ended);
+                return CancelOutcome::AlreadyEnded(kind);
             }
             Found::BadToken => {
                 bump(&self.counters.bad_token);
@@ -576,6 +742,44 @@ impl LeaseTable {
         }
         self.end(&mut shard, id, EndKind::Released);
         CancelOutcome::Released
+    }
+
+    /// Withdraws a lease whose hand-off was never published (the owner's call that made it
+    /// failed before returning it): the lease is removed with no end event and no
+    /// ended-lease record, and counted as retracted, so
+    /// `leased == pulled + released + expired + retracted + live` still holds.
+    ///
+    /// The deadline is not consulted: a lease not yet ended is retracted even if its
+    /// deadline has passed. A lease that has already ended (the expiry driver got to it
+    /// first) is left alone and its end is delivered as usual (`AlreadyEnded`). A lease with
+    /// a read in flight — which means its token had escaped after all — is released
+    /// instead, and its end follows its last read (`Released`).
+    pub fn retract(&self, id: &str, token: &[u8]) -> RetractOutcome {
+        let mut shard = self.lock(self.shard_of(id));
+        let Some(lease) = shard.leases.get(id) else {
+            return match shard.recent.get(id) {
+                Some(t) if hashes_match(&t.token_hash, &token_hash(token)) => {
+                    RetractOutcome::AlreadyEnded(t.kind)
+                }
+                Some(_) => RetractOutcome::BadToken,
+                None => RetractOutcome::Unrecognized,
+            };
+        };
+        if !lease.token.matches(token) {
+            return RetractOutcome::BadToken;
+        }
+        if let Some(kind) = lease.ended {
+            return RetractOutcome::AlreadyEnded(kind);
+        }
+        if lease.readers > 0 {
+            self.end(&mut shard, id, EndKind::Released);
+            return RetractOutcome::Released;
+        }
+        let key = (lease.deadline, lease.seq);
+        shard.deadlines.remove(&key);
+        shard.leases.remove(id);
+        bump(&self.counters.retracted);
+        RetractOutcome::Retracted
     }
 
     /// Ends every lease whose deadline is at or before `now`; returns how many ended.
@@ -610,8 +814,9 @@ impl LeaseTable {
     }
 
     /// Starts a read of `ranges` of lease `id`. While the returned guard lives, the lease's
-    /// blocks are not handed back even if the lease ends. Refused for unknown or ended leases,
-    /// wrong tokens, and blocks outside the layout or the lease.
+    /// blocks are not handed back even if the lease ends. Refused for unknown leases, wrong
+    /// tokens, ended leases (said only with the right token), ranges naming no blocks, and
+    /// blocks outside the layout or the lease.
     pub fn begin_read(
         self: &Arc<Self>,
         id: &str,
@@ -625,17 +830,20 @@ impl LeaseTable {
             bump(&self.counters.reads_refused);
             Err(r)
         };
-        let recently_ended = shard.recent.contains_key(id);
-        let lease = match self.find(&mut shard, id, token, now) {
+        let lease = match self.find(&mut shard, id, token, None, now) {
             Found::Live(l) => l,
-            Found::Missing if recently_ended => return refused(ReadRefused::Ended(id.to_owned())),
             Found::Missing => return refused(ReadRefused::Unknown(id.to_owned())),
-            Found::Ended => return refused(ReadRefused::Ended(id.to_owned())),
+            Found::Ended { .. } => return refused(ReadRefused::Ended(id.to_owned())),
             Found::BadToken => {
                 bump(&self.counters.bad_token);
                 return refused(ReadRefused::BadToken(id.to_owned()));
             }
         };
+        // A range of no blocks would pass every per-block check below while its start
+        // points anywhere: refused first.
+        if let Some((index, r)) = ranges.iter().enumerate().find(|(_, r)| r.count == 0) {
+            return refused(ReadRefused::EmptyRange { request: id.to_owned(), index, start: r.start });
+        }
         let requested: u64 = ranges.iter().map(|r| u64::from(r.count)).sum();
         if requested == 0 || requested > lease.blocks.len() as u64 {
             let leased = lease.blocks.len();
@@ -704,6 +912,13 @@ impl LeaseTable {
                     shard.deadlines.len()
                 ));
             }
+            if let Some((id, _)) = shard
+                .recent
+                .iter()
+                .find(|(id, t)| !shard.recent_order.iter().any(|(o, seq)| o == *id && *seq == t.seq))
+            {
+                return Err(format!("shard {i}: the record of {id} has no order entry"));
+            }
             if shard.recent.len() > shard.recent_order.len() || shard.recent_order.len() > RECENT_PER_SHARD {
                 return Err(format!(
                     "shard {i}: {} tombstones, {} in order, bound {RECENT_PER_SHARD}",
@@ -717,7 +932,7 @@ impl LeaseTable {
         if s.live != live || s.draining != draining {
             return Err(format!("counters say {s:?}, tables hold {live} live and {draining} draining"));
         }
-        if s.leased != s.pulled + s.released + s.expired + s.live {
+        if s.leased != s.pulled + s.released + s.expired + s.retracted + s.live {
             return Err(format!("books do not balance: {s:?}"));
         }
         Ok(())
@@ -740,19 +955,21 @@ impl LeaseTable {
     pub fn stats(&self) -> LeaseStats {
         let c = &self.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (leased, pulled, released, expired) =
-            (load(&c.leased), load(&c.pulled), load(&c.released), load(&c.expired));
+        let (leased, pulled, released, expired, retracted) =
+            (load(&c.leased), load(&c.pulled), load(&c.released), load(&c.expired), load(&c.retracted));
         LeaseStats {
             leased,
             pulled,
             released,
             expired,
-            live: leased.saturating_sub(pulled + released + expired),
+            retracted,
+            live: leased.saturating_sub(pulled + released + expired + retracted),
             draining: load(&c.draining),
             unrecognized: load(&c.unrecognized),
             bad_token: load(&c.bad_token),
             duplicate: load(&c.duplicate),
             reads_refused: load(&c.reads_refused),
+            already_ended: load(&c.already_ended),
         }
     }
 }

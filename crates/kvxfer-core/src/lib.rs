@@ -34,7 +34,7 @@ pub use ids::{child_request_id, LeaseToken};
 pub use layout::{BlockLayout, Segment};
 pub use lease::{
     CancelOutcome, EndKind, HeartbeatOutcome, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats, LeaseTable,
-    NotifyOutcome, ReadGuard, ReadRefused,
+    NotifyOutcome, ReadGuard, ReadRefused, RetractOutcome,
 };
 pub use params::{KvTransferParams, RemoteBlockIds};
 pub use parent::{ChildState, ParentStatus, ParentTracker};

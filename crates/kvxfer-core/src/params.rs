@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::ParamsError;
+use crate::error::{HandoffError, ParamsError};
 use crate::handoff::ChildHandoff;
 use crate::ids::LeaseToken;
 use crate::BlockId;
@@ -41,8 +41,11 @@ pub struct KvTransferParams {
     /// The prefill agent's host.
     #[serde(default)]
     pub remote_host: Option<String>,
-    /// The prefill agent's port.
-    #[serde(default)]
+    /// The prefill agent's port. Read from a number or from a string of digits: proxies
+    /// that build the dict from environment variables or URL parts send `"5559"`, and vLLM's
+    /// own connector accepts that (it only formats the value into an address), so kvxfer
+    /// does too. Always written back as a number.
+    #[serde(default, deserialize_with = "port_number_or_string")]
     pub remote_port: Option<u32>,
     /// Tensor-parallel size of the prefill engine.
     #[serde(default)]
@@ -74,14 +77,38 @@ pub struct KvTransferParams {
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
+fn port_number_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Port {
+        Number(u32),
+        Text(String),
+    }
+    match Option::<Port>::deserialize(d) {
+        Ok(None) => Ok(None),
+        Ok(Some(Port::Number(p))) => Ok(Some(p)),
+        Ok(Some(Port::Text(s))) => s.trim().parse::<u32>().map(Some).map_err(|_| {
+            serde::de::Error::custom(format!("{s:?} is not a port number (digits, or a JSON number)"))
+        }),
+        Err(_) => {
+            Err(serde::de::Error::custom("expected a port number (a JSON number or a string of digits)"))
+        }
+    }
+}
+
 fn null_as_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
     Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
 }
 
 impl KvTransferParams {
-    /// Parses the dict from JSON.
+    /// Parses the dict from JSON. An error names the field whose value failed.
     pub fn from_json(s: &str) -> Result<Self, ParamsError> {
-        Ok(serde_json::from_str(s)?)
+        let mut de = serde_json::Deserializer::from_str(s);
+        let p: Self = serde_path_to_error::deserialize(&mut de)
+            .map_err(|e| ParamsError::Json { field: e.path().to_string(), source: e.into_inner() })?;
+        // Trailing characters after the dict.
+        de.end().map_err(|source| ParamsError::Json { field: ".".into(), source })?;
+        Ok(p)
     }
 
     /// Writes the dict as JSON.
@@ -121,10 +148,14 @@ impl KvTransferParams {
         let request = need(self.remote_request_id.clone(), "remote_request_id")?;
         let blocks = match need(self.remote_block_ids.clone(), "remote_block_ids")? {
             RemoteBlockIds::Flat(v) => v,
-            RemoteBlockIds::Grouped(groups) => groups.into_iter().flatten().collect(),
+            RemoteBlockIds::Grouped(mut groups) if groups.len() == 1 => groups.pop().unwrap_or_default(),
+            RemoteBlockIds::Grouped(groups) => {
+                return Err(ParamsError::TooManyGroups { field: "remote_block_ids", groups: groups.len() })
+            }
         };
         let port = need(self.remote_port, "remote_port")?;
-        let token = LeaseToken::from_hex(&need(self.kvxfer_lease_token.clone(), "kvxfer_lease_token")?)?;
+        let token = LeaseToken::from_hex(&need(self.kvxfer_lease_token.clone(), "kvxfer_lease_token")?)
+            .map_err(|e| ParamsError::invalid("kvxfer_lease_token", e))?;
         let n = self.kvxfer_n.unwrap_or(1);
         let wire = kvxfer_proto::v1::ChildHandoff {
             parent_request_id: self.kvxfer_parent_request_id.clone().unwrap_or_else(|| request.clone()),
@@ -141,14 +172,22 @@ impl KvTransferParams {
             tp_size: self.tp_size.unwrap_or(1),
             incarnation: self.kvxfer_incarnation.unwrap_or(0),
         };
-        Ok(ChildHandoff::from_wire(wire)?)
+        ChildHandoff::from_wire(wire).map_err(|e| {
+            let field = match &e {
+                HandoffError::BadPort { .. } => "remote_port",
+                HandoffError::NoConsumers(_) => "kvxfer_expected_consumers",
+                HandoffError::BadTokenLength(_) | HandoffError::BadTokenHex(_) => "kvxfer_lease_token",
+                HandoffError::MissingField(f) => f,
+                _ => "kv_transfer_params",
+            };
+            ParamsError::invalid(field, e)
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::HandoffError;
     use crate::{EngineInfo, LeaseConfig, LeaseRequest, LeaseTable};
     use std::time::Instant;
 
@@ -206,6 +245,42 @@ mod tests {
     }
 
     #[test]
+    fn more_than_one_group_of_block_ids_is_refused_naming_the_field_and_the_count() {
+        let mut p = KvTransferParams::from_json(DECODE_SIDE).expect("parses");
+        p.kvxfer_lease_token = Some("00".repeat(16));
+        p.remote_block_ids = Some(RemoteBlockIds::Grouped(vec![vec![1, 2], vec![7]]));
+        let e = p.to_handoff().expect_err("two groups cannot be pulled yet");
+        let msg = e.to_string();
+        assert!(msg.contains("remote_block_ids") && msg.contains('2'), "{msg}");
+        // One group is what a non-hybrid model writes: accepted as its flat list.
+        p.remote_block_ids = Some(RemoteBlockIds::Grouped(vec![vec![1, 2]]));
+        assert_eq!(p.to_handoff().expect("one group").remote_block_ids(), &[1, 2]);
+    }
+
+    #[test]
+    fn every_params_error_names_its_field() {
+        for (json, field) in [
+            (r#"{"remote_port": "x"}"#, "remote_port"),
+            (r#"{"remote_port": -1}"#, "remote_port"),
+            (r#"{"tp_size": "two"}"#, "tp_size"),
+            (r#"{"remote_block_ids": [1, "a"]}"#, "remote_block_ids"),
+            (r#"{"kvxfer_n": 1.5}"#, "kvxfer_n"),
+            (r#"{"remote_host": 7}"#, "remote_host"),
+        ] {
+            let msg = KvTransferParams::from_json(json).expect_err(json).to_string();
+            assert!(msg.contains(field), "{json}: {msg}");
+        }
+    }
+
+    #[test]
+    fn a_numeric_string_port_is_accepted() {
+        let p = KvTransferParams::from_json(r#"{"remote_port": "5559"}"#).expect("parses");
+        assert_eq!(p.remote_port, Some(5559));
+        // Written back as a number, as vLLM writes it.
+        assert!(p.to_json().contains(r#""remote_port":5559"#), "{}", p.to_json());
+    }
+
+    #[test]
     fn garbage_is_an_error_not_a_panic() {
         assert!(KvTransferParams::from_json("[1,2").is_err());
         assert!(KvTransferParams::from_json(r#"{"remote_port": "x"}"#).is_err());
@@ -242,12 +317,12 @@ mod tests {
         let mut bad = p.clone();
         bad.kvxfer_lease_token = Some("nothex".into());
         assert!(
-            matches!(bad.to_handoff(), Err(ParamsError::Invalid(e)) if matches!(*e, HandoffError::BadTokenHex(_)))
+            matches!(bad.to_handoff(), Err(ParamsError::Invalid { source: e, .. }) if matches!(*e, HandoffError::BadTokenHex(_)))
         );
         bad = p;
         bad.remote_port = Some(70000);
         assert!(
-            matches!(bad.to_handoff(), Err(ParamsError::Invalid(e)) if matches!(*e, HandoffError::BadPort { .. }))
+            matches!(bad.to_handoff(), Err(ParamsError::Invalid { source: e, .. }) if matches!(*e, HandoffError::BadPort { .. }))
         );
     }
 }

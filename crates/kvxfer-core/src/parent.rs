@@ -51,11 +51,21 @@ impl ParentStatus {
     }
 }
 
-/// Tracks every parent request with leases: n, and each child's state. A parent is
-/// forgotten once all its children have ended (and its status returned one last time).
+/// One tracked parent: each child's state, and which children have ever had a lease.
+#[derive(Debug)]
+struct Entry {
+    status: ParentStatus,
+    leased: Vec<bool>,
+}
+
+/// Tracks every parent request with leases: n, and each child's state. Only leases that
+/// exist are tracked ([`Self::leased`] is called once the lease table accepted a lease, so
+/// `n` is bounded by `LeaseConfig::max_children`). A parent is forgotten once all its
+/// children have ended (its status returned one last time), or when the only leases it had
+/// were retracted.
 #[derive(Debug, Default)]
 pub struct ParentTracker {
-    parents: HashMap<String, ParentStatus>,
+    parents: HashMap<String, Entry>,
 }
 
 impl ParentTracker {
@@ -64,11 +74,40 @@ impl ParentTracker {
         Self::default()
     }
 
-    /// Records that `parent` has `n` children (idempotent; the first `n` seen wins).
-    pub fn track(&mut self, parent: &str, n: u32) {
+    /// Records that child `child` of `parent` (which has `n` children; the first `n` seen
+    /// wins) was leased: its state is pending again, also if an earlier lease of it ended.
+    /// Returns `false` (and records nothing) when `child` is not below the recorded `n`.
+    pub fn leased(&mut self, parent: &str, n: u32, child: u32) -> bool {
         if !self.parents.contains_key(parent) {
+            if child >= n {
+                return false;
+            }
             let children = vec![ChildState::Pending; n as usize];
-            self.parents.insert(parent.to_owned(), ParentStatus { children });
+            let leased = vec![false; n as usize];
+            self.parents.insert(parent.to_owned(), Entry { status: ParentStatus { children }, leased });
+        }
+        let Some(entry) = self.parents.get_mut(parent) else { return false };
+        let i = child as usize;
+        if i >= entry.leased.len() {
+            return false;
+        }
+        entry.status.children[i] = ChildState::Pending;
+        entry.leased[i] = true;
+        true
+    }
+
+    /// Undoes [`Self::leased`] for a lease retracted before its hand-off was published:
+    /// the child is pending (not leased) again, and a parent left with no lease that was
+    /// ever published is forgotten.
+    pub fn retracted(&mut self, parent: &str, child: u32) {
+        let Some(entry) = self.parents.get_mut(parent) else { return };
+        let i = child as usize;
+        if i < entry.leased.len() {
+            entry.leased[i] = false;
+            entry.status.children[i] = ChildState::Pending;
+        }
+        if !entry.leased.iter().any(|&l| l) {
+            self.parents.remove(parent);
         }
     }
 
@@ -80,11 +119,11 @@ impl ParentTracker {
 
     /// Sets one child's state; returns the final status when the parent completed.
     pub fn set(&mut self, parent: &str, child: u32, state: ChildState) -> Option<ParentStatus> {
-        let status = self.parents.get_mut(parent)?;
-        let slot = status.children.get_mut(child as usize)?;
+        let entry = self.parents.get_mut(parent)?;
+        let slot = entry.status.children.get_mut(child as usize)?;
         *slot = state;
-        if status.is_complete() {
-            self.parents.remove(parent)
+        if entry.status.is_complete() {
+            self.parents.remove(parent).map(|e| e.status)
         } else {
             None
         }
@@ -92,7 +131,7 @@ impl ParentTracker {
 
     /// The status of a parent that still has pending children.
     pub fn status(&self, parent: &str) -> Option<&ParentStatus> {
-        self.parents.get(parent)
+        self.parents.get(parent).map(|e| &e.status)
     }
 
     /// Number of parents with pending children.
@@ -103,5 +142,27 @@ impl ParentTracker {
     /// Whether no parent has pending children.
     pub fn is_empty(&self) -> bool {
         self.parents.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_leased_children_are_tracked_and_a_re_lease_is_pending_again() {
+        let mut t = ParentTracker::new();
+        assert!(!t.leased("P", 2, 5), "a child index past n records nothing");
+        assert!(t.is_empty());
+        assert!(t.leased("P", 2, 0));
+        assert!(t.leased("P", 2, 1));
+        assert_eq!(t.set("P", 0, ChildState::Released), None);
+        assert!(t.leased("P", 2, 0));
+        assert_eq!(t.status("P").map(ParentStatus::pending), Some(vec![0, 1]));
+        // Retracting one of two leases keeps the parent; retracting the last forgets it.
+        t.retracted("P", 1);
+        assert!(t.status("P").is_some());
+        t.retracted("P", 0);
+        assert!(t.is_empty());
     }
 }

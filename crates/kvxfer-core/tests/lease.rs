@@ -40,11 +40,15 @@ fn notify_pulls_and_hands_blocks_back_once() {
     let e = ended(&t);
     assert_eq!(e.len(), 1);
     assert_eq!((e[0].kind, &*e[0].blocks, e[0].consumers_seen), (EndKind::Pulled, &[3, 4][..], 1));
-    // A second notification finds nothing: unrecognized, no second hand-back.
-    assert_eq!(t.notify("R", h.token().as_bytes(), "d0", t0), NotifyOutcome::Unrecognized);
+    // A retried notification (its first answer lost) is answered from the ended-lease
+    // record: already pulled, this consumer counted; no second hand-back.
+    assert_eq!(
+        t.notify("R", h.token().as_bytes(), "d0", t0),
+        NotifyOutcome::AlreadyEnded { kind: EndKind::Pulled, counted: true }
+    );
     assert!(ended(&t).is_empty());
     let s = t.stats();
-    assert_eq!((s.leased, s.pulled, s.live, s.unrecognized), (1, 1, 0, 1));
+    assert_eq!((s.leased, s.pulled, s.live, s.unrecognized, s.already_ended), (1, 1, 0, 0, 1));
 }
 
 #[test]
@@ -89,7 +93,8 @@ fn cancel_releases_at_once() {
     let h = t.lease(LeaseRequest::new("R", 0, 1, vec![9]), t0).expect("lease");
     assert_eq!(t.cancel("R", h.token().as_bytes(), t0), CancelOutcome::Released);
     assert_eq!(ended(&t)[0].kind, EndKind::Released);
-    assert_eq!(t.cancel("R", h.token().as_bytes(), t0), CancelOutcome::Unrecognized);
+    assert_eq!(t.cancel("R", h.token().as_bytes(), t0), CancelOutcome::AlreadyEnded(EndKind::Released));
+    assert!(ended(&t).is_empty());
     assert_eq!(t.poll_timeout(), None);
 }
 
@@ -139,7 +144,10 @@ fn operations_after_the_deadline_see_an_expired_lease() {
     let t0 = Instant::now();
     let h = t.lease(LeaseRequest::new("R", 0, 1, vec![1]).ttl(ms(100)), t0).expect("lease");
     // The driver has not called expire yet; the notify still must not resurrect the lease.
-    assert_eq!(t.notify("R", h.token().as_bytes(), "d", t0 + ms(100)), NotifyOutcome::Unrecognized);
+    assert_eq!(
+        t.notify("R", h.token().as_bytes(), "d", t0 + ms(100)),
+        NotifyOutcome::AlreadyEnded { kind: EndKind::Expired, counted: false }
+    );
     let e = ended(&t);
     assert_eq!((e.len(), e[0].kind), (1, EndKind::Expired));
     assert_eq!(t.expire(t0 + ms(1000)), 0);
@@ -226,7 +234,10 @@ fn reads_are_refused_for_bad_ids_tokens_and_blocks() {
         t.begin_read("R", tok, &r(2, 2), t0),
         Err(ReadRefused::NotLeased { ids, .. }) if ids == vec![2]
     ));
-    assert!(matches!(t.begin_read("R", tok, &r(3, 0), t0), Err(ReadRefused::BadSize { .. })));
+    assert!(matches!(
+        t.begin_read("R", tok, &r(3, 0), t0),
+        Err(ReadRefused::EmptyRange { index: 0, start: 3, .. })
+    ));
     assert!(matches!(t.begin_read("R", tok, &r(0, u32::MAX), t0), Err(ReadRefused::BadSize { .. })));
     // Unsorted lease blocks are still found.
     drop(t.begin_read("R", tok, &r(3, 3), t0).expect("read of leased blocks"));
@@ -239,9 +250,12 @@ fn motivating_scenario_n3_only_child_1_notified() {
     let t = table();
     let mut tracker = ParentTracker::new();
     let t0 = Instant::now();
-    tracker.track("R", 3);
     let hs: Vec<_> = (0..3)
-        .map(|i| t.lease(LeaseRequest::new("R", i, 3, vec![10 * i, 10 * i + 1]), t0).expect("lease"))
+        .map(|i| {
+            let h = t.lease(LeaseRequest::new("R", i, 3, vec![10 * i, 10 * i + 1]), t0).expect("lease");
+            tracker.leased("R", 3, i);
+            h
+        })
         .collect();
     assert_eq!(hs[1].remote_request_id(), "1_R");
     assert_eq!(t.notify("1_R", hs[1].token().as_bytes(), "decode-0", t0 + ms(5)), NotifyOutcome::Pulled);

@@ -1,5 +1,6 @@
-//! Model-based property test: random lease / notify / heartbeat / cancel / expire /
-//! read-guard sequences against a simple model of what must happen.
+//! Model-based property test: random lease / notify / heartbeat / cancel / retract / expire /
+//! read-guard sequences against a simple model of what must happen, including the answers
+//! given from the ended-lease record and the maximum lease lifetime.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -8,8 +9,11 @@ use std::time::{Duration, Instant};
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::{
     CancelOutcome, ChildHandoff, EndKind, EngineInfo, HeartbeatOutcome, LeaseConfig, LeaseRequest,
-    LeaseTable, NotifyOutcome, ReadGuard,
+    LeaseTable, NotifyOutcome, ReadGuard, RetractOutcome,
 };
+
+/// The table's maximum lease lifetime in this model.
+const MAX_LIFETIME: Duration = Duration::from_millis(300);
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -18,7 +22,8 @@ enum Op {
     Notify { id: u8, consumer: u8, good_token: bool },
     Heartbeat { id: u8 },
     Cancel { id: u8, good_token: bool },
-    BeginRead { id: u8 },
+    BeginRead { id: u8, empty: bool },
+    Retract { id: u8 },
     EndRead { which: usize },
     Advance { ms: u64 },
     Expire,
@@ -34,7 +39,8 @@ fn op() -> impl Strategy<Value = Op> {
         }),
         (0u8..6).prop_map(|id| Op::Heartbeat { id }),
         (0u8..7, proptest::bool::weighted(0.85)).prop_map(|(id, good_token)| Op::Cancel { id, good_token }),
-        (0u8..6).prop_map(|id| Op::BeginRead { id }),
+        (0u8..6, proptest::bool::weighted(0.1)).prop_map(|(id, empty)| Op::BeginRead { id, empty }),
+        (0u8..6).prop_map(|id| Op::Retract { id }),
         (0usize..8).prop_map(|which| Op::EndRead { which }),
         (0u64..120).prop_map(|ms| Op::Advance { ms }),
         Just(Op::Expire),
@@ -47,6 +53,7 @@ struct ModelLease {
     expected: u32,
     ttl: Duration,
     deadline: Instant,
+    max_deadline: Instant,
     seen: Vec<u8>,
     ended: Option<EndKind>,
     readers: usize,
@@ -70,7 +77,9 @@ proptest! {
     #[test]
     fn every_lease_ends_exactly_once(ops in proptest::collection::vec(op(), 1..120)) {
         let engine = EngineInfo { engine_id: "e".into(), host: "127.0.0.1".into(), port: 1, tp_size: 1, incarnation: 0 };
-        let table = Arc::new(LeaseTable::new(LeaseConfig::new(engine, 64), [3; 32]));
+        let mut config = LeaseConfig::new(engine, 64);
+        config.max_lifetime = MAX_LIFETIME;
+        let table = Arc::new(LeaseTable::new(config, [3; 32]));
         let mut now = Instant::now();
         // One model entry per lease ever made, keyed by (request id, generation).
         let mut model: BTreeMap<(String, u32), ModelLease> = BTreeMap::new();
@@ -78,13 +87,14 @@ proptest! {
         let mut generation = 0u32;
         let mut guards: Vec<(String, u32, ReadGuard)> = Vec::new();
         let mut leased = 0u64;
+        let mut retracted = 0u64;
 
         for op in ops {
             match op {
                 Op::Lease { id, consumers, ttl_ms } => {
                     let parent = format!("P{id}");
                     let blocks = vec![u32::from(id) * 4, u32::from(id) * 4 + 1];
-                    let ttl = Duration::from_millis(ttl_ms);
+                    let ttl = Duration::from_millis(ttl_ms).min(MAX_LIFETIME);
                     let req = LeaseRequest::new(parent.clone(), 0, 1, blocks.clone()).consumers(consumers).ttl(ttl);
                     let occupied = current.get(&parent).is_some_and(|(g, _)| !model[&(parent.clone(), *g)].handed_back);
                     let res = table.lease(req, now);
@@ -93,7 +103,8 @@ proptest! {
                         generation += 1;
                         leased += 1;
                         model.insert((parent.clone(), generation), ModelLease {
-                            blocks, expected: consumers, ttl, deadline: now + ttl, seen: vec![],
+                            blocks, expected: consumers, ttl, deadline: now + ttl,
+                            max_deadline: now + MAX_LIFETIME, seen: vec![],
                             ended: None, readers: 0, handed_back: false,
                         });
                         current.insert(parent, (generation, h));
@@ -108,15 +119,13 @@ proptest! {
                     let m = model.get_mut(&(parent.clone(), *g)).expect("model");
                     let token = if good_token { *h.token().as_bytes() } else { [0xee; 16] };
                     let out = table.notify(&parent, &token, &format!("c{consumer}"), now);
-                    let expect = if !m.live() {
-                        NotifyOutcome::Unrecognized
-                    } else if !good_token {
+                    let expect = if !good_token {
                         NotifyOutcome::BadToken
                     } else {
                         m.touch(now);
-                        if !m.live() {
-                            NotifyOutcome::Unrecognized
-                        } else if m.expected > 1 && m.seen.contains(&consumer) {
+                        if let Some(kind) = m.ended {
+                            NotifyOutcome::AlreadyEnded { kind, counted: m.seen.contains(&consumer) }
+                        } else if m.seen.contains(&consumer) {
                             NotifyOutcome::Duplicate
                         } else {
                             m.seen.push(consumer);
@@ -137,11 +146,11 @@ proptest! {
                     let out = table.heartbeat(&parent, h.token().as_bytes(), now);
                     let m = model.get_mut(&(parent.clone(), *g)).expect("model");
                     m.touch(now);
-                    if m.live() {
-                        m.deadline = m.deadline.max(now + m.ttl * 2 / 3);
-                        prop_assert_eq!(out, HeartbeatOutcome::Extended { deadline: m.deadline });
+                    if let Some(kind) = m.ended {
+                        prop_assert_eq!(out, HeartbeatOutcome::AlreadyEnded(kind));
                     } else {
-                        prop_assert_eq!(out, HeartbeatOutcome::Unrecognized);
+                        m.deadline = m.deadline.max((now + m.ttl * 2 / 3).min(m.max_deadline));
+                        prop_assert_eq!(out, HeartbeatOutcome::Extended { deadline: m.deadline });
                     }
                 }
                 Op::Cancel { id, good_token } => {
@@ -150,27 +159,53 @@ proptest! {
                     let token = if good_token { *h.token().as_bytes() } else { [0xee; 16] };
                     let out = table.cancel(&parent, &token, now);
                     let m = model.get_mut(&(parent.clone(), *g)).expect("model");
-                    let expect = if !m.live() {
-                        CancelOutcome::Unrecognized
-                    } else if !good_token {
+                    let expect = if !good_token {
                         CancelOutcome::BadToken
                     } else {
                         m.touch(now);
-                        if m.live() { m.ended = Some(EndKind::Released); CancelOutcome::Released } else { CancelOutcome::Unrecognized }
+                        match m.ended {
+                            Some(kind) => CancelOutcome::AlreadyEnded(kind),
+                            None => { m.ended = Some(EndKind::Released); CancelOutcome::Released }
+                        }
                     };
                     prop_assert_eq!(out, expect);
                 }
-                Op::BeginRead { id } => {
+                Op::BeginRead { id, empty } => {
                     let parent = format!("P{id}");
                     let Some((g, h)) = current.get(&parent) else { continue };
                     let m = model.get_mut(&(parent.clone(), *g)).expect("model");
-                    let r = [BlockRange { start: m.blocks[0], count: 2 }];
+                    // An empty range (anywhere, even far outside the layout) is always refused.
+                    let r = if empty {
+                        vec![BlockRange { start: m.blocks[0], count: 1 }, BlockRange { start: 1000, count: 0 }]
+                    } else {
+                        vec![BlockRange { start: m.blocks[0], count: 2 }]
+                    };
                     let res = table.begin_read(&parent, h.token().as_bytes(), &r, now);
                     m.touch(now);
-                    prop_assert_eq!(res.is_ok(), m.live());
+                    prop_assert_eq!(res.is_ok(), m.live() && !empty);
                     if let Ok(guard) = res {
                         m.readers += 1;
                         guards.push((parent, *g, guard));
+                    }
+                }
+                Op::Retract { id } => {
+                    let parent = format!("P{id}");
+                    let Some((g, h)) = current.get(&parent) else { continue };
+                    let g = *g;
+                    let out = table.retract(&parent, h.token().as_bytes());
+                    let m = model.get_mut(&(parent.clone(), g)).expect("model");
+                    // The deadline is not consulted: only an ending the table already made counts.
+                    let expect = match m.ended {
+                        Some(kind) => RetractOutcome::AlreadyEnded(kind),
+                        None if m.readers > 0 => { m.ended = Some(EndKind::Released); RetractOutcome::Released }
+                        None => RetractOutcome::Retracted,
+                    };
+                    prop_assert_eq!(out, expect);
+                    if out == RetractOutcome::Retracted {
+                        // Gone without an end or a record: as if never leased.
+                        model.remove(&(parent.clone(), g));
+                        current.remove(&parent);
+                        retracted += 1;
                     }
                 }
                 Op::EndRead { which } => {
@@ -202,7 +237,8 @@ proptest! {
             }
             let s = table.stats();
             prop_assert_eq!(s.leased, leased);
-            prop_assert_eq!(s.leased, s.pulled + s.released + s.expired + s.live);
+            prop_assert_eq!(s.retracted, retracted);
+            prop_assert_eq!(s.leased, s.pulled + s.released + s.expired + s.retracted + s.live);
             let live = model.values().filter(|m| m.live()).count() as u64;
             prop_assert_eq!(s.live, live);
             prop_assert_eq!(table.poll_timeout(), model.values().filter(|m| m.live()).map(|m| m.deadline).min());
@@ -219,6 +255,6 @@ proptest! {
         prop_assert!(model.values().all(|m| m.handed_back));
         let s = table.stats();
         prop_assert_eq!((s.live, s.draining), (0, 0));
-        prop_assert_eq!(s.leased, s.pulled + s.released + s.expired);
+        prop_assert_eq!(s.leased, s.pulled + s.released + s.expired + s.retracted);
     }
 }

@@ -246,13 +246,18 @@ impl KvMemory {
 
     /// The chunks of blocks `start .. start + count`, in wire order: segment by segment,
     /// and within a segment one chunk for the whole run when blocks are packed, else one
-    /// per block. The caller has checked the range against the layout.
+    /// per block. A run of no blocks has no chunks, wherever it starts. The caller has
+    /// checked the range against the layout.
     pub fn run_chunks(&self, start: BlockId, count: u32) -> impl Iterator<Item = Chunk> + '_ {
         self.layout.segments().iter().enumerate().flat_map(move |(region, seg)| {
             let stride = seg.stride as usize;
             let block_len = seg.block_len as usize;
             let packed = seg.is_packed();
-            let pieces = if packed { 1 } else { count as usize };
+            let pieces = match (count, packed) {
+                (0, _) => 0,
+                (_, true) => 1,
+                (_, false) => count as usize,
+            };
             (0..pieces).map(move |i| {
                 let first = start as usize + i;
                 let len = if packed { block_len * count as usize } else { block_len };
@@ -404,6 +409,20 @@ mod tests {
             assert!(matches!(mem.write_block(8, &data), Err(MemError::BlockOutOfRange { .. })));
             assert!(matches!(mem.write_block(1, &data[..3]), Err(MemError::BlockLength { .. })));
         }
+    }
+
+    #[test]
+    fn a_run_of_zero_blocks_has_no_chunks() {
+        // A packed segment used to yield one chunk at `start * stride` even for count 0,
+        // which for a start outside the layout failed the region's bounds assertion.
+        let layout =
+            BlockLayout::new(8, vec![Segment::packed(16), Segment { block_len: 8, stride: 32 }], "u8", 16)
+                .expect("layout");
+        let mem = KvMemory::alloc(layout).expect("alloc");
+        assert_eq!(mem.run_chunks(1000, 0).count(), 0);
+        assert_eq!(mem.run_chunks(2, 0).count(), 0);
+        // SAFETY: nobody else has this memory.
+        assert_eq!(unsafe { mem.crc32c([(1000, 0)]) }, 0);
     }
 
     #[test]

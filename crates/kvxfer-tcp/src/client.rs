@@ -82,6 +82,20 @@ pub enum ClientError {
     },
 }
 
+/// A pin the prefill side granted ([`Connection::pin`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinGrant {
+    /// The pin's sequence number (for [`Connection::unpin`]).
+    pub seq: u64,
+    /// The CRC-32C of the pinned blocks, when asked for (check the read against it with
+    /// [`check_crc`]).
+    pub payload_crc32c: Option<u32>,
+    /// How long the prefill side holds the pin (its `pin_timeout`, grown with the pin's
+    /// size). A one-sided read still running after that cannot be trusted: bound the read by
+    /// it.
+    pub held_for: Duration,
+}
+
 impl ClientError {
     /// Whether the connection can still be used.
     pub fn connection_usable(&self) -> bool {
@@ -248,19 +262,24 @@ impl Connection {
             other => return Err(self.unexpected(&other)),
         }
         let timeout = self.limits.io_timeout;
+        // The payload must arrive by this deadline overall, not only make progress every
+        // `io_timeout`: a peer trickling bytes cannot hold the pull for ever.
+        let deadline = std::time::Instant::now()
+            .checked_add(self.limits.transfer_deadline(expected))
+            .unwrap_or_else(|| std::time::Instant::now() + Duration::from_secs(365 * 24 * 3600));
         let mut crc = 0;
         for run in runs {
             for c in dest.run_chunks(run.local_start, run.count) {
                 // SAFETY: the caller guarantees exclusive access to these destination
                 // blocks for the duration of this call, and that they are in the layout.
                 let dst = unsafe { dest.chunk_mut(c) };
-                read_exact_with_progress(&mut self.stream, dst, timeout, Some(&mut crc))
+                read_exact_with_progress(&mut self.stream, dst, timeout, deadline, Some(&mut crc))
                     .await
                     .map_err(|e| self.frame_err(e))?;
             }
         }
         let mut trailer = [0u8; 4];
-        read_exact_with_progress(&mut self.stream, &mut trailer, timeout, None)
+        read_exact_with_progress(&mut self.stream, &mut trailer, timeout, deadline, None)
             .await
             .map_err(|e| self.frame_err(e))?;
         check_crc(&self.peer, seq, u32::from_be_bytes(trailer), crc)?;
@@ -268,21 +287,25 @@ impl Connection {
     }
 
     /// Pins `runs` of lease `id` for a one-sided read (UCX, RDMA): the prefill side holds a
-    /// read guard until [`Self::unpin`], until this connection closes, or until its
-    /// `pin_timeout` passes. Returns the pin's sequence number and, if `want_crc`, the
-    /// CRC-32C of the pinned blocks (check the read against it with [`check_crc`]).
+    /// read guard until [`Self::unpin`], until this connection closes, or until the time it
+    /// states in the grant passes. Returns the grant: the pin's sequence number, how long it
+    /// is held and, if `want_crc`, the CRC-32C of the pinned blocks.
     pub async fn pin(
         &mut self,
         id: &str,
         token: &[u8],
         runs: &[BlockRun],
         want_crc: bool,
-    ) -> Result<(u64, Option<u32>), ClientError> {
+    ) -> Result<PinGrant, ClientError> {
         let (seq, mut req) = self.request(id, token, runs);
         req.pin_crc32c = want_crc;
         self.send(&Frame::Pin(req)).await?;
         match self.recv().await? {
-            Frame::PinAck(a) if a.seq == seq => Ok((seq, want_crc.then_some(a.payload_crc32c))),
+            Frame::PinAck(a) if a.seq == seq => Ok(PinGrant {
+                seq,
+                payload_crc32c: want_crc.then_some(a.payload_crc32c),
+                held_for: Duration::from_millis(a.held_for_ms),
+            }),
             Frame::Error(e) if e.seq == seq => Err(self.refused(e)),
             other => Err(self.unexpected(&other)),
         }
@@ -369,17 +392,19 @@ pub fn check_crc(peer: &str, seq: u64, announced: u32, computed: u32) -> Result<
     })
 }
 
-/// Fills `buf` from `stream`, failing when no byte arrives for `timeout`; folds each piece
-/// into `crc` as it lands (while it is in cache).
+/// Fills `buf` from `stream`, failing when no byte arrives for `timeout` or when `deadline`
+/// passes; folds each piece into `crc` as it lands (while it is in cache).
 async fn read_exact_with_progress(
     stream: &mut TcpStream,
     buf: &mut [u8],
     timeout: Duration,
+    deadline: std::time::Instant,
     mut crc: Option<&mut u32>,
 ) -> Result<(), FrameError> {
     let mut pos = 0;
     while pos < buf.len() {
-        let n = tokio::time::timeout(timeout, stream.read(&mut buf[pos..]))
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let n = tokio::time::timeout(timeout.min(left), stream.read(&mut buf[pos..]))
             .await
             .map_err(|_| FrameError::Timeout)??;
         if n == 0 {

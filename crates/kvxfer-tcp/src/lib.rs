@@ -14,10 +14,11 @@ pub mod frame;
 pub mod handshake;
 pub mod server;
 
+pub use client::PinGrant;
 pub use client::{check_crc, ClientError, Connection};
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError};
-pub use server::{refuse_connection, serve_connection, ServeContext, ServerCounters, ServerStats};
+pub use server::{refuse_connection, serve_connection, Refusal, ServeContext, ServerCounters, ServerStats};
 
 use std::time::Duration;
 
@@ -30,14 +31,51 @@ pub struct Limits {
     pub io_timeout: Duration,
     /// Connections a prefill agent serves at once; more are refused with an error frame.
     pub max_connections: usize,
+    /// Connections one peer (one IP address) may have open at a prefill agent at once; more
+    /// are refused with an error frame, so one peer cannot take every slot.
+    pub max_connections_per_peer: usize,
+    /// A prefill-side connection with no pin open that receives no frame for this long is
+    /// closed (a decode agent's pool notices the close and reconnects when it needs to).
+    pub idle_timeout: Duration,
+    /// Slowest transfer accepted, in bytes per second. A read's payload must move within
+    /// `io_timeout + bytes / min_transfer_rate` overall (not just make some progress every
+    /// `io_timeout`), on both sides; and the prefill side holds a pin for
+    /// `pin_timeout + bytes / min_transfer_rate`, so a large one-sided read gets the time it
+    /// needs.
+    pub min_transfer_rate: u64,
     /// One-sided reads (pins) one connection may have in flight at once; more are refused
     /// with LIMIT_EXCEEDED. (TCP reads on a connection are served one at a time: requests
     /// sent ahead wait in the socket buffer, not in the agent's memory.)
     pub max_inflight_reads: usize,
-    /// Longest a pin may stay open. A peer that neither unpins nor closes (stuck, or
-    /// half-open behind a middlebox) loses its pins after this; its late one-sided read then
-    /// fails the payload check instead of reading blocks the owner reused unnoticed.
+    /// Longest a pin of no bytes may stay open (a pin of `b` bytes: this plus
+    /// `b / min_transfer_rate`; the holder is told in `PinAck.held_for_ms`). A peer that
+    /// neither unpins nor closes (stuck, or half-open behind a middlebox) loses its pins
+    /// after this; its late one-sided read is then refused by its unpin's `held` answer.
     pub pin_timeout: Duration,
+}
+
+impl Limits {
+    /// The time `bytes` take at `min_transfer_rate` (saturating).
+    pub fn transfer_allowance(&self, bytes: u64) -> Duration {
+        let secs = bytes as f64 / self.min_transfer_rate.max(1) as f64;
+        Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
+    }
+
+    /// How long a read of `bytes` may take overall: `io_timeout` plus its transfer allowance.
+    pub fn transfer_deadline(&self, bytes: u64) -> Duration {
+        self.io_timeout.saturating_add(self.transfer_allowance(bytes))
+    }
+
+    /// How long the prefill side holds a pin of `bytes`: `pin_timeout` plus its transfer
+    /// allowance.
+    pub fn pin_hold(&self, bytes: u64) -> Duration {
+        self.pin_timeout.saturating_add(self.transfer_allowance(bytes))
+    }
+}
+
+/// `now + d`, or a year from now when that does not fit in an `Instant`.
+pub(crate) fn instant_after(now: std::time::Instant, d: Duration) -> std::time::Instant {
+    now.checked_add(d).unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
 }
 
 impl Default for Limits {
@@ -46,6 +84,9 @@ impl Default for Limits {
             max_frame_len: 1 << 20,
             io_timeout: Duration::from_secs(10),
             max_connections: 1024,
+            max_connections_per_peer: 256,
+            idle_timeout: Duration::from_secs(300),
+            min_transfer_rate: 1 << 20,
             max_inflight_reads: 256,
             pin_timeout: Duration::from_secs(60),
         }

@@ -8,7 +8,9 @@ use std::time::Instant;
 use kvxfer_core::plan::BlockRange;
 use std::collections::HashMap;
 
-use kvxfer_core::{CancelOutcome, HeartbeatOutcome, LeaseTable, NotifyOutcome, ReadGuard, ReadRefused};
+use kvxfer_core::{
+    CancelOutcome, EndKind, HeartbeatOutcome, LeaseTable, NotifyOutcome, ReadGuard, ReadRefused,
+};
 use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
 use tokio::io::AsyncWriteExt;
@@ -52,6 +54,13 @@ pub struct ServerCounters {
     /// replayed handshake), a peer that refused our challenge, or a peer requiring a key this
     /// agent does not have (`AUTH_FAILED`; also counted in `handshakes_refused`).
     pub auth_failed: AtomicU64,
+    /// Connections refused because their peer had `Limits::max_connections_per_peer` open.
+    pub peer_connections_refused: AtomicU64,
+    /// Connections closed after `Limits::idle_timeout` without a frame or a pin.
+    pub idle_closed: AtomicU64,
+    /// Connections closed because a read's payload did not move within its overall
+    /// deadline (`Limits::transfer_deadline`).
+    pub slow_transfers: AtomicU64,
     /// Rate limit of the warnings peers can trigger at will.
     pub warnings: WarnBudget,
 }
@@ -106,6 +115,9 @@ pub struct ServerStats {
     pub stalled_frames: u64,
     pub auth_required: u64,
     pub auth_failed: u64,
+    pub peer_connections_refused: u64,
+    pub idle_closed: u64,
+    pub slow_transfers: u64,
 }
 
 impl ServerCounters {
@@ -127,6 +139,9 @@ impl ServerCounters {
             stalled_frames: l(&self.stalled_frames),
             auth_required: l(&self.auth_required),
             auth_failed: l(&self.auth_failed),
+            peer_connections_refused: l(&self.peer_connections_refused),
+            idle_closed: l(&self.idle_closed),
+            slow_transfers: l(&self.slow_transfers),
         }
     }
 }
@@ -152,16 +167,40 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-fn refusal_code(r: &ReadRefused) -> ErrorCode {
+/// What a refused read is told: its code and message. An unknown id and a wrong token get
+/// the same answer, so a peer without the token cannot tell unknown, live and ended ids
+/// apart (the prefill side's counters and log still tell them apart; "ended" is said only
+/// with the right token).
+fn refusal_answer(r: &ReadRefused, id: &str) -> (ErrorCode, String) {
     match r {
-        ReadRefused::Unknown(_) => ErrorCode::UnknownLease,
-        ReadRefused::BadToken(_) => ErrorCode::BadToken,
-        ReadRefused::Ended(_) => ErrorCode::LeaseEnded,
-        ReadRefused::OutOfRange { .. } | ReadRefused::NotLeased { .. } | ReadRefused::BadSize { .. } => {
-            ErrorCode::BlockOutOfRange
+        ReadRefused::Unknown(_) | ReadRefused::BadToken(_) => {
+            (ErrorCode::UnknownLease, format!("no lease for request {id} with this token"))
         }
-        _ => ErrorCode::Internal,
+        ReadRefused::Ended(_) => (ErrorCode::LeaseEnded, r.to_string()),
+        ReadRefused::OutOfRange { .. }
+        | ReadRefused::NotLeased { .. }
+        | ReadRefused::BadSize { .. }
+        | ReadRefused::EmptyRange { .. } => (ErrorCode::BlockOutOfRange, r.to_string()),
+        _ => (ErrorCode::Internal, r.to_string()),
     }
+}
+
+/// The wire outcome of a lease that had already ended.
+fn already(kind: EndKind) -> LeaseOutcome {
+    match kind {
+        EndKind::Pulled => LeaseOutcome::AlreadyPulled,
+        EndKind::Released => LeaseOutcome::AlreadyReleased,
+        EndKind::Expired => LeaseOutcome::AlreadyExpired,
+    }
+}
+
+/// Why [`refuse_connection`] turns a connection away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// `Limits::max_connections` are open.
+    TooManyConnections,
+    /// The peer has `Limits::max_connections_per_peer` open.
+    TooManyFromPeer,
 }
 
 /// Serves one accepted connection until the peer closes it or breaks the protocol.
@@ -175,15 +214,26 @@ pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
     }
 }
 
-/// Refuses a connection accepted past `Limits::max_connections`: one error frame (bounded
-/// by the I/O timeout), then close.
-pub async fn refuse_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
-    bump(&ctx.counters.connections_refused);
-    let max = ctx.limits.max_connections;
+/// Refuses a connection accepted past `Limits::max_connections` or
+/// `Limits::max_connections_per_peer`: one error frame (bounded by the I/O timeout), then
+/// close.
+pub async fn refuse_connection(mut stream: TcpStream, ctx: Arc<ServeContext>, why: Refusal) {
+    let msg = match why {
+        Refusal::TooManyConnections => {
+            bump(&ctx.counters.connections_refused);
+            format!("this agent serves at most {} connections at once", ctx.limits.max_connections)
+        }
+        Refusal::TooManyFromPeer => {
+            bump(&ctx.counters.peer_connections_refused);
+            format!(
+                "this agent serves at most {} connections at once from one peer address",
+                ctx.limits.max_connections_per_peer
+            )
+        }
+    };
     if let Some(suppressed) = ctx.counters.warnings.allow() {
-        warn!(peer = ?stream.peer_addr().ok(), max, suppressed, "connection refused: too many open");
+        warn!(peer = ?stream.peer_addr().ok(), suppressed, "connection refused: {msg}");
     }
-    let msg = format!("this agent serves at most {max} connections at once");
     let _ =
         tokio::time::timeout(ctx.limits.io_timeout, refuse(&mut stream, ErrorCode::LimitExceeded, msg, 0))
             .await;
@@ -215,15 +265,31 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
 
     // Read guards of one-sided reads, by pin sequence number; dropped with the connection.
     let mut pins: HashMap<u64, Pinned> = HashMap::new();
+    let mut last_frame = Instant::now();
     loop {
-        // Idle between frames is fine (pooled connections), but not past a pin's deadline.
-        let idle =
-            pins.values().map(|p| p.deadline).min().map(|d| d.saturating_duration_since(Instant::now()));
+        // Pins are swept on every iteration, not only when the socket is quiet: a peer that
+        // always has a frame queued must not keep its pins past their deadline.
+        let now = Instant::now();
+        expire_pins(&mut pins, ctx, now);
+        // Idle between frames is fine (pooled connections) up to `idle_timeout` without
+        // pins, and with pins until the earliest pin deadline.
+        let wake = pins
+            .values()
+            .map(|p| p.deadline)
+            .min()
+            .unwrap_or_else(|| crate::instant_after(last_frame, ctx.limits.idle_timeout));
+        let idle = Some(wake.saturating_duration_since(now));
         let f = match frame::read_frame_timed(stream, max, &mut buf, idle, ctx.limits.io_timeout).await {
             Ok(f) => f,
             Err(FrameError::Closed) => return Ok(()),
             Err(FrameError::Idle) => {
-                expire_pins(&mut pins, ctx, Instant::now());
+                let now = Instant::now();
+                if pins.is_empty() && now.saturating_duration_since(last_frame) >= ctx.limits.idle_timeout {
+                    bump(&ctx.counters.idle_closed);
+                    debug!("closing a connection idle for {:?}", ctx.limits.idle_timeout);
+                    let _ = stream.shutdown().await;
+                    return Ok(());
+                }
                 continue;
             }
             Err(FrameError::Timeout) => {
@@ -239,6 +305,7 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
         let now = Instant::now();
+        last_frame = now;
         let reply = match f {
             Frame::ReadRequest(req) => {
                 serve_read(stream, ctx, req, &mut scratch).await?;
@@ -261,13 +328,17 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
                                 if req.pin_crc32c { payload_crc(ctx, &guard, &ranges_of(&req)) } else { 0 };
                             bump(&ctx.counters.pins);
                             bump(&ctx.counters.pins_open);
-                            debug!(remote_request_id = %req.remote_request_id, seq = req.seq, bytes, "pinned");
-                            let deadline = now + ctx.limits.pin_timeout;
+                            // Held longer for larger pins, so a big one-sided read has time
+                            // to finish; the holder is told how long.
+                            let hold = ctx.limits.pin_hold(bytes);
+                            debug!(remote_request_id = %req.remote_request_id, seq = req.seq, bytes, ?hold, "pinned");
+                            let deadline = crate::instant_after(now, hold);
                             pins.insert(
                                 req.seq,
-                                Pinned { guard, bytes, deadline, counters: ctx.counters.clone() },
+                                Pinned { guard, bytes, hold, deadline, counters: ctx.counters.clone() },
                             );
-                            Frame::PinAck(v1::PinAck { seq: req.seq, payload_crc32c, held_for_ms: 0 })
+                            let held_for_ms = u64::try_from(hold.as_millis()).unwrap_or(u64::MAX);
+                            Frame::PinAck(v1::PinAck { seq: req.seq, payload_crc32c, held_for_ms })
                         }
                         Err(e) => Frame::Error(e),
                     }
@@ -287,12 +358,13 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             }
             Frame::Notify(n) => {
                 let out = ctx.table.notify(&n.remote_request_id, &n.lease_token, &n.consumer_id, now);
+                // A wrong token is answered like an unknown id (see `refusal_answer`).
                 let (outcome, remaining) = match out {
                     NotifyOutcome::Counted { remaining } => (LeaseOutcome::Counted, remaining),
                     NotifyOutcome::Pulled => (LeaseOutcome::Pulled, 0),
                     NotifyOutcome::Duplicate => (LeaseOutcome::Duplicate, 0),
-                    NotifyOutcome::Unrecognized => (LeaseOutcome::Unrecognized, 0),
-                    NotifyOutcome::BadToken => (LeaseOutcome::BadToken, 0),
+                    NotifyOutcome::Unrecognized | NotifyOutcome::BadToken => (LeaseOutcome::Unrecognized, 0),
+                    NotifyOutcome::AlreadyEnded { kind, .. } => (already(kind), 0),
                 };
                 let loud = || ctx.counters.warnings.allow();
                 match out {
@@ -316,6 +388,10 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
                         remote_request_id = %n.remote_request_id, consumer = %n.consumer_id,
                         "duplicate notification; nothing changed"
                     ),
+                    NotifyOutcome::AlreadyEnded { kind, counted } => info!(
+                        remote_request_id = %n.remote_request_id, consumer = %n.consumer_id, ?kind, counted,
+                        "notification of a lease that already ended (a retry?); answered from its record"
+                    ),
                     _ => {
                         debug!(remote_request_id = %n.remote_request_id, consumer = %n.consumer_id, ?out, "notified")
                     }
@@ -327,24 +403,28 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
                     .leases
                     .iter()
                     .map(|l| {
-                        let o = match ctx.table.heartbeat(&l.remote_request_id, &l.lease_token, now) {
+                        let out = ctx.table.heartbeat(&l.remote_request_id, &l.lease_token, now);
+                        let o = match out {
                             HeartbeatOutcome::Extended { .. } => LeaseOutcome::Extended,
-                            HeartbeatOutcome::Unrecognized => LeaseOutcome::Unrecognized,
-                            HeartbeatOutcome::BadToken => LeaseOutcome::BadToken,
+                            HeartbeatOutcome::Unrecognized | HeartbeatOutcome::BadToken => {
+                                LeaseOutcome::Unrecognized
+                            }
+                            HeartbeatOutcome::AlreadyEnded(kind) => already(kind),
                         };
-                        debug!(remote_request_id = %l.remote_request_id, outcome = ?o, "heartbeat");
+                        debug!(remote_request_id = %l.remote_request_id, ?out, "heartbeat");
                         o as i32
                     })
                     .collect();
                 Frame::HeartbeatAck(v1::HeartbeatAck { outcomes })
             }
             Frame::Cancel(c) => {
-                let o = match ctx.table.cancel(&c.remote_request_id, &c.lease_token, now) {
+                let out = ctx.table.cancel(&c.remote_request_id, &c.lease_token, now);
+                let o = match out {
                     CancelOutcome::Released => LeaseOutcome::Released,
-                    CancelOutcome::Unrecognized => LeaseOutcome::Unrecognized,
-                    CancelOutcome::BadToken => LeaseOutcome::BadToken,
+                    CancelOutcome::Unrecognized | CancelOutcome::BadToken => LeaseOutcome::Unrecognized,
+                    CancelOutcome::AlreadyEnded(kind) => already(kind),
                 };
-                info!(remote_request_id = %c.remote_request_id, outcome = ?o, "cancel");
+                info!(remote_request_id = %c.remote_request_id, ?out, "cancel");
                 Frame::CancelAck(v1::CancelAck { outcome: o as i32 })
             }
             other => {
@@ -376,11 +456,12 @@ pub(crate) async fn protocol_error(
     refuse(stream, code, e.to_string(), 0).await
 }
 
-/// A pinned range: its read guard, its payload bytes, when the server drops it, and the
-/// open-pin gauge it holds.
+/// A pinned range: its read guard, its payload bytes, how long it is held and until when,
+/// and the open-pin gauge it holds.
 struct Pinned {
     guard: ReadGuard,
     bytes: u64,
+    hold: std::time::Duration,
     deadline: Instant,
     counters: Arc<ServerCounters>,
 }
@@ -394,7 +475,7 @@ fn expire_pins(pins: &mut HashMap<u64, Pinned>, ctx: &ServeContext, now: Instant
             if let Some(suppressed) = ctx.counters.warnings.allow() {
                 warn!(
                     remote_request_id = %p.guard.request_id(), seq, suppressed,
-                    "pin dropped after {:?} without an unpin", ctx.limits.pin_timeout
+                    "pin dropped after {:?} without an unpin", p.hold
                 );
             }
         }
@@ -434,7 +515,26 @@ fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), 
             if let Some(suppressed) = ctx.counters.warnings.allow() {
                 warn!(remote_request_id = %req.remote_request_id, suppressed, "read refused: {refused}");
             }
-            Err(v1::Error { code: refusal_code(&refused) as i32, message: refused.to_string(), seq: req.seq })
+            let (code, message) = refusal_answer(&refused, &req.remote_request_id);
+            Err(v1::Error { code: code as i32, message, seq: req.seq })
+        }
+    }
+}
+
+/// Counts (and warns about, rate-limited) a read whose payload missed its deadline, and
+/// makes the close a reset: what is still queued in the send buffer is dropped rather than
+/// trickled out to the slow reader after the connection is "closed".
+fn too_slow(stream: &TcpStream, ctx: &ServeContext, e: &FrameError, bytes: u64) {
+    if matches!(e, FrameError::Timeout) {
+        let _ = socket2::SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO));
+        bump(&ctx.counters.slow_transfers);
+        if let Some(suppressed) = ctx.counters.warnings.allow() {
+            warn!(
+                bytes,
+                suppressed,
+                "closing connection: a read's payload did not move within {:?}",
+                ctx.limits.transfer_deadline(bytes)
+            );
         }
     }
 }
@@ -443,15 +543,18 @@ fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), 
 /// cache between the CRC and the kernel's copy.
 const CRC_GROUP: usize = 256 * 1024;
 
-/// Writes all of `slices`, each write bounded by `timeout`.
+/// Writes all of `slices`: each write must make progress within `timeout`, and all of them
+/// finish by `deadline` (the read's overall deadline), else [`FrameError::Timeout`].
 async fn write_all_vectored(
     stream: &mut TcpStream,
     slices: &mut [IoSlice<'_>],
     timeout: std::time::Duration,
+    deadline: Instant,
 ) -> Result<(), FrameError> {
     let mut rest = slices;
     while !rest.is_empty() {
-        let n = tokio::time::timeout(timeout, stream.write_vectored(rest))
+        let left = deadline.saturating_duration_since(Instant::now());
+        let n = tokio::time::timeout(timeout.min(left), stream.write_vectored(rest))
             .await
             .map_err(|_| FrameError::Timeout)??;
         if n == 0 {
@@ -480,6 +583,9 @@ async fn serve_read(
     scratch.clear();
     Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
     let io_timeout = ctx.limits.io_timeout;
+    // The whole payload must move by this deadline, not only make progress every
+    // `io_timeout`: a peer reading a byte at a time cannot hold the read guard for ever.
+    let deadline = crate::instant_after(Instant::now(), ctx.limits.transfer_deadline(payload_len));
     // Written in groups of about CRC_GROUP bytes: each group's CRC is taken just before the
     // kernel copies it, while it is in cache; the header rides with the first group and the
     // CRC trailer with the last.
@@ -499,7 +605,9 @@ async fn serve_read(
                 slices.push(IoSlice::new(piece));
                 group += piece.len();
                 if group >= CRC_GROUP {
-                    write_all_vectored(stream, &mut slices, io_timeout).await?;
+                    write_all_vectored(stream, &mut slices, io_timeout, deadline)
+                        .await
+                        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
                     slices.clear();
                     group = 0;
                 }
@@ -508,7 +616,9 @@ async fn serve_read(
     }
     trailer.copy_from_slice(&crc.to_be_bytes());
     slices.push(IoSlice::new(&trailer));
-    write_all_vectored(stream, &mut slices, io_timeout).await?;
+    write_all_vectored(stream, &mut slices, io_timeout, deadline)
+        .await
+        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
     drop(slices);
     drop(guard);
     ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);

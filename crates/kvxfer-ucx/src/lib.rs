@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-pub use raw::UcxError;
+pub use raw::{UcxError, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN};
 
 /// UCX settings of an agent.
 #[derive(Debug, Clone)]
@@ -226,7 +226,10 @@ impl UcxInitiator {
     }
 
     /// Creates (or replaces) the endpoint to `peer` and unpacks its rkeys; `done` runs when
-    /// finished.
+    /// finished. The worker address and rkeys are length-checked first (non-empty, at most
+    /// [`MAX_WORKER_ADDRESS_LEN`] / [`MAX_RKEY_LEN`] bytes) and every region's `base + len`
+    /// must fit in 64 bits; their contents are opaque to kvxfer and parsed by UCX itself
+    /// (UCX takes no length for them), so connect only to peers that passed the handshake.
     pub fn connect(&self, peer: &str, info: TargetInfo, done: Done<()>) {
         if let Err(Command::Connect { done, .. }) =
             self.send(Command::Connect { peer: peer.to_owned(), info, done })
@@ -248,8 +251,10 @@ impl UcxInitiator {
         }
     }
 
-    /// Closes the endpoint to `peer` once no read from it is in flight (after a failure,
-    /// or when the peer restarted).
+    /// Takes the endpoint to `peer` out of use now (a later `get` fails until the next
+    /// `connect`) and closes it once no read from it is in flight (after a failure, or when
+    /// the peer restarted). A `connect` to the same peer right after it gets a new endpoint
+    /// that this close does not touch.
     pub fn disconnect(&self, peer: &str) {
         let _ = self.send(Command::Disconnect { peer: peer.to_owned() });
     }

@@ -294,8 +294,73 @@ unsafe extern "C" fn ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys:
     debug!(status, "UCX endpoint error");
 }
 
+/// Largest worker address accepted from a peer. UCX's addresses are a few hundred bytes
+/// (a few KiB with many devices); anything larger is not one.
+pub const MAX_WORKER_ADDRESS_LEN: usize = 64 * 1024;
+/// Largest packed rkey accepted from a peer (UCX's are tens to hundreds of bytes).
+pub const MAX_RKEY_LEN: usize = 16 * 1024;
+
+/// Checks what can be checked of a peer's target info before any of it reaches UCX: the
+/// worker address and every rkey are non-empty and not oversized, and every region's
+/// `base + len` fits in 64 bits. The contents of an address or rkey are opaque to us
+/// (`ucp_ep_create` and `ucp_ep_rkey_unpack` take no length), so a malformed one of a
+/// plausible length still reaches UCX's own parser: only peers that passed the handshake
+/// should be connected to.
+pub(crate) fn check_target_info(info: &TargetInfo) -> Result<(), UcxError> {
+    let len = info.worker_address.len();
+    if len == 0 || len > MAX_WORKER_ADDRESS_LEN {
+        return Err(UcxError::other(
+            "ucp_ep_create",
+            format!(
+                "peer's worker address is {len} bytes (must be 1..={MAX_WORKER_ADDRESS_LEN}); not connecting"
+            ),
+        ));
+    }
+    for (i, r) in info.regions.iter().enumerate() {
+        let len = r.rkey.len();
+        if len == 0 || len > MAX_RKEY_LEN {
+            return Err(UcxError::other(
+                "ucp_ep_rkey_unpack",
+                format!(
+                    "peer's rkey of region {i} is {len} bytes (must be 1..={MAX_RKEY_LEN}); not connecting"
+                ),
+            ));
+        }
+        if r.base.checked_add(r.len).is_none() {
+            return Err(UcxError::other(
+                "connect",
+                format!("peer's region {i} ({:#x} + {} bytes) wraps around the address space", r.base, r.len),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks every piece of a get against the peer's regions before any is issued: the region
+/// exists, and `base + offset + len` neither overflows nor leaves it.
+fn check_pieces(peer: &PeerEp, pieces: &[GetPiece]) -> Result<(), UcxError> {
+    for p in pieces {
+        let (base, len) = *peer.regions.get(p.remote_region).ok_or_else(|| {
+            UcxError::other("ucp_get_nbx", format!("peer has no region {}", p.remote_region))
+        })?;
+        let end = p.remote_offset.checked_add(p.len as u64);
+        let addr_end = base.checked_add(p.remote_offset).and_then(|a| a.checked_add(p.len as u64));
+        if end.is_none_or(|e| e > len) || addr_end.is_none() {
+            return Err(UcxError::other(
+                "ucp_get_nbx",
+                format!(
+                    "{}+{} outside the peer's region {} of {len} bytes",
+                    p.remote_offset, p.len, p.remote_region
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl PeerEp {
     fn connect(worker: &Worker, info: &TargetInfo, peer_failure: bool) -> Result<Self, UcxError> {
+        check_target_info(info)?;
         let failed = Box::new(AtomicBool::new(false));
         let params = sys::ucp_ep_params_t {
             field_mask: u64::from(
@@ -316,13 +381,14 @@ impl PeerEp {
             ..Default::default()
         };
         let mut ep: sys::ucp_ep_h = null_mut();
-        // SAFETY: live worker; the address bytes live across the call; the error handler's
-        // argument (boxed) lives as long as the endpoint.
+        // SAFETY: live worker; the address bytes (non-empty, bounded: checked above) live
+        // across the call; the error handler's argument (boxed) lives as long as the endpoint.
         check("ucp_ep_create", unsafe { sys::ucp_ep_create(worker.raw, &params, &mut ep) })?;
         let mut peer = PeerEp { ep, peer_failure, rkeys: Vec::new(), regions: Vec::new(), failed };
         for r in &info.regions {
             let mut rkey: sys::ucp_rkey_h = null_mut();
-            // SAFETY: live endpoint; the packed buffer lives across the call.
+            // SAFETY: live endpoint; the packed buffer (non-empty, bounded: checked above)
+            // lives across the call.
             let st = unsafe { sys::ucp_ep_rkey_unpack(peer.ep, r.rkey.as_ptr().cast(), &mut rkey) };
             if let Err(e) = check("ucp_ep_rkey_unpack", st) {
                 peer.close(worker);
@@ -405,25 +471,15 @@ unsafe extern "C" fn get_done(request: *mut c_void, status: sys::ucs_status_t, u
     unsafe { sys::ucp_request_free(request) };
 }
 
-/// Issues every piece of a get. Pieces completed at once are counted immediately.
+/// Issues every piece of a get, after checking all of them (so a bad piece fails the get
+/// before anything is issued). Pieces completed at once are counted immediately.
 fn issue(peer: &PeerEp, job: &mut Box<Job>, pieces: &[GetPiece]) -> Result<(), UcxError> {
     if peer.failed.load(Ordering::Acquire) {
         return Err(UcxError::other("ucp_get_nbx", "the endpoint to this peer has failed"));
     }
+    check_pieces(peer, pieces)?;
     for p in pieces {
-        let (base, len) = *peer.regions.get(p.remote_region).ok_or_else(|| {
-            UcxError::other("ucp_get_nbx", format!("peer has no region {}", p.remote_region))
-        })?;
-        let end = p.remote_offset.checked_add(p.len as u64);
-        if end.is_none_or(|e| e > len) {
-            return Err(UcxError::other(
-                "ucp_get_nbx",
-                format!(
-                    "{}+{} outside the peer's region {} of {len} bytes",
-                    p.remote_offset, p.len, p.remote_region
-                ),
-            ));
-        }
+        let (base, _) = peer.regions[p.remote_region];
         let job_ptr: *mut Job = &mut **job;
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
@@ -433,7 +489,8 @@ fn issue(peer: &PeerEp, job: &mut Box<Job>, pieces: &[GetPiece]) -> Result<(), U
         param.cb.send = Some(get_done);
         // SAFETY: live endpoint and rkey (the peer is kept until no job uses it); the
         // destination is registered, in bounds and exclusively ours (contract of
-        // `UcxInitiator::get`); the remote range is inside the peer's region (checked);
+        // `UcxInitiator::get`); the remote range is inside the peer's region and
+        // `base + offset` does not overflow (`check_pieces`);
         // `job` is boxed, so `user_data` stays valid until the callback.
         let req = unsafe {
             sys::ucp_get_nbx(
@@ -542,7 +599,10 @@ pub(crate) fn run_initiator(
     let signal = Signal::new(&worker);
     let mut peers: std::collections::HashMap<String, PeerEp> = std::collections::HashMap::new();
     let mut jobs: Vec<Box<Job>> = Vec::new();
-    let mut closing: Vec<String> = Vec::new();
+    // Endpoints a Disconnect took out of `peers`, closed once no read uses them. Held by
+    // value (not by peer name), so a Connect to the same peer in the same batch keeps its
+    // new endpoint.
+    let mut closing: Vec<(String, PeerEp)> = Vec::new();
     let mut stop_since: Option<Instant> = None;
     let mut leak = false;
     if ready.send(Ok(signal.clone())).is_ok() {
@@ -580,9 +640,18 @@ pub(crate) fn run_initiator(
                         }
                         jobs.push(job);
                     }
-                    Command::Disconnect { peer } => closing.push(peer),
-                    Command::Abort { peer } => {
+                    Command::Disconnect { peer } => {
                         if let Some(ep) = peers.remove(&peer) {
+                            closing.push((peer, ep));
+                        }
+                    }
+                    Command::Abort { peer } => {
+                        // The live endpoint and any disconnected one still finishing reads.
+                        let (doomed, rest): (Vec<_>, Vec<_>) =
+                            closing.drain(..).partition(|(p, _)| *p == peer);
+                        closing = rest;
+                        let eps = peers.remove(&peer).into_iter().chain(doomed.into_iter().map(|(_, ep)| ep));
+                        for ep in eps {
                             warn!(%peer, "aborting the UCX endpoint: reads in flight are cancelled");
                             ep.abort(&worker);
                         }
@@ -604,15 +673,15 @@ pub(crate) fn run_initiator(
                 false
             });
             // Close endpoints nobody reads from any more.
-            closing.retain(|peer| {
-                if jobs.iter().any(|j| &j.peer == peer) {
-                    return true;
-                }
-                if let Some(ep) = peers.remove(peer) {
+            let mut still_closing = Vec::with_capacity(closing.len());
+            for (peer, ep) in closing.drain(..) {
+                if jobs.iter().any(|j| j.peer == peer) {
+                    still_closing.push((peer, ep));
+                } else {
                     ep.close(&worker);
                 }
-                false
-            });
+            }
+            closing = still_closing;
             if stop.load(Ordering::Acquire) {
                 if jobs.is_empty() {
                     break;
@@ -640,10 +709,10 @@ pub(crate) fn run_initiator(
     }
     signal.disarm();
     if leak {
-        std::mem::forget((jobs, peers, maps, worker, ctx, keep_alive));
+        std::mem::forget((jobs, peers, closing, maps, worker, ctx, keep_alive));
         return;
     }
-    for (_, ep) in peers.drain() {
+    for (_, ep) in peers.drain().chain(closing.drain(..)) {
         ep.close(&worker);
     }
     drop(maps);

@@ -83,3 +83,97 @@ fn unknown_transport_is_a_clear_error() {
         assert!(!t.info().worker_address.is_empty());
     }
 }
+
+/// A Disconnect followed by a Connect to the same peer in one command batch used to close
+/// the new endpoint (the pending close was by peer name). The UCX thread is held inside the
+/// first connect's completion while both commands queue, so they land in one batch.
+#[test]
+fn disconnect_then_connect_in_one_batch_keeps_the_new_endpoint() {
+    let config = UcxConfig { tls: Some("tcp".into()), peer_failure_handling: true, ..UcxConfig::default() };
+    let src: Arc<Vec<u8>> = Arc::new((0..65536u32).map(|i| (i % 251) as u8).collect());
+    let mut dst_buf = vec![0u8; 65536];
+    let src_span = Span { ptr: src.as_ptr().cast_mut(), len: src.len() };
+    let dst_span = Span { ptr: dst_buf.as_mut_ptr(), len: dst_buf.len() };
+    // SAFETY: `src` is kept alive by the target and never written; `dst_buf` outlives the
+    // initiator and is read only after the get completed.
+    let target = unsafe { UcxTarget::start(&config, vec![src_span], src.clone()) }.expect("target");
+    // SAFETY: as above.
+    let initiator = unsafe { UcxInitiator::start(&config, vec![dst_span], Arc::new(())) }.expect("initiator");
+    let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(0);
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    initiator.connect(
+        "peer",
+        target.info().clone(),
+        Box::new(move |r| {
+            tx.send(r).expect("send");
+            // Hold the UCX thread until the next two commands are queued.
+            let _ = gate_rx.recv();
+        }),
+    );
+    rx.recv().expect("reply").expect("first connect");
+    initiator.disconnect("peer");
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    initiator.connect("peer", target.info().clone(), Box::new(move |r| tx.send(r).expect("send")));
+    gate_tx.send(()).expect("release the UCX thread");
+    rx.recv().expect("reply").expect("second connect");
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let pieces = vec![GetPiece { local: dst_span.ptr, remote_region: 0, remote_offset: 0, len: 65536 }];
+    // SAFETY: the destination is the registered dst_buf, untouched until done.
+    unsafe { initiator.get("peer", pieces, Box::new(move |r| tx.send(r).expect("send"))) };
+    assert_eq!(rx.recv().expect("reply").expect("the new endpoint reads"), 65536);
+    assert_eq!(&dst_buf[..], &src[..]);
+    drop(initiator);
+    drop(target);
+    drop(dst_buf);
+}
+
+/// Bytes from a peer are length-checked before they reach `ucp_ep_create` and
+/// `ucp_ep_rkey_unpack`, and a region that wraps the address space is refused, each with a
+/// clear error (and no endpoint is made).
+#[test]
+fn malformed_target_info_is_refused_before_it_reaches_ucx() {
+    let config = UcxConfig { tls: Some("tcp".into()), peer_failure_handling: true, ..UcxConfig::default() };
+    let src: Arc<Vec<u8>> = Arc::new(vec![7u8; 4096]);
+    let mut dst_buf = vec![0u8; 4096];
+    let src_span = Span { ptr: src.as_ptr().cast_mut(), len: src.len() };
+    let dst_span = Span { ptr: dst_buf.as_mut_ptr(), len: dst_buf.len() };
+    // SAFETY: `src` is kept alive by the target; `dst_buf` outlives the initiator.
+    let target = unsafe { UcxTarget::start(&config, vec![src_span], src.clone()) }.expect("target");
+    // SAFETY: as above.
+    let initiator = unsafe { UcxInitiator::start(&config, vec![dst_span], Arc::new(())) }.expect("initiator");
+    let good = target.info().clone();
+    let connect = |info: kvxfer_ucx::TargetInfo| {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        initiator.connect("peer", info, Box::new(move |r| tx.send(r).expect("send")));
+        rx.recv().expect("reply")
+    };
+    let mut empty_address = good.clone();
+    empty_address.worker_address.clear();
+    let mut huge_address = good.clone();
+    huge_address.worker_address = vec![0; kvxfer_ucx::MAX_WORKER_ADDRESS_LEN + 1];
+    let mut empty_rkey = good.clone();
+    empty_rkey.regions[0].rkey.clear();
+    let mut huge_rkey = good.clone();
+    huge_rkey.regions[0].rkey = vec![0; kvxfer_ucx::MAX_RKEY_LEN + 1];
+    let mut wrapping = good.clone();
+    wrapping.regions[0].base = u64::MAX - 100;
+    for (info, what) in [
+        (empty_address, "worker address is 0 bytes"),
+        (huge_address, "worker address is 65537 bytes"),
+        (empty_rkey, "rkey of region 0 is 0 bytes"),
+        (huge_rkey, "rkey of region 0 is 16385 bytes"),
+        (wrapping, "wraps around the address space"),
+    ] {
+        let err = connect(info).expect_err(what);
+        assert!(err.to_string().contains(what), "{err}");
+    }
+    // Nothing was connected, and the good info still works.
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    // SAFETY: no piece, nothing is written.
+    unsafe { initiator.get("peer", vec![], Box::new(move |r| tx.send(r).expect("send"))) };
+    assert!(rx.recv().expect("reply").is_err(), "no endpoint was made");
+    connect(good).expect("the real info connects");
+    drop(initiator);
+    drop(target);
+    drop(dst_buf);
+}

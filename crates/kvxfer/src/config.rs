@@ -80,6 +80,13 @@ pub struct AgentConfig {
     /// The consumer id a decode agent notifies with; `None`: `"{engine_id}/{rank}"`, so two
     /// ranks of one engine count as two consumers of a lease.
     pub consumer_id: Option<String>,
+    // Hardening, part A (leases): kept together at the end.
+    /// Longest a lease lives from the moment it is made (prefill): heartbeats never extend
+    /// it past this, and a larger `lease_ttl` (or request ttl) is clamped to it. Default 10
+    /// minutes.
+    pub max_lease_lifetime: Duration,
+    /// Largest `n` a lease may name (prefill); bounds per-parent bookkeeping. Default 1024.
+    pub max_children: u32,
 }
 
 impl AgentConfig {
@@ -105,6 +112,8 @@ impl AgentConfig {
             cluster_key: None,
             rank: 0,
             consumer_id: None,
+            max_lease_lifetime: kvxfer_core::LeaseConfig::DEFAULT_MAX_LIFETIME,
+            max_children: kvxfer_core::LeaseConfig::DEFAULT_MAX_CHILDREN,
         }
     }
 
@@ -219,6 +228,18 @@ impl AgentConfig {
     /// Sets the runtime's thread count (at least 1).
     pub fn worker_threads(mut self, n: usize) -> Self {
         self.worker_threads = n.max(1);
+        self
+    }
+
+    /// Sets the maximum lease lifetime (prefill side).
+    pub fn max_lease_lifetime(mut self, t: Duration) -> Self {
+        self.max_lease_lifetime = t;
+        self
+    }
+
+    /// Sets the largest `n` a lease may name (prefill side).
+    pub fn max_children(mut self, n: u32) -> Self {
+        self.max_children = n;
         self
     }
 }

@@ -1088,7 +1088,7 @@ impl Pull {
         let (_permit, mut conn) = peer.checkout(&self.inner).await?;
         let id = child.remote_request_id();
         let verify = self.inner.config.ucx.verify_payloads;
-        let (seq, pinned_crc) = match conn.pin(id, child.token().as_bytes(), runs, verify).await {
+        let grant = match conn.pin(id, child.token().as_bytes(), runs, verify).await {
             Ok(p) => p,
             Err(e) => {
                 let message = e.to_string();
@@ -1120,7 +1120,13 @@ impl Pull {
         // Bounded: a peer that stops answering must not hang the pull. The allowance grows
         // with the size of the read (100 MB/s is far below any working UCX transport).
         let bytes: u64 = runs.iter().map(|r| u64::from(r.count)).sum::<u64>() * remote.block_bytes();
-        let limit = self.inner.config.limits.io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
+        // Not past the time the prefill side holds the pin (it grows with the pin's size; a
+        // read finishing after it is refused by the unpin anyway), but never sooner than
+        // `io_timeout`, the least a read is given before it counts as stuck: aborting a UCX
+        // endpoint with a get in flight can make UCX 1.13 abort the prefill process (tcp).
+        let stuck = self.inner.config.limits.io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
+        let limit = stuck.min(grant.held_for.max(self.inner.config.limits.io_timeout));
+        let (seq, pinned_crc) = (grant.seq, grant.payload_crc32c);
         let mut rx = rx;
         let result = match tokio::time::timeout(limit, &mut rx).await {
             Ok(Ok(r)) => r.map_err(|e| e.to_string()),

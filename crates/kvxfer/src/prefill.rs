@@ -1,6 +1,7 @@
 //! The prefill agent: leases, serves reads, applies notifications, runs expiry.
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -8,11 +9,11 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvxfer_core::{
     CancelOutcome, ChildHandoff, EndKind, EngineInfo, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats,
-    LeaseTable, ParentStatus, ParentTracker, PrefillResult,
+    LeaseTable, ParentStatus, ParentTracker, PrefillResult, RetractOutcome,
 };
 use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1;
-use kvxfer_tcp::{serve_connection, ServeContext, ServerCounters, ServerStats};
+use kvxfer_tcp::{serve_connection, Refusal, ServeContext, ServerCounters, ServerStats};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tokio::sync::Notify;
@@ -78,6 +79,8 @@ impl PrefillAgent {
         let layout = memory.layout().clone();
         let mut lease_config = LeaseConfig::new(engine, layout.num_blocks());
         lease_config.default_ttl = config.lease_ttl;
+        lease_config.max_lifetime = config.max_lease_lifetime;
+        lease_config.max_children = config.max_children;
         let mut seed = [0u8; 32];
         rand::fill(&mut seed);
         let table = Arc::new(LeaseTable::new(lease_config, seed));
@@ -179,12 +182,17 @@ impl PrefillAgent {
 
     /// Leases one child's blocks: the lease is registered before the hand-off is returned.
     /// The owner must not write those blocks until the lease's end arrives on [`Self::events`].
+    /// `n` is bounded by `AgentConfig::max_children`; a ttl above
+    /// `AgentConfig::max_lease_lifetime` is clamped to it.
     pub fn lease(&self, req: LeaseRequest) -> Result<ChildHandoff, Error> {
-        let now = Instant::now();
-        let parent = req.parent_request_id.clone();
-        let n = req.n;
-        self.lock_tracker().track(&parent, n);
-        let h = self.table.lease(req, now)?;
+        let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
+        // The tracker records the lease only once the table made it, under the tracker's
+        // lock, so the lease's end (applied by the event thread under the same lock) cannot
+        // overtake it.
+        let mut tracker = self.lock_tracker();
+        let h = self.table.lease(req, Instant::now())?;
+        tracker.leased(&parent, n, child);
+        drop(tracker);
         debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "leased");
         // The expiry task sleeps until the earliest deadline; this one may be earlier.
         self.wake.notify_one();
@@ -192,7 +200,15 @@ impl PrefillAgent {
     }
 
     /// Leases every child of a parent (`blocks[i]` for child i) and returns the prefill
-    /// result to hand to the decode side. If one lease fails, the ones made are released.
+    /// result to hand to the decode side.
+    ///
+    /// On `Err`, no hand-off escaped, and no end is delivered on [`Self::events`] for any
+    /// lease this call made: every request is checked before the first lease is made, and
+    /// if a lease still fails (another lease of the same id is live), the ones already made
+    /// are retracted ([`LeaseTable::retract`]) — an owner that frees the blocks on `Err`
+    /// frees them once. The one exception is a lease whose ttl ran out while the call was
+    /// still running and that the expiry task ended first (a ttl shorter than the call
+    /// itself): its end arrives as usual, with kind `Expired`.
     pub fn lease_parent(
         &self,
         parent: &str,
@@ -201,21 +217,47 @@ impl PrefillAgent {
         ttl: Option<Duration>,
     ) -> Result<PrefillResult, Error> {
         let n = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
-        let mut handoffs = Vec::with_capacity(blocks.len());
-        for (i, b) in (0u32..).zip(blocks) {
-            let mut req = LeaseRequest::new(parent, i, n, b).consumers(expected_consumers);
-            req.ttl = ttl;
+        let reqs: Vec<LeaseRequest> = (0u32..)
+            .zip(blocks)
+            .map(|(i, b)| {
+                let mut req = LeaseRequest::new(parent, i, n, b).consumers(expected_consumers);
+                req.ttl = ttl;
+                req
+            })
+            .collect();
+        for req in &reqs {
+            self.table.validate(req)?;
+        }
+        let mut handoffs = Vec::with_capacity(reqs.len());
+        for req in reqs {
             match self.lease(req) {
                 Ok(h) => handoffs.push(h),
                 Err(e) => {
-                    for h in &handoffs {
-                        self.cancel(h);
-                    }
+                    self.retract_all(&handoffs);
                     return Err(e);
                 }
             }
         }
-        Ok(PrefillResult::new(parent, n, handoffs)?)
+        match PrefillResult::new(parent, n, handoffs.clone()) {
+            Ok(result) => Ok(result),
+            Err(e) => {
+                self.retract_all(&handoffs);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Withdraws leases whose hand-offs are not going to be returned.
+    fn retract_all(&self, handoffs: &[ChildHandoff]) {
+        let mut tracker = self.lock_tracker();
+        for h in handoffs {
+            match self.table.retract(h.remote_request_id(), h.token().as_bytes()) {
+                RetractOutcome::Retracted => tracker.retracted(h.parent_request_id(), h.child_index()),
+                other => {
+                    warn!(remote_request_id = %h.remote_request_id(), ?other, "lease could not be retracted; it ends as usual")
+                }
+            }
+        }
     }
 
     /// Releases a lease from the owner's side (the request was aborted).
@@ -299,20 +341,70 @@ fn no_route(bound: SocketAddr, source: std::io::Error) -> Error {
     }
 }
 
+/// Connections open per peer address, for `Limits::max_connections_per_peer`.
+#[derive(Debug, Default)]
+struct PeerCounts(Mutex<HashMap<IpAddr, usize>>);
+
+/// One open connection of a peer; dropping it gives the slot back.
+struct PeerSlot {
+    counts: Arc<PeerCounts>,
+    ip: IpAddr,
+}
+
+impl PeerCounts {
+    /// Takes a slot for `ip`, unless it already has `max` connections open.
+    fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<PeerSlot> {
+        let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let open = counts.entry(ip).or_insert(0);
+        if *open >= max.max(1) {
+            return None;
+        }
+        *open += 1;
+        Some(PeerSlot { counts: self.clone(), ip })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(open) = counts.get_mut(&self.ip) {
+            *open -= 1;
+            if *open == 0 {
+                counts.remove(&self.ip);
+            }
+        }
+    }
+}
+
 async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>) {
     let open = Arc::new(tokio::sync::Semaphore::new(ctx.limits.max_connections.max(1)));
+    let per_peer = Arc::new(PeerCounts::default());
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => match open.clone().try_acquire_owned() {
-                Ok(permit) => {
-                    let ctx = ctx.clone();
-                    tokio::spawn(async move {
-                        serve_connection(stream, ctx).await;
-                        drop(permit);
-                    });
-                }
+            Ok((stream, peer)) => match open.clone().try_acquire_owned() {
+                Ok(permit) => match per_peer.take(peer.ip(), ctx.limits.max_connections_per_peer) {
+                    Some(slot) => {
+                        let ctx = ctx.clone();
+                        tokio::spawn(async move {
+                            serve_connection(stream, ctx).await;
+                            drop(slot);
+                            drop(permit);
+                        });
+                    }
+                    None => {
+                        tokio::spawn(kvxfer_tcp::refuse_connection(
+                            stream,
+                            ctx.clone(),
+                            Refusal::TooManyFromPeer,
+                        ));
+                    }
+                },
                 Err(_) => {
-                    tokio::spawn(kvxfer_tcp::refuse_connection(stream, ctx.clone()));
+                    tokio::spawn(kvxfer_tcp::refuse_connection(
+                        stream,
+                        ctx.clone(),
+                        Refusal::TooManyConnections,
+                    ));
                 }
             },
             Err(e) => {

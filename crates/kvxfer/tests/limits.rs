@@ -80,9 +80,12 @@ fn pins_in_flight_are_limited_per_connection_and_expire_when_never_unpinned() {
         let mut seqs = Vec::new();
         for b in 0..4 {
             // Blocks 0 and 1 with their checksum, 2 and 3 without.
-            let (seq, crc) = c.pin(child.remote_request_id(), token, &runs(b, 1), b < 2).await.expect("pin");
-            crcs.push(crc);
-            seqs.push(seq);
+            let grant = c.pin(child.remote_request_id(), token, &runs(b, 1), b < 2).await.expect("pin");
+            // One block held for pin_timeout plus its size at the minimum transfer rate.
+            let limits = kvxfer::Limits { pin_timeout: Duration::from_millis(400), ..Default::default() };
+            assert_eq!(grant.held_for.as_millis(), limits.pin_hold(BLOCK).as_millis());
+            crcs.push(grant.payload_crc32c);
+            seqs.push(grant.seq);
         }
         match c.pin(child.remote_request_id(), token, &runs(4, 1), false).await {
             Err(kvxfer_tcp::ClientError::Refused { code, .. }) => {
@@ -193,8 +196,9 @@ fn a_flood_of_bogus_notifications_and_reads_is_refused_while_a_real_pull_complet
                         _ => {
                             // SAFETY: `dest` is this task's own memory; block 0 is in its layout.
                             let r = unsafe { c.read_into("V", &[3u8; 16], &runs(0, 1), &dest) }.await;
+                            // A wrong token is told exactly what an unknown id is told.
                             if let Err(kvxfer_tcp::ClientError::Refused {
-                                code: v1::ErrorCode::BadToken,
+                                code: v1::ErrorCode::UnknownLease,
                                 ..
                             }) = r
                             {
@@ -253,4 +257,141 @@ fn a_flood_of_bogus_notifications_and_reads_is_refused_while_a_real_pull_complet
         rss_after.saturating_sub(rss_before) < 64 * 1024,
         "peak RSS grew {rss_before} -> {rss_after} KiB"
     );
+}
+
+/// A connection with no pin and no frame for `idle_timeout` is closed; one with a pin open
+/// stays until the pin is gone.
+#[test]
+fn idle_connections_without_pins_are_closed() {
+    let mut config = AgentConfig::new("prefill");
+    config.limits.idle_timeout = Duration::from_millis(300);
+    config.limits.pin_timeout = Duration::from_millis(800);
+    config.limits.min_transfer_rate = u64::MAX;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let result = prefill.lease_parent("I", vec![vec![1]], 1, None).expect("lease");
+    let child = &result.children()[0];
+    let mut idle = TcpStream::connect(prefill.local_addr()).expect("connect");
+    idle.write_all(&hello(&layout)).expect("hello");
+    assert_eq!(first_frame_type(&mut idle), v1::FrameType::HelloAck as u8);
+    let mut pinned = TcpStream::connect(prefill.local_addr()).expect("connect");
+    pinned.write_all(&hello(&layout)).expect("hello");
+    assert_eq!(first_frame_type(&mut pinned), v1::FrameType::HelloAck as u8);
+    let pin = v1::ReadRequest {
+        seq: 1,
+        remote_request_id: child.remote_request_id().into(),
+        lease_token: child.token().as_bytes().to_vec(),
+        ranges: vec![v1::BlockRange { start: 1, count: 1 }],
+        pin_crc32c: false,
+    };
+    pinned.write_all(&frame_bytes(v1::FrameType::Pin, &pin)).expect("pin");
+    assert_eq!(first_frame_type(&mut pinned), v1::FrameType::PinAck as u8);
+    let mut b = [0u8; 1];
+    assert_eq!(idle.read(&mut b).expect("closed"), 0, "the idle connection was closed");
+    assert_eq!(prefill.stats().server.idle_closed, 1);
+    // The pinned one outlives the idle timeout: it closes only once its pin expired.
+    assert_eq!(pinned.read(&mut b).expect("closed"), 0);
+    let s = prefill.stats().server;
+    assert_eq!((s.pins_expired, s.idle_closed), (1, 2), "{s:?}");
+}
+
+/// One peer address cannot take every slot: past `max_connections_per_peer` its
+/// connections are refused with an error frame, while another address is still served.
+#[test]
+fn connections_per_peer_address_are_capped() {
+    let mut config = AgentConfig::new("prefill");
+    config.limits.max_connections_per_peer = 2;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let addr = prefill.local_addr();
+    let open: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            s.write_all(&hello(&layout)).expect("hello");
+            assert_eq!(first_frame_type(&mut s), v1::FrameType::HelloAck as u8);
+            s
+        })
+        .collect();
+    let mut third = TcpStream::connect(addr).expect("connect");
+    assert_eq!(first_frame_type(&mut third), v1::FrameType::Error as u8);
+    let s = prefill.stats().server;
+    assert_eq!((s.peer_connections_refused, s.connections_refused), (1, 0));
+    // Another loopback address is another peer.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.bind("127.0.0.2:0".parse().expect("addr")).expect("bind 127.0.0.2");
+        let mut other = socket.connect(addr).await.expect("connect").into_std().expect("std");
+        other.set_nonblocking(false).expect("blocking");
+        other.write_all(&hello(&layout)).expect("hello");
+        assert_eq!(first_frame_type(&mut other), v1::FrameType::HelloAck as u8);
+    });
+    drop(open);
+    eventually("a slot frees up", || {
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.write_all(&hello(&layout)).expect("hello");
+        first_frame_type(&mut s) == v1::FrameType::HelloAck as u8
+    });
+}
+
+/// The decode side bounds a read overall too: a peer that trickles a payload a byte at a
+/// time, often enough to beat the progress timeout, fails the read with a timeout.
+#[test]
+fn a_trickling_sender_fails_the_read_at_the_overall_deadline() {
+    use std::net::TcpListener;
+    let layout = BlockLayout::single(4, BLOCK).expect("layout");
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let ack = v1::HelloAck {
+        protocol_version: kvxfer_proto::PROTOCOL_VERSION,
+        engine_id: "trickler".into(),
+        agent_name: "trickler".into(),
+        compat_hash: layout.compat_hash(),
+        layout: Some(layout.to_wire()),
+        ..Default::default()
+    };
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let frame = |s: &mut std::net::TcpStream| {
+            let mut h = [0u8; 5];
+            s.read_exact(&mut h).expect("header");
+            let mut body = vec![0u8; u32::from_be_bytes([h[0], h[1], h[2], h[3]]) as usize - 1];
+            s.read_exact(&mut body).expect("body");
+            (h[4], body)
+        };
+        let (ty, _) = frame(&mut s);
+        assert_eq!(ty, v1::FrameType::Hello as u8);
+        s.write_all(&frame_bytes(v1::FrameType::HelloAck, &ack)).expect("ack");
+        let (ty, body) = frame(&mut s);
+        assert_eq!(ty, v1::FrameType::ReadRequest as u8);
+        let req = <v1::ReadRequest as kvxfer_proto::Message>::decode(body.as_slice()).expect("request");
+        let resp = v1::ReadResponse { seq: req.seq, payload_len: BLOCK };
+        s.write_all(&frame_bytes(v1::FrameType::ReadResponse, &resp)).expect("response");
+        // One byte every 50 ms, for at most 10 s.
+        for _ in 0..200 {
+            if s.write_all(&[0]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let limits = kvxfer::Limits {
+        io_timeout: Duration::from_millis(300),
+        min_transfer_rate: 64 * 1024,
+        ..Default::default()
+    };
+    let dest = kvmem(4);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    let err = rt.block_on(async {
+        let mut c = kvxfer_tcp::Connection::connect(&addr, &raw_hello(&layout, "raw"), limits)
+            .await
+            .expect("connect");
+        // SAFETY: `dest` is this test's own memory; block 0 is in its layout.
+        unsafe { c.read_into("R", &[1; 16], &runs(0, 1), &dest) }.await.expect_err("trickled")
+    });
+    assert!(
+        matches!(err, kvxfer_tcp::ClientError::Frame { source: kvxfer_tcp::FrameError::Timeout, .. }),
+        "the read must fail at its deadline, not when the sender gives up: {err}"
+    );
+    server.join().expect("server");
 }
