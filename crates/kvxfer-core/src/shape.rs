@@ -150,7 +150,7 @@ impl KvShape {
             KvHeads::Split { total } if total >= spec.tp_size && total % spec.tp_size == 0 => {
                 total / spec.tp_size
             }
-            KvHeads::Split { total } if total < spec.tp_size && spec.tp_size % total == 0 => 1,
+            KvHeads::Split { total } if total < spec.tp_size && spec.tp_size.is_multiple_of(total) => 1,
             KvHeads::Split { total } => {
                 return Err(ShapeError::HeadsNotDivisible { total_kv_heads: total, tp_size: spec.tp_size })
             }

@@ -150,7 +150,7 @@ impl Case {
 fn heads_split(heads: KvHeads, tp: u32) -> bool {
     match heads {
         KvHeads::Latent => true,
-        KvHeads::Split { total } => total % tp == 0 || tp % total == 0,
+        KvHeads::Split { total } => total % tp == 0 || tp.is_multiple_of(total),
     }
 }
 
@@ -529,7 +529,7 @@ fn apply(
         }
         Change::Groups => {
             let n = prefill.groups.len();
-            if n > 1 && pick % 2 == 0 {
+            if n > 1 && pick.is_multiple_of(2) {
                 decode.groups.pop();
             } else {
                 decode.groups.push(prefill.groups[0].clone());
