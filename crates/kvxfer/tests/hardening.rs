@@ -30,7 +30,7 @@ fn refusal_code(e: kvxfer_tcp::ClientError) -> v1::ErrorCode {
 #[test]
 fn a_zero_count_range_is_refused_cleanly_for_reads_and_pins() {
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(AgentConfig::new("prefill"), layout.clone());
+    let prefill = prefill_unkeyed(AgentConfig::new("prefill"), layout.clone());
     let result = prefill.lease_parent("Z", vec![vec![1, 2]], 1, None).expect("lease");
     let child = result.children()[0].clone();
     let dest = kvxfer::KvMemory::alloc(layout.clone()).expect("alloc");
@@ -115,7 +115,7 @@ fn pins_expire_even_when_a_frame_is_always_queued() {
     let mut config = AgentConfig::new("prefill");
     config.limits.pin_timeout = Duration::from_millis(200);
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(config, layout.clone());
+    let prefill = prefill_unkeyed(config, layout.clone());
     let result = prefill.lease_parent("S", vec![vec![1, 2]], 1, None).expect("lease");
     let child = result.children()[0].clone();
     let mut s = std::net::TcpStream::connect(prefill.local_addr()).expect("connect");
@@ -168,7 +168,7 @@ fn pins_expire_even_when_a_frame_is_always_queued() {
 #[test]
 fn retries_of_an_ended_lease_are_answered_already_ended_on_the_wire() {
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(AgentConfig::new("prefill"), layout.clone());
+    let prefill = prefill_unkeyed(AgentConfig::new("prefill"), layout.clone());
     let pulled = prefill.lease(LeaseRequest::new("A", 0, 1, vec![1])).expect("lease");
     let released = prefill.lease(LeaseRequest::new("B", 0, 1, vec![2])).expect("lease");
     let addr = prefill.local_addr().to_string();
@@ -256,7 +256,7 @@ fn arbitrary_read_and_pin_ranges_through_a_real_server() {
     use proptest::test_runner::{Config, TestRunner};
     const LEASED: std::ops::Range<u32> = 4..12;
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(AgentConfig::new("prefill"), layout.clone());
+    let prefill = prefill_unkeyed(AgentConfig::new("prefill"), layout.clone());
     let result = prefill.lease_parent("F", vec![LEASED.collect()], 1, None).expect("lease");
     let child = result.children()[0].clone();
     let dest = kvxfer::KvMemory::alloc(BlockLayout::single(64, BLOCK).expect("layout")).expect("alloc");
@@ -387,7 +387,7 @@ fn a_trickling_reader_is_cut_off_at_the_overall_deadline() {
     config.limits.min_transfer_rate = 256 << 20;
     // 64 MiB: far more than the socket buffers hold, so the writer must wait on the reader.
     let layout = BlockLayout::single(1024, 64 * 1024).expect("layout");
-    let prefill = prefill_with(config, layout.clone());
+    let prefill = prefill_unkeyed(config, layout.clone());
     let result = prefill.lease_parent("T", vec![(0..1024).collect()], 1, None).expect("lease");
     let child = &result.children()[0];
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
