@@ -268,7 +268,7 @@ fn idle_connections_without_pins_are_closed() {
     config.limits.pin_timeout = Duration::from_millis(800);
     config.limits.min_transfer_rate = u64::MAX;
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(config, layout.clone());
+    let prefill = prefill_unkeyed(config, layout.clone());
     let result = prefill.lease_parent("I", vec![vec![1]], 1, None).expect("lease");
     let child = &result.children()[0];
     let mut idle = TcpStream::connect(prefill.local_addr()).expect("connect");
@@ -302,7 +302,7 @@ fn connections_per_peer_address_are_capped() {
     let mut config = AgentConfig::new("prefill");
     config.limits.max_connections_per_peer = 2;
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
-    let prefill = prefill_with(config, layout.clone());
+    let prefill = prefill_unkeyed(config, layout.clone());
     let addr = prefill.local_addr();
     let open: Vec<TcpStream> = (0..2)
         .map(|_| {
