@@ -18,6 +18,10 @@
 //! The decode side:
 //! - [`client`]: one connection of a decode agent: handshake, reads straight into the
 //!   destination blocks, and the small request/response messages.
+//!
+//! `unsafe` here: three blocks reading or writing registered memory under a lease (the
+//! payload of a TCP read in `read`, the pin-time CRC in `pins`, the body of
+//! [`Connection::read_into`]), each with its `// SAFETY:` comment.
 
 pub mod client;
 mod control;
