@@ -142,6 +142,28 @@ impl PeerEp {
     pub(super) fn close(mut self, worker: &Worker) {
         self.rkeys.clear();
         let force = self.peer_failure && self.failed.load(Ordering::Acquire);
+        if let Err(e) = self.close_endpoint(worker, force) {
+            debug!(error = %e, force, "closing a UCX endpoint");
+        }
+    }
+
+    /// Closes the endpoint with reads possibly in flight: forcefully where UCX allows it
+    /// (peer-failure handling on), so UCX completes them with an error (running their
+    /// callbacks); gracefully otherwise. The rkeys, no longer used by any request, are
+    /// destroyed after it.
+    pub(super) fn abort(mut self, worker: &Worker) {
+        let rkeys = std::mem::take(&mut self.rkeys);
+        if let Err(e) = self.close_endpoint(worker, self.peer_failure) {
+            debug!(error = %e, "aborting a UCX endpoint");
+        }
+        worker.progress_all();
+        drop(rkeys);
+    }
+
+    /// Closes the endpoint — forcefully (`UCP_EP_CLOSE_FLAG_FORCE`) when `force`, else
+    /// gracefully — and waits up to 2 s for the close to complete. Called once, by
+    /// [`PeerEp::close`] or [`PeerEp::abort`], which consume the endpoint.
+    fn close_endpoint(&self, worker: &Worker, force: bool) -> Result<(), UcxError> {
         let param = if force {
             sys::ucp_request_param_t {
                 op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
@@ -151,36 +173,8 @@ impl PeerEp {
         } else {
             sys::ucp_request_param_t::default()
         };
-        // SAFETY: live endpoint, closed exactly once here; its rkeys are already destroyed.
+        // SAFETY: live endpoint, closed exactly once: its only callers consume the PeerEp.
         let req = unsafe { sys::ucp_ep_close_nbx(self.ep, &param) };
-        if let Err(e) = worker.wait_request(req, Instant::now() + Duration::from_secs(2)) {
-            debug!(error = %e, force, "closing a UCX endpoint");
-        }
-    }
-}
-
-impl PeerEp {
-    /// Closes the endpoint with reads possibly in flight: forcefully where UCX allows it
-    /// (peer-failure handling on), so UCX completes them with an error (running their
-    /// callbacks); gracefully otherwise. The rkeys, no longer used by any request, are
-    /// destroyed after it.
-    pub(super) fn abort(mut self, worker: &Worker) {
-        let rkeys = std::mem::take(&mut self.rkeys);
-        let param = if self.peer_failure {
-            sys::ucp_request_param_t {
-                op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
-                flags: sys::UCP_EP_CLOSE_FLAG_FORCE,
-                ..Default::default()
-            }
-        } else {
-            sys::ucp_request_param_t::default()
-        };
-        // SAFETY: live endpoint, closed exactly once here.
-        let req = unsafe { sys::ucp_ep_close_nbx(self.ep, &param) };
-        if let Err(e) = worker.wait_request(req, Instant::now() + Duration::from_secs(2)) {
-            debug!(error = %e, "aborting a UCX endpoint");
-        }
-        worker.progress_all();
-        drop(rkeys);
+        worker.wait_request(req, Instant::now() + Duration::from_secs(2))
     }
 }
