@@ -20,7 +20,6 @@
 //! compatibility hashes (naming both values) or send its `HelloAck`; a peer without the key
 //! hears `AUTH_REQUIRED` or `AUTH_FAILED` and nothing else.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use hmac::{KeyInit, Mac};
@@ -32,6 +31,7 @@ use zeroize::Zeroizing;
 use crate::client::{ClientError, Connection};
 use crate::frame::{self, Frame, FrameError};
 use crate::server::ServeContext;
+use crate::stats::bump;
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
@@ -281,10 +281,6 @@ pub fn check_hello(peer: HandshakeId<'_>, ours: HandshakeId<'_>) -> Option<(Erro
         ));
     }
     None
-}
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// What the accepting side tells a peer that does not hold the key (nothing internal).

@@ -1,24 +1,43 @@
-//! kvxfer's TCP data path.
+//! kvxfer's wire protocol and TCP data path.
 //!
+//! The wire protocol (every transport's control messages travel over it):
 //! - [`frame`]: the length-prefixed frame codec of `proto/kvxfer/v1/kvxfer.proto`.
 //! - [`handshake`]: the first exchange of every connection, with the optional mutual
 //!   HMAC-SHA256 challenge-response over a [`ClusterKey`].
-//! - [`server`]: one accepted connection of a prefill agent: handshake, then reads served
-//!   straight from registered memory with vectored writes, and notify / heartbeat / cancel
-//!   applied to the lease table.
+//!
+//! The prefill side of a connection:
+//! - [`server`]: one accepted connection of a prefill agent: handshake, then a loop that
+//!   reads a frame and `dispatch`es it to one of the modules below.
+//! - `read`: TCP reads served straight from registered memory with vectored writes.
+//! - `pins`: ranges pinned for one-sided reads (UCX, RDMA), how long each is held, and the
+//!   sweep that drops expired ones.
+//! - `control`: notify / heartbeat / cancel applied to the lease table.
+//! - [`stats`]: the counters every connection bumps, and the rate limit of the warnings
+//!   peers can trigger.
+//!
+//! The decode side:
 //! - [`client`]: one connection of a decode agent: handshake, reads straight into the
 //!   destination blocks, and the small request/response messages.
+//!
+//! `unsafe` here: three blocks reading or writing registered memory under a lease (the
+//! payload of a TCP read in `read`, the pin-time CRC in `pins`, the body of
+//! [`Connection::read_into`]), each with its `// SAFETY:` comment.
 
 pub mod client;
+mod control;
 pub mod frame;
 pub mod handshake;
+mod pins;
+mod read;
 pub mod server;
+pub mod stats;
 
 pub use client::PinGrant;
 pub use client::{check_crc, ClientError, Connection};
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError};
-pub use server::{refuse_connection, serve_connection, Refusal, ServeContext, ServerCounters, ServerStats};
+pub use server::{refuse_connection, serve_connection, Refusal, ServeContext};
+pub use stats::{ServerCounters, ServerStats};
 
 use std::time::Duration;
 

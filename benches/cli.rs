@@ -1,0 +1,130 @@
+//! The command line: one-process runs, and the `serve` / `pull` halves of a two-process
+//! run; and the agent configuration the options and the environment make.
+
+use clap::{Args, Parser, Subcommand};
+use kvxfer::{AgentConfig, TransportChoice};
+
+#[derive(Parser, Debug)]
+#[command(name = "kvxfer-bench", about = "kvxfer transfer benchmark (like nixlbench), with its ceilings")]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) mode: Option<Mode>,
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum Mode {
+    /// The prefill side of a two-process run: leases on request and serves the blocks.
+    Serve(ServeArgs),
+    /// The decode side of a two-process run: drives `serve` and pulls.
+    Pull {
+        /// The control address of a `kvxfer-bench serve`.
+        #[arg(long)]
+        peer: String,
+        #[command(flatten)]
+        run: RunArgs,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ServeArgs {
+    /// Control address to listen on (the agent itself takes a free port per block size).
+    #[arg(long, default_value = "127.0.0.1:7300")]
+    pub(crate) listen: String,
+    /// Data path offered: auto, tcp or ucx.
+    #[arg(long, default_value = "auto")]
+    pub(crate) transport: TransportChoice,
+    /// UCX transports (UCX_TLS).
+    #[arg(long)]
+    pub(crate) ucx_tls: Option<String>,
+    /// UCX peer-failure handling (UCX 1.13 then avoids shared memory).
+    #[arg(long)]
+    pub(crate) ucx_peer_failure: bool,
+    /// Serve this many runs, then exit (0: until told to quit).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) runs: u32,
+}
+
+#[derive(Args, Debug, Clone)]
+pub(crate) struct RunArgs {
+    /// Data path: tcp, ucx or auto.
+    #[arg(long, default_value = "tcp")]
+    pub(crate) transport: TransportChoice,
+    /// UCX transports (UCX_TLS), e.g. "posix,sysv,cma,self" or "tcp".
+    #[arg(long)]
+    pub(crate) ucx_tls: Option<String>,
+    /// UCX peer-failure handling (UCX 1.13 then avoids shared memory).
+    #[arg(long)]
+    pub(crate) ucx_peer_failure: bool,
+    /// Check every one-sided (UCX) read against a CRC-32C taken at pin time.
+    #[arg(long)]
+    pub(crate) ucx_verify_payloads: bool,
+    /// Block sizes to sweep, e.g. 4K,64K,256K,2M.
+    #[arg(long, value_delimiter = ',', default_value = "64K,2M", value_parser = parse_size)]
+    pub(crate) block_bytes: Vec<u64>,
+    /// Bytes moved per iteration (all parents and children together).
+    #[arg(long, default_value = "512M", value_parser = parse_size)]
+    pub(crate) total_bytes: u64,
+    /// Children per parent (parallel sampling n).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) n: u32,
+    /// Parents per iteration.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) parents: u32,
+    /// Measured iterations per block size.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) iters: u32,
+    /// Unmeasured iterations first.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) warmup: u32,
+    /// Data connections per peer.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) connections: usize,
+    /// Runtime threads of each agent.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) worker_threads: usize,
+    /// Decode agents that each pull every child (heterogeneous TP); one process only.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) expected_consumers: u32,
+    /// Also measure a raw TCP copy and a memcpy of the same bytes, and print the ratios.
+    #[arg(long)]
+    pub(crate) baseline: bool,
+    /// Skip checking every pulled byte.
+    #[arg(long)]
+    pub(crate) no_verify: bool,
+    /// One JSON object per block size.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// CSV, one row per block size.
+    #[arg(long)]
+    pub(crate) csv: bool,
+    /// Draw GiB/s against block size (kvxfer and baselines) into this SVG file.
+    #[arg(long)]
+    pub(crate) plot: Option<String>,
+}
+
+pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let v: u64 = num.parse().map_err(|_| format!("not a size: {s:?} (e.g. 64K, 2M)"))?;
+    v.checked_mul(mult).filter(|&b| b > 0).ok_or_else(|| format!("size out of range: {s}"))
+}
+
+/// `c` with the UCX options and the cluster key of the environment (`KVXFER_CLUSTER_KEY` or
+/// `KVXFER_CLUSTER_KEY_FILE`; without one the agents run unauthenticated). Serve and pull
+/// processes of a two-process run need the same key.
+pub(crate) fn ucx_config(
+    c: AgentConfig,
+    tls: &Option<String>,
+    peer_failure: bool,
+) -> Result<AgentConfig, String> {
+    c.ucx_options(tls.clone(), peer_failure)
+        .and_then(AgentConfig::cluster_key_from_env)
+        .map_err(|e| e.to_string())
+}

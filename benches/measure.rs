@@ -1,0 +1,172 @@
+//! One block size measured: leases, pulls by every decode agent, per-child latencies,
+//! bandwidth, CPU time, and every pulled byte checked.
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, KvMemory};
+use kvxfer_mem::pattern;
+use serde_json::Value;
+
+use crate::cli::{ucx_config, RunArgs};
+use crate::source::LeaseSource;
+
+/// Blocks per child so that every parent's children together move `total` bytes.
+pub(crate) fn blocks_per_child(run: &RunArgs, block: u64) -> Result<u32, String> {
+    let children = u64::from(run.n.max(1)) * u64::from(run.parents.max(1));
+    let b = run.total_bytes / block / children;
+    u32::try_from(b).ok().filter(|&b| b > 0).ok_or_else(|| {
+        format!(
+            "--total-bytes {} is too small for {children} children of {block}-byte blocks",
+            run.total_bytes
+        )
+    })
+}
+
+/// Resource usage of this process: user + system CPU seconds.
+pub(crate) fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes one rusage struct; zeroed is a valid initial value.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid out-pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// The `p` quantile (0..=1) of sorted samples (0 when there are none).
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// What one block size measured.
+pub(crate) struct Measured {
+    pub(crate) bytes: u64,
+    pub(crate) gib_per_s: f64,
+    pub(crate) blocks_per_s: f64,
+    pub(crate) p50_us: f64,
+    pub(crate) p99_us: f64,
+    pub(crate) max_us: f64,
+    pub(crate) cpu_s_per_gib: f64,
+    pub(crate) verified: Option<bool>,
+    pub(crate) prefill: Value,
+}
+
+/// Measures one block size: `warmup + iters` iterations of every parent leased and
+/// pulled by every decode agent, then every pulled byte checked (unless `--no-verify`).
+pub(crate) fn run_block_size(
+    run: &RunArgs,
+    source: &mut dyn LeaseSource,
+    block: u64,
+) -> Result<Measured, String> {
+    let bpc = blocks_per_child(run, block)?;
+    let n = run.n.max(1);
+    let parents = run.parents.max(1);
+    let blocks = bpc * n * parents;
+    source.setup(block, blocks)?;
+    let layout = BlockLayout::single(blocks, block).map_err(|e| e.to_string())?;
+    let consumers = run.expected_consumers.max(1);
+    let decoders = (0..consumers)
+        .map(|i| {
+            let c = ucx_config(
+                AgentConfig::new(format!("bench-decode-{i}"))
+                    .transport(run.transport)
+                    .connections_per_peer(run.connections)
+                    .worker_threads(run.worker_threads),
+                &run.ucx_tls,
+                run.ucx_peer_failure,
+            )?
+            .ucx_verify_payloads(run.ucx_verify_payloads)
+            .map_err(|e| e.to_string())?;
+            DecodeAgent::start(c, KvMemory::alloc(layout.clone()).map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let ids = |p: u32, c: u32| -> Vec<BlockId> {
+        let first = (p * n + c) * bpc;
+        (first..first + bpc).collect()
+    };
+    let mut latencies = Vec::new();
+    let (mut seconds, mut bytes, mut cpu) = (0.0f64, 0u64, 0.0f64);
+    let show_progress = std::io::stderr().is_terminal() && !run.json && !run.csv;
+    for iter in 0..run.warmup + run.iters {
+        let measured = iter >= run.warmup;
+        if show_progress {
+            eprint!("\r{block:>9} B blocks: iteration {}/{}   ", iter + 1, run.warmup + run.iters);
+        }
+        let cpu0 = cpu_seconds();
+        let t0 = Instant::now();
+        let mut handles = Vec::new();
+        for p in 0..parents {
+            let lease_start = Instant::now();
+            let result = source.lease(
+                &format!("bench-{block}-{iter}-{p}"),
+                (0..n).map(|c| ids(p, c)).collect(),
+                consumers,
+            )?;
+            for d in &decoders {
+                let h = d
+                    .submit(result.clone(), (0..n).map(|c| ids(p, c)).collect())
+                    .map_err(|e| e.to_string())?;
+                handles.push((lease_start, h));
+            }
+        }
+        for (lease_start, h) in handles {
+            let (report, arrived) = h.wait_timed();
+            for (c, at) in report.children.iter().zip(arrived) {
+                if !matches!(c.outcome, ChildOutcome::Done { .. }) {
+                    return Err(format!(
+                        "child {} of {}: {:?}",
+                        c.child_index, report.parent_request_id, c.outcome
+                    ));
+                }
+                if measured {
+                    latencies.push(at.duration_since(lease_start).as_secs_f64() * 1e6);
+                }
+            }
+            if measured {
+                bytes += report.delivered_bytes;
+            }
+        }
+        if measured {
+            seconds += t0.elapsed().as_secs_f64();
+            cpu += cpu_seconds() - cpu0;
+        }
+    }
+    if show_progress {
+        eprintln!();
+    }
+    let verified = if run.no_verify {
+        None
+    } else {
+        let mut ok = true;
+        for d in &decoders {
+            for p in 0..parents {
+                for c in 0..n {
+                    let b = ids(p, c);
+                    // SAFETY: every pull into these blocks has reported.
+                    ok &= unsafe { pattern::check_blocks(d.memory(), &b, &b) }
+                        .map_err(|e| e.to_string())?
+                        .is_none();
+                }
+            }
+        }
+        Some(ok)
+    };
+    latencies.sort_by(f64::total_cmp);
+    let gib = bytes as f64 / f64::from(1u32 << 30);
+    Ok(Measured {
+        bytes: bytes / u64::from(run.iters.max(1)),
+        gib_per_s: gib / seconds.max(1e-9),
+        blocks_per_s: (bytes / block) as f64 / seconds.max(1e-9),
+        p50_us: percentile(&latencies, 0.5),
+        p99_us: percentile(&latencies, 0.99),
+        max_us: latencies.last().copied().unwrap_or(0.0),
+        cpu_s_per_gib: cpu / gib.max(1e-12),
+        verified,
+        prefill: source.stats(),
+    })
+}

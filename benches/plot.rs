@@ -1,0 +1,76 @@
+//! The SVG plot of GiB/s against block size: kvxfer and its baselines.
+
+use crate::report::human;
+
+/// One block size's bandwidths, for the plot.
+pub(crate) struct PlotRow {
+    pub(crate) block: u64,
+    pub(crate) kvxfer: f64,
+    pub(crate) raw_tcp: Option<f64>,
+    pub(crate) memcpy: Option<f64>,
+}
+
+type Series = (&'static str, &'static str, fn(&PlotRow) -> Option<f64>);
+
+/// Draws `rows` into an SVG file at `path`.
+pub(crate) fn svg_plot(path: &str, transport: &str, rows: &[PlotRow]) -> Result<(), String> {
+    let (w, h, m) = (720.0, 420.0, 60.0);
+    let max =
+        rows.iter().flat_map(|r| [Some(r.kvxfer), r.raw_tcp, r.memcpy]).flatten().fold(0.1f64, f64::max)
+            * 1.1;
+    let xs: Vec<f64> = rows.iter().map(|r| (r.block as f64).log2()).collect();
+    let (x0, x1) = (xs.iter().copied().fold(f64::MAX, f64::min), xs.iter().copied().fold(f64::MIN, f64::max));
+    let px = |x: f64| m + if x1 > x0 { (x - x0) / (x1 - x0) * (w - 2.0 * m) } else { (w - 2.0 * m) / 2.0 };
+    let py = |y: f64| h - m - y / max * (h - 2.0 * m);
+    let mut svg = format!(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>\n\
+         <rect width='100%' height='100%' fill='white'/>\n\
+         <line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n\
+         <text x='{}' y='{}' text-anchor='middle'>block size</text>\
+         <text x='15' y='{}' transform='rotate(-90 15 {})' text-anchor='middle'>GiB/s</text>\n",
+        h - m, w - m, h - m, h - m, w / 2.0, h - 15.0, h / 2.0, h / 2.0
+    );
+    for (i, r) in rows.iter().enumerate() {
+        svg += &format!(
+            "<text x='{}' y='{}' text-anchor='middle'>{}</text>\n",
+            px(xs[i]),
+            h - m + 18.0,
+            human(r.block)
+        );
+    }
+    for k in 0..=4 {
+        let v = max * f64::from(k) / 4.0;
+        svg += &format!("<text x='{}' y='{}' text-anchor='end'>{v:.1}</text>\n", m - 6.0, py(v) + 4.0);
+    }
+    let series: [Series; 3] = [
+        ("kvxfer", "#1f77b4", |r| Some(r.kvxfer)),
+        ("raw TCP", "#ff7f0e", |r| r.raw_tcp),
+        ("memcpy", "#2ca02c", |r| r.memcpy),
+    ];
+    for (si, (name, color, get)) in series.iter().enumerate() {
+        let pts: Vec<String> = rows
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| get(r).map(|v| format!("{},{}", px(xs[i]), py(v))))
+            .collect();
+        if pts.is_empty() {
+            continue;
+        }
+        let label = if si == 0 { format!("kvxfer ({transport})") } else { (*name).to_owned() };
+        svg += &format!(
+            "<polyline fill='none' stroke='{color}' stroke-width='2' points='{}'/>\n",
+            pts.join(" ")
+        );
+        for p in &pts {
+            let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
+            svg += &format!("<circle cx='{x}' cy='{y}' r='3' fill='{color}'/>\n");
+        }
+        svg += &format!(
+            "<text x='{}' y='{}' fill='{color}'>{label}</text>\n",
+            w - m - 140.0,
+            m + 16.0 * si as f64
+        );
+    }
+    svg += "</svg>\n";
+    std::fs::write(path, svg).map_err(|e| format!("writing {path}: {e}"))
+}

@@ -1,0 +1,114 @@
+//! A benchmark run over every block size, reported as a table, CSV or JSON lines (with the
+//! baselines and their ratios), and plotted when asked.
+
+use serde_json::json;
+
+use crate::baselines::{memcpy_gib_per_s, raw_tcp_gib_per_s, raw_tcp_rtt_p50_us};
+use crate::cli::RunArgs;
+use crate::measure::run_block_size;
+use crate::plot::{svg_plot, PlotRow};
+use crate::source::LeaseSource;
+
+/// A byte count as `64K`, `2M`, `1G` when it is a whole multiple, else in bytes.
+pub(crate) fn human(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => b.to_string(),
+    }
+}
+
+/// Measures every block size of `run` and reports each; `Ok(false)` when a check failed.
+pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result<bool, String> {
+    let transport = run.transport.to_string();
+    let mut all_ok = true;
+    let mut plot_rows = Vec::new();
+    if !run.json && run.csv {
+        println!("transport,processes,block_bytes,bytes,gib_per_s,blocks_per_s,p50_us,p99_us,max_us,cpu_s_per_gib,verified,raw_tcp_gib_per_s,memcpy_gib_per_s,ratio_vs_raw_tcp,ratio_vs_memcpy");
+    } else if !run.json {
+        println!(
+            "{:>9} {:>10} {:>9} {:>12} {:>10} {:>10} {:>10} {:>9} {:>8} {:>9} {:>9}",
+            "block",
+            "bytes",
+            "GiB/s",
+            "blocks/s",
+            "p50 us",
+            "p99 us",
+            "max us",
+            "CPU s/GiB",
+            "verified",
+            "vs rawTCP",
+            "vs memcpy"
+        );
+    }
+    for &block in &run.block_bytes {
+        let m = run_block_size(run, source, block)?;
+        let (raw, mem, rtt) = if run.baseline {
+            (
+                Some(raw_tcp_gib_per_s(run.total_bytes, run.connections, block)?),
+                Some(memcpy_gib_per_s(run.total_bytes)),
+                Some(raw_tcp_rtt_p50_us(block)?),
+            )
+        } else {
+            (None, None, None)
+        };
+        all_ok &= m.verified != Some(false);
+        let ratio = |b: Option<f64>| b.map(|b| m.gib_per_s / b);
+        plot_rows.push(PlotRow { block, kvxfer: m.gib_per_s, raw_tcp: raw, memcpy: mem });
+        if run.json {
+            let mut j = json!({
+                "transport": transport, "ucx_verify_payloads": run.ucx_verify_payloads, "processes": processes, "block_bytes": block, "bytes": m.bytes,
+                "n": run.n, "parents": run.parents, "iters": run.iters, "connections": run.connections,
+                "expected_consumers": run.expected_consumers,
+                "gib_per_s": m.gib_per_s, "blocks_per_s": m.blocks_per_s, "p50_us": m.p50_us, "p99_us": m.p99_us,
+                "max_us": m.max_us, "cpu_s_per_gib": m.cpu_s_per_gib, "verified": m.verified, "prefill": m.prefill,
+            });
+            if run.baseline {
+                j["raw_tcp_gib_per_s"] = json!(raw);
+                j["memcpy_gib_per_s"] = json!(mem);
+                j["ratio_vs_raw_tcp"] = json!(ratio(raw));
+                j["ratio_vs_memcpy"] = json!(ratio(mem));
+                j["raw_tcp_rtt_one_block_p50_us"] = json!(rtt);
+            }
+            println!("{j}");
+        } else if run.csv {
+            let o = |v: Option<f64>| v.map(|v| format!("{v:.4}")).unwrap_or_default();
+            println!(
+                "{transport},{processes},{block},{},{:.4},{:.0},{:.1},{:.1},{:.1},{:.4},{},{},{},{},{}",
+                m.bytes,
+                m.gib_per_s,
+                m.blocks_per_s,
+                m.p50_us,
+                m.p99_us,
+                m.max_us,
+                m.cpu_s_per_gib,
+                m.verified.map(|v| v.to_string()).unwrap_or_default(),
+                o(raw),
+                o(mem),
+                o(ratio(raw)),
+                o(ratio(mem))
+            );
+        } else {
+            let o = |v: Option<f64>| v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into());
+            println!(
+                "{:>9} {:>10} {:>9.3} {:>12.0} {:>10.0} {:>10.0} {:>10.0} {:>9.3} {:>8} {:>9} {:>9}",
+                human(block),
+                human(m.bytes),
+                m.gib_per_s,
+                m.blocks_per_s,
+                m.p50_us,
+                m.p99_us,
+                m.max_us,
+                m.cpu_s_per_gib,
+                m.verified.map(|v| v.to_string()).unwrap_or_else(|| "skipped".into()),
+                o(ratio(raw)),
+                o(ratio(mem))
+            );
+        }
+    }
+    if let Some(path) = &run.plot {
+        svg_plot(path, &transport, &plot_rows)?;
+    }
+    Ok(all_ok)
+}

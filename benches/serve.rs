@@ -1,0 +1,73 @@
+//! `kvxfer-bench serve`: the prefill process of a two-process run, answering one JSON
+//! request per line (setup, lease, stats, quit) on its control socket.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+
+use kvxfer::{AgentConfig, BlockId};
+use kvxfer_proto::Message;
+use serde_json::{json, Value};
+
+use crate::cli::{ucx_config, ServeArgs};
+use crate::source::{LeaseSource, LocalSource};
+
+/// Serves runs until told to quit (or `--runs` of them).
+pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
+    let listener = TcpListener::bind(&args.listen).map_err(|e| format!("binding {}: {e}", args.listen))?;
+    // On stdout, so a driver (or a test) can read the address when it asked for port 0.
+    println!("kvxfer-bench serve: control on {}", listener.local_addr().map_err(|e| e.to_string())?);
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    let config = ucx_config(
+        AgentConfig::new("bench-prefill").transport(args.transport),
+        &args.ucx_tls,
+        args.ucx_peer_failure,
+    )?;
+    let mut runs = 0;
+    for stream in listener.incoming() {
+        let stream = stream.map_err(|e| e.to_string())?;
+        let mut source = LocalSource { config: config.clone(), agent: None };
+        let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
+        let mut quit = false;
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            let reply = match serde_json::from_str::<Value>(&line) {
+                Err(e) => json!({"error": format!("bad request: {e}")}),
+                Ok(req) => match req.get("op").and_then(Value::as_str) {
+                    Some("setup") => {
+                        let block = req["block_bytes"].as_u64().unwrap_or(0);
+                        let blocks = u32::try_from(req["blocks"].as_u64().unwrap_or(0)).unwrap_or(0);
+                        match source.setup(block, blocks) {
+                            Ok(()) => json!({"ok": true}),
+                            Err(e) => json!({"error": e}),
+                        }
+                    }
+                    Some("lease") => {
+                        let parent = req["parent"].as_str().unwrap_or("bench").to_owned();
+                        let blocks: Option<Vec<Vec<BlockId>>> =
+                            serde_json::from_value(req["blocks"].clone()).ok();
+                        let consumers = u32::try_from(req["consumers"].as_u64().unwrap_or(1)).unwrap_or(1);
+                        match blocks.map(|b| source.lease(&parent, b, consumers)) {
+                            Some(Ok(r)) => json!({"result": hex::encode(r.to_wire().encode_to_vec())}),
+                            Some(Err(e)) => json!({"error": e}),
+                            None => json!({"error": "lease needs blocks"}),
+                        }
+                    }
+                    Some("stats") => source.stats(),
+                    Some("quit") => {
+                        quit = true;
+                        json!({"ok": true})
+                    }
+                    other => json!({"error": format!("unknown op {other:?}")}),
+                },
+            };
+            if writeln!(writer, "{reply}").is_err() || quit {
+                break;
+            }
+        }
+        runs += 1;
+        if quit || (args.runs > 0 && runs >= args.runs) {
+            return Ok(());
+        }
+    }
+    Ok(())
+}

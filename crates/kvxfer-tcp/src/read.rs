@@ -1,0 +1,170 @@
+//! Serving one TCP read on a prefill-side connection: the read guard taken against the
+//! lease table (or the refusal answered), then the payload written straight from
+//! registered memory with vectored writes, CRC-32C taken group by group, all within the
+//! read's overall deadline.
+
+use std::io::IoSlice;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvxfer_core::plan::BlockRange;
+use kvxfer_core::{ReadGuard, ReadRefused};
+use kvxfer_proto::v1::{self, ErrorCode};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tracing::{debug, warn};
+
+use crate::frame::{self, Frame, FrameError};
+use crate::server::ServeContext;
+use crate::stats::bump;
+
+/// What a refused read is told: its code and message. An unknown id and a wrong token get
+/// the same answer, so a peer without the token cannot tell unknown, live and ended ids
+/// apart (the prefill side's counters and log still tell them apart; "ended" is said only
+/// with the right token).
+fn refusal_answer(r: &ReadRefused, id: &str) -> (ErrorCode, String) {
+    match r {
+        ReadRefused::Unknown(_) | ReadRefused::BadToken(_) => {
+            (ErrorCode::UnknownLease, format!("no lease for request {id} with this token"))
+        }
+        ReadRefused::Ended(_) => (ErrorCode::LeaseEnded, r.to_string()),
+        ReadRefused::OutOfRange { .. }
+        | ReadRefused::NotLeased { .. }
+        | ReadRefused::BadSize { .. }
+        | ReadRefused::EmptyRange { .. } => (ErrorCode::BlockOutOfRange, r.to_string()),
+        _ => (ErrorCode::Internal, r.to_string()),
+    }
+}
+
+/// The block ranges a read or pin request asks for.
+pub(crate) fn ranges_of(req: &v1::ReadRequest) -> Vec<BlockRange> {
+    req.ranges.iter().map(|r| BlockRange { start: r.start, count: r.count }).collect()
+}
+
+/// Takes a read guard for a read or pin request: the guard and the payload bytes, or the
+/// error to answer with.
+pub(crate) fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), v1::Error> {
+    let ranges = ranges_of(req);
+    match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now()) {
+        Ok(g) => {
+            let bytes = ranges.iter().map(|r| u64::from(r.count) * ctx.memory.layout().block_bytes()).sum();
+            Ok((g, bytes))
+        }
+        Err(refused) => {
+            bump(&ctx.counters.reads_refused);
+            if let Some(suppressed) = ctx.counters.warnings.allow() {
+                warn!(remote_request_id = %req.remote_request_id, suppressed, "read refused: {refused}");
+            }
+            let (code, message) = refusal_answer(&refused, &req.remote_request_id);
+            Err(v1::Error { code: code as i32, message, seq: req.seq })
+        }
+    }
+}
+
+/// Counts (and warns about, rate-limited) a read whose payload missed its deadline, and
+/// makes the close a reset: what is still queued in the send buffer is dropped rather than
+/// trickled out to the slow reader after the connection is "closed".
+fn too_slow(stream: &TcpStream, ctx: &ServeContext, e: &FrameError, bytes: u64) {
+    if matches!(e, FrameError::Timeout) {
+        let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+        bump(&ctx.counters.slow_transfers);
+        if let Some(suppressed) = ctx.counters.warnings.allow() {
+            warn!(
+                bytes,
+                suppressed,
+                "closing connection: a read's payload did not move within {:?}",
+                ctx.limits.transfer_deadline(bytes)
+            );
+        }
+    }
+}
+
+/// Bytes of payload checksummed and written per vectored write: small enough to stay in
+/// cache between the CRC and the kernel's copy.
+const CRC_GROUP: usize = 256 * 1024;
+
+/// Writes all of `slices`: each write must make progress within `timeout`, and all of them
+/// finish by `deadline` (the read's overall deadline), else [`FrameError::Timeout`].
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    slices: &mut [IoSlice<'_>],
+    timeout: Duration,
+    deadline: Instant,
+) -> Result<(), FrameError> {
+    let mut rest = slices;
+    while !rest.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let n = tokio::time::timeout(timeout.min(left), stream.write_vectored(rest))
+            .await
+            .map_err(|_| FrameError::Timeout)??;
+        if n == 0 {
+            return Err(FrameError::Io(std::io::ErrorKind::WriteZero.into()));
+        }
+        IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}
+
+/// Serves one `ReadRequest`: a `ReadResponse` header, the payload and its CRC-32C trailer,
+/// or an error frame when the read is refused (the connection goes on).
+pub(crate) async fn serve_read(
+    stream: &mut TcpStream,
+    ctx: &ServeContext,
+    req: v1::ReadRequest,
+    scratch: &mut Vec<u8>,
+) -> Result<(), FrameError> {
+    let (guard, payload_len) = match begin(ctx, &req) {
+        Ok(g) => g,
+        Err(e) => {
+            frame::write_frame(stream, &Frame::Error(e), scratch).await?;
+            return Ok(());
+        }
+    };
+    let ranges = ranges_of(&req);
+    let mem = &ctx.memory;
+    scratch.clear();
+    Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
+    let io_timeout = ctx.limits.io_timeout;
+    // The whole payload must move by this deadline, not only make progress every
+    // `io_timeout`: a peer reading a byte at a time cannot hold the read guard for ever.
+    let deadline = crate::instant_after(Instant::now(), ctx.limits.transfer_deadline(payload_len));
+    // Written in groups of about CRC_GROUP bytes: each group's CRC is taken just before the
+    // kernel copies it, while it is in cache; the header rides with the first group and the
+    // CRC trailer with the last.
+    let mut crc = 0u32;
+    let mut trailer = [0u8; 4];
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(16);
+    slices.push(IoSlice::new(scratch));
+    let mut group = 0usize;
+    for r in &ranges {
+        for c in mem.run_chunks(r.start, r.count) {
+            // SAFETY: `guard` pins the lease, and every block of `ranges` was checked by
+            // `begin_read` to belong to it; the owner does not write leased blocks (the
+            // access contract of kvxfer-mem). The slices die before `guard` is dropped.
+            let bytes = unsafe { mem.chunk(c) };
+            for piece in bytes.chunks(CRC_GROUP) {
+                crc = crc32c::crc32c_append(crc, piece);
+                slices.push(IoSlice::new(piece));
+                group += piece.len();
+                if group >= CRC_GROUP {
+                    write_all_vectored(stream, &mut slices, io_timeout, deadline)
+                        .await
+                        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
+                    slices.clear();
+                    group = 0;
+                }
+            }
+        }
+    }
+    trailer.copy_from_slice(&crc.to_be_bytes());
+    slices.push(IoSlice::new(&trailer));
+    write_all_vectored(stream, &mut slices, io_timeout, deadline)
+        .await
+        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
+    drop(slices);
+    drop(guard);
+    ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);
+    bump(&ctx.counters.reads_served);
+    debug!(remote_request_id = %req.remote_request_id, bytes = payload_len, "read served");
+    Ok(())
+}

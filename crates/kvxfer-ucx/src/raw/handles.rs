@@ -1,0 +1,259 @@
+//! RAII handles of the UCX objects both sides own: the context, the worker (and the
+//! [`Signal`] that wakes it from other threads), and memory maps; and [`setup`], which makes
+//! all three. Each handle releases its object in `Drop`; the thread loops drop them in the
+//! order UCX needs (maps, worker, context).
+
+use std::ffi::{c_void, CString};
+use std::ptr::{null, null_mut};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tracing::warn;
+use ucx_sys as sys;
+
+use super::error::{check, UcxError};
+use crate::{Span, UcxConfig};
+
+/// A UCX context (`ucp_context_h`) with RMA and wakeup features.
+pub(super) struct Context(pub(super) sys::ucp_context_h);
+
+impl Context {
+    /// A context with the transports of `config`.
+    fn new(config: &UcxConfig) -> Result<Self, UcxError> {
+        let mut cfg: *mut sys::ucp_config_t = null_mut();
+        // SAFETY: null prefix and file name select the defaults; `cfg` is valid for a write.
+        check("ucp_config_read", unsafe { sys::ucp_config_read(null(), null(), &mut cfg) })?;
+        let result = (|| {
+            if let Some(tls) = &config.tls {
+                let value = CString::new(tls.as_str())
+                    .map_err(|_| UcxError::other("ucp_config_modify", "TLS contains a NUL byte"))?;
+                // SAFETY: `cfg` came from ucp_config_read and both strings are NUL-terminated.
+                check("ucp_config_modify(TLS)", unsafe {
+                    sys::ucp_config_modify(cfg, c"TLS".as_ptr(), value.as_ptr())
+                })?;
+            }
+            let params = sys::ucp_params_t {
+                field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES),
+                features: u64::from(sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP),
+                ..Default::default()
+            };
+            let mut ctx: sys::ucp_context_h = null_mut();
+            // SAFETY: `params` is initialised for the fields in its mask, `cfg` is a live
+            // config, `ctx` is valid for a write.
+            check("ucp_init", unsafe { sys::ucp_init(&params, cfg, &mut ctx) })?;
+            Ok(Context(ctx))
+        })();
+        // SAFETY: `cfg` came from ucp_config_read and is released once.
+        unsafe { sys::ucp_config_release(cfg) };
+        result
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the context is live, and every worker and memory map made from it was
+        // dropped before it (field order in the thread loops).
+        unsafe { sys::ucp_cleanup(self.0) };
+    }
+}
+
+/// A worker (`ucp_worker_h`), single-threaded, with its event fd.
+pub(super) struct Worker {
+    /// The worker handle.
+    pub(super) raw: sys::ucp_worker_h,
+    efd: i32,
+}
+
+impl Worker {
+    /// A single-threaded worker of `ctx`, with its event fd.
+    fn new(ctx: &Context) -> Result<Self, UcxError> {
+        let params = sys::ucp_worker_params_t {
+            field_mask: u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE),
+            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+            ..Default::default()
+        };
+        let mut raw: sys::ucp_worker_h = null_mut();
+        // SAFETY: live context, initialised params, `raw` valid for a write.
+        check("ucp_worker_create", unsafe { sys::ucp_worker_create(ctx.0, &params, &mut raw) })?;
+        let mut efd = -1;
+        // SAFETY: live worker created with the wakeup feature; `efd` valid for a write.
+        if let Err(e) = check("ucp_worker_get_efd", unsafe { sys::ucp_worker_get_efd(raw, &mut efd) }) {
+            // SAFETY: the worker was just created and has no endpoints.
+            unsafe { sys::ucp_worker_destroy(raw) };
+            return Err(e);
+        }
+        Ok(Worker { raw, efd })
+    }
+
+    /// Progresses the worker once; how many events it handled.
+    fn progress(&self) -> u32 {
+        // SAFETY: live worker, used only from its owning thread.
+        unsafe { sys::ucp_worker_progress(self.raw) }
+    }
+
+    /// Progresses the worker until it has nothing left to do.
+    pub(super) fn progress_all(&self) {
+        while self.progress() > 0 {}
+    }
+
+    /// Sleeps until the worker has events or `timeout` passes.
+    pub(super) fn wait(&self, timeout: Duration) {
+        // SAFETY: live worker on its owning thread.
+        let armed = unsafe { sys::ucp_worker_arm(self.raw) };
+        if armed != sys::UCS_OK {
+            return; // UCS_ERR_BUSY: events are pending, progress again.
+        }
+        let mut pfd = libc::pollfd { fd: self.efd, events: libc::POLLIN, revents: 0 };
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
+    }
+
+    /// The worker's address, for a peer to connect to.
+    pub(super) fn address(&self) -> Result<Vec<u8>, UcxError> {
+        let mut addr: *mut sys::ucp_address_t = null_mut();
+        let mut len = 0usize;
+        // SAFETY: live worker; out-pointers valid for writes.
+        check("ucp_worker_get_address", unsafe {
+            sys::ucp_worker_get_address(self.raw, &mut addr, &mut len)
+        })?;
+        // SAFETY: UCX returned `len` readable bytes at `addr`, copied before release.
+        let bytes = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) }.to_vec();
+        // SAFETY: `addr` came from ucp_worker_get_address on this worker; released once.
+        unsafe { sys::ucp_worker_release_address(self.raw, addr) };
+        Ok(bytes)
+    }
+
+    /// Runs a non-blocking request to completion.
+    pub(super) fn wait_request(&self, req: sys::ucs_status_ptr_t, deadline: Instant) -> Result<(), UcxError> {
+        if req.is_null() {
+            return Ok(());
+        }
+        if sys::UCS_PTR_IS_ERR(req) {
+            return Err(UcxError::status("request", sys::UCS_PTR_STATUS(req)));
+        }
+        loop {
+            self.progress_all();
+            // SAFETY: `req` is a live request pointer returned by UCX (checked above).
+            let st = unsafe { sys::ucp_request_check_status(req) };
+            if st != sys::UCS_INPROGRESS {
+                // SAFETY: completed request, freed once.
+                unsafe { sys::ucp_request_free(req) };
+                return check("request", st);
+            }
+            if Instant::now() > deadline {
+                return Err(UcxError::other("request", "did not complete in time"));
+            }
+            self.wait(Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: live worker; all its endpoints were closed before (thread loop order).
+        unsafe { sys::ucp_worker_destroy(self.raw) };
+    }
+}
+
+/// Wakes a worker thread from any thread (`ucp_worker_signal` is thread-safe). Disarmed by
+/// the owning thread before the worker is destroyed.
+#[derive(Clone)]
+pub(crate) struct Signal(Arc<Mutex<Option<usize>>>);
+
+impl Signal {
+    /// A signal that wakes `worker`.
+    pub(super) fn new(worker: &Worker) -> Self {
+        Signal(Arc::new(Mutex::new(Some(worker.raw as usize))))
+    }
+
+    /// Wakes the worker's thread (nothing once disarmed).
+    pub(crate) fn wake(&self) {
+        let guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = *guard {
+            // SAFETY: the worker is live while the slot holds it: the owning thread clears
+            // the slot (under this lock) before destroying the worker.
+            unsafe { sys::ucp_worker_signal(w as sys::ucp_worker_h) };
+        }
+    }
+
+    /// Stops waking the worker: called by its owning thread before it destroys it.
+    pub(super) fn disarm(&self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+/// A registered region (`ucp_mem_map` over memory someone else owns).
+pub(super) struct MemMap {
+    ctx: sys::ucp_context_h,
+    memh: sys::ucp_mem_h,
+    /// Start address of the region.
+    pub(super) base: u64,
+    /// Length of the region in bytes.
+    pub(super) len: u64,
+}
+
+impl MemMap {
+    /// Maps `span`.
+    ///
+    /// # Safety
+    /// `span` stays valid until this map is dropped.
+    unsafe fn new(ctx: &Context, span: Span) -> Result<Self, UcxError> {
+        if span.len == 0 {
+            return Err(UcxError::other("ucp_mem_map", "cannot register an empty region"));
+        }
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: u64::from(sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH),
+            address: span.ptr.cast(),
+            length: span.len,
+            ..Default::default()
+        };
+        let mut memh: sys::ucp_mem_h = null_mut();
+        // SAFETY: live context; the span is valid (caller); `memh` valid for a write.
+        check("ucp_mem_map", unsafe { sys::ucp_mem_map(ctx.0, &params, &mut memh) })?;
+        Ok(MemMap { ctx: ctx.0, memh, base: span.ptr as u64, len: span.len as u64 })
+    }
+
+    /// The region's packed rkey, for a peer to unpack.
+    pub(super) fn packed_rkey(&self) -> Result<Vec<u8>, UcxError> {
+        let mut buf: *mut c_void = null_mut();
+        let mut size = 0usize;
+        // SAFETY: live context and memory handle; out-pointers valid.
+        check("ucp_rkey_pack", unsafe { sys::ucp_rkey_pack(self.ctx, self.memh, &mut buf, &mut size) })?;
+        // SAFETY: UCX returned `size` readable bytes, copied before release.
+        let bytes = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
+        // SAFETY: buffer from ucp_rkey_pack, released once.
+        unsafe { sys::ucp_rkey_buffer_release(buf) };
+        Ok(bytes)
+    }
+}
+
+impl Drop for MemMap {
+    fn drop(&mut self) {
+        // SAFETY: live handle of a live context (contexts outlive their maps); no request
+        // uses the region any more (all gets completed before shutdown).
+        let st = unsafe { sys::ucp_mem_unmap(self.ctx, self.memh) };
+        if st != sys::UCS_OK {
+            warn!(status = st, "ucp_mem_unmap failed");
+        }
+    }
+}
+
+/// What a target and an initiator both start with: a context, a worker, and their regions
+/// mapped.
+///
+/// # Safety
+/// Every span stays valid until the returned maps are dropped.
+pub(super) unsafe fn setup(
+    config: &UcxConfig,
+    regions: &[Span],
+) -> Result<(Context, Worker, Vec<MemMap>), UcxError> {
+    let ctx = Context::new(config)?;
+    let worker = Worker::new(&ctx)?;
+    let mut maps = Vec::with_capacity(regions.len());
+    for &span in regions {
+        // SAFETY: forwarded contract.
+        maps.push(unsafe { MemMap::new(&ctx, span) }?);
+    }
+    Ok((ctx, worker, maps))
+}

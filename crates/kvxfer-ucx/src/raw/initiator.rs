@@ -1,0 +1,256 @@
+//! The decode side's UCX thread: endpoints, rkeys and gets, all on one worker; and the
+//! gets themselves (pieces checked against the peer's regions, then issued with
+//! `ucp_get_nbx`, each completion counted into its job).
+
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use tracing::warn;
+use ucx_sys as sys;
+
+use super::endpoint::PeerEp;
+use super::error::UcxError;
+use super::handles::{setup, Signal};
+use crate::{Command, Done, GetPiece, Span, UcxConfig};
+
+/// Checks every piece of a get against the peer's regions before any is issued: the region
+/// exists, and `base + offset + len` neither overflows nor leaves it.
+fn check_pieces(peer: &PeerEp, pieces: &[GetPiece]) -> Result<(), UcxError> {
+    for p in pieces {
+        let (base, len) = *peer.regions.get(p.remote_region).ok_or_else(|| {
+            UcxError::other("ucp_get_nbx", format!("peer has no region {}", p.remote_region))
+        })?;
+        let end = p.remote_offset.checked_add(p.len as u64);
+        let addr_end = base.checked_add(p.remote_offset).and_then(|a| a.checked_add(p.len as u64));
+        if end.is_none_or(|e| e > len) || addr_end.is_none() {
+            return Err(UcxError::other(
+                "ucp_get_nbx",
+                format!(
+                    "{}+{} outside the peer's region {} of {len} bytes",
+                    p.remote_offset, p.len, p.remote_region
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A get under way: pieces outstanding, first error, and who to tell.
+struct Job {
+    peer: String,
+    outstanding: usize,
+    error: Option<UcxError>,
+    bytes: u64,
+    done: Option<Done<u64>>,
+}
+
+/// UCX's completion callback of a get piece: counts it into its job.
+///
+/// # Safety
+/// `request` is a completed request of ours and `user_data` the boxed [`Job`] that issued
+/// it, called on the worker's owning thread.
+unsafe extern "C" fn get_done(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
+    // SAFETY: `user_data` is the boxed Job that issued this request; jobs are dropped only
+    // after their last request completed, and callbacks run on the owning thread.
+    let job = unsafe { &mut *(user_data as *mut Job) };
+    job.outstanding -= 1;
+    if status != sys::UCS_OK && job.error.is_none() {
+        job.error = Some(UcxError::status("ucp_get_nbx", status));
+    }
+    // SAFETY: a completed request owned by us, freed once.
+    unsafe { sys::ucp_request_free(request) };
+}
+
+/// Issues every piece of a get, after checking all of them (so a bad piece fails the get
+/// before anything is issued). Pieces completed at once are counted immediately.
+fn issue(peer: &PeerEp, job: &mut Box<Job>, pieces: &[GetPiece]) -> Result<(), UcxError> {
+    if peer.failed.load(Ordering::Acquire) {
+        return Err(UcxError::other("ucp_get_nbx", "the endpoint to this peer has failed"));
+    }
+    check_pieces(peer, pieces)?;
+    for p in pieces {
+        let (base, _) = peer.regions[p.remote_region];
+        let job_ptr: *mut Job = &mut **job;
+        let mut param = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+            user_data: job_ptr.cast(),
+            ..Default::default()
+        };
+        param.cb.send = Some(get_done);
+        // SAFETY: live endpoint and rkey (the peer is kept until no job uses it); the
+        // destination is registered, in bounds and exclusively ours (contract of
+        // `UcxInitiator::get`); the remote range is inside the peer's region and
+        // `base + offset` does not overflow (`check_pieces`);
+        // `job` is boxed, so `user_data` stays valid until the callback.
+        let req = unsafe {
+            sys::ucp_get_nbx(
+                peer.ep,
+                p.local.cast(),
+                p.len,
+                base + p.remote_offset,
+                peer.rkeys[p.remote_region].0,
+                &param,
+            )
+        };
+        if req.is_null() {
+            job.bytes += p.len as u64;
+        } else if sys::UCS_PTR_IS_ERR(req) {
+            return Err(UcxError::status("ucp_get_nbx", sys::UCS_PTR_STATUS(req)));
+        } else {
+            job.outstanding += 1;
+            job.bytes += p.len as u64;
+        }
+    }
+    Ok(())
+}
+
+type InitiatorReady = Sender<Result<Signal, UcxError>>;
+
+/// The decode side's thread: endpoints, rkeys and gets, all on one worker.
+pub(crate) fn run_initiator(
+    config: &UcxConfig,
+    regions: Vec<Span>,
+    keep_alive: Arc<dyn Any + Send + Sync>,
+    stop: &AtomicBool,
+    commands: &Receiver<Command>,
+    ready: InitiatorReady,
+) {
+    // SAFETY: as in run_target, for the initiator's own regions.
+    let (ctx, worker, maps) = match unsafe { setup(config, &regions) } {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let signal = Signal::new(&worker);
+    let mut peers: std::collections::HashMap<String, PeerEp> = std::collections::HashMap::new();
+    let mut jobs: Vec<Box<Job>> = Vec::new();
+    // Endpoints a Disconnect took out of `peers`, closed once no read uses them. Held by
+    // value (not by peer name), so a Connect to the same peer in the same batch keeps its
+    // new endpoint.
+    let mut closing: Vec<(String, PeerEp)> = Vec::new();
+    let mut stop_since: Option<Instant> = None;
+    let mut leak = false;
+    if ready.send(Ok(signal.clone())).is_ok() {
+        loop {
+            while let Ok(cmd) = commands.try_recv() {
+                match cmd {
+                    Command::Connect { peer, info, done } => {
+                        if jobs.iter().any(|j| j.peer == peer) {
+                            done(Err(UcxError::other("connect", "reads to this peer are still in flight")));
+                            continue;
+                        }
+                        if let Some(old) = peers.remove(&peer) {
+                            old.close(&worker);
+                        }
+                        match PeerEp::connect(&worker, &info, config.peer_failure_handling) {
+                            Ok(ep) => {
+                                peers.insert(peer, ep);
+                                done(Ok(()));
+                            }
+                            Err(e) => done(Err(e)),
+                        }
+                    }
+                    Command::Get { peer, pieces, done } => {
+                        let Some(ep) = peers.get(&peer) else {
+                            done(Err(UcxError::other("get", format!("no endpoint to {peer}"))));
+                            continue;
+                        };
+                        let mut job =
+                            Box::new(Job { peer, outstanding: 0, error: None, bytes: 0, done: Some(done) });
+                        if let Err(e) = issue(ep, &mut job, &pieces) {
+                            // Pieces already issued still complete into this job: keep it
+                            // until they do, and report this error then.
+                            warn!(error = %e, "UCX get failed to issue");
+                            job.error = Some(e);
+                        }
+                        jobs.push(job);
+                    }
+                    Command::Disconnect { peer } => {
+                        if let Some(ep) = peers.remove(&peer) {
+                            closing.push((peer, ep));
+                        }
+                    }
+                    Command::Abort { peer } => {
+                        // The live endpoint and any disconnected one still finishing reads.
+                        let (doomed, rest): (Vec<_>, Vec<_>) =
+                            closing.drain(..).partition(|(p, _)| *p == peer);
+                        closing = rest;
+                        let eps = peers.remove(&peer).into_iter().chain(doomed.into_iter().map(|(_, ep)| ep));
+                        for ep in eps {
+                            warn!(%peer, "aborting the UCX endpoint: reads in flight are cancelled");
+                            ep.abort(&worker);
+                        }
+                    }
+                }
+            }
+            worker.progress_all();
+            // Finish jobs whose pieces all completed.
+            jobs.retain_mut(|job| {
+                if job.outstanding > 0 {
+                    return true;
+                }
+                if let Some(done) = job.done.take() {
+                    match job.error.take() {
+                        None => done(Ok(job.bytes)),
+                        Some(e) => done(Err(e)),
+                    }
+                }
+                false
+            });
+            // Close endpoints nobody reads from any more.
+            let mut still_closing = Vec::with_capacity(closing.len());
+            for (peer, ep) in closing.drain(..) {
+                if jobs.iter().any(|j| j.peer == peer) {
+                    still_closing.push((peer, ep));
+                } else {
+                    ep.close(&worker);
+                }
+            }
+            closing = still_closing;
+            if stop.load(Ordering::Acquire) {
+                if jobs.is_empty() {
+                    break;
+                }
+                let since = *stop_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > STUCK_READ_GRACE {
+                    // UCX still owns reads that will not finish. Destroying the worker or
+                    // unmapping could let UCX write into (or call back into) freed memory,
+                    // so everything of this initiator is leaked instead.
+                    warn!(
+                        jobs = jobs.len(),
+                        "UCX reads still in flight at shutdown; leaking the UCX worker and its memory"
+                    );
+                    leak = true;
+                    break;
+                }
+            }
+            if jobs.is_empty() {
+                worker.wait(Duration::from_millis(100));
+            } else {
+                // Transfers in flight: wait briefly on the event fd (tcp) without spinning.
+                worker.wait(Duration::from_millis(1));
+            }
+        }
+    }
+    signal.disarm();
+    if leak {
+        std::mem::forget((jobs, peers, closing, maps, worker, ctx, keep_alive));
+        return;
+    }
+    for (_, ep) in peers.drain().chain(closing.drain(..)) {
+        ep.close(&worker);
+    }
+    drop(maps);
+    drop(worker);
+    drop(ctx);
+    drop(keep_alive);
+}
+
+/// How long a stopping initiator waits for reads in flight before leaking instead.
+const STUCK_READ_GRACE: Duration = Duration::from_secs(5);
