@@ -2,7 +2,8 @@
 //!
 //! - [`frame`]: the length-prefixed frame codec of `proto/kvxfer/v1/kvxfer.proto`.
 //! - [`handshake`]: the first exchange of every connection, with the optional mutual
-//!   HMAC-SHA256 challenge-response over a [`ClusterKey`].
+//!   HMAC-SHA256 authentication over a [`ClusterKey`] (the connecting side proves first;
+//!   the accepting side MACs the whole transcript, its `HelloAck` included).
 //! - [`server`]: one accepted connection of a prefill agent: handshake, then reads served
 //!   straight from registered memory with vectored writes, and notify / heartbeat / cancel
 //!   applied to the lease table.
@@ -17,7 +18,7 @@ pub mod server;
 pub use client::PinGrant;
 pub use client::{check_crc, ClientError, Connection};
 pub use frame::{Frame, FrameError};
-pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError};
+pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};
 pub use server::{refuse_connection, serve_connection, Refusal, ServeContext, ServerCounters, ServerStats};
 
 use std::time::Duration;
