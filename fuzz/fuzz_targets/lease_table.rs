@@ -90,7 +90,7 @@ fuzz_target!(|data: &[u8]| {
             }
             _ => {
                 if let Some(h) = pick(&handoffs) {
-                    if table.retract(h.remote_request_id(), h.token().as_bytes()) == RetractOutcome::Retracted {
+                    if table.retract(h.remote_request_id(), h.token().as_bytes(), now) == RetractOutcome::Retracted {
                         *retracted.entry(h.remote_request_id().to_owned()).or_default() += 1;
                     }
                 }

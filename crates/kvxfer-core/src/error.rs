@@ -75,6 +75,16 @@ pub enum LeaseError {
         /// The parent's n.
         n: u32,
     },
+    /// A child of a parent whose other leases (still tracked) named another `n`.
+    #[error("lease of a child of {parent} with n = {n}: its other leased children have n = {tracked}")]
+    ChildCountMismatch {
+        /// The parent request id.
+        parent: String,
+        /// The `n` of this lease.
+        n: u32,
+        /// The `n` of the parent's tracked leases.
+        tracked: u32,
+    },
 }
 
 /// Why a hand-off or prefill result was refused.
@@ -126,6 +136,10 @@ pub enum HandoffError {
         /// The port given.
         port: u32,
     },
+    /// A lease ttl of 0 ms: the lease is over before a pull could start, and a decode side
+    /// would heartbeat it at its floor rate.
+    #[error("hand-off {0}: the lease ttl is 0 ms")]
+    ZeroTtl(String),
 }
 
 /// Which side of a transfer a block id belongs to.
@@ -210,8 +224,8 @@ pub enum ParamsError {
         #[source]
         source: serde_json::Error,
     },
-    /// A field needed to pull is null or missing.
-    #[error("kv_transfer_params: field {0} is required to pull")]
+    /// A field needed to pull is null, missing or empty.
+    #[error("kv_transfer_params: field {0} is required to pull (it is missing, null or empty)")]
     Missing(&'static str),
     /// A field holds a value kvxfer cannot use.
     #[error("kv_transfer_params: field {field}: {source}")]

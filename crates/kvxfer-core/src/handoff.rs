@@ -44,6 +44,12 @@ pub fn join_host_port(host: &str, port: u16) -> String {
     }
 }
 
+/// A ttl in whole milliseconds as hand-offs carry it, rounded up (a positive ttl never
+/// reads as 0, which [`ChildHandoff::from_wire`] refuses), saturating.
+pub(crate) fn ttl_ms(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
 /// A host as hand-offs carry it: an IPv6 literal without brackets (`[::1]` becomes `::1`).
 fn unbracket(host: String) -> String {
     match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
@@ -145,7 +151,7 @@ impl ChildHandoff {
             remote_host: self.engine.host.clone(),
             remote_port: u32::from(self.engine.port),
             expected_consumers: self.expected_consumers,
-            lease_ttl_ms: u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX),
+            lease_ttl_ms: ttl_ms(self.ttl),
             tp_size: self.engine.tp_size,
             incarnation: self.engine.incarnation,
         }
@@ -167,6 +173,9 @@ impl ChildHandoff {
         }
         if w.expected_consumers == 0 {
             return Err(HandoffError::NoConsumers(w.remote_request_id));
+        }
+        if w.lease_ttl_ms == 0 {
+            return Err(HandoffError::ZeroTtl(w.remote_request_id));
         }
         let port = u16::try_from(w.remote_port)
             .ok()

@@ -10,13 +10,25 @@
 //! scan), and a heartbeat moves one entry, so an old lease that was extended never holds
 //! back younger ones. Ended leases go to one channel, drained by the owner.
 //!
-//! Ended leases leave a bounded record (per shard, oldest dropped first) of how they ended,
-//! a SHA-256 of their token (never the token) and which consumers had notified, so a
-//! notify, heartbeat or cancel retried after its first answer was lost is answered "already
-//! pulled / released / expired" — but only when it carries the lease's token: without it,
-//! an ended id looks exactly like a live one with a wrong token.
+//! Ended leases leave a record of how they ended, a SHA-256 of their token (never the
+//! token) and which consumers had notified, so a notify, heartbeat or cancel retried after
+//! its first answer was lost is answered "already pulled / released / expired" — but only
+//! when it carries the lease's token: without it, an ended id looks exactly like a live one
+//! with a wrong token. A record lives at least [`LeaseConfig::ended_record_retention`]; only
+//! the table-wide hard cap [`LeaseConfig::max_ended_records`] drops one earlier (oldest
+//! first, counted in [`LeaseStats::ended_records_evicted`]).
+//!
+//! Tokens are kept and compared as SHA-256 hashes only, live leases included: every lookup
+//! hashes the presented token exactly once, before it looks at the id, and compares hashes
+//! in constant time, so unknown, live and ended ids cost the same hashing and comparing.
+//! What still differs is the hash-map lookup itself (a hit compares the id's bytes, a miss
+//! may not) — tens of nanoseconds, against the microsecond of the hash.
+//!
+//! Deadline arithmetic saturates: a ttl or maximum lifetime too large for an `Instant`
+//! (`Duration::MAX`: "no maximum") means "about a century from now" for deadlines, and no
+//! hard deadline at all for the maximum lifetime.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -32,8 +44,14 @@ use crate::ids::{child_request_id, fnv1a, LeaseToken, FNV_OFFSET};
 use crate::plan::BlockRange;
 use crate::BlockId;
 
-/// Ended lease ids remembered per shard to tell a late read "ended" rather than "unknown".
-const RECENT_PER_SHARD: usize = 256;
+/// What a deadline too far in the future for an `Instant` becomes (about a century).
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `now + d`, saturating at [`FAR_FUTURE`] from now (and at `now` on a platform whose
+/// `Instant` cannot even hold that).
+fn deadline_after(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d).or_else(|| now.checked_add(FAR_FUTURE)).unwrap_or(now)
+}
 
 /// Settings of a [`LeaseTable`].
 #[derive(Debug, Clone)]
@@ -53,6 +71,15 @@ pub struct LeaseConfig {
     /// Largest `n` (children of one parent) a lease may name; more is refused with
     /// [`LeaseError::TooManyChildren`], so per-parent bookkeeping stays bounded.
     pub max_children: u32,
+    /// Shortest time the record of an ended lease is kept (so a notify or cancel retried
+    /// after its first answer was lost is answered from it), unless
+    /// [`Self::max_ended_records`] forces an earlier eviction. Older records are dropped as
+    /// new ones arrive.
+    pub ended_record_retention: Duration,
+    /// Hard cap on the records of ended leases, for the whole table (split evenly over the
+    /// shards). When it is reached the oldest record goes first; dropping one younger than
+    /// the retention is counted ([`LeaseStats::ended_records_evicted`]).
+    pub max_ended_records: usize,
 }
 
 impl LeaseConfig {
@@ -60,9 +87,17 @@ impl LeaseConfig {
     pub const DEFAULT_MAX_LIFETIME: Duration = Duration::from_secs(600);
     /// Default bound on `n`: 1024 children per parent.
     pub const DEFAULT_MAX_CHILDREN: u32 = 1024;
+    /// Default retention of ended-lease records: 60 s. A decode agent retries a notify or
+    /// cancel whose answer was lost within about 3 × its io timeout (10 s by default) of
+    /// the first attempt, so this is twice that.
+    pub const DEFAULT_ENDED_RECORD_RETENTION: Duration = Duration::from_secs(60);
+    /// Default hard cap on ended-lease records: 65 536 per table (about 200 bytes each), so
+    /// a retention of 60 s holds under about 1 000 lease ends a second.
+    pub const DEFAULT_MAX_ENDED_RECORDS: usize = 1 << 16;
 
     /// A config with vLLM's default lease of 30 s, 16 shards, leases living at most
-    /// 10 minutes, and at most 1024 children per parent.
+    /// 10 minutes, at most 1024 children per parent, and ended-lease records kept 60 s
+    /// (at most 65 536).
     pub fn new(engine: EngineInfo, num_blocks: u32) -> Self {
         LeaseConfig {
             default_ttl: Duration::from_secs(30),
@@ -71,6 +106,8 @@ impl LeaseConfig {
             shards: 16,
             max_lifetime: Self::DEFAULT_MAX_LIFETIME,
             max_children: Self::DEFAULT_MAX_CHILDREN,
+            ended_record_retention: Self::DEFAULT_ENDED_RECORD_RETENTION,
+            max_ended_records: Self::DEFAULT_MAX_ENDED_RECORDS,
         }
     }
 }
@@ -148,6 +185,10 @@ pub struct LeaseEnd {
     pub consumers_seen: u32,
     /// Consumers that were expected.
     pub expected_consumers: u32,
+    /// Which lease of this request id it was: increases with every lease of the same id
+    /// (what [`LeaseTable::lease_with_generation`] returned), so an end that arrives after
+    /// the id was leased again is recognised as the earlier lease's.
+    pub generation: u64,
 }
 
 /// Result of [`LeaseTable::notify`].
@@ -305,6 +346,10 @@ pub struct LeaseStats {
     /// Notifications, heartbeats and cancels with the right token for a lease that had
     /// already ended (answered from the ended-lease record; nothing changed).
     pub already_ended: u64,
+    /// Ended-lease records dropped before [`LeaseConfig::ended_record_retention`] because
+    /// [`LeaseConfig::max_ended_records`] was reached (a retry may then be answered
+    /// "unrecognized").
+    pub ended_records_evicted: u64,
 }
 
 #[derive(Default)]
@@ -320,6 +365,7 @@ struct Counters {
     bad_token: AtomicU64,
     duplicate: AtomicU64,
     reads_refused: AtomicU64,
+    ended_records_evicted: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -327,7 +373,9 @@ fn bump(c: &AtomicU64) {
 }
 
 struct Lease {
-    token: LeaseToken,
+    /// SHA-256 of the token (the token itself is not kept): every check hashes the
+    /// presented token and compares hashes.
+    token_hash: [u8; 32],
     parent: Arc<str>,
     child_index: u32,
     n: u32,
@@ -340,11 +388,14 @@ struct Lease {
     consumers: Vec<Box<str>>,
     ttl: Duration,
     deadline: Instant,
-    /// `max_lifetime` after the lease was made: heartbeats never extend `deadline` past it.
-    max_deadline: Instant,
+    /// `max_lifetime` after the lease was made: heartbeats never extend `deadline` past it
+    /// (`None`: no maximum, or one too far away for an `Instant`).
+    max_deadline: Option<Instant>,
     seq: u64,
     readers: u32,
     ended: Option<EndKind>,
+    /// When it ended (the `now` of the operation that ended it).
+    ended_at: Option<Instant>,
 }
 
 impl Lease {
@@ -365,16 +416,18 @@ impl Lease {
 type IdMap<V> = HashMap<Arc<str>, V, foldhash::fast::RandomState>;
 
 /// What is kept of an ended lease: how it ended, a SHA-256 of its token, hashes of the
-/// consumers that had notified, and the lease's sequence number (which matches its entry in
-/// `Shard::recent_order`).
+/// consumers that had notified, when it ended, and its key in `Shard::recent_order`.
 struct Tombstone {
     kind: EndKind,
     token_hash: [u8; 32],
     consumers: Box<[u64]>,
-    seq: u64,
+    ended_at: Instant,
+    order: u64,
 }
 
 fn token_hash(token: &[u8]) -> [u8; 32] {
+    #[cfg(test)]
+    tests::TOKEN_HASHES.with(|c| c.set(c.get() + 1));
     Sha256::digest(token).into()
 }
 
@@ -390,13 +443,14 @@ fn consumer_hash(consumer: &str) -> u64 {
 struct Shard {
     leases: IdMap<Lease>,
     deadlines: BTreeMap<(Instant, u64), Arc<str>>,
-    /// Records of recently ended leases (bounded, oldest dropped first), so a late or
-    /// retried request with the lease's token can be told how it ended.
+    /// Records of recently ended leases, so a late or retried request with the lease's
+    /// token can be told how it ended. Kept at least `ended_record_retention` unless the
+    /// shard's share of `max_ended_records` is reached.
     recent: IdMap<Tombstone>,
-    /// Ended ids in the order they ended, with the sequence number of the lease that ended:
-    /// an entry whose id was leased again since (and whose record was replaced) evicts
-    /// nothing but itself.
-    recent_order: VecDeque<(Arc<str>, u64)>,
+    /// The ids of `recent`, in the order their records were made (key: `Tombstone::order`).
+    /// A record removed because its id was leased again leaves no entry behind.
+    recent_order: BTreeMap<u64, Arc<str>>,
+    next_record: u64,
     rng: ChaCha12Rng,
     next_seq: u64,
 }
@@ -410,6 +464,8 @@ pub struct LeaseTable {
     ended_tx: Sender<LeaseEnd>,
     ended_rx: Receiver<LeaseEnd>,
     counters: Counters,
+    /// Each shard's share of `LeaseConfig::max_ended_records` (at least 1).
+    records_per_shard: usize,
 }
 
 impl std::fmt::Debug for LeaseTable {
@@ -446,7 +502,8 @@ impl LeaseTable {
                     leases: IdMap::default(),
                     deadlines: BTreeMap::new(),
                     recent: IdMap::default(),
-                    recent_order: VecDeque::new(),
+                    recent_order: BTreeMap::new(),
+                    next_record: 0,
                     rng: ChaCha12Rng::from_rng(&mut master),
                     next_seq: 0,
                 })
@@ -454,6 +511,7 @@ impl LeaseTable {
             .collect();
         LeaseTable {
             shard_mask: shards.len() as u64 - 1,
+            records_per_shard: config.max_ended_records.div_ceil(shards.len()).max(1),
             shards,
             engine: Arc::new(config.engine.clone()),
             config,
@@ -506,10 +564,21 @@ impl LeaseTable {
     /// Registers a lease and only then returns its hand-off, with a fresh 128-bit token.
     /// A ttl above [`LeaseConfig::max_lifetime`] is clamped to it.
     pub fn lease(&self, req: LeaseRequest, now: Instant) -> Result<ChildHandoff, LeaseError> {
+        self.lease_with_generation(req, now).map(|(h, _)| h)
+    }
+
+    /// [`Self::lease`], also returning the lease's generation: it increases with every
+    /// lease of the same request id and is repeated in the lease's [`LeaseEnd`], so a
+    /// tracker can tell an end of this lease from a late end of an earlier one.
+    pub fn lease_with_generation(
+        &self,
+        req: LeaseRequest,
+        now: Instant,
+    ) -> Result<(ChildHandoff, u64), LeaseError> {
         let id = self.validate(&req)?;
         let ttl = req.ttl.unwrap_or(self.config.default_ttl).min(self.config.max_lifetime);
-        let deadline = now + ttl;
-        let max_deadline = now + self.config.max_lifetime;
+        let deadline = deadline_after(now, ttl);
+        let max_deadline = now.checked_add(self.config.max_lifetime);
         let key: Arc<str> = Arc::from(id);
         let parent: Arc<str> = Arc::from(req.parent_request_id);
         let blocks: Arc<[BlockId]> = Arc::from(req.blocks);
@@ -518,7 +587,9 @@ impl LeaseTable {
         if shard.leases.contains_key(&key) {
             return Err(LeaseError::AlreadyLeased(key.to_string()));
         }
-        shard.recent.remove(&key);
+        if let Some(old) = shard.recent.remove(&key) {
+            shard.recent_order.remove(&old.order);
+        }
         let token = LeaseToken::generate(&mut shard.rng);
         let seq = shard.next_seq;
         shard.next_seq += 1;
@@ -526,7 +597,7 @@ impl LeaseTable {
         shard.leases.insert(
             key.clone(),
             Lease {
-                token,
+                token_hash: token_hash(token.as_bytes()),
                 parent: parent.clone(),
                 child_index: req.child_index,
                 n: req.n,
@@ -540,11 +611,12 @@ impl LeaseTable {
                 seq,
                 readers: 0,
                 ended: None,
+                ended_at: None,
             },
         );
         drop(shard);
         bump(&self.counters.leased);
-        Ok(ChildHandoff::issued(
+        let handoff = ChildHandoff::issued(
             parent,
             req.child_index,
             req.n,
@@ -554,13 +626,18 @@ impl LeaseTable {
             self.engine.clone(),
             req.expected_consumers,
             ttl,
-        ))
+        );
+        Ok((handoff, seq))
     }
 
     /// Looks up `id` with `token`, expiring it first when its deadline is at or before
     /// `now`. The token is checked before anything else is told: a live lease, a draining
     /// one and an ended-lease record all answer `BadToken` to a wrong token. `consumer`, if
     /// given, is looked up among the notifiers of an ended lease.
+    ///
+    /// The presented token is hashed once, before the lookup, whatever the id turns out to
+    /// be; an unknown id is compared against a hash of zeros, so every path hashes once and
+    /// compares 32 bytes in constant time.
     fn find<'s>(
         &self,
         shard: &'s mut Shard,
@@ -569,18 +646,21 @@ impl LeaseTable {
         consumer: Option<&str>,
         now: Instant,
     ) -> Found<'s> {
+        let presented = token_hash(token);
         let expired = match shard.leases.get(id) {
             None => {
-                return match shard.recent.get(id) {
+                let record = shard.recent.get(id);
+                let matched = hashes_match(record.map_or(&[0u8; 32], |t| &t.token_hash), &presented);
+                return match record {
                     None => Found::Missing,
-                    Some(t) if !hashes_match(&t.token_hash, &token_hash(token)) => Found::BadToken,
+                    Some(_) if !matched => Found::BadToken,
                     Some(t) => Found::Ended {
                         kind: t.kind,
                         counted: consumer.is_some_and(|c| t.consumers.contains(&consumer_hash(c))),
                     },
-                }
+                };
             }
-            Some(l) if !l.token.matches(token) => return Found::BadToken,
+            Some(l) if !hashes_match(&l.token_hash, &presented) => return Found::BadToken,
             Some(l) => match l.ended {
                 Some(kind) => {
                     let counted = consumer.is_some_and(|c| l.consumers.iter().any(|n| &**n == c));
@@ -592,7 +672,7 @@ impl LeaseTable {
         if expired {
             let counted = consumer
                 .is_some_and(|c| shard.leases.get(id).is_some_and(|l| l.consumers.iter().any(|n| &**n == c)));
-            self.end(shard, id, EndKind::Expired);
+            self.end(shard, id, EndKind::Expired, now);
             return Found::Ended { kind: EndKind::Expired, counted };
         }
         match shard.leases.get_mut(id) {
@@ -601,15 +681,16 @@ impl LeaseTable {
         }
     }
 
-    /// Ends the live lease `id`: counts it, removes its deadline, and hands its blocks back
-    /// now, or when its last read finishes.
-    fn end(&self, shard: &mut Shard, id: &str, kind: EndKind) {
+    /// Ends the live lease `id` at `now`: counts it, removes its deadline, and hands its
+    /// blocks back now, or when its last read finishes.
+    fn end(&self, shard: &mut Shard, id: &str, kind: EndKind, now: Instant) {
         let Some(lease) = shard.leases.get_mut(id) else { return };
         debug_assert!(lease.ended.is_none(), "a lease ends once");
         if lease.ended.is_some() {
             return;
         }
         lease.ended = Some(kind);
+        lease.ended_at = Some(now);
         let (deadline, seq, readers) = (lease.deadline, lease.seq, lease.readers);
         shard.deadlines.remove(&(deadline, seq));
         bump(match kind {
@@ -624,26 +705,51 @@ impl LeaseTable {
         }
     }
 
+    /// Drops the records of `shard` that ended at least `ended_record_retention` before
+    /// `now`, oldest first.
+    fn prune_records(&self, shard: &mut Shard, now: Instant) {
+        let retention = self.config.ended_record_retention;
+        while let Some(entry) = shard.recent_order.first_entry() {
+            let old_enough = shard
+                .recent
+                .get(entry.get())
+                .is_none_or(|t| now.checked_duration_since(t.ended_at).is_some_and(|age| age >= retention));
+            if !old_enough {
+                break;
+            }
+            let id = entry.remove();
+            shard.recent.remove(&id);
+        }
+    }
+
+    /// Removes the ended lease `id` and leaves its record: first dropping records past their
+    /// retention, then, at the shard's cap, the oldest one (counted when it was younger than
+    /// the retention).
     fn hand_back(&self, shard: &mut Shard, id: &str) {
         let Some((key, lease)) = shard.leases.remove_entry(id) else { return };
-        let Some(kind) = lease.ended else { return };
-        if shard.recent_order.len() >= RECENT_PER_SHARD {
-            if let Some((old, seq)) = shard.recent_order.pop_front() {
-                // Only the record this entry was made for: a stale entry of an id leased
-                // again since must not evict the newer record.
-                if shard.recent.get(&old).is_some_and(|t| t.seq == seq) {
-                    shard.recent.remove(&old);
-                }
+        let (Some(kind), Some(ended_at)) = (lease.ended, lease.ended_at) else { return };
+        self.prune_records(shard, ended_at);
+        while shard.recent.len() >= self.records_per_shard {
+            let Some((_, old)) = shard.recent_order.pop_first() else { break };
+            if shard.recent.remove(&old).is_some() {
+                bump(&self.counters.ended_records_evicted);
             }
         }
+        let order = shard.next_record;
+        shard.next_record += 1;
         let tombstone = Tombstone {
             kind,
-            token_hash: token_hash(lease.token.as_bytes()),
+            token_hash: lease.token_hash,
             consumers: lease.consumers.iter().map(|c| consumer_hash(c)).collect(),
-            seq: lease.seq,
+            ended_at,
+            order,
         };
-        shard.recent.insert(key.clone(), tombstone);
-        shard.recent_order.push_back((key.clone(), lease.seq));
+        if let Some(replaced) = shard.recent.insert(key.clone(), tombstone) {
+            // Not expected (a lease removes its id's record when it is made), but never
+            // leave an order entry without its record.
+            shard.recent_order.remove(&replaced.order);
+        }
+        shard.recent_order.insert(order, key.clone());
         let consumers_seen = lease.consumers.len() as u32;
         let end = LeaseEnd {
             remote_request_id: key,
@@ -654,6 +760,7 @@ impl LeaseTable {
             blocks: lease.blocks,
             consumers_seen,
             expected_consumers: lease.expected,
+            generation: lease.seq,
         };
         // The receiver lives in `self`, so the channel is never disconnected.
         let _ = self.ended_tx.send(end);
@@ -688,7 +795,7 @@ impl LeaseTable {
         if remaining > 0 {
             return NotifyOutcome::Counted { remaining };
         }
-        self.end(&mut shard, id, EndKind::Pulled);
+        self.end(&mut shard, id, EndKind::Pulled, now);
         NotifyOutcome::Pulled
     }
 
@@ -712,7 +819,9 @@ impl LeaseTable {
             }
         };
         let old = (lease.deadline, lease.seq);
-        let new = lease.deadline.max((now + lease.ttl * 2 / 3).min(lease.max_deadline));
+        let two_thirds = lease.ttl.checked_mul(2).map_or(lease.ttl / 3 * 2, |t| t / 3);
+        let extended = deadline_after(now, two_thirds);
+        let new = lease.deadline.max(lease.max_deadline.map_or(extended, |max| extended.min(max)));
         lease.deadline = new;
         if new != old.0 {
             if let Some(key) = shard.deadlines.remove(&old) {
@@ -740,7 +849,7 @@ impl LeaseTable {
                 return CancelOutcome::BadToken;
             }
         }
-        self.end(&mut shard, id, EndKind::Released);
+        self.end(&mut shard, id, EndKind::Released, now);
         CancelOutcome::Released
     }
 
@@ -753,26 +862,25 @@ impl LeaseTable {
     /// deadline has passed. A lease that has already ended (the expiry driver got to it
     /// first) is left alone and its end is delivered as usual (`AlreadyEnded`). A lease with
     /// a read in flight — which means its token had escaped after all — is released
-    /// instead, and its end follows its last read (`Released`).
-    pub fn retract(&self, id: &str, token: &[u8]) -> RetractOutcome {
+    /// instead (ending at `now`), and its end follows its last read (`Released`).
+    pub fn retract(&self, id: &str, token: &[u8], now: Instant) -> RetractOutcome {
+        let presented = token_hash(token);
         let mut shard = self.lock(self.shard_of(id));
         let Some(lease) = shard.leases.get(id) else {
             return match shard.recent.get(id) {
-                Some(t) if hashes_match(&t.token_hash, &token_hash(token)) => {
-                    RetractOutcome::AlreadyEnded(t.kind)
-                }
+                Some(t) if hashes_match(&t.token_hash, &presented) => RetractOutcome::AlreadyEnded(t.kind),
                 Some(_) => RetractOutcome::BadToken,
                 None => RetractOutcome::Unrecognized,
             };
         };
-        if !lease.token.matches(token) {
+        if !hashes_match(&lease.token_hash, &presented) {
             return RetractOutcome::BadToken;
         }
         if let Some(kind) = lease.ended {
             return RetractOutcome::AlreadyEnded(kind);
         }
         if lease.readers > 0 {
-            self.end(&mut shard, id, EndKind::Released);
+            self.end(&mut shard, id, EndKind::Released, now);
             return RetractOutcome::Released;
         }
         let key = (lease.deadline, lease.seq);
@@ -782,8 +890,9 @@ impl LeaseTable {
         RetractOutcome::Retracted
     }
 
-    /// Ends every lease whose deadline is at or before `now`; returns how many ended.
-    /// Costs O(log n) per expired lease; unexpired leases are not visited.
+    /// Ends every lease whose deadline is at or before `now`; returns how many ended. Also
+    /// drops ended-lease records past their retention. Costs O(log n) per expired lease or
+    /// dropped record; unexpired leases and younger records are not visited.
     pub fn expire(&self, now: Instant) -> usize {
         let mut count = 0;
         for index in 0..self.shards.len() {
@@ -793,9 +902,10 @@ impl LeaseTable {
                     break;
                 }
                 let key = entry.get().clone();
-                self.end(&mut shard, &key, EndKind::Expired);
+                self.end(&mut shard, &key, EndKind::Expired, now);
                 count += 1;
             }
+            self.prune_records(&mut shard, now);
         }
         count
     }
@@ -875,8 +985,8 @@ impl LeaseTable {
             return refused(ReadRefused::NotLeased { request: id.to_owned(), ids: not_leased });
         }
         lease.readers += 1;
-        let seq = lease.seq;
-        Ok(ReadGuard { table: Arc::clone(self), shard: index, key: Arc::from(id), seq })
+        let (seq, max_deadline) = (lease.seq, lease.max_deadline);
+        Ok(ReadGuard { table: Arc::clone(self), shard: index, key: Arc::from(id), seq, max_deadline })
     }
 
     /// Checks the table's private bookkeeping against itself: every live lease has exactly
@@ -912,18 +1022,17 @@ impl LeaseTable {
                     shard.deadlines.len()
                 ));
             }
-            if let Some((id, _)) = shard
-                .recent
-                .iter()
-                .find(|(id, t)| !shard.recent_order.iter().any(|(o, seq)| o == *id && *seq == t.seq))
+            if let Some((id, _)) =
+                shard.recent.iter().find(|(id, t)| shard.recent_order.get(&t.order) != Some(*id))
             {
                 return Err(format!("shard {i}: the record of {id} has no order entry"));
             }
-            if shard.recent.len() > shard.recent_order.len() || shard.recent_order.len() > RECENT_PER_SHARD {
+            if shard.recent.len() != shard.recent_order.len() || shard.recent.len() > self.records_per_shard {
                 return Err(format!(
-                    "shard {i}: {} tombstones, {} in order, bound {RECENT_PER_SHARD}",
+                    "shard {i}: {} records, {} in order, bound {}",
                     shard.recent.len(),
-                    shard.recent_order.len()
+                    shard.recent_order.len(),
+                    self.records_per_shard
                 ));
             }
             live += live_here as u64;
@@ -970,6 +1079,7 @@ impl LeaseTable {
             duplicate: load(&c.duplicate),
             reads_refused: load(&c.reads_refused),
             already_ended: load(&c.already_ended),
+            ended_records_evicted: load(&c.ended_records_evicted),
         }
     }
 }
@@ -982,6 +1092,7 @@ pub struct ReadGuard {
     shard: usize,
     key: Arc<str>,
     seq: u64,
+    max_deadline: Option<Instant>,
 }
 
 impl ReadGuard {
@@ -989,10 +1100,63 @@ impl ReadGuard {
     pub fn request_id(&self) -> &str {
         &self.key
     }
+
+    /// The lease's hard deadline: [`LeaseConfig::max_lifetime`] after it was made, which no
+    /// heartbeat extends (`None`: no maximum). A server holding this guard for a pin or a
+    /// long read should not hold it (much) past this, or the maximum lifetime is moot.
+    pub fn expires_no_later_than(&self) -> Option<Instant> {
+        self.max_deadline
+    }
 }
 
 impl Drop for ReadGuard {
     fn drop(&mut self) {
         self.table.end_read(self.shard, &self.key, self.seq);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handoff::EngineInfo;
+
+    thread_local! {
+        /// Token hashes computed on this thread (each test runs on its own thread).
+        pub(super) static TOKEN_HASHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    fn hashes_during(f: impl FnOnce()) -> u64 {
+        let before = TOKEN_HASHES.with(|c| c.get());
+        f();
+        TOKEN_HASHES.with(|c| c.get()) - before
+    }
+
+    /// Review finding 8: an unknown id returned at once, a live lease compared 16 bytes and an
+    /// ended one hashed the token, so timing told them apart. Every lookup now hashes the
+    /// presented token exactly once and compares hashes, whatever the id is.
+    #[test]
+    fn every_token_check_hashes_the_presented_token_exactly_once() {
+        let engine = EngineInfo {
+            engine_id: "e".into(),
+            host: "127.0.0.1".into(),
+            port: 1,
+            tp_size: 1,
+            incarnation: 0,
+        };
+        let t = Arc::new(LeaseTable::new(LeaseConfig::new(engine, 8), [3; 32]));
+        let t0 = Instant::now();
+        let live = t.lease(LeaseRequest::new("L", 0, 1, vec![1]), t0).expect("lease");
+        let ended = t.lease(LeaseRequest::new("E", 0, 1, vec![2]), t0).expect("lease");
+        t.cancel("E", ended.token().as_bytes(), t0);
+        let range = [BlockRange { start: 1, count: 1 }];
+        for (id, right) in
+            [("U", [0u8; 16]), ("L", *live.token().as_bytes()), ("E", *ended.token().as_bytes())]
+        {
+            for token in [right, [0x5a; 16]] {
+                assert_eq!(hashes_during(|| _ = t.notify(id, &token, "c", t0)), 1, "notify {id}");
+                assert_eq!(hashes_during(|| _ = t.heartbeat(id, &token, t0)), 1, "heartbeat {id}");
+                assert_eq!(hashes_during(|| drop(t.begin_read(id, &token, &range, t0))), 1, "read {id}");
+            }
+        }
     }
 }

@@ -133,19 +133,27 @@ impl KvTransferParams {
             kvxfer_child_index: Some(h.child_index()),
             kvxfer_n: Some(h.n()),
             kvxfer_expected_consumers: Some(h.expected_consumers()),
-            kvxfer_lease_ttl_ms: Some(u64::try_from(h.ttl().as_millis()).unwrap_or(u64::MAX)),
+            kvxfer_lease_ttl_ms: Some(crate::handoff::ttl_ms(h.ttl())),
             kvxfer_incarnation: Some(h.engine().incarnation).filter(|&i| i != 0),
             extra: serde_json::Map::new(),
         }
     }
 
     /// The hand-off these params describe. A dict written by plain vLLM (no `kvxfer_*`
-    /// fields) has no lease token and cannot be pulled through kvxfer.
+    /// fields) has no lease token and cannot be pulled through kvxfer. Every error names
+    /// the dict's key (`kvxfer_parent_request_id`, not the wire's `parent_request_id`).
     pub fn to_handoff(&self) -> Result<ChildHandoff, ParamsError> {
         fn need<T>(o: Option<T>, name: &'static str) -> Result<T, ParamsError> {
             o.ok_or(ParamsError::Missing(name))
         }
-        let request = need(self.remote_request_id.clone(), "remote_request_id")?;
+        fn text(o: &Option<String>, name: &'static str) -> Result<String, ParamsError> {
+            need(o.clone().filter(|s| !s.is_empty()), name)
+        }
+        let request = text(&self.remote_request_id, "remote_request_id")?;
+        let parent = match &self.kvxfer_parent_request_id {
+            None => request.clone(),
+            Some(_) => text(&self.kvxfer_parent_request_id, "kvxfer_parent_request_id")?,
+        };
         let blocks = match need(self.remote_block_ids.clone(), "remote_block_ids")? {
             RemoteBlockIds::Flat(v) => v,
             RemoteBlockIds::Grouped(mut groups) if groups.len() == 1 => groups.pop().unwrap_or_default(),
@@ -158,14 +166,14 @@ impl KvTransferParams {
             .map_err(|e| ParamsError::invalid("kvxfer_lease_token", e))?;
         let n = self.kvxfer_n.unwrap_or(1);
         let wire = kvxfer_proto::v1::ChildHandoff {
-            parent_request_id: self.kvxfer_parent_request_id.clone().unwrap_or_else(|| request.clone()),
+            parent_request_id: parent,
             child_index: self.kvxfer_child_index.unwrap_or(0),
             n,
             remote_request_id: request,
             lease_token: token.as_bytes().to_vec(),
             remote_block_ids: blocks,
             remote_engine_id: need(self.remote_engine_id.clone(), "remote_engine_id")?,
-            remote_host: need(self.remote_host.clone(), "remote_host")?,
+            remote_host: text(&self.remote_host, "remote_host")?,
             remote_port: port,
             expected_consumers: self.kvxfer_expected_consumers.unwrap_or(1),
             lease_ttl_ms: self.kvxfer_lease_ttl_ms.unwrap_or(30_000),
@@ -173,12 +181,18 @@ impl KvTransferParams {
             incarnation: self.kvxfer_incarnation.unwrap_or(0),
         };
         ChildHandoff::from_wire(wire).map_err(|e| {
+            // The wire's field names mapped to this dict's keys.
             let field = match &e {
                 HandoffError::BadPort { .. } => "remote_port",
                 HandoffError::NoConsumers(_) => "kvxfer_expected_consumers",
+                HandoffError::ZeroTtl(_) => "kvxfer_lease_ttl_ms",
                 HandoffError::BadTokenLength(_) | HandoffError::BadTokenHex(_) => "kvxfer_lease_token",
+                HandoffError::MissingField("parent_request_id") => "kvxfer_parent_request_id",
                 HandoffError::MissingField(f) => f,
-                _ => "kv_transfer_params",
+                // Errors of whole prefill results; `from_wire` of one hand-off has none.
+                HandoffError::ZeroChildren { .. } | HandoffError::IncompleteResult { .. } => {
+                    "kv_transfer_params"
+                }
             };
             ParamsError::invalid(field, e)
         })
@@ -269,6 +283,51 @@ mod tests {
         ] {
             let msg = KvTransferParams::from_json(json).expect_err(json).to_string();
             assert!(msg.contains(field), "{json}: {msg}");
+        }
+    }
+
+    /// Review finding 13: every error of `to_handoff` names the `kv_transfer_params` key (not
+    /// the wire field), and a lease ttl of 0 (a decode side would heartbeat every 10 ms) is
+    /// refused naming its key.
+    #[test]
+    fn every_to_handoff_error_names_its_kv_transfer_params_key() {
+        let mut good = KvTransferParams::from_json(DECODE_SIDE).expect("parses");
+        good.kvxfer_lease_token = Some("00".repeat(16));
+        good.to_handoff().expect("the base dict is fine");
+        type Breaker = Box<dyn Fn(&mut KvTransferParams)>;
+        let cases: Vec<(&str, Breaker)> = vec![
+            ("remote_request_id", Box::new(|p| p.remote_request_id = Some(String::new()))),
+            ("remote_request_id", Box::new(|p| p.remote_request_id = None)),
+            ("kvxfer_parent_request_id", Box::new(|p| p.kvxfer_parent_request_id = Some(String::new()))),
+            ("remote_host", Box::new(|p| p.remote_host = Some(String::new()))),
+            ("remote_host", Box::new(|p| p.remote_host = None)),
+            ("remote_block_ids", Box::new(|p| p.remote_block_ids = Some(RemoteBlockIds::Flat(vec![])))),
+            (
+                "remote_block_ids",
+                Box::new(|p| p.remote_block_ids = Some(RemoteBlockIds::Grouped(vec![vec![]]))),
+            ),
+            ("remote_block_ids", Box::new(|p| p.remote_block_ids = None)),
+            ("remote_engine_id", Box::new(|p| p.remote_engine_id = None)),
+            ("remote_port", Box::new(|p| p.remote_port = Some(0))),
+            ("remote_port", Box::new(|p| p.remote_port = Some(70_000))),
+            ("kvxfer_expected_consumers", Box::new(|p| p.kvxfer_expected_consumers = Some(0))),
+            ("kvxfer_lease_token", Box::new(|p| p.kvxfer_lease_token = Some("abc".into()))),
+            ("kvxfer_lease_token", Box::new(|p| p.kvxfer_lease_token = Some("zz".repeat(16)))),
+            ("kvxfer_lease_ttl_ms", Box::new(|p| p.kvxfer_lease_ttl_ms = Some(0))),
+        ];
+        for (key, break_it) in cases {
+            let mut p = good.clone();
+            break_it(&mut p);
+            let e = p.to_handoff().expect_err(key);
+            let field = match &e {
+                ParamsError::Missing(f) => f.to_string(),
+                ParamsError::Invalid { field, .. } | ParamsError::TooManyGroups { field, .. } => {
+                    field.to_string()
+                }
+                other => panic!("{key}: {other:?}"),
+            };
+            assert_eq!(field, key, "{e}");
+            assert!(e.to_string().contains(key), "{e}");
         }
     }
 

@@ -252,15 +252,16 @@ fn motivating_scenario_n3_only_child_1_notified() {
     let t0 = Instant::now();
     let hs: Vec<_> = (0..3)
         .map(|i| {
-            let h = t.lease(LeaseRequest::new("R", i, 3, vec![10 * i, 10 * i + 1]), t0).expect("lease");
-            tracker.leased("R", 3, i);
+            let req = LeaseRequest::new("R", i, 3, vec![10 * i, 10 * i + 1]);
+            let (h, generation) = t.lease_with_generation(req, t0).expect("lease");
+            assert!(tracker.leased("R", 3, i, generation, t0));
             h
         })
         .collect();
     assert_eq!(hs[1].remote_request_id(), "1_R");
     assert_eq!(t.notify("1_R", hs[1].token().as_bytes(), "decode-0", t0 + ms(5)), NotifyOutcome::Pulled);
     for e in t.ended().try_iter() {
-        tracker.on_end(&e);
+        tracker.on_end(&e, t0 + ms(5));
     }
     let status = tracker.status("R").expect("parent still tracked");
     assert_eq!(status.indices(ChildState::Pulled), vec![1]);
@@ -283,7 +284,7 @@ fn motivating_scenario_n3_only_child_1_notified() {
     let mut last = None;
     for e in t.ended().try_iter() {
         assert_eq!((e.kind, e.consumers_seen), (EndKind::Expired, 0));
-        last = tracker.on_end(&e).or(last);
+        last = tracker.on_end(&e, t0 + TTL).or(last);
     }
     let done = last.expect("parent completed");
     assert_eq!(done.indices(ChildState::Expired), vec![0, 2]);

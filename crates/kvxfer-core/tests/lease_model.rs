@@ -192,7 +192,7 @@ proptest! {
                     let parent = format!("P{id}");
                     let Some((g, h)) = current.get(&parent) else { continue };
                     let g = *g;
-                    let out = table.retract(&parent, h.token().as_bytes());
+                    let out = table.retract(&parent, h.token().as_bytes(), now);
                     let m = model.get_mut(&(parent.clone(), g)).expect("model");
                     // The deadline is not consulted: only an ending the table already made counts.
                     let expect = match m.ended {

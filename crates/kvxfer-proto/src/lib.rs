@@ -11,5 +11,6 @@ pub mod v1 {
 pub use prost::Message;
 
 /// The protocol version carried in every handshake (2: authenticated handshake, incarnations,
-/// idempotent endings).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// idempotent endings; 3: the connecting side proves the key first, and the accepting side's
+/// MAC covers the whole transcript including its `HelloAck`).
+pub const PROTOCOL_VERSION: u32 = 3;

@@ -123,9 +123,10 @@ impl Connection {
     }
 
     /// Connects to `addr` and handshakes: with `key`, the mutual challenge-response of
-    /// [`crate::handshake`] first (a peer that cannot prove the key is refused with
-    /// [`ClientError::Auth`]); then the peer's `HelloAck`, checked against `hello`. The
-    /// hello's nonce and `authenticated` flag are set here.
+    /// [`crate::handshake`] (this side proves the key, then accepts the peer's `HelloAck`
+    /// only with the peer's MAC over it; a peer that cannot prove the key is refused with
+    /// [`ClientError::Auth`]); the `HelloAck` is checked against `hello`. The hello's nonce
+    /// and `authenticated` flag are set here.
     pub async fn connect_with_key(
         addr: &str,
         hello: &v1::Hello,
@@ -153,7 +154,7 @@ impl Connection {
             next_seq: 1,
             ack: v1::HelloAck::default(),
         };
-        c.ack = crate::handshake::initiate(&mut c, hello, key).await?;
+        c.ack = crate::handshake::initiate(&mut c.stream, &c.peer, hello, key, &c.limits).await?;
         Ok(c)
     }
 

@@ -1,37 +1,69 @@
 //! The handshake every connection starts with: who the peers are, whether they speak the
 //! same protocol and block layout, and — with a [`ClusterKey`] — a mutual HMAC-SHA256
-//! challenge-response before anything internal is said.
+//! authentication in which the connecting side proves the key first.
 //!
 //! ```text
-//! decode (connecting)                         prefill (accepting)
-//! Hello{id, nonce_d, authenticated}     ---->
-//!                                       <---- HelloChallenge{nonce_p, mac_p}
-//! HelloProof{mac_d}                     ---->
-//!                                       <---- HelloAck (layout, transports, rkeys) or Error
+//! decode (connecting)                        prefill (accepting)
+//! Hello{identity, nonce_d, authenticated} ---->
+//!                                         <---- HelloChallenge{nonce_p}         (no MAC)
+//! HelloProof{mac_d}                       ---->
+//!                                         <---- HelloAck{layout, transports, rkeys, ...}
+//!                                         <---- HelloProof{mac_p}
 //! ```
 //!
-//! `mac_p = HMAC(key, "kvxfer/v2 handshake/accepting" ‖ nonce_d ‖ nonce_p ‖ id)` and
-//! `mac_d = HMAC(key, "kvxfer/v2 handshake/connecting" ‖ nonce_d ‖ nonce_p ‖ id)`, where `id`
-//! is the hello's protocol version, engine id, agent name and compatibility hash, each field
-//! length-prefixed. Both nonces are 32 fresh random bytes, so a recorded challenge fails
-//! against a new `nonce_d` and a recorded proof against a new `nonce_p`; the role label
-//! keeps one side's MAC from being reflected as the other's. MACs are compared in constant
-//! time. Only after the proof verified does the accepting side compare versions and
-//! compatibility hashes (naming both values) or send its `HelloAck`; a peer without the key
-//! hears `AUTH_REQUIRED` or `AUTH_FAILED` and nothing else.
+//! With `T = nonce_d, nonce_p, hello` (`hello`: the exact bytes of the `Hello` body as sent
+//! and received, so the connecting side's whole identity — version, engine id, agent name,
+//! compatibility hash, layout, transports — is covered):
+//!
+//! - `mac_d = HMAC(key, "kvxfer/v3 handshake/connecting" ‖ T)`
+//! - `mac_p = HMAC(key, "kvxfer/v3 handshake/accepting" ‖ T ‖ mac_d ‖ ack)`, where `ack` is
+//!   the exact bytes of the `HelloAck` body the accepting side sent (the raw bytes, not a
+//!   re-encoding: a decoder drops unknown fields, so a re-encoding would not cover them).
+//!
+//! Every field is length-prefixed (8 bytes, big-endian) and the role labels differ, so no
+//! MAC is valid as another. Both nonces are 32 fresh random bytes: a recorded proof fails
+//! against a new `nonce_p`, a recorded `mac_p` against a new `nonce_d`. MACs are compared in
+//! constant time.
+//!
+//! What each side learns, and when:
+//! - The accepting side computes nothing with the key before the proof verified: its
+//!   challenge is a bare nonce. A peer without the key hears `AUTH_REQUIRED` or
+//!   `AUTH_FAILED` and nothing else; it cannot obtain a MAC by asking. Versions and
+//!   compatibility hashes are compared (naming both values) only after the proof verified.
+//! - The connecting side accepts the `HelloAck` (layout, transports, UCX worker address
+//!   and rkeys) only with a valid `mac_p`: a party without the key can neither forge nor
+//!   alter one, also when it relays a real accepting side's challenge and the proof.
+//! - The connecting side's `Hello` (its identity, which is not secret) goes first and in
+//!   clear, to whatever it dialed: it proves first, so it cannot wait for the other side's
+//!   proof without another round trip.
+//!
+//! What it does not do: a relay the connecting side dialed can forward the whole handshake
+//! to a real accepting side and then sits on-path: it reads the `HelloAck` (with UCX: the
+//! worker address and rkeys) and everything after it, which is neither encrypted nor MACed
+//! (see "Trust model" in ARCHITECTURE.md).
+//!
+//! Before the accepting side has authenticated its peer, frames are capped at
+//! [`MAX_HANDSHAKE_FRAME_LEN`] (not `Limits::max_frame_len`), and a peer that goes away or
+//! silent after the challenge is counted (`ServerCounters::handshakes_abandoned`).
+//!
+//! Both sides are generic over `AsyncRead + AsyncWrite`, so they run over
+//! `tokio::io::duplex` in property tests and in the `handshake` fuzz target.
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use hmac::{KeyInit, Mac};
 use kvxfer_proto::v1::{self, ErrorCode};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tracing::{debug, warn};
 use zeroize::Zeroizing;
 
-use crate::client::{ClientError, Connection};
-use crate::frame::{self, Frame, FrameError};
+use crate::client::ClientError;
+use crate::frame::{self, Frame, FrameError, HEADER_LEN};
 use crate::server::ServeContext;
 use crate::stats::bump;
+use crate::Limits;
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
@@ -45,6 +77,10 @@ pub const MIN_KEY_LEN: usize = 16;
 pub const CLUSTER_KEY_ENV: &str = "KVXFER_CLUSTER_KEY";
 /// Environment variable naming a file that holds the cluster key as hex (whitespace ignored).
 pub const CLUSTER_KEY_FILE_ENV: &str = "KVXFER_CLUSTER_KEY_FILE";
+/// Largest frame (type byte and body) read before the peer is authenticated: the accepting
+/// side's `Hello` and `HelloProof`, the connecting side's trailing `HelloProof`. A hello
+/// with a layout of about a thousand segments fits.
+pub const MAX_HANDSHAKE_FRAME_LEN: u32 = 16 << 10;
 
 /// The secret every agent of one cluster shares; peers prove they hold it in the handshake.
 /// Never printed (its `Debug` shows no byte of it), wiped from memory when the last clone
@@ -148,48 +184,61 @@ impl ClusterKey {
         ClusterKey(Arc::new(bytes))
     }
 
-    fn mac(&self, role: Role, nonce_d: &[u8], nonce_p: &[u8], id: HandshakeId<'_>) -> HmacSha256 {
+    /// HMAC-SHA256 under this key over `role`'s label and `fields`, each length-prefixed.
+    fn mac(&self, role: Role, fields: &[&[u8]]) -> HmacSha256 {
         // HMAC takes keys of any length; the length is checked at construction anyway.
         let mut mac = <HmacSha256 as KeyInit>::new_from_slice(&self.0)
             .unwrap_or_else(|_| <HmacSha256 as KeyInit>::new(&Default::default()));
-        let mut field = |bytes: &[u8]| {
-            mac.update(&(bytes.len() as u64).to_be_bytes());
-            mac.update(bytes);
-        };
-        field(role.label());
-        field(nonce_d);
-        field(nonce_p);
-        field(&id.protocol_version.to_be_bytes());
-        field(id.engine_id.as_bytes());
-        field(id.agent_name.as_bytes());
-        field(&id.compat_hash.to_be_bytes());
+        for field in std::iter::once(role.label()).chain(fields.iter().copied()) {
+            mac.update(&(field.len() as u64).to_be_bytes());
+            mac.update(field);
+        }
         mac
     }
 
-    /// The MAC `role` sends for a handshake with these nonces over the connecting side's
-    /// hello identity.
-    pub fn handshake_mac(&self, role: Role, nonce_d: &[u8], nonce_p: &[u8], id: HandshakeId<'_>) -> Vec<u8> {
-        self.mac(role, nonce_d, nonce_p, id).finalize().into_bytes().to_vec()
+    /// The connecting side's proof: `mac_d` over the transcript so far.
+    pub fn proof_mac(&self, t: &Transcript<'_>) -> Vec<u8> {
+        self.mac(Role::Connecting, &[t.nonce_d, t.nonce_p, t.hello]).finalize().into_bytes().to_vec()
     }
 
-    /// Whether `tag` is `role`'s MAC for these nonces and identity (constant-time compare).
-    pub fn verify_handshake_mac(
-        &self,
-        role: Role,
-        nonce_d: &[u8],
-        nonce_p: &[u8],
-        id: HandshakeId<'_>,
-        tag: &[u8],
-    ) -> bool {
-        self.mac(role, nonce_d, nonce_p, id).verify_slice(tag).is_ok()
+    /// Whether `tag` is the connecting side's proof for `t` (constant-time compare).
+    pub fn verify_proof_mac(&self, t: &Transcript<'_>, tag: &[u8]) -> bool {
+        self.mac(Role::Connecting, &[t.nonce_d, t.nonce_p, t.hello]).verify_slice(tag).is_ok()
     }
+
+    /// The accepting side's MAC sent after its `HelloAck`: `mac_p` over the transcript, the
+    /// proof it verified, and `ack`, the exact bytes of the `HelloAck` body it sent.
+    pub fn ack_mac(&self, t: &Transcript<'_>, proof: &[u8], ack: &[u8]) -> Vec<u8> {
+        self.mac(Role::Accepting, &[t.nonce_d, t.nonce_p, t.hello, proof, ack])
+            .finalize()
+            .into_bytes()
+            .to_vec()
+    }
+
+    /// Whether `tag` is the accepting side's MAC for `t`, `proof` and the `HelloAck` body
+    /// bytes `ack` as received (constant-time compare).
+    pub fn verify_ack_mac(&self, t: &Transcript<'_>, proof: &[u8], ack: &[u8], tag: &[u8]) -> bool {
+        self.mac(Role::Accepting, &[t.nonce_d, t.nonce_p, t.hello, proof, ack]).verify_slice(tag).is_ok()
+    }
+}
+
+/// What both MACs of a handshake cover: both nonces and the exact bytes of the `Hello`
+/// body (the connecting side's identity) as sent and received.
+#[derive(Debug, Clone, Copy)]
+pub struct Transcript<'a> {
+    /// The connecting side's nonce.
+    pub nonce_d: &'a [u8],
+    /// The accepting side's nonce.
+    pub nonce_p: &'a [u8],
+    /// The `Hello` frame's body, byte for byte.
+    pub hello: &'a [u8],
 }
 
 /// Which side of the handshake a MAC is from (domain separation: neither side's MAC is
 /// ever valid as the other's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
-    /// The accepting (prefill) side: its challenge.
+    /// The accepting (prefill) side: its MAC after the `HelloAck`.
     Accepting,
     /// The connecting (decode) side: its proof.
     Connecting,
@@ -198,8 +247,8 @@ pub enum Role {
 impl Role {
     fn label(self) -> &'static [u8] {
         match self {
-            Role::Accepting => b"kvxfer/v2 handshake/accepting",
-            Role::Connecting => b"kvxfer/v2 handshake/connecting",
+            Role::Accepting => b"kvxfer/v3 handshake/accepting",
+            Role::Connecting => b"kvxfer/v3 handshake/connecting",
         }
     }
 }
@@ -288,9 +337,45 @@ const NEED_KEY: &str = "this agent serves only peers that prove the cluster key"
 const BAD_PROOF: &str = "handshake proof did not verify";
 const NO_KEY_HERE: &str = "this agent has no cluster key and cannot authenticate itself";
 
+/// Reads one frame of at most `max` bytes within `io`.
+async fn read_within<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    max: u32,
+    io: Duration,
+    buf: &mut Vec<u8>,
+) -> Result<Frame, FrameError> {
+    tokio::time::timeout(io, frame::read_frame(stream, max, buf)).await.map_err(|_| FrameError::Timeout)?
+}
+
+/// Writes `bytes` within `io`.
+async fn write_within<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    bytes: &[u8],
+    io: Duration,
+) -> Result<(), FrameError> {
+    match tokio::time::timeout(io, stream.write_all(bytes)).await {
+        Ok(written) => written.map_err(FrameError::from),
+        Err(_) => Err(FrameError::Timeout),
+    }
+}
+
+/// Sends one error frame and closes the sending direction (both within `io`).
+async fn send_error<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    io: Duration,
+    code: ErrorCode,
+    message: String,
+) -> Result<(), FrameError> {
+    let mut out = Vec::new();
+    Frame::error(code, message, 0).encode(&mut out);
+    write_within(stream, &out, io).await?;
+    let _ = tokio::time::timeout(io, stream.shutdown()).await;
+    Ok(())
+}
+
 /// Refuses an unauthenticated peer: counted, warned (rate-limited), one error frame.
-async fn refuse_auth(
-    stream: &mut TcpStream,
+async fn refuse_auth<S: AsyncWrite + Unpin>(
+    stream: &mut S,
     ctx: &ServeContext,
     peer: &str,
     code: ErrorCode,
@@ -306,42 +391,63 @@ async fn refuse_auth(
     if let Some(suppressed) = ctx.counters.warnings.allow() {
         warn!(%peer, suppressed, "handshake refused: {why}");
     }
-    crate::server::refuse(stream, code, message.to_owned(), 0).await
+    send_error(stream, ctx.limits.io_timeout, code, message.to_owned()).await
+}
+
+/// Answers a frame that could not be read: an error frame for a bad frame (counted as a
+/// protocol error), nothing for a peer that is gone or silent (the error is returned).
+async fn frame_error<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    ctx: &ServeContext,
+    e: FrameError,
+) -> Result<(), FrameError> {
+    let code = match &e {
+        FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
+        FrameError::UnknownType(_) => ErrorCode::UnknownFrameType,
+        FrameError::Malformed { .. } | FrameError::Empty => ErrorCode::Malformed,
+        FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle => return Err(e),
+    };
+    bump(&ctx.counters.protocol_errors);
+    if let Some(suppressed) = ctx.counters.warnings.allow() {
+        warn!(error = %e, suppressed, "closing connection after a protocol error in the handshake");
+    }
+    send_error(stream, ctx.limits.io_timeout, code, e.to_string()).await
 }
 
 /// The accepting side: reads the hello, runs the challenge-response when either side has a
-/// key, checks compatibility and answers with the `HelloAck` — or refuses (counted) and
-/// closes. `Some(hello)` when the connection may go on.
-pub(crate) async fn accept(
-    stream: &mut TcpStream,
+/// key, checks compatibility and answers with the `HelloAck` (followed, when authenticated,
+/// by its MAC in a `HelloProof`) — or refuses (counted) and closes. `Some(hello)` when the
+/// connection may go on. `buf` and `scratch` are working buffers.
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
     ctx: &ServeContext,
     peer: &str,
     buf: &mut Vec<u8>,
     scratch: &mut Vec<u8>,
 ) -> Result<Option<v1::Hello>, FrameError> {
-    let max = ctx.limits.max_frame_len;
     let io = ctx.limits.io_timeout;
-    let first = tokio::time::timeout(io, frame::read_frame(stream, max, buf))
-        .await
-        .map_err(|_| FrameError::Timeout)?;
-    let hello = match first {
+    let small = MAX_HANDSHAKE_FRAME_LEN.min(ctx.limits.max_frame_len);
+    let hello = match read_within(stream, small, io, buf).await {
         Ok(Frame::Hello(hello)) => hello,
         Ok(other) => {
             bump(&ctx.counters.handshakes_refused);
             let msg = format!("expected a hello first, got {:?}", other.frame_type());
-            crate::server::refuse(stream, ErrorCode::HandshakeRequired, msg, 0).await?;
+            send_error(stream, io, ErrorCode::HandshakeRequired, msg).await?;
             return Ok(None);
         }
         Err(e) => {
-            crate::server::protocol_error(stream, ctx, e).await?;
+            frame_error(stream, ctx, e).await?;
             return Ok(None);
         }
     };
-    let authenticated = match (&ctx.cluster_key, hello.authenticated) {
-        (None, false) => false,
+    // The hello's body as received: what both MACs cover.
+    let hello_body = buf.clone();
+    // With a key: the key, our nonce and the verified proof.
+    let proven = match (&ctx.cluster_key, hello.authenticated) {
+        (None, false) => None,
         (Some(_), false) => {
-            refuse_auth(stream, ctx, peer, ErrorCode::AuthRequired, NEED_KEY, "the peer has no cluster key")
-                .await?;
+            let why = "the peer has no cluster key";
+            refuse_auth(stream, ctx, peer, ErrorCode::AuthRequired, NEED_KEY, why).await?;
             return Ok(None);
         }
         (None, true) => {
@@ -355,31 +461,25 @@ pub(crate) async fn accept(
                 refuse_auth(stream, ctx, peer, ErrorCode::AuthFailed, BAD_PROOF, &why).await?;
                 return Ok(None);
             }
+            // The challenge is a bare nonce: nothing computed with the key before the peer
+            // proved it holds it.
             let nonce_p = nonce();
-            let id = HandshakeId::from(&hello);
-            let mac = key.handshake_mac(Role::Accepting, &hello.nonce, &nonce_p, id);
-            let challenge = Frame::HelloChallenge(v1::HelloChallenge { nonce: nonce_p.clone(), mac });
-            frame::write_frame(stream, &challenge, scratch).await?;
-            let answer = tokio::time::timeout(io, frame::read_frame(stream, max, buf))
-                .await
-                .map_err(|_| FrameError::Timeout)?;
-            match answer {
-                Ok(Frame::HelloProof(p)) => {
-                    let id = HandshakeId::from(&hello);
-                    if !key.verify_handshake_mac(Role::Connecting, &hello.nonce, &nonce_p, id, &p.mac) {
-                        let why =
-                            "the proof did not verify (a different cluster key, or a replayed handshake)";
-                        refuse_auth(stream, ctx, peer, ErrorCode::AuthFailed, BAD_PROOF, why).await?;
-                        return Ok(None);
-                    }
+            scratch.clear();
+            Frame::HelloChallenge(v1::HelloChallenge { nonce: nonce_p.clone(), mac: Vec::new() })
+                .encode(scratch);
+            write_within(stream, scratch, io).await?;
+            let t = Transcript { nonce_d: &hello.nonce, nonce_p: &nonce_p, hello: &hello_body };
+            match read_within(stream, small, io, buf).await {
+                Ok(Frame::HelloProof(p)) if key.verify_proof_mac(&t, &p.mac) => Some((key, nonce_p, p.mac)),
+                Ok(Frame::HelloProof(_)) => {
+                    let why = "the proof did not verify (a different cluster key, or a replayed handshake)";
+                    refuse_auth(stream, ctx, peer, ErrorCode::AuthFailed, BAD_PROOF, why).await?;
+                    return Ok(None);
                 }
                 Ok(Frame::Error(e)) => {
-                    // The peer refused our challenge: it holds another key (or none).
-                    bump(&ctx.counters.handshakes_refused);
-                    bump(&ctx.counters.auth_failed);
-                    if let Some(suppressed) = ctx.counters.warnings.allow() {
-                        warn!(%peer, suppressed, peer_message = %e.message, "handshake refused by the peer: our challenge did not verify there");
-                    }
+                    // The peer gave up (it found our challenge malformed).
+                    bump(&ctx.counters.handshakes_abandoned);
+                    debug!(%peer, peer_message = %e.message, "handshake abandoned by the peer after the challenge");
                     return Ok(None);
                 }
                 Ok(other) => {
@@ -387,12 +487,18 @@ pub(crate) async fn accept(
                     refuse_auth(stream, ctx, peer, ErrorCode::AuthFailed, BAD_PROOF, &why).await?;
                     return Ok(None);
                 }
+                Err(
+                    e @ (FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle),
+                ) => {
+                    bump(&ctx.counters.handshakes_abandoned);
+                    debug!(%peer, error = %e, "handshake abandoned after the challenge");
+                    return Err(e);
+                }
                 Err(e) => {
-                    crate::server::protocol_error(stream, ctx, e).await?;
+                    frame_error(stream, ctx, e).await?;
                     return Ok(None);
                 }
             }
-            true
         }
     };
     // Authenticated (or neither side has a key): now the internal values may be compared.
@@ -401,12 +507,20 @@ pub(crate) async fn accept(
         if let Some(suppressed) = ctx.counters.warnings.allow() {
             warn!(peer_engine = %hello.engine_id, suppressed, "handshake refused: {msg}");
         }
-        crate::server::refuse(stream, code, msg, 0).await?;
+        send_error(stream, io, code, msg).await?;
         return Ok(None);
     }
+    let authenticated = proven.is_some();
     debug!(%peer, peer_engine = %hello.engine_id, peer_agent = %hello.agent_name, authenticated, "handshake ok");
-    let ack = v1::HelloAck { authenticated, ..ctx.hello_ack.clone() };
-    frame::write_frame(stream, &Frame::HelloAck(ack), scratch).await?;
+    scratch.clear();
+    Frame::HelloAck(v1::HelloAck { authenticated, ..ctx.hello_ack.clone() }).encode(scratch);
+    if let Some((key, nonce_p, proof)) = proven {
+        // Over the exact bytes of the HelloAck body just encoded.
+        let t = Transcript { nonce_d: &hello.nonce, nonce_p: &nonce_p, hello: &hello_body };
+        let mac = key.ack_mac(&t, &proof, &scratch[HEADER_LEN..]);
+        Frame::HelloProof(v1::HelloProof { mac }).encode(scratch);
+    }
+    write_within(stream, scratch, io).await?;
     Ok(Some(hello))
 }
 
@@ -420,13 +534,15 @@ pub enum AuthError {
         /// The peer's message.
         message: String,
     },
-    /// This agent has a key and the peer answered without proving it.
+    /// This agent has a key and the peer answered without the challenge-response.
     #[error("the peer did not prove the cluster key (it has none); refusing an unauthenticated peer")]
     PeerUnauthenticated,
-    /// The peer's challenge did not verify: it holds another key, or replayed a recorded
-    /// challenge.
-    #[error("the peer's challenge did not verify (a different cluster key, or a replayed handshake)")]
-    BadChallenge,
+    /// The peer's `HelloAck` did not come with a valid MAC: the peer does not hold the key,
+    /// or a party in between altered or replayed the answer.
+    #[error(
+        "the peer's handshake answer did not verify (it does not hold the cluster key, or a relay altered or replayed it)"
+    )]
+    BadAck,
     /// The peer refused this agent's proof (a different key), or cannot authenticate.
     #[error("the peer refused the handshake: {message}")]
     Refused {
@@ -441,84 +557,361 @@ pub enum AuthError {
     },
 }
 
-/// The connecting side: sends `hello` (with a fresh nonce when `key` is set), answers the
-/// challenge, and returns the peer's checked `HelloAck`.
-pub(crate) async fn initiate(
-    c: &mut Connection,
-    hello: &v1::Hello,
-    key: Option<&ClusterKey>,
-) -> Result<v1::HelloAck, ClientError> {
-    let mut hello = hello.clone();
-    hello.authenticated = key.is_some();
-    hello.nonce = if key.is_some() { nonce() } else { Vec::new() };
-    c.send(&Frame::Hello(hello.clone())).await?;
-    let auth = |c: &Connection, reason: AuthError| ClientError::Auth { peer: c.peer().to_owned(), reason };
-    let mut reply = c.recv().await?;
-    if let (Some(key), Frame::HelloChallenge(ch)) = (key, &reply) {
-        if ch.nonce.len() != NONCE_LEN {
-            let detail = format!("a nonce of {} bytes instead of {NONCE_LEN}", ch.nonce.len());
-            return Err(auth(c, AuthError::Malformed { detail }));
-        }
-        if !key.verify_handshake_mac(Role::Accepting, &hello.nonce, &ch.nonce, (&hello).into(), &ch.mac) {
-            // Tell the peer why we hang up; nothing more.
-            let _ = c.send(&Frame::error(ErrorCode::AuthFailed, "challenge did not verify", 0)).await;
-            return Err(auth(c, AuthError::BadChallenge));
-        }
-        let mac = key.handshake_mac(Role::Connecting, &hello.nonce, &ch.nonce, (&hello).into());
-        c.send(&Frame::HelloProof(v1::HelloProof { mac })).await?;
-        reply = c.recv().await?;
-    } else if key.is_some() && matches!(reply, Frame::HelloAck(_)) {
-        return Err(auth(c, AuthError::PeerUnauthenticated));
-    }
-    match reply {
-        Frame::HelloAck(ack) => {
-            // Check the answer too: a peer must not accept what we would refuse.
-            if let Some((_, message)) = check_hello((&ack).into(), (&hello).into()) {
-                return Err(ClientError::Handshake { peer: c.peer().to_owned(), message });
-            }
-            Ok(ack)
-        }
+/// What an answer other than the expected one means for the connecting side: the peer's
+/// refusal, or a protocol violation.
+fn unexpected(peer: &str, f: Frame) -> ClientError {
+    match f {
         Frame::Error(e) => {
             let reason = match ErrorCode::try_from(e.code) {
                 Ok(ErrorCode::AuthRequired) => AuthError::KeyRequired { message: e.message },
                 Ok(ErrorCode::AuthFailed) => AuthError::Refused { message: e.message },
-                _ => return Err(ClientError::Handshake { peer: c.peer().to_owned(), message: e.message }),
+                _ => return ClientError::Handshake { peer: peer.to_owned(), message: e.message },
             };
-            Err(auth(c, reason))
+            ClientError::Auth { peer: peer.to_owned(), reason }
         }
-        Frame::HelloChallenge(_) => {
-            Err(auth(c, AuthError::KeyRequired { message: "the peer sent a challenge".into() }))
-        }
-        other => Err(ClientError::Protocol {
-            peer: c.peer().to_owned(),
+        other => ClientError::Protocol {
+            peer: peer.to_owned(),
             message: format!("unexpected {:?} frame in the handshake", other.frame_type()),
-        }),
+        },
     }
+}
+
+/// The connecting side over `stream` to `peer`: sends `hello` (with a fresh nonce when
+/// `key` is set), proves the key when challenged, checks the accepting side's MAC over the
+/// exact `HelloAck` bytes it received, and returns the peer's checked `HelloAck`. Each frame
+/// is bounded by `limits.io_timeout`.
+pub async fn initiate<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    peer: &str,
+    hello: &v1::Hello,
+    key: Option<&ClusterKey>,
+    limits: &Limits,
+) -> Result<v1::HelloAck, ClientError> {
+    let io = limits.io_timeout;
+    let broken = |source| ClientError::Frame { peer: peer.to_owned(), source };
+    let auth = |reason| ClientError::Auth { peer: peer.to_owned(), reason };
+    let checked = |ack: v1::HelloAck, hello: &v1::Hello| match check_hello((&ack).into(), hello.into()) {
+        // A peer must not accept what we would refuse.
+        Some((_, message)) => Err(ClientError::Handshake { peer: peer.to_owned(), message }),
+        None => Ok(ack),
+    };
+    let mut hello = hello.clone();
+    hello.authenticated = key.is_some();
+    hello.nonce = if key.is_some() { nonce() } else { Vec::new() };
+    let mut out = Vec::new();
+    Frame::Hello(hello.clone()).encode(&mut out);
+    let hello_body = out[HEADER_LEN..].to_vec();
+    write_within(stream, &out, io).await.map_err(broken)?;
+    let mut buf = Vec::new();
+    let first = read_within(stream, limits.max_frame_len, io, &mut buf).await.map_err(broken)?;
+    let Some(key) = key else {
+        return match first {
+            Frame::HelloAck(ack) => checked(ack, &hello),
+            Frame::HelloChallenge(_) => {
+                Err(auth(AuthError::KeyRequired { message: "the peer sent a challenge".into() }))
+            }
+            other => Err(unexpected(peer, other)),
+        };
+    };
+    let challenge = match first {
+        Frame::HelloChallenge(ch) => ch,
+        Frame::HelloAck(_) => return Err(auth(AuthError::PeerUnauthenticated)),
+        other => return Err(unexpected(peer, other)),
+    };
+    let malformed = if challenge.nonce.len() != NONCE_LEN {
+        Some(format!("a nonce of {} bytes instead of {NONCE_LEN}", challenge.nonce.len()))
+    } else if !challenge.mac.is_empty() {
+        Some("the challenge carries a MAC (the peer speaks an older handshake)".to_owned())
+    } else {
+        None
+    };
+    if let Some(detail) = malformed {
+        // Tell the peer why we hang up; nothing more.
+        let _ = send_error(stream, io, ErrorCode::AuthFailed, "malformed challenge".into()).await;
+        return Err(auth(AuthError::Malformed { detail }));
+    }
+    let t = Transcript { nonce_d: &hello.nonce, nonce_p: &challenge.nonce, hello: &hello_body };
+    let proof = key.proof_mac(&t);
+    out.clear();
+    Frame::HelloProof(v1::HelloProof { mac: proof.clone() }).encode(&mut out);
+    write_within(stream, &out, io).await.map_err(broken)?;
+    let ack = match read_within(stream, limits.max_frame_len, io, &mut buf).await.map_err(broken)? {
+        Frame::HelloAck(ack) => ack,
+        other => return Err(unexpected(peer, other)),
+    };
+    // The HelloAck body as received: what the peer's MAC must cover.
+    let ack_body = std::mem::take(&mut buf);
+    let small = MAX_HANDSHAKE_FRAME_LEN.min(limits.max_frame_len);
+    let verified = match read_within(stream, small, io, &mut buf).await {
+        Ok(Frame::HelloProof(p)) => key.verify_ack_mac(&t, &proof, &ack_body, &p.mac),
+        Ok(_) | Err(FrameError::Closed) => false,
+        Err(e) => return Err(broken(e)),
+    };
+    if !verified {
+        let _ = send_error(stream, io, ErrorCode::AuthFailed, "handshake answer did not verify".into()).await;
+        return Err(auth(AuthError::BadAck));
+    }
+    checked(ack, &hello)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::ServerCounters;
+    use kvxfer_core::{BlockLayout, EngineInfo, LeaseConfig, LeaseTable};
+    use kvxfer_mem::KvMemory;
+    use kvxfer_proto::PROTOCOL_VERSION;
+    use proptest::prelude::*;
+    use tokio::io::{AsyncReadExt, DuplexStream};
 
-    fn id() -> HandshakeId<'static> {
-        HandshakeId { protocol_version: 2, engine_id: "e", agent_name: "a", compat_hash: 7 }
+    fn layout() -> BlockLayout {
+        BlockLayout::single(4, 64).expect("layout")
+    }
+
+    fn key(byte: u8) -> ClusterKey {
+        ClusterKey::from_bytes(vec![byte; 32]).expect("key")
+    }
+
+    /// An accepting side's context over a small layout.
+    fn ctx(key: Option<ClusterKey>) -> ServeContext {
+        let engine = EngineInfo {
+            engine_id: "prefill".into(),
+            host: "127.0.0.1".into(),
+            port: 1,
+            tp_size: 1,
+            incarnation: 7,
+        };
+        ServeContext {
+            table: Arc::new(LeaseTable::new(LeaseConfig::new(engine, 4), [1; 32])),
+            memory: Arc::new(KvMemory::alloc(layout()).expect("memory")),
+            hello_ack: v1::HelloAck {
+                protocol_version: PROTOCOL_VERSION,
+                engine_id: "prefill".into(),
+                agent_name: "p".into(),
+                compat_hash: layout().compat_hash(),
+                layout: Some(layout().to_wire()),
+                transports: vec![v1::TransportOffer {
+                    transport: v1::Transport::Ucx as i32,
+                    connection_info: vec![9; 40],
+                }],
+                incarnation: 7,
+                authenticated: false,
+            },
+            cluster_key: key,
+            limits: Limits::default(),
+            counters: Arc::new(ServerCounters::default()),
+        }
+    }
+
+    fn hello() -> v1::Hello {
+        v1::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            engine_id: "decode".into(),
+            agent_name: "d".into(),
+            compat_hash: layout().compat_hash(),
+            layout: Some(layout().to_wire()),
+            ..Default::default()
+        }
+    }
+
+    /// A runtime whose clock jumps ahead whenever every task waits, so a side waiting for
+    /// bytes that never come times out at once instead of stalling the test.
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("runtime")
+    }
+
+    /// Copies `from` to `to`, XOR-ing the byte at offset `flip.0` with `flip.1`; returns
+    /// whether that byte passed through.
+    async fn pump(
+        mut from: tokio::io::ReadHalf<DuplexStream>,
+        mut to: tokio::io::WriteHalf<DuplexStream>,
+        flip: Option<(usize, u8)>,
+    ) -> bool {
+        let (mut at, mut flipped, mut buf) = (0usize, false, [0u8; 4096]);
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if let Some((i, x)) = flip {
+                if (at..at + n).contains(&i) {
+                    buf[i - at] ^= x;
+                    flipped = true;
+                }
+            }
+            at += n;
+            if to.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+        flipped
+    }
+
+    type Outcome = (Result<v1::HelloAck, ClientError>, Result<Option<v1::Hello>, FrameError>, bool);
+
+    /// One handshake between `initiate` (with `client_key`) and `accept` over `ctx`, through
+    /// a relay that alters one byte going to the accepting side (`to_accepting`) or coming
+    /// from it.
+    fn handshake(
+        ctx: &ServeContext,
+        client_key: Option<&ClusterKey>,
+        flip: Option<(bool, usize, u8)>,
+    ) -> Outcome {
+        runtime().block_on(async {
+            let (client, client_relay) = tokio::io::duplex(1 << 16);
+            let (server_relay, server) = tokio::io::duplex(1 << 16);
+            let (cr_read, cr_write) = tokio::io::split(client_relay);
+            let (sr_read, sr_write) = tokio::io::split(server_relay);
+            let up = flip.filter(|f| f.0).map(|f| (f.1, f.2));
+            let down = flip.filter(|f| !f.0).map(|f| (f.1, f.2));
+            let hello = hello();
+            let (c, s, f_up, f_down) = tokio::join!(
+                async move {
+                    let mut client = client;
+                    initiate(&mut client, "prefill", &hello, client_key, &Limits::default()).await
+                },
+                async move {
+                    let mut server = server;
+                    accept(&mut server, ctx, "decode", &mut Vec::new(), &mut Vec::new()).await
+                },
+                pump(cr_read, sr_write, up),
+                pump(sr_read, cr_write, down),
+            );
+            (c, s, f_up || f_down)
+        })
     }
 
     #[test]
-    fn macs_are_bound_to_role_nonces_and_identity() {
-        let key = ClusterKey::from_bytes(vec![1u8; 32]).expect("key");
-        let (d, p) = (vec![2u8; NONCE_LEN], vec![3u8; NONCE_LEN]);
-        let mac = key.handshake_mac(Role::Accepting, &d, &p, id());
-        assert_eq!(mac.len(), MAC_LEN);
-        assert!(key.verify_handshake_mac(Role::Accepting, &d, &p, id(), &mac));
-        assert!(!key.verify_handshake_mac(Role::Connecting, &d, &p, id(), &mac), "role");
-        assert!(!key.verify_handshake_mac(Role::Accepting, &p, &d, id(), &mac), "nonce order");
-        assert!(!key.verify_handshake_mac(Role::Accepting, &d, &[4u8; NONCE_LEN], id(), &mac), "nonce");
-        let other = HandshakeId { engine_id: "f", ..id() };
-        assert!(!key.verify_handshake_mac(Role::Accepting, &d, &p, other, &mac), "identity");
-        let wrong = ClusterKey::from_bytes(vec![9u8; 32]).expect("key");
-        assert!(!wrong.verify_handshake_mac(Role::Accepting, &d, &p, id(), &mac), "key");
-        assert!(!key.verify_handshake_mac(Role::Accepting, &d, &p, id(), &mac[..16]), "truncated");
+    fn every_key_combination_ends_as_it_should() {
+        let (k, other) = (key(1), key(2));
+        // (accepting side's key, connecting side's key, succeeds)
+        let cases = [
+            (None, None, true),
+            (Some(k.clone()), Some(&k), true),
+            (Some(k.clone()), Some(&other), false),
+            (Some(k.clone()), None, false),
+            (None, Some(&k), false),
+        ];
+        for (i, (server_key, client_key, ok)) in cases.into_iter().enumerate() {
+            let ctx = ctx(server_key);
+            let (c, s, _) = handshake(&ctx, client_key, None);
+            assert_eq!(c.is_ok(), ok, "case {i}: {c:?}");
+            assert_eq!(matches!(s, Ok(Some(_))), ok, "case {i}: {s:?}");
+            if let Ok(ack) = c {
+                assert_eq!(ack.authenticated, client_key.is_some());
+                assert_eq!((ack.engine_id.as_str(), ack.incarnation), ("prefill", 7));
+            }
+        }
+    }
+
+    #[test]
+    fn a_wrong_key_is_caught_by_the_accepting_side_before_it_says_anything() {
+        let ctx = ctx(Some(key(1)));
+        let (c, s, _) = handshake(&ctx, Some(&key(2)), None);
+        let Err(ClientError::Auth { reason: AuthError::Refused { message }, .. }) = c else {
+            panic!("{c:?}")
+        };
+        assert_eq!(message, BAD_PROOF);
+        assert!(matches!(s, Ok(None)), "{s:?}");
+        let stats = ctx.counters.snapshot();
+        assert_eq!((stats.auth_failed, stats.handshakes_refused, stats.handshakes_abandoned), (1, 1, 0));
+    }
+
+    /// Review finding 1: before the peer's proof verified, the accepting side sends one
+    /// `HelloChallenge` holding its nonce and nothing else; a peer that then hangs up gets
+    /// nothing more, and is counted as an abandoned handshake.
+    #[test]
+    fn a_challenge_is_a_bare_nonce_and_an_abandoned_handshake_is_counted() {
+        let ctx = ctx(Some(key(1)));
+        runtime().block_on(async {
+            let (mut peer, mut server) = tokio::io::duplex(1 << 16);
+            let mut h = hello();
+            h.authenticated = true;
+            h.nonce = vec![5; NONCE_LEN];
+            let mut out = Vec::new();
+            Frame::Hello(h).encode(&mut out);
+            peer.write_all(&out).await.expect("hello");
+            let (served, wire) = tokio::join!(
+                async {
+                    let r = accept(&mut server, &ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
+                    drop(server);
+                    r
+                },
+                async {
+                    let mut header = [0u8; HEADER_LEN];
+                    peer.read_exact(&mut header).await.expect("challenge header");
+                    let len = u32::from_be_bytes([header[0], header[1], header[2], header[3]]) as usize;
+                    let mut body = vec![0u8; len - 1];
+                    peer.read_exact(&mut body).await.expect("challenge body");
+                    // Hang up without a proof, and collect whatever else arrives.
+                    peer.shutdown().await.expect("shutdown");
+                    let mut rest = Vec::new();
+                    peer.read_to_end(&mut rest).await.expect("rest");
+                    (header[4], body, rest)
+                }
+            );
+            let (ty, body, rest) = wire;
+            assert_eq!(ty, v1::FrameType::HelloChallenge as u8);
+            let ch = <v1::HelloChallenge as prost::Message>::decode(&body[..]).expect("challenge");
+            assert_eq!((ch.nonce.len(), ch.mac.len(), body.len()), (NONCE_LEN, 0, 2 + NONCE_LEN));
+            assert!(rest.is_empty(), "sent after the challenge: {rest:?}");
+            assert!(matches!(served, Err(FrameError::Closed)), "{served:?}");
+        });
+        let stats = ctx.counters.snapshot();
+        assert_eq!((stats.handshakes_abandoned, stats.auth_failed, stats.handshakes_refused), (1, 0, 0));
+    }
+
+    /// Review finding 7: before authentication a frame may announce at most
+    /// `MAX_HANDSHAKE_FRAME_LEN` bytes, whatever `max_frame_len` allows afterwards; more is
+    /// refused at its header.
+    #[test]
+    fn frames_before_authentication_are_capped_at_the_handshake_limit() {
+        for server_key in [None, Some(key(1))] {
+            let ctx = ctx(server_key);
+            let answer = runtime().block_on(async {
+                let (mut peer, mut server) = tokio::io::duplex(1 << 16);
+                let mut header = (MAX_HANDSHAKE_FRAME_LEN + 1).to_be_bytes().to_vec();
+                header.push(v1::FrameType::Hello as u8);
+                peer.write_all(&header).await.expect("header");
+                let served = accept(&mut server, &ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
+                assert!(matches!(served, Ok(None)), "{served:?}");
+                frame::read_frame(&mut peer, 1 << 20, &mut Vec::new()).await.expect("an answer")
+            });
+            let Frame::Error(e) = answer else { panic!("{answer:?}") };
+            assert_eq!(e.code, ErrorCode::FrameTooLarge as i32, "{}", e.message);
+            assert_eq!(ctx.counters.snapshot().protocol_errors, 1);
+        }
+    }
+
+    #[test]
+    fn macs_are_bound_to_role_nonces_hello_proof_and_ack_bytes() {
+        let k = key(1);
+        let (d, p, h) = (vec![2u8; NONCE_LEN], vec![3u8; NONCE_LEN], b"hello bytes".to_vec());
+        let t = Transcript { nonce_d: &d, nonce_p: &p, hello: &h };
+        let proof = k.proof_mac(&t);
+        assert_eq!(proof.len(), MAC_LEN);
+        assert!(k.verify_proof_mac(&t, &proof));
+        let ack = k.ack_mac(&t, &proof, b"ack bytes");
+        assert!(k.verify_ack_mac(&t, &proof, b"ack bytes", &ack));
+        assert_ne!(proof, ack);
+        // Neither MAC is valid as the other (role labels), nor under another transcript.
+        assert!(!k.verify_proof_mac(&t, &ack), "role");
+        let swapped = Transcript { nonce_d: &p, nonce_p: &d, hello: &h };
+        assert!(!k.verify_proof_mac(&swapped, &proof), "nonce order");
+        let other_hello = Transcript { hello: b"hello bytez", ..t };
+        assert!(!k.verify_proof_mac(&other_hello, &proof), "hello bytes");
+        assert!(!k.verify_ack_mac(&t, &proof, b"ack bytes\0", &ack), "ack bytes");
+        assert!(!k.verify_ack_mac(&t, &ack, b"ack bytes", &ack), "proof");
+        // Length prefixes: moving a byte from one field to the next changes the MAC.
+        let shifted = Transcript { nonce_d: &d[..31], nonce_p: &[&d[31..], &p[..]].concat(), hello: &h };
+        assert!(!k.verify_proof_mac(&shifted, &proof), "field boundaries");
+        assert!(!key(9).verify_proof_mac(&t, &proof), "key");
+        assert!(!k.verify_proof_mac(&t, &proof[..16]), "truncated");
     }
 
     #[test]
@@ -533,5 +926,129 @@ mod tests {
         assert!(ClusterKey::from_file(&dir).is_ok());
         let _ = std::fs::remove_file(&dir);
         assert!(matches!(ClusterKey::from_file(&dir), Err(KeyError::Read { .. })));
+    }
+
+    /// Runs `accept` (with `server_key`) against a peer that sends `bytes` and then closes
+    /// its sending direction; what the accepting side sends is left unread.
+    fn accept_arbitrary(
+        server_key: Option<ClusterKey>,
+        bytes: &[u8],
+    ) -> (crate::server::ServerStats, Result<Option<v1::Hello>, FrameError>) {
+        let ctx = ctx(server_key);
+        let served = runtime().block_on(async {
+            let (mut peer, mut server) = tokio::io::duplex(1 << 20);
+            peer.write_all(bytes).await.expect("bytes");
+            peer.shutdown().await.expect("shutdown");
+            let served = accept(&mut server, &ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
+            drop(peer);
+            served
+        });
+        (ctx.counters.snapshot(), served)
+    }
+
+    /// Runs `initiate` (with `client_key`) against a peer that sends `bytes` and then closes.
+    fn initiate_arbitrary(
+        client_key: Option<&ClusterKey>,
+        bytes: &[u8],
+    ) -> Result<v1::HelloAck, ClientError> {
+        runtime().block_on(async {
+            let (mut peer, mut client) = tokio::io::duplex(1 << 20);
+            peer.write_all(bytes).await.expect("bytes");
+            peer.shutdown().await.expect("shutdown");
+            let r = initiate(&mut client, "peer", &hello(), client_key, &Limits::default()).await;
+            drop(peer);
+            r
+        })
+    }
+
+    /// Frames, mostly well formed handshake frames with arbitrary fields, sometimes raw
+    /// bytes: what an arbitrary peer may send.
+    fn peer_bytes() -> impl Strategy<Value = Vec<u8>> {
+        let bytes = || proptest::collection::vec(any::<u8>(), 0..48);
+        let frame = prop_oneof![
+            2 => (
+                prop_oneof![proptest::collection::vec(any::<u8>(), NONCE_LEN), bytes()],
+                any::<bool>(),
+                any::<u32>()
+            )
+                .prop_map(|(nonce, authenticated, v)| {
+                    let mut h = hello();
+                    (h.nonce, h.authenticated) = (nonce, authenticated);
+                    if v % 4 == 0 {
+                        h.protocol_version = v;
+                    }
+                    Frame::Hello(h)
+                }),
+            1 => (bytes(), bytes())
+                .prop_map(|(nonce, mac)| Frame::HelloChallenge(v1::HelloChallenge { nonce, mac })),
+            3 => prop_oneof![proptest::collection::vec(any::<u8>(), MAC_LEN), bytes()]
+                .prop_map(|mac| Frame::HelloProof(v1::HelloProof { mac })),
+            1 => (any::<u64>(), any::<bool>()).prop_map(|(compat_hash, authenticated)| {
+                Frame::HelloAck(v1::HelloAck { compat_hash, authenticated, ..ctx(None).hello_ack })
+            }),
+            1 => (any::<i32>(), ".{0,20}").prop_map(|(code, message)| Frame::Error(v1::Error {
+                code,
+                message,
+                seq: 0
+            })),
+        ];
+        let piece = prop_oneof![
+            4 => frame.prop_map(|f| {
+                let mut out = Vec::new();
+                f.encode(&mut out);
+                out
+            }),
+            1 => proptest::collection::vec(any::<u8>(), 0..64),
+        ];
+        // Half the time a keyed hello first, so what follows is read as the proof.
+        let keyed_hello = {
+            let mut h = hello();
+            (h.nonce, h.authenticated) = (vec![5; NONCE_LEN], true);
+            let mut out = Vec::new();
+            Frame::Hello(h).encode(&mut out);
+            out
+        };
+        (any::<bool>(), proptest::collection::vec(piece, 0..4)).prop_map(move |(lead, pieces)| {
+            let lead = if lead { keyed_hello.clone() } else { Vec::new() };
+            [lead, pieces.concat()].concat()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+        /// Any single byte altered in either direction of a keyed handshake fails it: the
+        /// connecting side never accepts an altered answer (or an answer to an altered
+        /// hello), and the accepting side never accepts an altered hello or proof.
+        #[test]
+        fn any_altered_byte_fails_a_keyed_handshake(to_accepting: bool, at in 0usize..400, xor in 1u8..=255) {
+            let k = key(1);
+            let ctx = ctx(Some(k.clone()));
+            let (c, s, flipped) = handshake(&ctx, Some(&k), Some((to_accepting, at, xor)));
+            if flipped {
+                prop_assert!(c.is_err(), "accepted after byte {at} {} was altered: {c:?}", if to_accepting { "up" } else { "down" });
+                if to_accepting {
+                    prop_assert!(!matches!(s, Ok(Some(_))), "accepting side accepted an altered byte {at}: {s:?}");
+                }
+            } else {
+                prop_assert!(c.is_ok() && matches!(s, Ok(Some(_))), "{c:?} {s:?}");
+            }
+        }
+
+        /// Arbitrary bytes from the peer never panic either side, and never authenticate:
+        /// a keyed accepting side never lets the peer in, a keyed connecting side never
+        /// accepts the answer (the peer cannot know the nonce it must MAC).
+        #[test]
+        fn arbitrary_peer_bytes_never_authenticate(bytes in peer_bytes(), keyed: bool) {
+            let k = key(1);
+            let (stats, served) = accept_arbitrary(keyed.then(|| k.clone()), &bytes);
+            if keyed {
+                prop_assert!(!matches!(served, Ok(Some(_))), "{served:?} {stats:?}");
+            }
+            let answered = initiate_arbitrary(keyed.then_some(&k), &bytes);
+            if keyed {
+                prop_assert!(answered.is_err(), "{answered:?}");
+            }
+        }
     }
 }

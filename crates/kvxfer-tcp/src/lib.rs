@@ -3,7 +3,8 @@
 //! The wire protocol (every transport's control messages travel over it):
 //! - [`frame`]: the length-prefixed frame codec of `proto/kvxfer/v1/kvxfer.proto`.
 //! - [`handshake`]: the first exchange of every connection, with the optional mutual
-//!   HMAC-SHA256 challenge-response over a [`ClusterKey`].
+//!   HMAC-SHA256 authentication over a [`ClusterKey`] (the connecting side proves first;
+//!   the accepting side MACs the whole transcript, its `HelloAck` included).
 //!
 //! The prefill side of a connection:
 //! - [`server`]: one accepted connection of a prefill agent: handshake, then a loop that
@@ -35,7 +36,7 @@ pub mod stats;
 pub use client::PinGrant;
 pub use client::{check_crc, ClientError, Connection};
 pub use frame::{Frame, FrameError};
-pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError};
+pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};
 pub use server::{refuse_connection, serve_connection, Refusal, ServeContext};
 pub use stats::{ServerCounters, ServerStats};
 

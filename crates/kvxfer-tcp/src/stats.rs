@@ -16,8 +16,13 @@ pub struct ServerCounters {
     pub reads_refused: AtomicU64,
     /// Connections accepted.
     pub connections: AtomicU64,
-    /// Handshakes refused (version or compatibility mismatch, or no hello first).
+    /// Handshakes refused: version or compatibility mismatch, no hello first, or an
+    /// authentication refusal (also counted in `auth_required` / `auth_failed`).
     pub handshakes_refused: AtomicU64,
+    /// Authenticated handshakes the peer abandoned after our challenge: it closed, went
+    /// silent for `Limits::io_timeout` or sent an error instead of its proof (a peer
+    /// without the key probing, or a broken one).
+    pub handshakes_abandoned: AtomicU64,
     /// Connections closed for a protocol violation (oversized, unknown or malformed frame).
     pub protocol_errors: AtomicU64,
     /// Ranges pinned for one-sided reads (UCX, RDMA).
@@ -91,6 +96,7 @@ pub struct ServerStats {
     pub reads_refused: u64,
     pub connections: u64,
     pub handshakes_refused: u64,
+    pub handshakes_abandoned: u64,
     pub protocol_errors: u64,
     pub pins: u64,
     pub pins_open: u64,
@@ -115,6 +121,7 @@ impl ServerCounters {
             reads_refused: l(&self.reads_refused),
             connections: l(&self.connections),
             handshakes_refused: l(&self.handshakes_refused),
+            handshakes_abandoned: l(&self.handshakes_abandoned),
             protocol_errors: l(&self.protocol_errors),
             pins: l(&self.pins),
             pins_open: l(&self.pins_open),

@@ -116,7 +116,7 @@ impl PrefillAgent {
         let wake = Arc::new(Notify::new());
         runtime.spawn(expiry_loop(table.clone(), wake.clone()));
 
-        let tracker = Arc::new(Mutex::new(ParentTracker::new()));
+        let tracker = Arc::new(Mutex::new(ParentTracker::with_forget_after(config.max_lease_lifetime)));
         let (events_tx, events) = crossbeam_channel::unbounded();
         let (stop, stop_rx) = crossbeam_channel::bounded(1);
         let event_thread = {
@@ -190,8 +190,9 @@ impl PrefillAgent {
         // lock, so the lease's end (applied by the event thread under the same lock) cannot
         // overtake it.
         let mut tracker = self.lock_tracker();
-        let h = self.table.lease(req, Instant::now())?;
-        tracker.leased(&parent, n, child);
+        tracker.admit(&parent, n, Instant::now())?;
+        let (h, generation) = self.table.lease_with_generation(req, Instant::now())?;
+        tracker.leased(&parent, n, child, generation, Instant::now());
         drop(tracker);
         debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "leased");
         // The expiry task sleeps until the earliest deadline; this one may be earlier.
@@ -251,7 +252,7 @@ impl PrefillAgent {
     fn retract_all(&self, handoffs: &[ChildHandoff]) {
         let mut tracker = self.lock_tracker();
         for h in handoffs {
-            match self.table.retract(h.remote_request_id(), h.token().as_bytes()) {
+            match self.table.retract(h.remote_request_id(), h.token().as_bytes(), Instant::now()) {
                 RetractOutcome::Retracted => tracker.retracted(h.parent_request_id(), h.child_index()),
                 other => {
                     warn!(remote_request_id = %h.remote_request_id(), ?other, "lease could not be retracted; it ends as usual")
@@ -457,7 +458,7 @@ fn forward_events(
                         end.remote_request_id, end.consumers_seen, end.expected_consumers
                     ),
                 }
-                let done = tracker.lock().unwrap_or_else(|p| p.into_inner()).on_end(&end);
+                let done = tracker.lock().unwrap_or_else(|p| p.into_inner()).on_end(&end, Instant::now());
                 if let Some(status) = done {
                     debug!(parent = %end.parent_request_id, ?status, "parent complete");
                 }

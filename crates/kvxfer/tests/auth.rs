@@ -1,7 +1,8 @@
-//! The authenticated handshake end to end: a wrong key, no key on either side, and replayed
-//! handshakes (a recorded proof on a new connection, a recorded challenge to a new client)
-//! are each refused with a clear error on both sides and counted; nothing internal (layout,
-//! compatibility hash, engine id, UCX worker address, rkeys) reaches a peer without the key.
+//! The authenticated handshake end to end: a wrong key, no key on either side, replayed
+//! handshakes (a recorded proof on a new connection, a recorded answer to a new client) and
+//! a keyless relay that substitutes the prefill side's `HelloAck` are each refused with a
+//! clear error and counted; nothing internal (layout, compatibility hash, engine id, UCX
+//! worker address, rkeys) and nothing computed with the key reaches a peer without the key.
 
 mod support;
 
@@ -63,8 +64,9 @@ fn a_wrong_key_is_refused_on_both_sides_and_counted() {
     let prefill = prefill(16, Duration::from_secs(30));
     let decode = decode_with(AgentConfig::new("decode").cluster_key(other_key()), layout());
     let reason = failed_pull(&prefill, &decode);
-    assert!(reason.contains("challenge did not verify"), "{reason}");
-    // The decode side hangs up with AUTH_FAILED; the prefill side counts it.
+    assert!(reason.contains("proof did not verify"), "{reason}");
+    // The prefill side refuses the decode side's proof (before saying anything computed
+    // with its key) and counts it.
     eventually("the prefill side counts the refusal", || prefill.stats().server.auth_failed >= 1);
     let s = prefill.stats();
     assert_eq!((s.server.auth_required, s.server.reads_served, s.leases.live), (0, 0, 1));
@@ -110,7 +112,8 @@ fn unauthenticated_hellos_learn_nothing_internal() {
         let e = v1::Error::decode(&body[..]).expect("error");
         assert_eq!(e.code, v1::ErrorCode::AuthRequired as i32, "{}", e.message);
         assert_nothing_internal(&prefill, &e.message);
-        assert!(!e.message.contains("v2") && !e.message.contains("v9"), "{}", e.message);
+        let ours = format!("v{}", kvxfer_proto::PROTOCOL_VERSION);
+        assert!(!e.message.contains(&ours) && !e.message.contains("v9"), "{}", e.message);
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
         assert!(rest.is_empty(), "closed after the refusal");
@@ -142,10 +145,11 @@ fn recording_relay(upstream: std::net::SocketAddr) -> Recording {
             std::thread::spawn(move || {
                 let mut buf = [0u8; 4096];
                 while let Ok(n) = from.read(&mut buf) {
+                    // Logged before it is passed on: whoever has read it finds it in the log.
+                    log.lock().expect("log").extend_from_slice(&buf[..n]);
                     if n == 0 || to.write_all(&buf[..n]).is_err() {
                         break;
                     }
-                    log.lock().expect("log").extend_from_slice(&buf[..n]);
                 }
                 let _ = to.shutdown(std::net::Shutdown::Write);
             })
@@ -183,8 +187,8 @@ fn replayed_handshakes_are_refused_on_both_sides_and_counted() {
     assert_nothing_internal(&prefill, &e.message);
     eventually("the replayed proof is counted", || prefill.stats().server.auth_failed == 1);
 
-    // 2. The recorded challenge (and ack) replayed to a new client by an impostor without
-    // the key: the client's nonce is new, so the old challenge fails there.
+    // 2. The recorded challenge, HelloAck and MAC replayed to a new client by an impostor
+    // without the key: the client's nonce is new, so the recorded MAC fails there.
     let impostor = TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = impostor.local_addr().expect("addr").port();
     let seen = std::thread::spawn(move || {
@@ -192,7 +196,9 @@ fn replayed_handshakes_are_refused_on_both_sides_and_counted() {
         s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
         read_raw_frame(&mut s).expect("a hello");
         s.write_all(&recorded_challenge_and_ack).expect("replay");
-        // The client tells why it hangs up.
+        // The client proves first (it risks nothing by it), then tells why it hangs up.
+        let (ty, _) = read_raw_frame(&mut s).expect("the client's proof");
+        assert_eq!(ty, v1::FrameType::HelloProof as u8);
         read_raw_frame(&mut s)
     });
     let decode = decode(16);
@@ -200,7 +206,7 @@ fn replayed_handshakes_are_refused_on_both_sides_and_counted() {
     wire.children[0].remote_port = u32::from(port);
     let report = decode.submit_wire(wire, vec![vec![2]]).expect("submit").wait();
     let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
-    assert!(reason.contains("challenge did not verify"), "{reason}");
+    assert!(reason.contains("did not verify"), "{reason}");
     assert_eq!(decode.stats().auth_failures, 1);
     let (ty, body) = seen.join().expect("impostor").expect("the client's error frame");
     assert_eq!(ty, v1::FrameType::Error as u8);
@@ -208,4 +214,130 @@ fn replayed_handshakes_are_refused_on_both_sides_and_counted() {
     // The real lease is untouched; nothing was read.
     assert_eq!(prefill.stats().server.reads_served, 0);
     assert_no_more_ends(&prefill, Duration::from_millis(50));
+}
+
+/// A relay without the key between decode agents and `upstream`: it forwards every byte
+/// both ways, except that the first `HelloAck` going to the decode side (and only its body)
+/// is replaced by `rewrite(body)`. Everything after that `HelloAck` is copied unchanged.
+fn tampering_relay(
+    upstream: std::net::SocketAddr,
+    rewrite: impl Fn(Vec<u8>) -> Vec<u8> + Send + Sync + 'static,
+) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let rewrite = Arc::new(rewrite);
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { return };
+            let Ok(server) = TcpStream::connect(upstream) else { return };
+            let rewrite = rewrite.clone();
+            let (mut c_read, mut s_write) =
+                (client.try_clone().expect("clone"), server.try_clone().expect("clone"));
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c_read, &mut s_write);
+                let _ = s_write.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let (mut s_read, mut c_write) = (server, client);
+                while let Some((ty, body)) = read_raw_frame(&mut s_read) {
+                    let is_ack = ty == v1::FrameType::HelloAck as u8;
+                    let body = if is_ack { rewrite(body) } else { body };
+                    let mut out = ((body.len() + 1) as u32).to_be_bytes().to_vec();
+                    out.push(ty);
+                    out.extend_from_slice(&body);
+                    if c_write.write_all(&out).is_err() {
+                        return;
+                    }
+                    if is_ack {
+                        break;
+                    }
+                }
+                let _ = std::io::copy(&mut s_read, &mut c_write);
+                let _ = c_write.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    addr
+}
+
+/// Review finding 1: a keyless party that a decode agent dials relays a real keyed prefill
+/// agent's handshake and substitutes the `HelloAck` (here: another agent name, or the same
+/// contents with an unknown field appended, which a re-encoding would drop). The decode agent
+/// must refuse it: the accepting side's MAC covers the exact `HelloAck` bytes it sent.
+#[test]
+fn a_keyless_relay_cannot_get_a_forged_hello_ack_accepted() {
+    let prefill = prefill(16, Duration::from_secs(30));
+    type Rewrite = Box<dyn Fn(Vec<u8>) -> Vec<u8> + Send + Sync>;
+    let rewrites: Vec<Rewrite> = vec![
+        Box::new(|body: Vec<u8>| {
+            let mut ack = v1::HelloAck::decode(&body[..]).expect("ack");
+            ack.agent_name = "impostor".into();
+            ack.encode_to_vec()
+        }),
+        Box::new(|mut body: Vec<u8>| {
+            // Field 127, varint 1: unknown to prost, skipped when decoding.
+            body.extend_from_slice(&[0xf8, 0x07, 0x01]);
+            body
+        }),
+    ];
+    for (i, rewrite) in rewrites.into_iter().enumerate() {
+        let relay = tampering_relay(prefill.local_addr(), rewrite);
+        let decode = decode(16);
+        let mut wire =
+            prefill.lease_parent(&format!("F{i}"), vec![vec![1]], 1, None).expect("lease").to_wire();
+        wire.children[0].remote_port = u32::from(relay.port());
+        let report = decode.submit_wire(wire, vec![vec![2]]).expect("submit").wait();
+        let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else {
+            panic!("a forged HelloAck was accepted: {report:?}")
+        };
+        assert!(reason.contains("did not verify"), "{reason}");
+        assert!(decode.stats().auth_failures >= 1);
+    }
+    assert_eq!(prefill.stats().server.reads_served, 0);
+}
+
+/// Review finding 1: the accepting side answers a hello with a challenge that holds only its
+/// nonce (nothing computed with the key), and a peer that never proves the key gets nothing
+/// more: the bytes on the wire are exactly one `HelloChallenge{nonce}` frame.
+#[test]
+fn a_peer_that_never_proves_the_key_receives_nothing_key_derived() {
+    let prefill = prefill(16, Duration::from_secs(30));
+    let mut s = TcpStream::connect(prefill.local_addr()).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut hello = raw_hello(&layout(), "raw");
+    hello.authenticated = true;
+    hello.nonce = vec![7; 32];
+    s.write_all(&frame_bytes(v1::FrameType::Hello, &hello)).expect("hello");
+    let (ty, body) = read_raw_frame(&mut s).expect("a challenge");
+    assert_eq!(ty, v1::FrameType::HelloChallenge as u8);
+    let challenge = v1::HelloChallenge::decode(&body[..]).expect("challenge");
+    assert_eq!(challenge.nonce.len(), 32);
+    assert!(challenge.mac.is_empty(), "the challenge carries a MAC");
+    assert_eq!(body.len(), 2 + 32, "the challenge body is its nonce field and nothing else");
+    // Hang up without a proof: the server says nothing more.
+    s.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "sent after the challenge: {rest:?}");
+    eventually("the abandoned handshake is counted", || prefill.stats().server.handshakes_abandoned == 1);
+    let s = prefill.stats().server;
+    assert_eq!((s.auth_failed, s.auth_required, s.handshakes_refused), (0, 0, 0));
+}
+
+/// Review finding 7: before a peer authenticated, frames are capped at a small constant
+/// (16 KiB), not at `max_frame_len` (1 MiB): an oversized hello is refused at its header,
+/// before its body is read.
+#[test]
+fn an_oversized_frame_before_authentication_is_refused_at_its_header() {
+    let prefill = prefill(16, Duration::from_secs(30));
+    let mut s = TcpStream::connect(prefill.local_addr()).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let len = (16u32 << 10) + 2;
+    let mut header = len.to_be_bytes().to_vec();
+    header.push(v1::FrameType::Hello as u8);
+    s.write_all(&header).expect("header");
+    let (ty, body) = read_raw_frame(&mut s).expect("a refusal at once, without the body");
+    assert_eq!(ty, v1::FrameType::Error as u8);
+    let e = v1::Error::decode(&body[..]).expect("error");
+    assert_eq!(e.code, v1::ErrorCode::FrameTooLarge as i32, "{}", e.message);
 }

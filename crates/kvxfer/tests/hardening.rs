@@ -429,3 +429,15 @@ fn a_trickling_reader_is_cut_off_at_the_overall_deadline() {
     assert!(got < 64 << 20, "the whole payload arrived ({got} bytes in {:?})", started.elapsed());
     eventually("the slow transfer is counted", || prefill.stats().server.slow_transfers == 1);
 }
+
+/// Review finding 6 (c): a child leased with another `n` than its parent's live leases was
+/// silently left untracked; the agent refuses it, naming both values.
+#[test]
+fn a_child_leased_with_another_n_than_its_siblings_is_refused() {
+    let prefill =
+        prefill_unkeyed(AgentConfig::new("prefill"), BlockLayout::single(16, BLOCK).expect("layout"));
+    prefill.lease_parent("P", vec![vec![1], vec![2]], 1, None).expect("n = 2");
+    let e = prefill.lease(LeaseRequest::new("P", 0, 3, vec![3])).expect_err("n = 3 for a parent of 2");
+    assert!(e.to_string().contains("n = 3") && e.to_string().contains("n = 2"), "{e}");
+    assert_eq!(prefill.stats().leases.live, 2, "nothing leased");
+}

@@ -242,8 +242,9 @@ pub fn read_raw_frame(s: &mut std::net::TcpStream) -> Option<(u8, Vec<u8>)> {
 }
 
 /// The authenticated handshake by hand over a blocking socket, with `key`: hello, the
-/// challenge (checked), the proof. Returns the type of the frame that answers the proof
-/// (a `HelloAck` when accepted) and its body.
+/// challenge (a bare nonce), the proof; a `HelloAck` answer must be followed by the
+/// accepting side's MAC over it (checked). Returns the type of the frame that answers the
+/// proof (a `HelloAck` when accepted) and its body.
 pub fn raw_handshake(
     s: &mut std::net::TcpStream,
     layout: &BlockLayout,
@@ -251,19 +252,28 @@ pub fn raw_handshake(
 ) -> Option<(u8, Vec<u8>)> {
     use kvxfer_proto::v1;
     use kvxfer_proto::Message;
-    use kvxfer_tcp::handshake::Role;
+    use kvxfer_tcp::Transcript;
     use std::io::Write;
     let mut hello = raw_hello(layout, "raw");
     hello.authenticated = true;
     hello.nonce = kvxfer_tcp::handshake::nonce();
-    s.write_all(&frame_bytes(v1::FrameType::Hello, &hello)).ok()?;
+    let hello_bytes = frame_bytes(v1::FrameType::Hello, &hello);
+    s.write_all(&hello_bytes).ok()?;
     let (ty, body) = read_raw_frame(s)?;
     if ty != v1::FrameType::HelloChallenge as u8 {
         return Some((ty, body));
     }
     let ch = v1::HelloChallenge::decode(&body[..]).ok()?;
-    assert!(key.verify_handshake_mac(Role::Accepting, &hello.nonce, &ch.nonce, (&hello).into(), &ch.mac));
-    let mac = key.handshake_mac(Role::Connecting, &hello.nonce, &ch.nonce, (&hello).into());
-    s.write_all(&frame_bytes(v1::FrameType::HelloProof, &v1::HelloProof { mac })).ok()?;
-    read_raw_frame(s)
+    assert!(ch.mac.is_empty(), "a challenge carries no MAC");
+    let t = Transcript { nonce_d: &hello.nonce, nonce_p: &ch.nonce, hello: &hello_bytes[5..] };
+    let proof = key.proof_mac(&t);
+    s.write_all(&frame_bytes(v1::FrameType::HelloProof, &v1::HelloProof { mac: proof.clone() })).ok()?;
+    let (ty, body) = read_raw_frame(s)?;
+    if ty == v1::FrameType::HelloAck as u8 {
+        let (proof_ty, tag) = read_raw_frame(s)?;
+        assert_eq!(proof_ty, v1::FrameType::HelloProof as u8, "the HelloAck is followed by its MAC");
+        let tag = v1::HelloProof::decode(&tag[..]).ok()?.mac;
+        assert!(key.verify_ack_mac(&t, &proof, &body, &tag), "the MAC covers the HelloAck bytes");
+    }
+    Some((ty, body))
 }
