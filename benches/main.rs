@@ -16,10 +16,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
-use kvxfer::{
-    AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, KvMemory, PrefillAgent, PrefillResult,
-    TransportChoice,
-};
+use kvxfer::blocking::{DecodeAgent, PrefillAgent};
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, TransportChoice};
 use kvxfer_mem::pattern;
 use kvxfer_proto::Message;
 use serde_json::{json, Value};

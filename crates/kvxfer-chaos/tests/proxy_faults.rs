@@ -77,9 +77,9 @@ fn pull_through(faults: Vec<Fault>, n: u32, io_timeout: Duration, ttl: Duration)
                 assert_eq!(end.kind, want, "child {i}: {c:?} {end:?}");
                 verified.push(true);
             }
-            ChildOutcome::Failed { reason, invalid_local_blocks } => {
+            ChildOutcome::Failed { error: reason, invalid_local_blocks } => {
                 assert_eq!(invalid_local_blocks, &local[i], "child {i} names its invalid blocks");
-                assert!(!reason.is_empty());
+                assert!(!reason.to_string().is_empty());
                 assert!(matches!(end.kind, EndKind::Released | EndKind::Expired), "child {i}: {end:?}");
                 verified.push(false);
             }
@@ -97,7 +97,7 @@ fn reasons(o: &Outcome) -> Vec<String> {
         .children
         .iter()
         .filter_map(|c| match &c.outcome {
-            ChildOutcome::Failed { reason, .. } => Some(reason.clone()),
+            ChildOutcome::Failed { error: reason, .. } => Some(reason.to_string()),
             _ => None,
         })
         .collect()

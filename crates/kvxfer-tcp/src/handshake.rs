@@ -477,8 +477,12 @@ pub(crate) async fn initiate(
     match reply {
         Frame::HelloAck(ack) => {
             // Check the answer too: a peer must not accept what we would refuse.
-            if let Some((_, message)) = check_hello((&ack).into(), (&hello).into()) {
-                return Err(ClientError::Handshake { peer: c.peer().to_owned(), message });
+            if let Some((code, message)) = check_hello((&ack).into(), (&hello).into()) {
+                let remote = Some(match code {
+                    ErrorCode::VersionMismatch => u64::from(ack.protocol_version),
+                    _ => ack.compat_hash,
+                });
+                return Err(ClientError::Incompatible { peer: c.peer().to_owned(), code, message, remote });
             }
             Ok(ack)
         }
@@ -486,6 +490,10 @@ pub(crate) async fn initiate(
             let reason = match ErrorCode::try_from(e.code) {
                 Ok(ErrorCode::AuthRequired) => AuthError::KeyRequired { message: e.message },
                 Ok(ErrorCode::AuthFailed) => AuthError::Refused { message: e.message },
+                Ok(code @ (ErrorCode::VersionMismatch | ErrorCode::CompatMismatch)) => {
+                    let peer = c.peer().to_owned();
+                    return Err(ClientError::Incompatible { peer, code, message: e.message, remote: None });
+                }
                 _ => return Err(ClientError::Handshake { peer: c.peer().to_owned(), message: e.message }),
             };
             Err(auth(c, reason))

@@ -24,20 +24,20 @@ fn other_key() -> ClusterKey {
 }
 
 /// Pulls one child from `prefill` with `decode` and returns the failure reason.
-fn failed_pull(prefill: &kvxfer::PrefillAgent, decode: &kvxfer::DecodeAgent) -> String {
+fn failed_pull(prefill: &kvxfer::blocking::PrefillAgent, decode: &kvxfer::blocking::DecodeAgent) -> String {
     let result = prefill.lease_parent("A", vec![vec![1, 2]], 1, None).expect("lease");
     let report = decode.submit(result, vec![vec![3, 4]]).expect("submit").wait();
     match &report.children[0].outcome {
-        ChildOutcome::Failed { reason, invalid_local_blocks } => {
+        ChildOutcome::Failed { error: reason, invalid_local_blocks } => {
             assert_eq!(invalid_local_blocks, &vec![3, 4]);
-            reason.clone()
+            reason.to_string()
         }
         other => panic!("the pull must fail: {other:?}"),
     }
 }
 
 /// What a refused peer must never learn.
-fn assert_nothing_internal(prefill: &kvxfer::PrefillAgent, message: &str) {
+fn assert_nothing_internal(prefill: &kvxfer::blocking::PrefillAgent, message: &str) {
     let hash = format!("{:#018x}", prefill.memory().layout().compat_hash());
     assert!(!message.contains(&hash), "compatibility hash leaked: {message}");
     assert!(!message.contains("prefill"), "agent name or engine leaked: {message}");
@@ -63,7 +63,7 @@ fn a_wrong_key_is_refused_on_both_sides_and_counted() {
     let prefill = prefill(16, Duration::from_secs(30));
     let decode = decode_with(AgentConfig::new("decode").cluster_key(other_key()), layout());
     let reason = failed_pull(&prefill, &decode);
-    assert!(reason.contains("challenge did not verify"), "{reason}");
+    assert!(reason.to_string().contains("challenge did not verify"), "{reason}");
     // The decode side hangs up with AUTH_FAILED; the prefill side counts it.
     eventually("the prefill side counts the refusal", || prefill.stats().server.auth_failed >= 1);
     let s = prefill.stats();
@@ -76,7 +76,7 @@ fn a_decode_agent_without_a_key_is_refused_with_auth_required() {
     let prefill = prefill(16, Duration::from_secs(30));
     let decode = decode_unkeyed(AgentConfig::new("decode"), layout());
     let reason = failed_pull(&prefill, &decode);
-    assert!(reason.contains("requires a cluster key"), "{reason}");
+    assert!(reason.to_string().contains("requires a cluster key"), "{reason}");
     assert_nothing_internal(&prefill, &reason);
     let s = prefill.stats().server;
     assert!(s.auth_required >= 1 && s.auth_failed == 0, "{s:?}");
@@ -88,7 +88,7 @@ fn a_prefill_agent_without_a_key_refuses_a_keyed_decode_agent() {
     let prefill = prefill_unkeyed(AgentConfig::new("prefill"), layout());
     let decode = decode(16);
     let reason = failed_pull(&prefill, &decode);
-    assert!(reason.contains("no cluster key"), "{reason}");
+    assert!(reason.to_string().contains("no cluster key"), "{reason}");
     let s = prefill.stats().server;
     assert!(s.auth_failed >= 1, "{s:?}");
     assert!(decode.stats().auth_failures >= 1);
@@ -142,10 +142,13 @@ fn recording_relay(upstream: std::net::SocketAddr) -> Recording {
             std::thread::spawn(move || {
                 let mut buf = [0u8; 4096];
                 while let Ok(n) = from.read(&mut buf) {
+                    // Recorded before it is forwarded: once the answer to these bytes
+                    // arrives, they are in the log (recording after the write raced with
+                    // the test reading the log, which then missed the proof).
+                    log.lock().expect("log").extend_from_slice(&buf[..n]);
                     if n == 0 || to.write_all(&buf[..n]).is_err() {
                         break;
                     }
-                    log.lock().expect("log").extend_from_slice(&buf[..n]);
                 }
                 let _ = to.shutdown(std::net::Shutdown::Write);
             })
@@ -199,8 +202,10 @@ fn replayed_handshakes_are_refused_on_both_sides_and_counted() {
     let mut wire = prefill.lease_parent("R", vec![vec![1]], 1, None).expect("lease").to_wire();
     wire.children[0].remote_port = u32::from(port);
     let report = decode.submit_wire(wire, vec![vec![2]]).expect("submit").wait();
-    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
-    assert!(reason.contains("challenge did not verify"), "{reason}");
+    let ChildOutcome::Failed { error: reason, .. } = &report.children[0].outcome else {
+        panic!("{report:?}")
+    };
+    assert!(reason.to_string().contains("challenge did not verify"), "{reason}");
     assert_eq!(decode.stats().auth_failures, 1);
     let (ty, body) = seen.join().expect("impostor").expect("the client's error frame");
     assert_eq!(ty, v1::FrameType::Error as u8);

@@ -20,10 +20,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvxfer::{
-    AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent,
-    TransportChoice,
-};
+use kvxfer::blocking::{DecodeAgent, PrefillAgent};
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, EndKind, KvMemory, TransportChoice};
 use kvxfer_mem::pattern;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
