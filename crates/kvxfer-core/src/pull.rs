@@ -42,8 +42,9 @@ pub enum Advice {
     /// This prefill/decode pair cannot transfer (configuration: layouts, versions, keys,
     /// transports, or a misbehaving peer): compute the prefill locally, and fix the setup.
     Recompute,
-    /// The request itself cannot be served here (this agent's own blocks, or the agent is
-    /// shutting down): fail it.
+    /// The request cannot be served here (the decode agent is shutting down): fail it, or
+    /// send it to another decode worker. (Local blocks that do not fit are refused before
+    /// any I/O, by `submit`.)
     FailRequest,
 }
 
@@ -233,12 +234,6 @@ pub enum PullError {
         /// What happened to the pin.
         detail: String,
     },
-    /// This agent's own blocks could not be used. Advice: fail the request.
-    #[error("local blocks: {detail}")]
-    LocalBlocks {
-        /// What failed.
-        detail: String,
-    },
     /// This child's blocks depend on a read made for a sibling (shared prompt blocks), and
     /// that read failed. Advice: the cause's.
     #[error("shared blocks were read for sibling {sibling}, which failed: {cause}")]
@@ -282,7 +277,7 @@ impl PullError {
             | PullError::Protocol { .. }
             | PullError::RemoteBlocksOutOfRange { .. }
             | PullError::TransportUnavailable { .. } => Advice::Recompute,
-            PullError::LocalBlocks { .. } | PullError::Shutdown => Advice::FailRequest,
+            PullError::Shutdown => Advice::FailRequest,
             PullError::SiblingFailed { cause, .. } => cause.advice(),
         }
     }

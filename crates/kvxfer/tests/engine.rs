@@ -257,6 +257,7 @@ fn incomplete_prefill_result_is_refused_before_any_io(t: Transport) {
 }
 
 fn mismatch_pull(t: Transport, decode_config: AgentConfig, decode_layout: BlockLayout, needles: &[&str]) {
+    let version = decode_config.protocol_version;
     let prefill = t.prefill(16, TTL);
     let decode = decode_with(t.config(decode_config), decode_layout);
     let result = prefill.lease_parent("M", vec![vec![1]], 1, None).expect("lease");
@@ -267,6 +268,14 @@ fn mismatch_pull(t: Transport, decode_config: AgentConfig, decode_layout: BlockL
     for n in needles {
         assert!(reason.to_string().contains(n), "{reason:?} should contain {n:?}");
     }
+    // Typed: incompatible, with this side's value; the refusal's message names both.
+    let kvxfer::PullError::Incompatible { field, local, .. } = reason else { panic!("{reason:?}") };
+    let ours = match field {
+        kvxfer::MismatchField::ProtocolVersion => u64::from(version),
+        _ => decode.memory().layout().compat_hash(),
+    };
+    assert_eq!(*local, ours);
+    assert_eq!(reason.advice(), kvxfer::Advice::Recompute);
     assert_eq!(invalid_local_blocks, &vec![1]);
     assert_eq!(prefill.stats().server.handshakes_refused, 1);
     assert_eq!(prefill.stats().leases.pulled, 0);
@@ -377,6 +386,9 @@ fn wrong_token_fails_the_child_and_changes_no_lease(t: Transport) {
     };
     // On the wire a wrong token is told what an unknown id is told.
     assert!(reason.to_string().contains("no lease for request 1_W with this token"), "{reason}");
+    let kvxfer::PullError::LeaseUnknown { remote_request_id, .. } = reason else { panic!("{reason:?}") };
+    assert_eq!(remote_request_id, "1_W");
+    assert!(reason.is_retryable());
     assert_eq!(invalid_local_blocks, &vec![7, 8]);
     assert!(verify(&decode, &[1, 2], &[5, 6]));
     let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
@@ -397,6 +409,8 @@ fn out_of_range_remote_blocks_fail_before_any_read(t: Transport) {
         panic!("{report:?}")
     };
     assert!(reason.to_string().contains("[40]") && reason.to_string().contains("16 blocks"), "{reason}");
+    assert_eq!(reason, &kvxfer::PullError::RemoteBlocksOutOfRange { ids: vec![40], num_blocks: 16 });
+    assert_eq!(reason.advice(), kvxfer::Advice::Recompute);
     assert_eq!(prefill.stats().server.reads_served, 0);
     assert_eq!(prefill.stats().server.pins, 0);
 }
@@ -471,6 +485,7 @@ fn one_sided_read_outliving_its_pin_is_refused(t: Transport) {
         panic!("{report:?}")
     };
     assert!(reason.to_string().contains("dropped pin"), "{reason}");
+    assert!(matches!(reason, kvxfer::PullError::PinNotHeld { .. }), "{reason:?}");
     let ends = wait_ends(&prefill, 1, Duration::from_secs(10));
     assert_eq!(ends[0].kind, EndKind::Released);
     assert!(prefill.stats().server.pins_expired >= 1);
