@@ -98,9 +98,13 @@ impl PrefillAgent {
             // UCX starts a thread and waits for it to set up: not on a runtime thread.
             let (c, m) = (config.clone(), memory.clone());
             let start = move || crate::ucx::start_if_wanted(&c, |u| crate::ucx::start_target(u, &m));
-            match handle.spawn_blocking(start).await {
-                Ok(r) => r?,
-                Err(e) => return Err(Error::Unsupported(format!("starting UCX failed: {e}"))),
+            if config.transport == crate::TransportChoice::Tcp {
+                None
+            } else {
+                match handle.spawn_blocking(start).await {
+                    Ok(r) => r?,
+                    Err(e) => return Err(Error::Unsupported(format!("starting UCX failed: {e}"))),
+                }
             }
         };
         Self::build(

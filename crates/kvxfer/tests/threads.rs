@@ -36,6 +36,10 @@ fn layout() -> BlockLayout {
 }
 
 async fn async_round() -> usize {
+    async_round_with(config).await
+}
+
+async fn async_round_with(config: impl Fn(&str) -> AgentConfig) -> usize {
     let mem = pattern::alloc_filled(layout()).expect("patterned memory");
     let prefill = PrefillAgent::start(config("prefill"), "127.0.0.1:0", mem).await.expect("prefill");
     let decode = DecodeAgent::start(config("decode"), KvMemory::alloc(layout()).expect("alloc"))
@@ -86,7 +90,26 @@ fn no_agent_leaks_a_thread_in_any_mode() {
         .expect("decode");
         let result = prefill.lease_parent("B", vec![vec![1], vec![2]], 1, None).expect("lease");
         assert!(decode.submit(result, vec![vec![1], vec![2]]).expect("submit").wait().all_done());
+        eprintln!("blocking round: {base} threads before, {} with both agents", threads());
         assert_eq!(threads(), base + 4, "two runtime workers per blocking agent");
     }
     assert_eq!(settle(base), base, "threads after the blocking agents were dropped");
+
+    // With UCX: one progress thread per agent while it lives (UCX starts on the runtime's
+    // blocking pool, kept idle only briefly here), none after the shutdown.
+    #[cfg(feature = "ucx")]
+    {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_keep_alive(Duration::from_millis(50))
+            .enable_all()
+            .build()
+            .expect("rt");
+        let before = rt.block_on(async { threads() });
+        let ucx = |name: &str| Transport::UcxShm.config(config(name));
+        let during = rt.block_on(async_round_with(ucx));
+        eprintln!("UCX round: {before} threads before, {during} while both agents lived");
+        assert!(during >= before + 2, "a UCX progress thread per agent: {during} vs {before}");
+        assert_eq!(settle(before), before, "threads after the UCX round");
+    }
 }
