@@ -197,6 +197,7 @@ fn prefill_killed_mid_pull_fails_children_and_a_new_prefill_serves_the_retry() {
             Some("failed") => {
                 assert_eq!(c["invalid_local_blocks"].as_array().map(Vec::len), Some(BPC as usize), "{c}");
                 assert!(!c["reason"].as_str().unwrap_or("").is_empty());
+                assert_eq!(c["advice"], "RetryFreshHandoff", "{c}");
             }
             Some("done") => assert_eq!(c["verified"], true, "{c}"),
             other => panic!("unexpected outcome {other:?}: {c}"),
@@ -321,7 +322,10 @@ fn a_ucx_read_that_cannot_be_stopped_holds_its_blocks_until_it_completes() {
     for c in &children {
         match c["outcome"].as_str() {
             Some("failed_blocks_held") => {
-                assert_eq!(c["held_local_blocks"].as_array().map(Vec::len), Some(64), "{c}")
+                assert_eq!(c["held_local_blocks"].as_array().map(Vec::len), Some(64), "{c}");
+                // Typed: the UCX read that did not stop, and a fresh hand-off is worth trying.
+                assert_eq!(c["error_kind"], "UcxRead", "{c}");
+                assert_eq!(c["advice"], "RetryFreshHandoff", "{c}");
             }
             Some("failed") => assert_eq!(c["invalid_local_blocks"].as_array().map(Vec::len), Some(64), "{c}"),
             Some("done") => assert_eq!(c["verified"], true, "{c}"),

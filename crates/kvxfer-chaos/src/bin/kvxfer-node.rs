@@ -222,6 +222,7 @@ fn decode(common: &Common) -> Result<(), String> {
                 }
                 ChildOutcome::Failed { error: reason, invalid_local_blocks } => emit(json!({
                     "event": "child", "child": i, "outcome": "failed", "reason": reason.to_string(), "advice": format!("{:?}", reason.advice()),
+                    "error_kind": error_kind(reason),
                     "invalid_local_blocks": invalid_local_blocks,
                 })),
                 ChildOutcome::Cancelled { .. } => {
@@ -229,6 +230,7 @@ fn decode(common: &Common) -> Result<(), String> {
                 }
                 ChildOutcome::FailedBlocksHeld { error: reason, held_local_blocks } => emit(json!({
                     "event": "child", "child": i, "outcome": "failed_blocks_held", "reason": reason.to_string(), "advice": format!("{:?}", reason.advice()),
+                    "error_kind": error_kind(reason),
                     "held_local_blocks": held_local_blocks,
                 })),
             }
@@ -260,4 +262,10 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The name of the `PullError` variant at the root of `e` (a sibling's failure: its cause).
+fn error_kind(e: &kvxfer::PullError) -> String {
+    let debug = format!("{:?}", e.root_cause());
+    debug.split([' ', '{', '(']).next().unwrap_or_default().to_owned()
 }
