@@ -233,6 +233,17 @@ fn ucx_pull_under_way(ttl_ms: u64) -> (Node, Node) {
     let mut prefill = Node::start(&[&["prefill", "--ttl-ms", &ttl][..], &ucx, &big].concat());
     prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
     let mut decode = decode_node(&[&ucx[..], &big].concat());
+    // A first pull wires the UCX endpoints up. (A peer killed while UCX 1.13 is still wiring
+    // an endpoint up over tcp can make the survivor abort inside UCX — assertion "got REP
+    // message" in ucp_request.c — whatever kvxfer does; see ARCHITECTURE.md, UCX notes.)
+    prefill.send(json!({"cmd": "lease", "parent": "W", "n": 1, "blocks_per_child": 1}));
+    let warm = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
+        .as_str()
+        .expect("result")
+        .to_owned();
+    decode.send(json!({"cmd": "pull", "result": warm}));
+    decode.wait_event("pull_done", Duration::from_secs(30), &mut Vec::new());
+    prefill.wait_event("lease_end", Duration::from_secs(10), &mut Vec::new());
     prefill.send(json!({"cmd": "lease", "parent": "U", "n": N, "blocks_per_child": 64}));
     let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
         .as_str()
