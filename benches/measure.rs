@@ -4,7 +4,8 @@
 use std::io::IsTerminal;
 use std::time::Instant;
 
-use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, KvMemory};
+use kvxfer::blocking::DecodeAgent;
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, KvMemory};
 use kvxfer_mem::pattern;
 use serde_json::Value;
 

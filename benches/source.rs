@@ -5,7 +5,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvxfer::{AgentConfig, BlockId, BlockLayout, PrefillAgent, PrefillResult};
+use kvxfer::blocking::PrefillAgent;
+use kvxfer::{AgentConfig, BlockId, BlockLayout, PrefillResult};
 use kvxfer_mem::pattern;
 use kvxfer_proto::Message;
 use serde_json::{json, Value};

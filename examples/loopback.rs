@@ -14,10 +14,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvxfer::{
-    AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent,
-    TransportChoice,
-};
+use kvxfer::blocking::{DecodeAgent, PrefillAgent};
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, EndKind, KvMemory, TransportChoice};
 use kvxfer_mem::pattern;
 
 #[derive(Parser, Debug)]

@@ -33,3 +33,5 @@ cargo test --workspace --all-features --locked
 echo "== loopback smoke run (pulled, released and expired children; exits non-zero on any mismatch)"
 cargo run --locked --example loopback -- --n 3 --cancel-child 1 --skip-child 2 --lease-ms 500 --json
 cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
+echo "== tokio host smoke run (prefill, decode and router tasks on one runtime; every child's hand-off routed)"
+cargo run --locked --example tokio_host -- --n 4 --cancel-child 1 --json

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{
     AgentConfig, BlockId, BlockLayout, ChildOutcome, EndKind, LeaseEnd, LeaseRequest, PrefillResult,
-    TransportChoice,
+    PullError, TransportChoice,
 };
 use kvxfer_chaos::{Direction, Fault, FaultKind, FaultProxy, ProxyStats};
 use support::*;
@@ -77,9 +77,9 @@ fn pull_through(faults: Vec<Fault>, n: u32, io_timeout: Duration, ttl: Duration)
                 assert_eq!(end.kind, want, "child {i}: {c:?} {end:?}");
                 verified.push(true);
             }
-            ChildOutcome::Failed { reason, invalid_local_blocks } => {
+            ChildOutcome::Failed { error: reason, invalid_local_blocks } => {
                 assert_eq!(invalid_local_blocks, &local[i], "child {i} names its invalid blocks");
-                assert!(!reason.is_empty());
+                assert!(!reason.to_string().is_empty());
                 assert!(matches!(end.kind, EndKind::Released | EndKind::Expired), "child {i}: {end:?}");
                 verified.push(false);
             }
@@ -92,12 +92,24 @@ fn pull_through(faults: Vec<Fault>, n: u32, io_timeout: Duration, ttl: Duration)
     Outcome { report, decode: decode.stats(), ends, elapsed, proxy: proxy.stats(), verified }
 }
 
+/// The typed errors of the failed children.
+fn errors(o: &Outcome) -> Vec<PullError> {
+    o.report
+        .children
+        .iter()
+        .filter_map(|c| match &c.outcome {
+            ChildOutcome::Failed { error, .. } => Some(error.root_cause().clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 fn reasons(o: &Outcome) -> Vec<String> {
     o.report
         .children
         .iter()
         .filter_map(|c| match &c.outcome {
-            ChildOutcome::Failed { reason, .. } => Some(reason.clone()),
+            ChildOutcome::Failed { error: reason, .. } => Some(reason.to_string()),
             _ => None,
         })
         .collect()
@@ -122,6 +134,9 @@ fn corrupted_payload_is_refused_by_its_checksum() {
     let r = reasons(&o);
     assert!(!r.is_empty(), "a corrupted payload must fail its child");
     assert!(r.iter().any(|m| m.contains("integrity check")), "{r:?}");
+    // Typed: an integrity failure, and a fresh hand-off is worth trying.
+    let e = errors(&o);
+    assert!(e.iter().any(|e| matches!(e, PullError::Integrity { .. }) && e.is_retryable()), "{e:?}");
     // Failed children's leases were released by the decode side, not left to expire.
     for (e, ok) in o.ends.iter().zip(&o.verified) {
         let want = if *ok { EndKind::Pulled } else { EndKind::Released };
@@ -134,6 +149,8 @@ fn connection_reset_mid_payload_fails_its_children_and_releases_their_leases() {
     let o = pull_through(vec![Fault::new(Direction::ToDecode, MID_PAYLOAD, FaultKind::Reset)], 4, IO, TTL);
     assert!(o.proxy.faults_fired >= 1);
     assert!(!reasons(&o).is_empty());
+    let e = errors(&o);
+    assert!(e.iter().all(|e| matches!(e, PullError::ConnectionLost { .. })), "{e:?}");
     assert!(o.elapsed < IO * 3, "bounded: {:?}", o.elapsed);
     for (e, ok) in o.ends.iter().zip(&o.verified) {
         assert_eq!(e.kind, if *ok { EndKind::Pulled } else { EndKind::Released }, "{e:?}");
@@ -159,6 +176,7 @@ fn half_open_peer_is_detected_by_timeout() {
     assert!(o.proxy.faults_fired >= 1);
     let r = reasons(&o);
     assert!(r.iter().any(|m| m.contains("timed out")), "{r:?}");
+    assert!(errors(&o).iter().any(|e| matches!(e, PullError::Timeout { .. })), "{r:?}");
     assert!(o.elapsed < io * 4, "bounded: {:?}", o.elapsed);
 }
 

@@ -361,6 +361,7 @@ struct Counters {
     retracted: AtomicU64,
     already_ended: AtomicU64,
     draining: AtomicU64,
+    reads_in_flight: AtomicU64,
     unrecognized: AtomicU64,
     bad_token: AtomicU64,
     duplicate: AtomicU64,
@@ -463,6 +464,8 @@ pub struct LeaseTable {
     engine: Arc<EngineInfo>,
     ended_tx: Sender<LeaseEnd>,
     ended_rx: Receiver<LeaseEnd>,
+    /// Called after every end is sent on `ended_tx` (the driver's wake-up).
+    end_hook: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     counters: Counters,
     /// Each shard's share of `LeaseConfig::max_ended_records` (at least 1).
     records_per_shard: usize,
@@ -517,6 +520,7 @@ impl LeaseTable {
             config,
             ended_tx,
             ended_rx,
+            end_hook: std::sync::OnceLock::new(),
             counters: Counters::default(),
         }
     }
@@ -764,6 +768,9 @@ impl LeaseTable {
         };
         // The receiver lives in `self`, so the channel is never disconnected.
         let _ = self.ended_tx.send(end);
+        if let Some(hook) = self.end_hook.get() {
+            hook();
+        }
     }
 
     /// A consumer finished pulling `id`. The lease ends as pulled when every expected
@@ -923,6 +930,36 @@ impl LeaseTable {
         &self.ended_rx
     }
 
+    /// Sets a function called right after each end is sent on [`Self::ended`] — an async
+    /// driver's wake-up (e.g. notifying a task), so nobody has to block on the channel. It
+    /// runs on the thread that ended the lease, under a shard lock: it must be quick and
+    /// must not call into the table. Only the first hook set is kept (returns false after).
+    pub fn set_end_hook(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
+        self.end_hook.set(Box::new(hook)).is_ok()
+    }
+
+    /// Ends every live lease as released (the owner shuts down): each end is delivered on
+    /// [`Self::ended`] as usual — at once, or when its last read finishes. Returns how many
+    /// ended.
+    pub fn release_all(&self, now: Instant) -> usize {
+        let mut count = 0;
+        for index in 0..self.shards.len() {
+            let mut shard = self.lock(index);
+            let live: Vec<Arc<str>> =
+                shard.leases.iter().filter(|(_, l)| l.ended.is_none()).map(|(id, _)| id.clone()).collect();
+            for id in live {
+                self.end(&mut shard, &id, EndKind::Released, now);
+                count += 1;
+            }
+        }
+        count
+    }
+
+    /// Reads (and pins) in flight: read guards not yet dropped.
+    pub fn reads_in_flight(&self) -> u64 {
+        self.counters.reads_in_flight.load(Ordering::Relaxed)
+    }
+
     /// Starts a read of `ranges` of lease `id`. While the returned guard lives, the lease's
     /// blocks are not handed back even if the lease ends. Refused for unknown leases, wrong
     /// tokens, ended leases (said only with the right token), ranges naming no blocks, and
@@ -985,6 +1022,7 @@ impl LeaseTable {
             return refused(ReadRefused::NotLeased { request: id.to_owned(), ids: not_leased });
         }
         lease.readers += 1;
+        bump(&self.counters.reads_in_flight);
         let (seq, max_deadline) = (lease.seq, lease.max_deadline);
         Ok(ReadGuard { table: Arc::clone(self), shard: index, key: Arc::from(id), seq, max_deadline })
     }
@@ -1048,6 +1086,7 @@ impl LeaseTable {
     }
 
     fn end_read(&self, shard_index: usize, key: &str, seq: u64) {
+        self.counters.reads_in_flight.fetch_sub(1, Ordering::Relaxed);
         let mut shard = self.lock(shard_index);
         let Some(lease) = shard.leases.get_mut(key) else { return };
         if lease.seq != seq {

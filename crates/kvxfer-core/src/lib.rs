@@ -8,6 +8,8 @@
 //! - [`ParentTracker`]: per parent request, which children are pending / pulled / released / expired.
 //! - [`ChildHandoff`] / [`PrefillResult`]: the per-child hand-off and its validation.
 //! - [`BlockLayout`] and [`plan`]: block layouts, compatibility hashes, coalesced transfer plans.
+//! - [`pull`]: one decode-side pull as a sans-IO state machine ([`pull::PullMachine`]), and
+//!   the typed errors of its children ([`pull::PullError`]).
 //! - [`KvTransferParams`]: vLLM's `kv_transfer_params` dict, read and written with serde.
 //! - [`KvShape`] and [`xfer`]: one rank's KV-cache shape (groups, heads per rank, HND block
 //!   layout), the prefill/decode compatibility check, and per-decode-rank transfer plans for
@@ -22,6 +24,7 @@ mod lease;
 mod params;
 mod parent;
 pub mod plan;
+pub mod pull;
 mod shape;
 pub mod xfer;
 

@@ -33,6 +33,20 @@ pub enum ClientError {
         /// The peer's message, naming both values.
         message: String,
     },
+    /// The two sides are not compatible: protocol versions or layout compatibility hashes
+    /// differ (refused by the peer, or found in its `HelloAck`).
+    #[error("handshake with {peer} refused: {message}")]
+    Incompatible {
+        /// The peer's address.
+        peer: String,
+        /// `VersionMismatch` or `CompatMismatch`.
+        code: ErrorCode,
+        /// The message, naming both sides' values.
+        message: String,
+        /// The peer's value (protocol version or compatibility hash) when known: from its
+        /// `HelloAck`; a refusal by the peer states it only in `message`.
+        remote: Option<u64>,
+    },
     /// The peer refused a request; the connection stays usable.
     #[error("{peer} refused the request ({code:?}): {message}")]
     Refused {
@@ -133,7 +147,14 @@ impl Connection {
         key: Option<&crate::handshake::ClusterKey>,
         limits: Limits,
     ) -> Result<Self, ClientError> {
-        let connect = TcpStream::connect(addr);
+        // An IP literal needs no resolver (tokio resolves names on its blocking pool, a thread
+        // of the caller's runtime).
+        let connect = async {
+            match addr.parse::<std::net::SocketAddr>() {
+                Ok(a) => TcpStream::connect(a).await,
+                Err(_) => TcpStream::connect(addr).await,
+            }
+        };
         let stream = match tokio::time::timeout(limits.io_timeout, connect).await {
             Ok(Ok(s)) => s,
             Ok(Err(source)) => return Err(ClientError::Connect { peer: addr.to_owned(), source }),

@@ -565,6 +565,10 @@ fn unexpected(peer: &str, f: Frame) -> ClientError {
             let reason = match ErrorCode::try_from(e.code) {
                 Ok(ErrorCode::AuthRequired) => AuthError::KeyRequired { message: e.message },
                 Ok(ErrorCode::AuthFailed) => AuthError::Refused { message: e.message },
+                Ok(code @ (ErrorCode::VersionMismatch | ErrorCode::CompatMismatch)) => {
+                    let peer = peer.to_owned();
+                    return ClientError::Incompatible { peer, code, message: e.message, remote: None };
+                }
                 _ => return ClientError::Handshake { peer: peer.to_owned(), message: e.message },
             };
             ClientError::Auth { peer: peer.to_owned(), reason }
@@ -592,7 +596,13 @@ pub async fn initiate<S: AsyncRead + AsyncWrite + Unpin>(
     let auth = |reason| ClientError::Auth { peer: peer.to_owned(), reason };
     let checked = |ack: v1::HelloAck, hello: &v1::Hello| match check_hello((&ack).into(), hello.into()) {
         // A peer must not accept what we would refuse.
-        Some((_, message)) => Err(ClientError::Handshake { peer: peer.to_owned(), message }),
+        Some((code, message)) => {
+            let remote = Some(match code {
+                ErrorCode::VersionMismatch => u64::from(ack.protocol_version),
+                _ => ack.compat_hash,
+            });
+            Err(ClientError::Incompatible { peer: peer.to_owned(), code, message, remote })
+        }
         None => Ok(ack),
     };
     let mut hello = hello.clone();

@@ -51,8 +51,12 @@ pub struct AgentConfig {
     pub lease_ttl: Duration,
     /// Frame size limit and I/O timeout of every connection.
     pub limits: Limits,
-    /// Threads of the agent's tokio runtime.
+    /// Worker threads of the runtime a blocking agent ([`crate::blocking`]) owns; the async
+    /// agents run on their caller's runtime and start none.
     pub worker_threads: usize,
+    /// How long `shutdown` lets reads in flight (and, on a prefill agent, open pins) finish
+    /// before it cuts them. Default 5 s.
+    pub shutdown_grace: Duration,
     /// Data connections a decode agent opens to one prefill agent (pulls of different
     /// children run in parallel over them). Reused across pulls.
     pub connections_per_peer: usize,
@@ -102,6 +106,7 @@ impl AgentConfig {
             lease_ttl: Duration::from_secs(30),
             limits: Limits::default(),
             worker_threads: 2,
+            shutdown_grace: Duration::from_secs(5),
             connections_per_peer: 2,
             heartbeat_interval: None,
             tp_size: 1,
@@ -228,6 +233,12 @@ impl AgentConfig {
     /// Sets the runtime's thread count (at least 1).
     pub fn worker_threads(mut self, n: usize) -> Self {
         self.worker_threads = n.max(1);
+        self
+    }
+
+    /// Sets how long `shutdown` lets reads in flight finish.
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.shutdown_grace = grace;
         self
     }
 

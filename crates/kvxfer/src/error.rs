@@ -28,6 +28,17 @@ pub enum Error {
     /// Something this build or machine cannot do (e.g. UCX requested without the `ucx` feature).
     #[error("{0}")]
     Unsupported(String),
+    /// A blocking call ([`crate::blocking`]) was made from inside a tokio runtime, where it
+    /// would stall the runtime's thread: use the async agent there.
+    #[error(
+        "{call} was called from inside a tokio runtime, where blocking would stall it; use {instead} there"
+    )]
+    InsideRuntime {
+        /// The blocking call.
+        call: &'static str,
+        /// The async call to use instead.
+        instead: &'static str,
+    },
     /// Binding the listener or starting the runtime failed.
     #[error("{what}: {source}")]
     Io {
@@ -100,6 +111,12 @@ pub enum SubmitError {
         parent: String,
         /// The engines named.
         engines: Vec<String>,
+    },
+    /// The agent is shutting down and takes no new pulls.
+    #[error("prefill result for {parent}: the decode agent is shutting down")]
+    ShuttingDown {
+        /// The parent request id.
+        parent: String,
     },
     /// Local blocks already being written by another pull.
     #[error(

@@ -5,33 +5,56 @@
 //! [`ChildHandoff`] per child to the decode worker, whose [`DecodeAgent`] pulls every child
 //! straight into local blocks ([`DecodeAgent::submit`]) and notifies. Every lease ends
 //! exactly once — pulled, released or expired — and the prefill owner hears which on
-//! [`PrefillAgent::events`].
+//! [`PrefillAgent::events`] (or the [`PrefillAgent::lease_ends`] stream).
 //!
-//! Both agents run their own small tokio runtime, so they can be embedded in any process
-//! (an inference server's Python threads included) through a blocking API.
+//! # Async or blocking
+//!
+//! The agents at the crate root are async and run on the caller's tokio runtime
+//! ([`PrefillAgent::start`] uses the current one, [`PrefillAgent::start_on`] a given
+//! [`tokio::runtime::Handle`]). A pull's per-child reports are a `Stream` and its whole
+//! report a `Future` ([`PullHandle`]); [`PrefillAgent::shutdown`] and
+//! [`DecodeAgent::shutdown`] close gracefully, and dropping an agent never blocks: it
+//! signals the shutdown and a task finishes it. [`blocking`] has the same agents with a
+//! runtime of their own, for hosts without tokio (Python, C).
+//!
+//! # Threads
+//!
+//! | agent | async (host's runtime) | blocking |
+//! | --- | --- | --- |
+//! | prefill, TCP | none: tasks on the host's runtime | `worker_threads` runtime workers (default 2) |
+//! | decode, TCP | none | `worker_threads` runtime workers |
+//! | + UCX | + 1 progress thread per agent (`kvxfer-ucx-target` / `kvxfer-ucx-initiator`) | same |
+//!
+//! Transient ones: starting UCX runs on the runtime's blocking pool (tokio keeps such a
+//! thread idle for 10 s), and dropping a UCX object on a runtime thread hands it to a short
+//! `kvxfer-teardown` thread (its drop joins UCX's thread). A blocking agent's runtime also
+//! has tokio's blocking pool (used for name resolution of non-IP addresses only).
 #![deny(unsafe_code)]
 // Errors are returned once per failed call, never on a per-block path; keeping them unboxed
 // lets callers match on the nested variants directly.
 #![allow(clippy::result_large_err)]
-// The data path's unsafe code lives in kvxfer-mem and kvxfer-tcp. This crate makes exactly
-// two unsafe calls, both in `decode.rs` (`Connection::read_into` and `KvMemory::copy_block`
-// into destination blocks the pull has claimed), each allowed at its site with a SAFETY note.
+// The data path's unsafe code lives in kvxfer-mem, kvxfer-tcp and kvxfer-ucx. This crate's
+// unsafe call sites: `Connection::read_into` and `KvMemory::copy_block` into destination
+// blocks the pull has claimed (`decode/pull.rs`), and the UCX glue (`ucx.rs`: mapping the
+// regions, `UcxInitiator::get`, the CRC of a completed read), each with a SAFETY note.
 
+pub mod blocking;
 mod config;
 mod decode;
 mod error;
+mod hello;
 mod prefill;
 mod runtime;
-
-pub use config::{AgentConfig, TransportChoice};
-#[cfg(feature = "ucx")]
-pub use kvxfer_ucx::UcxConfig;
-
 #[cfg(feature = "ucx")]
 mod ucx;
-pub use decode::{ChildOutcome, ChildReport, DecodeAgent, DecodeStats, PullHandle, PullReport, Reclaimed};
+
+pub use config::{AgentConfig, TransportChoice};
+pub use decode::{ChildReport, DecodeAgent, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
 pub use error::{Error, SubmitError};
-pub use prefill::{PrefillAgent, PrefillStats};
+pub use kvxfer_core::pull::{Advice, ChildOutcome, MismatchField, PullError};
+#[cfg(feature = "ucx")]
+pub use kvxfer_ucx::UcxConfig;
+pub use prefill::{LeaseEnds, PrefillAgent, PrefillStats};
 
 pub use kvxfer_core::{
     BlockId, BlockLayout, ChildHandoff, ChildState, EndKind, KvTransferParams, LeaseEnd, LeaseRequest,
@@ -40,25 +63,6 @@ pub use kvxfer_core::{
 pub use kvxfer_mem::{KvMemory, Region};
 pub use kvxfer_tcp::handshake::{CLUSTER_KEY_ENV, CLUSTER_KEY_FILE_ENV};
 pub use kvxfer_tcp::{AuthError, ClusterKey, KeyError, Limits, ServerStats};
-
-/// Logs, once per agent, that it runs without a cluster key.
-fn warn_unauthenticated(role: &str, agent: &str) {
-    tracing::warn!(
-        agent,
-        "{role} agent has no cluster key: peers are not authenticated (any peer that can connect \
-         may handshake, and over UCX read whole registered regions); set {} or {}",
-        CLUSTER_KEY_ENV,
-        CLUSTER_KEY_FILE_ENV
-    );
-}
-
-/// The TCP offer every agent makes in its handshake.
-fn tcp_offer() -> kvxfer_proto::v1::TransportOffer {
-    kvxfer_proto::v1::TransportOffer {
-        transport: kvxfer_proto::v1::Transport::Tcp as i32,
-        connection_info: vec![],
-    }
-}
 
 /// Makes UCX write its own log messages to stderr, so a program's stdout (JSON, CSV) stays
 /// clean: UCX logs to stdout by default and reads `UCX_LOG_FILE` only when the library is

@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -12,11 +11,12 @@ use kvxfer_core::{
     LeaseTable, ParentStatus, ParentTracker, PrefillResult, RetractOutcome,
 };
 use kvxfer_mem::KvMemory;
-use kvxfer_proto::v1;
 use kvxfer_tcp::{serve_connection, Refusal, ServeContext, ServerCounters, ServerStats};
 use tokio::net::TcpListener;
-use tokio::runtime::Runtime;
+use tokio::runtime::Handle;
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::{AgentConfig, Error};
@@ -30,24 +30,42 @@ pub struct PrefillStats {
     pub server: ServerStats,
 }
 
-/// A prefill worker's agent: owns the lease table and serves the registered KV cache.
-pub struct PrefillAgent {
+/// What a prefill agent's tasks share.
+struct Shared {
     table: Arc<LeaseTable>,
     memory: Arc<KvMemory>,
     counters: Arc<ServerCounters>,
     tracker: Arc<Mutex<ParentTracker>>,
-    events: Receiver<LeaseEnd>,
+    /// Wakes the expiry task (a new lease may have an earlier deadline).
     wake: Arc<Notify>,
+    /// Set by `shutdown`: the accept loop stops.
+    stop_accepting: CancellationToken,
+    /// Set once reads and pins had their grace: connections close, the expiry task and the
+    /// event forwarder finish.
+    stop: CancellationToken,
+    /// Set once every connection is gone: the event forwarder delivers what is left and ends.
+    events_final: CancellationToken,
+    connections: TaskTracker,
+    tasks: TaskTracker,
+    grace: Duration,
+    /// Dropped after every connection (no connection can pin any more), before the memory,
+    /// and never on a runtime thread (it joins UCX's thread).
+    #[cfg(feature = "ucx")]
+    ucx: Mutex<Option<crate::runtime::DropOffRuntime<kvxfer_ucx::UcxTarget>>>,
+}
+
+/// A prefill worker's agent: owns the lease table and serves the registered KV cache. Runs
+/// on the tokio runtime it was started on (it starts no threads of its own except UCX's
+/// progress thread); [`crate::blocking::PrefillAgent`] is the same agent with a runtime of
+/// its own, for callers without one.
+pub struct PrefillAgent {
+    shared: Arc<Shared>,
+    events: Receiver<LeaseEnd>,
+    events_ready: Arc<Notify>,
+    handle: Handle,
     addr: SocketAddr,
-    stop: Option<Sender<()>>,
-    event_thread: Option<JoinHandle<()>>,
-    runtime: Option<Runtime>,
-    io_timeout: Duration,
     host: String,
     incarnation: u64,
-    /// Dropped after the runtime (no connection can pin any more), before the memory.
-    #[cfg(feature = "ucx")]
-    ucx: Option<kvxfer_ucx::UcxTarget>,
 }
 
 impl std::fmt::Debug for PrefillAgent {
@@ -57,12 +75,85 @@ impl std::fmt::Debug for PrefillAgent {
 }
 
 impl PrefillAgent {
-    /// Starts an agent over `memory`, listening on `listen` (port 0 picks a free port).
-    pub fn start(config: AgentConfig, listen: &str, memory: KvMemory) -> Result<Self, Error> {
-        let runtime = crate::runtime::build(&config.agent_name, config.worker_threads)?;
-        let listener = runtime
-            .block_on(TcpListener::bind(listen))
+    /// Starts an agent over `memory` on the current tokio runtime, listening on `listen`
+    /// (port 0 picks a free port).
+    ///
+    /// # Panics
+    /// Outside a tokio runtime (use [`Self::start_on`] or [`crate::blocking::PrefillAgent`]).
+    pub async fn start(config: AgentConfig, listen: &str, memory: KvMemory) -> Result<Self, Error> {
+        Self::start_on(Handle::current(), config, listen, memory).await
+    }
+
+    /// Starts an agent over `memory` on the runtime of `handle`, listening on `listen`.
+    pub async fn start_on(
+        handle: Handle,
+        config: AgentConfig,
+        listen: &str,
+        memory: KvMemory,
+    ) -> Result<Self, Error> {
+        config.check_transport()?;
+        let memory = Arc::new(memory);
+        #[cfg(feature = "ucx")]
+        let ucx = {
+            // UCX starts a thread and waits for it to set up: not on a runtime thread.
+            let (c, m) = (config.clone(), memory.clone());
+            let start = move || crate::ucx::start_if_wanted(&c, |u| crate::ucx::start_target(u, &m));
+            if config.transport == crate::TransportChoice::Tcp {
+                None
+            } else {
+                match handle.spawn_blocking(start).await {
+                    Ok(r) => r?,
+                    Err(e) => return Err(Error::Unsupported(format!("starting UCX failed: {e}"))),
+                }
+            }
+        };
+        Self::build(
+            handle,
+            config,
+            listen,
+            memory,
+            #[cfg(feature = "ucx")]
+            ucx,
+        )
+    }
+
+    /// Starts an agent on `handle` from a thread that may block (the blocking facade).
+    pub(crate) fn start_blocking(
+        handle: Handle,
+        config: AgentConfig,
+        listen: &str,
+        memory: KvMemory,
+    ) -> Result<Self, Error> {
+        config.check_transport()?;
+        let memory = Arc::new(memory);
+        #[cfg(feature = "ucx")]
+        let ucx = crate::ucx::start_if_wanted(&config, |u| crate::ucx::start_target(u, &memory))?;
+        Self::build(
+            handle,
+            config,
+            listen,
+            memory,
+            #[cfg(feature = "ucx")]
+            ucx,
+        )
+    }
+
+    fn build(
+        handle: Handle,
+        config: AgentConfig,
+        listen: &str,
+        memory: Arc<KvMemory>,
+        #[cfg(feature = "ucx")] ucx: Option<kvxfer_ucx::UcxTarget>,
+    ) -> Result<Self, Error> {
+        // Bound without the runtime's resolver: listen addresses are local.
+        let std_listener = std::net::TcpListener::bind(listen)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|source| Error::Io { what: format!("binding {listen}"), source })?;
+        let listener = {
+            let _enter = handle.enter();
+            TcpListener::from_std(std_listener)
+                .map_err(|source| Error::Io { what: format!("binding {listen}"), source })?
+        };
         let addr = listener
             .local_addr()
             .map_err(|source| Error::Io { what: "reading the listen address".into(), source })?;
@@ -84,13 +175,14 @@ impl PrefillAgent {
         let mut seed = [0u8; 32];
         rand::fill(&mut seed);
         let table = Arc::new(LeaseTable::new(lease_config, seed));
-        let memory = Arc::new(memory);
+        let ended = Arc::new(Notify::new());
+        {
+            let ended = ended.clone();
+            table.set_end_hook(move || ended.notify_one());
+        }
         let counters = Arc::new(ServerCounters::default());
-        config.check_transport()?;
         #[cfg_attr(not(feature = "ucx"), allow(unused_mut))]
-        let mut transports = vec![crate::tcp_offer()];
-        #[cfg(feature = "ucx")]
-        let ucx = crate::ucx::start_if_wanted(&config, |c| crate::ucx::start_target(c, &memory))?;
+        let mut transports = vec![crate::hello::tcp_offer()];
         #[cfg(feature = "ucx")]
         if let Some(t) = &ucx {
             transports.insert(0, crate::ucx::offer(t));
@@ -98,55 +190,39 @@ impl PrefillAgent {
         let ctx = Arc::new(ServeContext {
             table: table.clone(),
             memory: memory.clone(),
-            hello_ack: v1::HelloAck {
-                protocol_version: config.protocol_version,
-                engine_id: config.engine_id.clone(),
-                agent_name: config.agent_name.clone(),
-                compat_hash: layout.compat_hash(),
-                layout: Some(layout.to_wire()),
-                transports,
-                incarnation,
-                authenticated: false,
-            },
+            hello_ack: crate::hello::hello_ack(&config, &layout, transports, incarnation),
             cluster_key: config.cluster_key.clone(),
             limits: config.limits,
             counters: counters.clone(),
         });
-        runtime.spawn(accept_loop(listener, ctx));
-        let wake = Arc::new(Notify::new());
-        runtime.spawn(expiry_loop(table.clone(), wake.clone()));
-
-        let tracker = Arc::new(Mutex::new(ParentTracker::with_forget_after(config.max_lease_lifetime)));
-        let (events_tx, events) = crossbeam_channel::unbounded();
-        let (stop, stop_rx) = crossbeam_channel::bounded(1);
-        let event_thread = {
-            let (table, tracker) = (table.clone(), tracker.clone());
-            std::thread::Builder::new()
-                .name(format!("kvxfer-{}-events", config.agent_name))
-                .spawn(move || forward_events(&table, &tracker, &events_tx, &stop_rx))
-                .map_err(|source| Error::Io { what: "starting the lease event thread".into(), source })?
-        };
-        if config.cluster_key.is_none() {
-            crate::warn_unauthenticated("prefill", &config.agent_name);
-        }
-        info!(%addr, %host, engine_id = %config.engine_id, incarnation, "prefill agent listening");
-        Ok(PrefillAgent {
+        let shared = Arc::new(Shared {
             table,
             memory,
             counters,
-            tracker,
-            events,
-            wake,
-            addr,
-            stop: Some(stop),
-            event_thread: Some(event_thread),
-            runtime: Some(runtime),
-            io_timeout: config.limits.io_timeout,
-            host,
-            incarnation,
+            tracker: Arc::new(Mutex::new(ParentTracker::with_forget_after(config.max_lease_lifetime))),
+            wake: Arc::new(Notify::new()),
+            stop_accepting: CancellationToken::new(),
+            stop: CancellationToken::new(),
+            events_final: CancellationToken::new(),
+            connections: TaskTracker::new(),
+            tasks: TaskTracker::new(),
+            grace: config.shutdown_grace,
             #[cfg(feature = "ucx")]
-            ucx,
-        })
+            ucx: Mutex::new(ucx.map(crate::runtime::DropOffRuntime::new)),
+        });
+        let (events_tx, events) = crossbeam_channel::unbounded();
+        let events_ready = Arc::new(Notify::new());
+        shared.tasks.spawn_on(accept_loop(listener, ctx, shared.clone()), &handle);
+        shared.tasks.spawn_on(expiry_loop(shared.clone()), &handle);
+        shared
+            .tasks
+            .spawn_on(forward_events(shared.clone(), ended, events_tx, events_ready.clone()), &handle);
+        shared.tasks.close();
+        if config.cluster_key.is_none() {
+            crate::hello::warn_unauthenticated("prefill", &config.agent_name);
+        }
+        info!(%addr, %host, engine_id = %config.engine_id, incarnation, "prefill agent listening");
+        Ok(PrefillAgent { shared, events, events_ready, handle, addr, host, incarnation })
     }
 
     /// The host written into hand-offs: `AgentConfig::advertise_host`, else the listen
@@ -170,14 +246,14 @@ impl PrefillAgent {
     /// Whether the agent offers the UCX data path.
     pub fn offers_ucx(&self) -> bool {
         #[cfg(feature = "ucx")]
-        return self.ucx.is_some();
+        return self.shared.ucx.lock().unwrap_or_else(|p| p.into_inner()).is_some();
         #[cfg(not(feature = "ucx"))]
         false
     }
 
     /// The registered KV cache the agent serves.
     pub fn memory(&self) -> &Arc<KvMemory> {
-        &self.memory
+        &self.shared.memory
     }
 
     /// Leases one child's blocks: the lease is registered before the hand-off is returned.
@@ -190,13 +266,14 @@ impl PrefillAgent {
         // lock, so the lease's end (applied by the event thread under the same lock) cannot
         // overtake it.
         let mut tracker = self.lock_tracker();
-        tracker.admit(&parent, n, Instant::now())?;
-        let (h, generation) = self.table.lease_with_generation(req, Instant::now())?;
-        tracker.leased(&parent, n, child, generation, Instant::now());
+        let now = Instant::now();
+        tracker.admit(&parent, n, now)?;
+        let (h, generation) = self.shared.table.lease_with_generation(req, now)?;
+        tracker.leased(&parent, n, child, generation, now);
         drop(tracker);
         debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "leased");
         // The expiry task sleeps until the earliest deadline; this one may be earlier.
-        self.wake.notify_one();
+        self.shared.wake.notify_one();
         Ok(h)
     }
 
@@ -227,7 +304,7 @@ impl PrefillAgent {
             })
             .collect();
         for req in &reqs {
-            self.table.validate(req)?;
+            self.shared.table.validate(req)?;
         }
         let mut handoffs = Vec::with_capacity(reqs.len());
         for req in reqs {
@@ -252,7 +329,7 @@ impl PrefillAgent {
     fn retract_all(&self, handoffs: &[ChildHandoff]) {
         let mut tracker = self.lock_tracker();
         for h in handoffs {
-            match self.table.retract(h.remote_request_id(), h.token().as_bytes(), Instant::now()) {
+            match self.shared.table.retract(h.remote_request_id(), h.token().as_bytes(), Instant::now()) {
                 RetractOutcome::Retracted => tracker.retracted(h.parent_request_id(), h.child_index()),
                 other => {
                     warn!(remote_request_id = %h.remote_request_id(), ?other, "lease could not be retracted; it ends as usual")
@@ -263,13 +340,21 @@ impl PrefillAgent {
 
     /// Releases a lease from the owner's side (the request was aborted).
     pub fn cancel(&self, h: &ChildHandoff) -> CancelOutcome {
-        self.table.cancel(h.remote_request_id(), h.token().as_bytes(), Instant::now())
+        self.shared.table.cancel(h.remote_request_id(), h.token().as_bytes(), Instant::now())
     }
 
     /// How each lease ended, once per lease, with the blocks to free. Drain it: ends queue
-    /// up here until received.
+    /// up here until received (clone it to keep receiving after the agent is gone; after a
+    /// shutdown it disconnects once every end was delivered). Each end is delivered once,
+    /// to whichever receiver or [`LeaseEnds`] stream takes it first.
     pub fn events(&self) -> &Receiver<LeaseEnd> {
         &self.events
+    }
+
+    /// The lease ends as an async [`Stream`](futures::Stream) (the same ends as
+    /// [`Self::events`]); it ends after a shutdown, once every end was delivered.
+    pub fn lease_ends(&self) -> LeaseEnds {
+        LeaseEnds::new(self.events.clone(), self.events_ready.clone())
     }
 
     /// The children states of a parent that still has pending children.
@@ -279,32 +364,108 @@ impl PrefillAgent {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> PrefillStats {
-        PrefillStats { leases: self.table.stats(), server: self.counters.snapshot() }
+        PrefillStats { leases: self.shared.table.stats(), server: self.shared.counters.snapshot() }
     }
 
     fn lock_tracker(&self) -> std::sync::MutexGuard<'_, ParentTracker> {
-        self.tracker.lock().unwrap_or_else(|p| p.into_inner())
+        self.shared.tracker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl PrefillAgent {
+    /// Shuts the agent down gracefully: stops accepting connections, lets reads and pins in
+    /// flight finish (up to `AgentConfig::shutdown_grace`), ends every live lease as
+    /// released (each end delivered on [`Self::events`] — nothing is revoked silently),
+    /// closes every connection, and returns once every end was delivered and the agent's
+    /// tasks ended. Later calls return at once.
+    pub async fn shutdown(&self) {
+        run_shutdown(self.shared.clone()).await;
+    }
+
+    /// The shutdown as a task of its own (it keeps the agent's memory alive).
+    pub(crate) fn shutdown_task(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        run_shutdown(self.shared.clone())
     }
 }
 
 impl Drop for PrefillAgent {
+    /// Never blocks: signals shutdown and leaves the bounded drain to a task that keeps the
+    /// agent's memory (and UCX target) alive until it finished.
     fn drop(&mut self) {
-        // One-sided readers (UCX) read registered memory without us seeing the reads; a pin
-        // is their promise to unpin when done. Wait for open pins (bounded) before the
-        // memory can be unmapped and freed, so no peer's read outlives its buffer.
-        let deadline = Instant::now() + self.io_timeout;
-        while self.counters.pins_open.load(std::sync::atomic::Ordering::Relaxed) > 0
-            && Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(1));
+        if self.shared.stop.is_cancelled() {
+            return;
         }
-        if let Some(rt) = self.runtime.take() {
-            crate::runtime::shutdown(rt);
-        }
-        drop(self.stop.take());
-        if let Some(t) = self.event_thread.take() {
-            let _ = t.join();
-        }
+        self.shared.stop_accepting.cancel();
+        // If the runtime is gone, its tasks were dropped with it.
+        self.handle.spawn(self.shutdown_task());
+    }
+}
+
+/// The graceful shutdown (see [`PrefillAgent::shutdown`]); safe to run more than once.
+async fn run_shutdown(shared: Arc<Shared>) {
+    shared.stop_accepting.cancel();
+    // One-sided readers (UCX) read registered memory without us seeing the reads; a pin is
+    // their promise to unpin when done. Reads and pins in flight hold read guards: wait for
+    // them (bounded) before the memory can be unmapped and freed.
+    let deadline = tokio::time::Instant::now() + shared.grace;
+    while shared.table.reads_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let released = shared.table.release_all(Instant::now());
+    if released > 0 {
+        info!(released, "shutdown: live leases released");
+    }
+    // Connections close (dropping the guards of reads cut short, which hands their leases
+    // back); then the expiry task and the event forwarder finish.
+    shared.stop.cancel();
+    shared.connections.close();
+    shared.connections.wait().await;
+    shared.events_final.cancel();
+    shared.tasks.wait().await;
+    #[cfg(feature = "ucx")]
+    drop(shared.ucx.lock().unwrap_or_else(|p| p.into_inner()).take());
+}
+
+/// The lease ends of a prefill agent as a [`Stream`](futures::Stream)
+/// ([`PrefillAgent::lease_ends`]).
+pub struct LeaseEnds {
+    inner: std::pin::Pin<Box<dyn futures::Stream<Item = LeaseEnd> + Send>>,
+}
+
+impl std::fmt::Debug for LeaseEnds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseEnds").finish_non_exhaustive()
+    }
+}
+
+impl LeaseEnds {
+    fn new(events: Receiver<LeaseEnd>, ready: Arc<Notify>) -> Self {
+        let stream = futures::stream::unfold((events, ready), |(events, ready)| async move {
+            let waker = ready.clone();
+            loop {
+                let notified = waker.notified();
+                tokio::pin!(notified);
+                // Registered before looking, so an end sent meanwhile is not missed.
+                notified.as_mut().enable();
+                match events.try_recv() {
+                    Ok(end) => return Some((end, (events, ready))),
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
+                    Err(crossbeam_channel::TryRecvError::Empty) => notified.await,
+                }
+            }
+        });
+        LeaseEnds { inner: Box::pin(stream) }
+    }
+}
+
+impl futures::Stream for LeaseEnds {
+    type Item = LeaseEnd;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<LeaseEnd>> {
+        self.inner.as_mut().poll_next(cx)
     }
 }
 
@@ -377,23 +538,32 @@ impl Drop for PeerSlot {
     }
 }
 
-async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>) {
+async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<Shared>) {
     let open = Arc::new(tokio::sync::Semaphore::new(ctx.limits.max_connections.max(1)));
     let per_peer = Arc::new(PeerCounts::default());
     loop {
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            // Dropping the listener stops accepting at once.
+            () = shared.stop_accepting.cancelled() => return,
+        };
+        match accepted {
             Ok((stream, peer)) => match open.clone().try_acquire_owned() {
                 Ok(permit) => match per_peer.take(peer.ip(), ctx.limits.max_connections_per_peer) {
                     Some(slot) => {
-                        let ctx = ctx.clone();
-                        tokio::spawn(async move {
-                            serve_connection(stream, ctx).await;
+                        let (ctx, stop) = (ctx.clone(), shared.stop.clone());
+                        shared.connections.spawn(async move {
+                            tokio::select! {
+                                () = serve_connection(stream, ctx) => {}
+                                // Shutdown: the connection (and any read guard) is dropped.
+                                () = stop.cancelled() => {}
+                            }
                             drop(slot);
                             drop(permit);
                         });
                     }
                     None => {
-                        tokio::spawn(kvxfer_tcp::refuse_connection(
+                        shared.connections.spawn(kvxfer_tcp::refuse_connection(
                             stream,
                             ctx.clone(),
                             Refusal::TooManyFromPeer,
@@ -401,7 +571,7 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>) {
                     }
                 },
                 Err(_) => {
-                    tokio::spawn(kvxfer_tcp::refuse_connection(
+                    shared.connections.spawn(kvxfer_tcp::refuse_connection(
                         stream,
                         ctx.clone(),
                         Refusal::TooManyConnections,
@@ -418,7 +588,8 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>) {
 }
 
 /// Sleeps until the table's next deadline (or a new lease wakes it), then expires.
-async fn expiry_loop(table: Arc<LeaseTable>, wake: Arc<Notify>) {
+async fn expiry_loop(shared: Arc<Shared>) {
+    let table = &shared.table;
     loop {
         let next = table.poll_timeout();
         let sleep = match next {
@@ -432,41 +603,53 @@ async fn expiry_loop(table: Arc<LeaseTable>, wake: Arc<Notify>) {
                     debug!(expired = n, "expired leases");
                 }
             }
-            _ = wake.notified() => {}
+            _ = shared.wake.notified() => {}
+            () = shared.stop.cancelled() => return,
         }
     }
 }
 
 /// Moves lease ends from the table to the owner, updating the parent tracker and logging
-/// each one with its request id.
-fn forward_events(
-    table: &LeaseTable,
-    tracker: &Mutex<ParentTracker>,
-    out: &Sender<LeaseEnd>,
-    stop: &Receiver<()>,
-) {
+/// each one with its request id. Woken by the table's end hook; after shutdown it delivers
+/// what is left and drops its sender (the owner's receivers then disconnect).
+async fn forward_events(shared: Arc<Shared>, ended: Arc<Notify>, out: Sender<LeaseEnd>, ready: Arc<Notify>) {
     loop {
-        crossbeam_channel::select! {
-            recv(table.ended()) -> end => {
-                let Ok(end) = end else { return };
-                match end.kind {
-                    EndKind::Pulled => debug!(remote_request_id = %end.remote_request_id, consumers = end.consumers_seen, "lease ended: pulled"),
-                    EndKind::Released => info!(remote_request_id = %end.remote_request_id, "lease ended: released"),
-                    EndKind::Expired => warn!(
-                        remote_request_id = %end.remote_request_id,
-                        "Releasing expired KV blocks for request {} which were retrieved by {} of {} remote worker(s) before lease expired",
-                        end.remote_request_id, end.consumers_seen, end.expected_consumers
-                    ),
-                }
-                let done = tracker.lock().unwrap_or_else(|p| p.into_inner()).on_end(&end, Instant::now());
-                if let Some(status) = done {
-                    debug!(parent = %end.parent_request_id, ?status, "parent complete");
-                }
-                // The owner may have dropped its receiver; the ends are then simply dropped.
-                let _ = out.send(end);
-            }
-            recv(stop) -> _ => return,
+        forward(&shared, &out, &ready);
+        tokio::select! {
+            () = ended.notified() => {}
+            () = shared.events_final.cancelled() => break,
         }
+    }
+    // Every connection is gone (the shutdown waited for them), so no end can follow.
+    forward(&shared, &out, &ready);
+    drop(out);
+    ready.notify_waiters();
+}
+
+fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {
+    let mut any = false;
+    while let Ok(end) = shared.table.ended().try_recv() {
+        match end.kind {
+            EndKind::Pulled => {
+                debug!(remote_request_id = %end.remote_request_id, consumers = end.consumers_seen, "lease ended: pulled")
+            }
+            EndKind::Released => info!(remote_request_id = %end.remote_request_id, "lease ended: released"),
+            EndKind::Expired => warn!(
+                remote_request_id = %end.remote_request_id,
+                "Releasing expired KV blocks for request {} which were retrieved by {} of {} remote worker(s) before lease expired",
+                end.remote_request_id, end.consumers_seen, end.expected_consumers
+            ),
+        }
+        let done = shared.tracker.lock().unwrap_or_else(|p| p.into_inner()).on_end(&end, Instant::now());
+        if let Some(status) = done {
+            debug!(parent = %end.parent_request_id, ?status, "parent complete");
+        }
+        // The owner may have dropped its receiver; the ends are then simply dropped.
+        let _ = out.send(end);
+        any = true;
+    }
+    if any {
+        ready.notify_waiters();
     }
 }
 

@@ -1,9 +1,22 @@
-//! Glue between the engine and kvxfer-ucx: starting the UCX side of an agent over its
-//! registered memory, the handshake offer, and turning block runs into UCX get pieces.
-//! The engine's UCX `unsafe` calls live here and in `decode.rs`, each with its SAFETY note.
+//! Everything UCX in the engine (the `ucx` feature gates this one file): starting the UCX
+//! side of an agent over its registered memory, the handshake offer, the decode side's
+//! endpoint per peer, and the one-sided read protocol — pin on the control protocol,
+//! `ucp_get_nbx` straight into the claimed local blocks, unpin — with the reads UCX could
+//! not stop ([`HeldReads`]). The engine's UCX `unsafe` calls live here, each with its
+//! SAFETY note.
 #![allow(unsafe_code)]
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crossbeam_channel::Sender;
+use kvxfer_core::pull::{PullError, ReadResult};
+use kvxfer_core::{BlockId, ChildHandoff};
+use tracing::{debug, info, warn};
+
+use crate::decode::{Inner, Peer, Reclaimed};
+use crate::TransportChoice;
 
 use kvxfer_core::plan::BlockRun;
 use kvxfer_core::BlockLayout;
@@ -107,4 +120,253 @@ pub(crate) fn pieces(local: &KvMemory, remote: &BlockLayout, runs: &[BlockRun]) 
         }
     }
     out
+}
+
+/// Makes (or reuses) the UCX endpoint to `peer` from its handshake answer: `Ok(true)` when
+/// reads may use UCX, `Ok(false)` to fall back to TCP (`auto`), an error when UCX is
+/// required and unusable.
+pub(crate) async fn connect(inner: &Inner, peer: &Peer, ack: &v1::HelloAck) -> Result<bool, PullError> {
+    let want = inner.config.transport;
+    let Some(init) = inner.ucx() else { return Ok(false) };
+    let unavailable = |detail: String| PullError::TransportUnavailable { peer: peer.addr.clone(), detail };
+    match parse_offer(&ack.transports) {
+        Some(Ok(info)) => {
+            let engine = (ack.engine_id.clone(), ack.incarnation);
+            let mut connected = peer.ucx_engine.lock().await;
+            if connected.as_ref() == Some(&engine) {
+                return Ok(true);
+            }
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            init.connect(&peer.addr, info, Box::new(move |r| drop(tx.send(r))));
+            match rx.await {
+                Ok(Ok(())) => {
+                    *connected = Some(engine);
+                    debug!(peer = %peer.addr, "UCX endpoint ready");
+                    Ok(true)
+                }
+                Ok(Err(e)) if want == TransportChoice::Ucx => {
+                    Err(unavailable(format!("UCX to {}: {e}", peer.addr)))
+                }
+                Ok(Err(e)) => {
+                    warn!(peer = %peer.addr, error = %e, "UCX endpoint failed; pulling over TCP");
+                    Ok(false)
+                }
+                Err(_) => Err(unavailable("the UCX thread stopped".into())),
+            }
+        }
+        Some(Err(e)) if want == TransportChoice::Ucx => Err(unavailable(e)),
+        Some(Err(e)) => {
+            warn!(peer = %peer.addr, error = %e, "ignoring the peer's UCX offer");
+            Ok(false)
+        }
+        None => Ok(false),
+    }
+}
+
+/// Pins child `i`'s runs on a pooled connection, reads them with UCX straight into the
+/// local blocks, and unpins. A read UCX cannot stop is [`ReadResult::Abandoned`]: its
+/// blocks stay held (in `held`) until UCX completes it.
+pub(crate) async fn read_child(
+    inner: &Inner,
+    peer: &Peer,
+    child: &ChildHandoff,
+    runs: &[BlockRun],
+    remote: &BlockLayout,
+    held: &Arc<HeldReads>,
+    i: usize,
+) -> ReadResult {
+    let ucx_err = |detail: String| PullError::UcxRead { peer: peer.addr.clone(), detail };
+    let Some(init) = inner.ucx() else { return ReadResult::Failed(ucx_err("this agent has no UCX".into())) };
+    let (_permit, mut conn) = match peer.checkout(inner).await {
+        Ok(c) => c,
+        Err(e) => return ReadResult::Failed(e),
+    };
+    let id = child.remote_request_id();
+    let verify = inner.config.ucx.verify_payloads;
+    let grant = match conn.pin(id, child.token().as_bytes(), runs, verify).await {
+        Ok(p) => p,
+        Err(e) => {
+            let error = crate::decode::read_error(&e, inner, id);
+            peer.checkin(conn, &Err::<(), _>(e));
+            return ReadResult::Failed(error);
+        }
+    };
+    let pieces = pieces(&inner.memory, remote, runs);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    // Whether the pull gave up on the read before UCX completed it (then the completion
+    // releases the blocks it held, from the UCX thread).
+    let fate = Arc::new(Mutex::new(ReadFate::Waiting));
+    let (done_held, done_fate) = (held.clone(), fate.clone());
+    // SAFETY: every piece lands in local blocks of `runs`, which this pull claimed in
+    // `submit` (no other pull writes them; the caller does not touch them until their
+    // report, which the pull machine sends only after this read ended or was abandoned with
+    // its blocks held) and which `ResultPlan::build` checked against the local layout,
+    // inside the regions the initiator registered.
+    unsafe {
+        init.get(
+            &peer.addr,
+            pieces,
+            Box::new(move |r| {
+                drop(tx.send(r));
+                done_held.completed(&done_fate);
+            }),
+        )
+    };
+    // Bounded: a peer that stops answering must not hang the pull. The allowance grows
+    // with the size of the read (100 MB/s is far below any working UCX transport).
+    let bytes: u64 = runs.iter().map(|r| u64::from(r.count)).sum::<u64>() * remote.block_bytes();
+    // Not past the time the prefill side holds the pin (it grows with the pin's size; a
+    // read finishing after it is refused by the unpin anyway), but never sooner than
+    // `io_timeout`, the least a read is given before it counts as stuck: aborting a UCX
+    // endpoint with a get in flight can make UCX 1.13 abort the prefill process (tcp).
+    let io_timeout = inner.config.limits.io_timeout;
+    let stuck = io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
+    let limit = stuck.min(grant.held_for.max(io_timeout));
+    let (seq, pinned_crc) = (grant.seq, grant.payload_crc32c);
+    let mut rx = rx;
+    let mut abandoned = false;
+    let result = match tokio::time::timeout(limit, &mut rx).await {
+        Ok(Ok(r)) => r.map_err(|e| ucx_err(e.to_string())),
+        Ok(Err(_)) => Err(ucx_err("the UCX thread stopped".to_owned())),
+        Err(_) => {
+            init.abort(&peer.addr);
+            match tokio::time::timeout(io_timeout, rx).await {
+                Ok(_) => Err(ucx_err(format!("UCX read made no progress in {limit:?}; endpoint aborted"))),
+                // UCX still owns the read: its destination blocks are held (reported
+                // FailedBlocksHeld) until UCX completes it.
+                Err(_) if held.abandon(i, &fate) => {
+                    abandoned = true;
+                    Err(ucx_err(format!(
+                        "UCX read made no progress in {limit:?} and did not stop after the endpoint was \
+                         aborted; its local blocks stay held until it completes"
+                    )))
+                }
+                Err(_) => Err(ucx_err(format!("UCX read made no progress in {limit:?}; endpoint aborted"))),
+            }
+        }
+    };
+    // With payload verification on, the read must have fetched what was pinned.
+    let result = result.and_then(|b| {
+        let Some(want) = pinned_crc else { return Ok(b) };
+        // SAFETY: the read completed, so UCX no longer writes these blocks, and this pull
+        // still holds them (see above).
+        let got = unsafe { inner.memory.crc32c(runs.iter().map(|r| (r.local_start, r.count))) };
+        kvxfer_tcp::check_crc(&peer.addr, seq, want, got)
+            .map(|()| b)
+            .map_err(|e| PullError::Integrity { peer: peer.addr.clone(), detail: e.to_string() })
+    });
+    if result.is_err() {
+        // The endpoint may be broken: the next pull makes a new one.
+        init.disconnect(&peer.addr);
+        *peer.ucx_engine.lock().await = None;
+    }
+    let unpinned = conn.unpin(seq, result.is_ok()).await;
+    // The read counts only if the pin was held until it finished; an unpin that got no
+    // answer cannot prove that either.
+    let result = match (&unpinned, result) {
+        (Ok(true), r) | (_, r @ Err(_)) => r,
+        (Ok(false), Ok(_)) => Err(PullError::PinNotHeld {
+            peer: peer.addr.clone(),
+            detail: format!(
+                "{} dropped pin {seq} before the read finished (its pin_timeout passed); the blocks read may \
+                 no longer have been leased",
+                peer.addr
+            ),
+        }),
+        (Err(e), Ok(_)) => Err(PullError::PinNotHeld {
+            peer: peer.addr.clone(),
+            detail: format!("unpin {seq} failed, so the read cannot be trusted: {e}"),
+        }),
+    };
+    peer.checkin(conn, &unpinned);
+    debug!(remote_request_id = %id, ?result, "child read over UCX");
+    match result {
+        Ok(bytes) => ReadResult::Ok { bytes },
+        Err(e) if abandoned => ReadResult::Abandoned(e),
+        Err(e) => ReadResult::Failed(e),
+    }
+}
+
+/// One-sided reads of a pull that the transport could not stop, and the blocks they hold:
+/// released (and announced on `DecodeAgent::reclaimed`) when the last of them completes
+/// and the pull has reported. Completions arrive on the transport's thread.
+pub(crate) struct HeldReads {
+    busy: Arc<Mutex<HashSet<BlockId>>>,
+    reclaimed: Sender<Reclaimed>,
+    state: Mutex<HeldState>,
+}
+
+#[derive(Default)]
+struct HeldState {
+    /// Reads abandoned by the pull and not yet completed.
+    outstanding: usize,
+    /// Set once the pull reported: what to release and announce when `outstanding` is 0.
+    release: Option<(HashSet<BlockId>, Reclaimed)>,
+}
+
+/// What became of one one-sided read: completed, or abandoned by its pull first.
+#[derive(Debug, Default)]
+enum ReadFate {
+    #[default]
+    Waiting,
+    Completed,
+    Abandoned,
+}
+
+impl HeldReads {
+    pub(crate) fn new(busy: Arc<Mutex<HashSet<BlockId>>>, reclaimed: Sender<Reclaimed>) -> Self {
+        HeldReads { busy, reclaimed, state: Mutex::new(HeldState::default()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HeldState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The read of child `i` with `fate` is given up while UCX may still write: true if it
+    /// is now held, false if it completed meanwhile.
+    fn abandon(&self, i: usize, fate: &Mutex<ReadFate>) -> bool {
+        let mut fate = fate.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*fate, ReadFate::Completed) {
+            return false;
+        }
+        *fate = ReadFate::Abandoned;
+        self.lock().outstanding += 1;
+        debug!(child = i, "UCX read abandoned; its blocks stay held");
+        true
+    }
+
+    /// The transport finished the read with `fate` (on its own thread).
+    fn completed(&self, fate: &Mutex<ReadFate>) {
+        let mut fate = fate.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*fate, ReadFate::Abandoned) {
+            let mut st = self.lock();
+            st.outstanding -= 1;
+            self.release_if_done(&mut st);
+        }
+        *fate = ReadFate::Completed;
+    }
+
+    /// The pull reported: release `blocks` (announcing `reclaimed`) once no abandoned read
+    /// is outstanding — now, if none is.
+    pub(crate) fn finish(&self, blocks: HashSet<BlockId>, reclaimed: Reclaimed) {
+        let mut st = self.lock();
+        st.release = Some((blocks, reclaimed));
+        self.release_if_done(&mut st);
+    }
+
+    fn release_if_done(&self, st: &mut HeldState) {
+        if st.outstanding > 0 {
+            return;
+        }
+        let Some((blocks, reclaimed)) = st.release.take() else { return };
+        {
+            let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+            for b in &blocks {
+                busy.remove(b);
+            }
+        }
+        info!(parent = %reclaimed.parent_request_id, blocks = blocks.len(), "held blocks reclaimed: the stuck read completed");
+        // The agent (and every receiver) may be gone: then nobody needs telling.
+        let _ = self.reclaimed.send(reclaimed);
+    }
 }

@@ -25,20 +25,20 @@ fn other_key() -> ClusterKey {
 }
 
 /// Pulls one child from `prefill` with `decode` and returns the failure reason.
-fn failed_pull(prefill: &kvxfer::PrefillAgent, decode: &kvxfer::DecodeAgent) -> String {
+fn failed_pull(prefill: &kvxfer::blocking::PrefillAgent, decode: &kvxfer::blocking::DecodeAgent) -> String {
     let result = prefill.lease_parent("A", vec![vec![1, 2]], 1, None).expect("lease");
     let report = decode.submit(result, vec![vec![3, 4]]).expect("submit").wait();
     match &report.children[0].outcome {
-        ChildOutcome::Failed { reason, invalid_local_blocks } => {
+        ChildOutcome::Failed { error: reason, invalid_local_blocks } => {
             assert_eq!(invalid_local_blocks, &vec![3, 4]);
-            reason.clone()
+            reason.to_string()
         }
         other => panic!("the pull must fail: {other:?}"),
     }
 }
 
 /// What a refused peer must never learn.
-fn assert_nothing_internal(prefill: &kvxfer::PrefillAgent, message: &str) {
+fn assert_nothing_internal(prefill: &kvxfer::blocking::PrefillAgent, message: &str) {
     let hash = format!("{:#018x}", prefill.memory().layout().compat_hash());
     assert!(!message.contains(&hash), "compatibility hash leaked: {message}");
     assert!(!message.contains("prefill"), "agent name or engine leaked: {message}");
@@ -64,7 +64,7 @@ fn a_wrong_key_is_refused_on_both_sides_and_counted() {
     let prefill = prefill(16, Duration::from_secs(30));
     let decode = decode_with(AgentConfig::new("decode").cluster_key(other_key()), layout());
     let reason = failed_pull(&prefill, &decode);
-    assert!(reason.contains("proof did not verify"), "{reason}");
+    assert!(reason.to_string().contains("proof did not verify"), "{reason}");
     // The prefill side refuses the decode side's proof (before saying anything computed
     // with its key) and counts it.
     eventually("the prefill side counts the refusal", || prefill.stats().server.auth_failed >= 1);
@@ -78,7 +78,7 @@ fn a_decode_agent_without_a_key_is_refused_with_auth_required() {
     let prefill = prefill(16, Duration::from_secs(30));
     let decode = decode_unkeyed(AgentConfig::new("decode"), layout());
     let reason = failed_pull(&prefill, &decode);
-    assert!(reason.contains("requires a cluster key"), "{reason}");
+    assert!(reason.to_string().contains("requires a cluster key"), "{reason}");
     assert_nothing_internal(&prefill, &reason);
     let s = prefill.stats().server;
     assert!(s.auth_required >= 1 && s.auth_failed == 0, "{s:?}");
@@ -90,7 +90,7 @@ fn a_prefill_agent_without_a_key_refuses_a_keyed_decode_agent() {
     let prefill = prefill_unkeyed(AgentConfig::new("prefill"), layout());
     let decode = decode(16);
     let reason = failed_pull(&prefill, &decode);
-    assert!(reason.contains("no cluster key"), "{reason}");
+    assert!(reason.to_string().contains("no cluster key"), "{reason}");
     let s = prefill.stats().server;
     assert!(s.auth_failed >= 1, "{s:?}");
     assert!(decode.stats().auth_failures >= 1);
@@ -205,8 +205,10 @@ fn replayed_handshakes_are_refused_on_both_sides_and_counted() {
     let mut wire = prefill.lease_parent("R", vec![vec![1]], 1, None).expect("lease").to_wire();
     wire.children[0].remote_port = u32::from(port);
     let report = decode.submit_wire(wire, vec![vec![2]]).expect("submit").wait();
-    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
-    assert!(reason.contains("did not verify"), "{reason}");
+    let ChildOutcome::Failed { error: reason, .. } = &report.children[0].outcome else {
+        panic!("{report:?}")
+    };
+    assert!(reason.to_string().contains("did not verify"), "{reason}");
     assert_eq!(decode.stats().auth_failures, 1);
     let (ty, body) = seen.join().expect("impostor").expect("the client's error frame");
     assert_eq!(ty, v1::FrameType::Error as u8);
@@ -287,10 +289,10 @@ fn a_keyless_relay_cannot_get_a_forged_hello_ack_accepted() {
             prefill.lease_parent(&format!("F{i}"), vec![vec![1]], 1, None).expect("lease").to_wire();
         wire.children[0].remote_port = u32::from(relay.port());
         let report = decode.submit_wire(wire, vec![vec![2]]).expect("submit").wait();
-        let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else {
+        let ChildOutcome::Failed { error: reason, .. } = &report.children[0].outcome else {
             panic!("a forged HelloAck was accepted: {report:?}")
         };
-        assert!(reason.contains("did not verify"), "{reason}");
+        assert!(reason.to_string().contains("did not verify"), "{reason}");
         assert!(decode.stats().auth_failures >= 1);
     }
     assert_eq!(prefill.stats().server.reads_served, 0);

@@ -257,16 +257,25 @@ fn incomplete_prefill_result_is_refused_before_any_io(t: Transport) {
 }
 
 fn mismatch_pull(t: Transport, decode_config: AgentConfig, decode_layout: BlockLayout, needles: &[&str]) {
+    let version = decode_config.protocol_version;
     let prefill = t.prefill(16, TTL);
     let decode = decode_with(t.config(decode_config), decode_layout);
     let result = prefill.lease_parent("M", vec![vec![1]], 1, None).expect("lease");
     let report = decode.submit(result, vec![vec![1]]).expect("submit").wait();
-    let ChildOutcome::Failed { reason, invalid_local_blocks } = &report.children[0].outcome else {
+    let ChildOutcome::Failed { error: reason, invalid_local_blocks } = &report.children[0].outcome else {
         panic!("expected failure: {report:?}")
     };
     for n in needles {
-        assert!(reason.contains(n), "{reason:?} should contain {n:?}");
+        assert!(reason.to_string().contains(n), "{reason:?} should contain {n:?}");
     }
+    // Typed: incompatible, with this side's value; the refusal's message names both.
+    let kvxfer::PullError::Incompatible { field, local, .. } = reason else { panic!("{reason:?}") };
+    let ours = match field {
+        kvxfer::MismatchField::ProtocolVersion => u64::from(version),
+        _ => decode.memory().layout().compat_hash(),
+    };
+    assert_eq!(*local, ours);
+    assert_eq!(reason.advice(), kvxfer::Advice::Recompute);
     assert_eq!(invalid_local_blocks, &vec![1]);
     assert_eq!(prefill.stats().server.handshakes_refused, 1);
     assert_eq!(prefill.stats().leases.pulled, 0);
@@ -372,11 +381,14 @@ fn wrong_token_fails_the_child_and_changes_no_lease(t: Transport) {
     wire.children[1].lease_token = vec![0xee; 16];
     let report = decode.submit_wire(wire, vec![vec![5, 6], vec![7, 8]]).expect("submit").wait();
     assert!(matches!(report.children[0].outcome, ChildOutcome::Done { .. }), "{report:?}");
-    let ChildOutcome::Failed { reason, invalid_local_blocks } = &report.children[1].outcome else {
+    let ChildOutcome::Failed { error: reason, invalid_local_blocks } = &report.children[1].outcome else {
         panic!("{report:?}")
     };
     // On the wire a wrong token is told what an unknown id is told.
-    assert!(reason.contains("no lease for request 1_W with this token"), "{reason}");
+    assert!(reason.to_string().contains("no lease for request 1_W with this token"), "{reason}");
+    let kvxfer::PullError::LeaseUnknown { remote_request_id, .. } = reason else { panic!("{reason:?}") };
+    assert_eq!(remote_request_id, "1_W");
+    assert!(reason.is_retryable());
     assert_eq!(invalid_local_blocks, &vec![7, 8]);
     assert!(verify(&decode, &[1, 2], &[5, 6]));
     let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
@@ -393,8 +405,12 @@ fn out_of_range_remote_blocks_fail_before_any_read(t: Transport) {
     let mut wire = result.to_wire();
     wire.children[0].remote_block_ids = vec![1, 40];
     let report = decode.submit_wire(wire, vec![vec![5, 6]]).expect("submit").wait();
-    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
-    assert!(reason.contains("[40]") && reason.contains("16 blocks"), "{reason}");
+    let ChildOutcome::Failed { error: reason, .. } = &report.children[0].outcome else {
+        panic!("{report:?}")
+    };
+    assert!(reason.to_string().contains("[40]") && reason.to_string().contains("16 blocks"), "{reason}");
+    assert_eq!(reason, &kvxfer::PullError::RemoteBlocksOutOfRange { ids: vec![40], num_blocks: 16 });
+    assert_eq!(reason.advice(), kvxfer::Advice::Recompute);
     assert_eq!(prefill.stats().server.reads_served, 0);
     assert_eq!(prefill.stats().server.pins, 0);
 }
@@ -424,7 +440,7 @@ fn pull_over_ipv6_loopback() {
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
     let mem = kvxfer_mem::pattern::alloc_filled(layout).expect("patterned memory");
     let config = keyed(AgentConfig::new("prefill-v6").io_timeout(Duration::from_secs(5)));
-    let prefill = match kvxfer::PrefillAgent::start(config, "[::1]:0", mem) {
+    let prefill = match kvxfer::blocking::PrefillAgent::start(config, "[::1]:0", mem) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("skipped: cannot listen on [::1] here ({e})");
@@ -465,8 +481,11 @@ fn one_sided_read_outliving_its_pin_is_refused(t: Transport) {
     let blocks: Vec<BlockId> = (0..256).collect();
     let result = prefill.lease_parent("X", vec![blocks.clone()], 1, None).expect("lease");
     let report = decode.submit(result, vec![blocks]).expect("submit").wait();
-    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
-    assert!(reason.contains("dropped pin"), "{reason}");
+    let ChildOutcome::Failed { error: reason, .. } = &report.children[0].outcome else {
+        panic!("{report:?}")
+    };
+    assert!(reason.to_string().contains("dropped pin"), "{reason}");
+    assert!(matches!(reason, kvxfer::PullError::PinNotHeld { .. }), "{reason:?}");
     let ends = wait_ends(&prefill, 1, Duration::from_secs(10));
     assert_eq!(ends[0].kind, EndKind::Released);
     assert!(prefill.stats().server.pins_expired >= 1);

@@ -117,9 +117,9 @@ fn prefill_dying_mid_payload_fails_children_with_their_invalid_blocks() {
     assert!(started.elapsed() < Duration::from_secs(8), "bounded: {:?}", started.elapsed());
     for (c, local) in report.children.iter().zip([vec![10, 11, 12, 13], vec![20, 21, 22, 23]]) {
         match &c.outcome {
-            ChildOutcome::Failed { reason, invalid_local_blocks } => {
+            ChildOutcome::Failed { error: reason, invalid_local_blocks } => {
                 assert_eq!(invalid_local_blocks, &local);
-                assert!(!reason.is_empty());
+                assert!(!reason.to_string().is_empty());
             }
             other => panic!("child {} should have failed: {other:?}", c.child_index),
         }
@@ -144,8 +144,10 @@ fn silent_prefill_is_detected_by_timeout_and_its_blocks_are_free_again() {
     }
     let report = handle.wait();
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
-    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
-    assert!(reason.contains("timed out"), "{reason}");
+    let ChildOutcome::Failed { error: reason, .. } = &report.children[0].outcome else {
+        panic!("{report:?}")
+    };
+    assert!(reason.to_string().contains("timed out"), "{reason}");
     // Its destination blocks are free for the next pull once it reported.
     let again = decode.submit(result, vec![vec![5, 6]]).expect("blocks released after the report");
     drop(listener);
@@ -162,6 +164,7 @@ fn prefill_agent_dropped_mid_pull_ends_every_child_in_bounded_time_and_a_new_pre
         BlockLayout::single(2 * blocks + 16, BLOCK).expect("layout"),
     );
     let remote: Vec<Vec<BlockId>> = vec![(0..blocks).collect(), (blocks..2 * blocks).collect()];
+    warm_up(&prefill, &decode, 2 * blocks + 15);
     let result = prefill.lease_parent("D", remote.clone(), 1, None).expect("lease");
     let started = Instant::now();
     let handle = decode.submit(result, remote.clone()).expect("submit");
@@ -187,6 +190,16 @@ fn prefill_agent_dropped_mid_pull_ends_every_child_in_bounded_time_and_a_new_pre
     assert!(verify(&decode, &[1, 2, 3], &fresh_local));
 }
 
+/// One small pull first, so the decode agent's connections (and UCX endpoints) are set up
+/// before a test drops an agent mid-pull: UCX 1.13 can abort a process whose peer vanishes
+/// while it is still wiring an endpoint up (see ARCHITECTURE.md, UCX notes).
+fn warm_up(prefill: &kvxfer::blocking::PrefillAgent, decode: &kvxfer::blocking::DecodeAgent, local: BlockId) {
+    let r = prefill.lease_parent("warm-up", vec![vec![0]], 1, None).expect("lease");
+    assert!(decode.submit(r, vec![vec![local]]).expect("submit").wait().all_done());
+    let end = prefill.events().recv_timeout(Duration::from_secs(10)).expect("the warm-up's lease end");
+    assert_eq!(end.kind, EndKind::Pulled);
+}
+
 fn decode_agent_dropped_mid_pull_leases_end_by_expiry_never_leak(t: Transport) {
     let ttl = Duration::from_millis(700);
     let blocks = 4096u32;
@@ -198,6 +211,7 @@ fn decode_agent_dropped_mid_pull_leases_end_by_expiry_never_leak(t: Transport) {
             t.config(AgentConfig::new("decode").connections_per_peer(1)),
             BlockLayout::single(4 * blocks, BLOCK).expect("layout"),
         );
+        warm_up(&prefill, &decode, 0);
         let _handle = decode.submit(result, remote).expect("submit");
         std::thread::sleep(Duration::from_millis(5));
     } // decode agent dropped: its runtime and connections go away mid-pull
@@ -211,7 +225,8 @@ fn decode_agent_dropped_mid_pull_leases_end_by_expiry_never_leak(t: Transport) {
     assert_eq!(s.leased, s.pulled + s.released + s.expired);
     // A child whose pull was cut expires; with UCX the in-flight reads may all land before
     // the agent is gone (a UCX get is not cut short), and then every lease is pulled.
-    assert_eq!(s.pulled + s.expired + s.released, 4, "{s:?}");
+    // Four children and the warm-up's lease.
+    assert_eq!(s.pulled + s.expired + s.released, 5, "{s:?}");
 }
 
 fn expect_error_frame(s: &mut TcpStream, code: v1::ErrorCode) {
@@ -311,7 +326,7 @@ fn prefill_restarted_on_the_same_address_is_pulled_from_again() {
     drop(first);
 
     let mem = kvxfer_mem::pattern::alloc_filled(layout).expect("patterned memory");
-    let second = kvxfer::PrefillAgent::start(keyed(config()), &addr.to_string(), mem)
+    let second = kvxfer::blocking::PrefillAgent::start(keyed(config()), &addr.to_string(), mem)
         .expect("restart on the same port");
     for round in 0..2 {
         let local = vec![vec![10, 11], vec![12, 13]];
@@ -475,8 +490,10 @@ fn a_cancelled_childs_blocks_reused_at_its_report_never_reach_a_sibling() {
     }
     overwritten.store(true, Ordering::SeqCst);
     let report = handle.wait();
-    assert_eq!(report.children.len(), 2, "{report:?}");
-    for c in &report.children {
+    // The whole report holds every child, the one already received included.
+    assert_eq!(report.children.len(), 3, "{report:?}");
+    assert_eq!(report.children[0], first);
+    for c in &report.children[1..] {
         assert!(matches!(c.outcome, ChildOutcome::Done { .. }), "{c:?}");
         let i = c.child_index as usize;
         assert!(verify(&decode, &prompt, &local[i]), "child {i} got the reused blocks' bytes");
@@ -600,14 +617,16 @@ fn a_restart_with_the_same_engine_id_is_told_apart_by_its_incarnation() {
     drop(first);
 
     let mem = kvxfer_mem::pattern::alloc_filled(layout).expect("patterned memory");
-    let second = kvxfer::PrefillAgent::start(keyed(config()), &addr.to_string(), mem)
+    let second = kvxfer::blocking::PrefillAgent::start(keyed(config()), &addr.to_string(), mem)
         .expect("restart on the same port");
     let new = second.incarnation();
     assert_ne!(old, new);
     let report = decode.submit(stale, vec![vec![10, 11]]).expect("submit").wait();
-    let ChildOutcome::Failed { reason, .. } = &report.children[0].outcome else { panic!("{report:?}") };
+    let ChildOutcome::Failed { error: reason, .. } = &report.children[0].outcome else {
+        panic!("{report:?}")
+    };
     for needle in ["stale hand-off", &format!("{old:#x}"), &format!("{new:#x}")] {
-        assert!(reason.contains(needle), "{reason:?} should name {needle}");
+        assert!(reason.to_string().contains(needle), "{reason:?} should name {needle}");
     }
     assert_eq!(second.stats().server.reads_refused, 0, "nothing was read from the new process");
     let fresh = second.lease_parent("B", vec![vec![3, 4]], 1, None).expect("lease");

@@ -29,7 +29,8 @@ use std::io::BufRead;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use kvxfer::{AgentConfig, BlockLayout, ChildOutcome, DecodeAgent, KvMemory, PrefillAgent, TransportChoice};
+use kvxfer::blocking::{DecodeAgent, PrefillAgent};
+use kvxfer::{AgentConfig, BlockLayout, ChildOutcome, KvMemory, TransportChoice};
 use kvxfer_mem::pattern;
 use kvxfer_proto::Message;
 use serde_json::{json, Value};
@@ -219,15 +220,17 @@ fn decode(common: &Common) -> Result<(), String> {
                         "verified": matches!(bad, Ok(None)), "acknowledged": acknowledged,
                     }));
                 }
-                ChildOutcome::Failed { reason, invalid_local_blocks } => emit(json!({
-                    "event": "child", "child": i, "outcome": "failed", "reason": reason,
+                ChildOutcome::Failed { error: reason, invalid_local_blocks } => emit(json!({
+                    "event": "child", "child": i, "outcome": "failed", "reason": reason.to_string(), "advice": format!("{:?}", reason.advice()),
+                    "error_kind": error_kind(reason),
                     "invalid_local_blocks": invalid_local_blocks,
                 })),
                 ChildOutcome::Cancelled { .. } => {
                     emit(json!({"event": "child", "child": i, "outcome": "cancelled"}))
                 }
-                ChildOutcome::FailedBlocksHeld { reason, held_local_blocks } => emit(json!({
-                    "event": "child", "child": i, "outcome": "failed_blocks_held", "reason": reason,
+                ChildOutcome::FailedBlocksHeld { error: reason, held_local_blocks } => emit(json!({
+                    "event": "child", "child": i, "outcome": "failed_blocks_held", "reason": reason.to_string(), "advice": format!("{:?}", reason.advice()),
+                    "error_kind": error_kind(reason),
                     "held_local_blocks": held_local_blocks,
                 })),
             }
@@ -259,4 +262,10 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The name of the `PullError` variant at the root of `e` (a sibling's failure: its cause).
+fn error_kind(e: &kvxfer::PullError) -> String {
+    let debug = format!("{:?}", e.root_cause());
+    debug.split([' ', '{', '(']).next().unwrap_or_default().to_owned()
 }

@@ -20,10 +20,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvxfer::{
-    AgentConfig, BlockId, BlockLayout, ChildOutcome, DecodeAgent, EndKind, KvMemory, PrefillAgent,
-    TransportChoice,
-};
+use kvxfer::blocking::{DecodeAgent, PrefillAgent};
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, EndKind, KvMemory, TransportChoice};
 use kvxfer_mem::pattern;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -97,6 +95,7 @@ fn record_end(
     e: kvxfer::LeaseEnd,
     free: &mut Vec<BlockId>,
     ledger: &Mutex<Ledger>,
+    at_shutdown: bool,
 ) {
     free.extend(e.blocks.iter().copied());
     let k = match e.kind {
@@ -105,14 +104,14 @@ fn record_end(
         EndKind::Expired => 2,
     };
     ends[k].fetch_add(1, Ordering::Relaxed);
-    ledger.lock().expect("ledger").ended(inc, e.remote_request_id, e.kind);
+    ledger.lock().expect("ledger").ended(inc, e.remote_request_id, (e.kind, at_shutdown));
 }
 
 impl Incarnation {
     fn drain(&self, ledger: &Mutex<Ledger>) {
         while let Ok(e) = self.agent.events().try_recv() {
             let mut free = self.free.lock().expect("pool");
-            record_end(self.id, &self.ends, e, &mut free, ledger);
+            record_end(self.id, &self.ends, e, &mut free, ledger, false);
         }
     }
 }
@@ -121,7 +120,8 @@ impl Incarnation {
 #[derive(Debug, Clone, Copy)]
 enum Side {
     Seen(Seen),
-    Ended(EndKind),
+    /// How it ended, and whether the end came with its agent's shutdown.
+    Ended((EndKind, bool)),
 }
 
 /// Matches each lease's end (prefill side) with what the decode side saw, as both arrive:
@@ -169,7 +169,7 @@ impl Ledger {
         }
     }
 
-    fn ended(&mut self, inc: usize, id: Arc<str>, kind: EndKind) {
+    fn ended(&mut self, inc: usize, id: Arc<str>, kind: (EndKind, bool)) {
         match self.pending.remove(&(inc, id.clone())) {
             Some(Side::Seen(s)) => self.classify(inc, &id, kind, s),
             Some(Side::Ended(prev)) => {
@@ -182,8 +182,10 @@ impl Ledger {
         }
     }
 
-    fn classify(&mut self, inc: usize, id: &str, kind: EndKind, s: Seen) {
+    fn classify(&mut self, inc: usize, id: &str, (kind, at_shutdown): (EndKind, bool), s: Seen) {
         let ok = match kind {
+            // A shutdown releases every live lease, whatever the decode side made of it.
+            EndKind::Released if at_shutdown => true,
             // Nobody pulled it: skipped, or the decode side could not reach the peer.
             EndKind::Expired => matches!(
                 s,
@@ -272,9 +274,9 @@ fn start_prefill(cli: &Cli, id: usize) -> Result<Arc<Incarnation>, String> {
     }))
 }
 
-/// Closes an incarnation's books like a crash would: waits until no driver holds it, reads
-/// its counters, drops it, and drains every end it delivered. Leases that had not ended
-/// die with it. A survivor (`survivor`: traffic over) must match its counters exactly.
+/// Closes an incarnation's books at a restart: waits until no driver holds it, reads its
+/// counters, drops it (a graceful shutdown: every live lease ends released), and drains
+/// every end it delivered. Leases that had not ended by then die with it. A survivor (`survivor`: traffic over) must match its counters exactly.
 fn retire(inc: Arc<Incarnation>, blocks: u32, survivor: bool, ledger: &Mutex<Ledger>) -> Books {
     // Drivers hold the incarnation only while leasing on it.
     let mut inc = inc;
@@ -290,11 +292,15 @@ fn retire(inc: Arc<Incarnation>, blocks: u32, survivor: bool, ledger: &Mutex<Led
     let s = inc.agent.stats().leases;
     let events = inc.agent.events().clone();
     let Incarnation { id, agent, free, ends } = inc;
-    drop(agent);
-    // Ends delivered up to the drop (the channel keeps them after its sender is gone).
+    // Ends delivered before the shutdown, then those of the shutdown (it releases every
+    // live lease; the channel keeps them after its sender is gone).
     let mut free = free.into_inner().expect("pool");
     for e in events.try_iter() {
-        record_end(id, &ends, e, &mut free, ledger);
+        record_end(id, &ends, e, &mut free, ledger, false);
+    }
+    drop(agent);
+    for e in events.try_iter() {
+        record_end(id, &ends, e, &mut free, ledger, true);
     }
     if !survivor {
         ledger.lock().expect("ledger").bury(id);

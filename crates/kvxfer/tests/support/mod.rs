@@ -8,7 +8,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvxfer::{AgentConfig, BlockId, BlockLayout, ClusterKey, DecodeAgent, KvMemory, LeaseEnd, PrefillAgent};
+use kvxfer::blocking::{DecodeAgent, PrefillAgent};
+use kvxfer::{AgentConfig, BlockId, BlockLayout, ClusterKey, KvMemory, LeaseEnd};
 use kvxfer_mem::pattern;
 
 pub const BLOCK: u64 = 4096;

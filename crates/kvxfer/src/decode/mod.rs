@@ -1,0 +1,373 @@
+//! The decode agent: submits pulls of prefill results into its registered KV cache.
+//!
+//! - [`report`]: what a pull tells its caller (per-child reports, the pull's report).
+//! - [`peer`]: pooled connections to prefill agents and typed connection errors.
+//! - [`pull`]: the pull task, a thin driver of the core's [`kvxfer_core::pull::PullMachine`].
+
+mod peer;
+mod pull;
+mod report;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use kvxfer_core::plan::ResultPlan;
+use kvxfer_core::pull::{PullChild, PullConfig, PullMachine};
+use kvxfer_core::{BlockId, PrefillResult};
+use kvxfer_mem::KvMemory;
+use kvxfer_proto::v1;
+use kvxfer_tcp::{ClientError, Connection};
+use tokio::runtime::Handle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::warn;
+
+#[cfg(feature = "ucx")]
+pub(crate) use peer::read_error;
+pub(crate) use peer::Peer;
+use report::{add, Counters};
+pub use report::{ChildReport, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
+
+use crate::{AgentConfig, Error, SubmitError};
+
+/// What a decode agent's tasks share.
+pub(crate) struct Inner {
+    pub(crate) config: AgentConfig,
+    pub(crate) memory: Arc<KvMemory>,
+    hello: v1::Hello,
+    pub(crate) consumer_id: String,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    /// Destination blocks of pulls under way, and blocks held by reads UCX could not stop.
+    pub(crate) busy: Arc<Mutex<HashSet<BlockId>>>,
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    pub(crate) reclaimed_tx: Sender<Reclaimed>,
+    pub(crate) counters: Counters,
+    /// Set by `shutdown`: pulls stop starting reads.
+    stop: CancellationToken,
+    /// Set when the shutdown grace is over: pulls abort their reads.
+    abort: CancellationToken,
+    #[cfg(feature = "ucx")]
+    pub(crate) ucx: Option<crate::runtime::DropOffRuntime<kvxfer_ucx::UcxInitiator>>,
+}
+
+impl Inner {
+    pub(crate) fn peer(&self, addr: &str) -> Arc<Peer> {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if !peers.contains_key(addr) {
+            // Prefill workers come and go (restarts, scale-down): forget peers no pull uses
+            // whose connections their side has closed, so neither entries nor sockets pile up.
+            peers.retain(|_, p| Arc::strong_count(p) > 1 || !p.is_gone());
+        }
+        peers
+            .entry(addr.to_owned())
+            .or_insert_with(|| Arc::new(Peer::new(addr, self.config.connections_per_peer)))
+            .clone()
+    }
+
+    pub(crate) async fn connect(&self, addr: &str) -> Result<Connection, ClientError> {
+        let key = self.config.cluster_key.as_ref();
+        let c = match Connection::connect_with_key(addr, &self.hello, key, self.config.limits).await {
+            Ok(c) => c,
+            Err(e) => {
+                if let ClientError::Auth { reason, .. } = &e {
+                    add(&self.counters.auth_failures, 1);
+                    warn!(peer = %addr, %reason, "handshake failed authentication");
+                }
+                return Err(e);
+            }
+        };
+        add(&self.counters.connections_opened, 1);
+        Ok(c)
+    }
+
+    #[cfg(feature = "ucx")]
+    pub(crate) fn ucx(&self) -> Option<&kvxfer_ucx::UcxInitiator> {
+        self.ucx.as_ref().and_then(crate::runtime::DropOffRuntime::get)
+    }
+}
+
+/// A decode worker's agent: pulls prefill results into its registered KV cache. Runs on
+/// the tokio runtime it was started on (it starts no threads of its own except UCX's
+/// progress thread); [`crate::blocking::DecodeAgent`] is the same agent with a runtime of
+/// its own, for callers without one.
+pub struct DecodeAgent {
+    inner: Arc<Inner>,
+    handle: Handle,
+    tasks: TaskTracker,
+    closed: AtomicBool,
+    reclaimed: Receiver<Reclaimed>,
+}
+
+impl std::fmt::Debug for DecodeAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeAgent").field("agent", &self.inner.config.agent_name).finish_non_exhaustive()
+    }
+}
+
+impl DecodeAgent {
+    /// Starts an agent that pulls into `memory`, on the current tokio runtime.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime (use [`Self::start_on`] or [`crate::blocking::DecodeAgent`]).
+    pub async fn start(config: AgentConfig, memory: KvMemory) -> Result<Self, Error> {
+        Self::start_on(Handle::current(), config, memory).await
+    }
+
+    /// Starts an agent that pulls into `memory`, on the runtime of `handle`.
+    pub async fn start_on(handle: Handle, config: AgentConfig, memory: KvMemory) -> Result<Self, Error> {
+        config.check_transport()?;
+        let memory = Arc::new(memory);
+        #[cfg(feature = "ucx")]
+        let ucx = {
+            // UCX starts a thread and waits for it to set up: not on a runtime thread.
+            let (c, m) = (config.clone(), memory.clone());
+            let start = move || crate::ucx::start_if_wanted(&c, |u| crate::ucx::start_initiator(u, &m));
+            if config.transport == crate::TransportChoice::Tcp {
+                None
+            } else {
+                match handle.spawn_blocking(start).await {
+                    Ok(r) => r?,
+                    Err(e) => return Err(Error::Unsupported(format!("starting UCX failed: {e}"))),
+                }
+            }
+        };
+        Self::build(
+            handle,
+            config,
+            memory,
+            #[cfg(feature = "ucx")]
+            ucx,
+        )
+    }
+
+    /// Starts an agent on `handle` from a thread that may block (the blocking facade).
+    pub(crate) fn start_blocking(
+        handle: Handle,
+        config: AgentConfig,
+        memory: KvMemory,
+    ) -> Result<Self, Error> {
+        config.check_transport()?;
+        let memory = Arc::new(memory);
+        #[cfg(feature = "ucx")]
+        let ucx = crate::ucx::start_if_wanted(&config, |u| crate::ucx::start_initiator(u, &memory))?;
+        Self::build(
+            handle,
+            config,
+            memory,
+            #[cfg(feature = "ucx")]
+            ucx,
+        )
+    }
+
+    fn build(
+        handle: Handle,
+        config: AgentConfig,
+        memory: Arc<KvMemory>,
+        #[cfg(feature = "ucx")] ucx: Option<kvxfer_ucx::UcxInitiator>,
+    ) -> Result<Self, Error> {
+        #[cfg_attr(not(feature = "ucx"), allow(unused_mut))]
+        let mut transports = vec![crate::hello::tcp_offer()];
+        #[cfg(feature = "ucx")]
+        if ucx.is_some() {
+            transports.insert(0, crate::hello::ucx_reader_offer());
+        }
+        let hello = crate::hello::hello(&config, memory.layout(), transports);
+        if config.cluster_key.is_none() {
+            crate::hello::warn_unauthenticated("decode", &config.agent_name);
+        }
+        let (reclaimed_tx, reclaimed) = crossbeam_channel::unbounded();
+        let inner = Arc::new(Inner {
+            consumer_id: config.effective_consumer_id(),
+            config,
+            memory,
+            #[cfg(feature = "ucx")]
+            ucx: ucx.map(crate::runtime::DropOffRuntime::new),
+            hello,
+            peers: Mutex::new(HashMap::new()),
+            busy: Arc::new(Mutex::new(HashSet::new())),
+            reclaimed_tx,
+            counters: Counters::default(),
+            stop: CancellationToken::new(),
+            abort: CancellationToken::new(),
+        });
+        Ok(DecodeAgent {
+            inner,
+            handle,
+            tasks: TaskTracker::new(),
+            closed: AtomicBool::new(false),
+            reclaimed,
+        })
+    }
+
+    /// The registered KV cache pulls write into.
+    pub fn memory(&self) -> &Arc<KvMemory> {
+        &self.inner.memory
+    }
+
+    /// The consumer id this agent notifies with (`AgentConfig::consumer_id`, by default
+    /// `"{engine_id}/{rank}"`).
+    pub fn consumer_id(&self) -> &str {
+        &self.inner.consumer_id
+    }
+
+    /// Blocks of [`kvxfer_core::pull::ChildOutcome::FailedBlocksHeld`] children, once the
+    /// read that held them completed: only then may the caller reuse or free them. Fed from
+    /// the transport's thread, also while the agent shuts down.
+    pub fn reclaimed(&self) -> &Receiver<Reclaimed> {
+        &self.reclaimed
+    }
+
+    /// Pulls every child of `result` into `local_blocks[i]` (one list per child, same
+    /// length as the child's remote blocks). Refused before any I/O when the lists do not
+    /// fit, the children span several engines, or a local block is already the
+    /// destination of another pull. The pull runs as a task of the agent's runtime; the
+    /// handle streams its reports.
+    pub fn submit(
+        &self,
+        result: PrefillResult,
+        local_blocks: Vec<Vec<BlockId>>,
+    ) -> Result<PullHandle, Error> {
+        if local_blocks.len() != result.n() as usize {
+            let (parent, n, given) = (result.parent_request_id().to_owned(), result.n(), local_blocks.len());
+            return Err(SubmitError::LocalBlockLists { parent, n, given }.into());
+        }
+        let selection = (0u32..).zip(local_blocks).collect();
+        self.submit_subset(&result, selection)
+    }
+
+    /// Pulls only the children `(index, local blocks)` of a complete `result` — for parents
+    /// whose children are spread over several decode workers. The other children are
+    /// another worker's to pull or cancel; if nobody does, their leases expire (loudly).
+    pub fn submit_subset(
+        &self,
+        result: &PrefillResult,
+        selection: Vec<(u32, Vec<BlockId>)>,
+    ) -> Result<PullHandle, Error> {
+        let parent = result.parent_request_id().to_owned();
+        if self.closed.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown { parent }.into());
+        }
+        let n = result.n();
+        let mut seen = HashSet::new();
+        let mut children = Vec::with_capacity(selection.len());
+        let mut local = Vec::with_capacity(selection.len());
+        for (index, blocks) in selection {
+            let Some(child) = result.children().get(index as usize).filter(|_| seen.insert(index)) else {
+                return Err(SubmitError::BadChild { parent, n, index }.into());
+            };
+            children.push(child.clone());
+            local.push(blocks);
+        }
+        if children.is_empty() {
+            return Err(SubmitError::NothingSelected { parent }.into());
+        }
+        let engines: HashSet<(&str, String, u64)> = children
+            .iter()
+            .map(|c| (c.engine().engine_id.as_str(), c.engine().addr(), c.engine().incarnation))
+            .collect();
+        if engines.len() > 1 {
+            let engines =
+                engines.iter().map(|(id, a, inc)| format!("{id}@{a} incarnation {inc:#x}")).collect();
+            return Err(SubmitError::MixedEngines { parent, engines }.into());
+        }
+        let pairs: Vec<(&[BlockId], &[BlockId])> =
+            children.iter().zip(&local).map(|(c, l)| (c.remote_block_ids(), l.as_slice())).collect();
+        let local_num = self.inner.memory.layout().num_blocks();
+        let plan = ResultPlan::build(&pairs, u32::MAX, local_num)
+            .map_err(|source| SubmitError::Plan { parent: parent.clone(), source })?;
+        // Claim the destination blocks: no two pulls write the same local block.
+        let claimed: HashSet<BlockId> = local.iter().flatten().copied().collect();
+        {
+            let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
+            let taken: Vec<BlockId> = claimed.iter().copied().filter(|b| busy.contains(b)).take(16).collect();
+            if !taken.is_empty() {
+                return Err(SubmitError::LocalBlocksBusy { parent, blocks: taken }.into());
+            }
+            busy.extend(claimed.iter().copied());
+        }
+        add(&self.inner.counters.pulls, 1);
+        let min_ttl = children.iter().map(|c| c.ttl()).min().unwrap_or(Duration::from_secs(30));
+        let heartbeat_every =
+            self.inner.config.heartbeat_interval.unwrap_or(min_ttl / 6).max(Duration::from_millis(10));
+        let machine = PullMachine::new(
+            plan,
+            children
+                .iter()
+                .zip(&local)
+                .map(|(c, l)| PullChild { child_index: c.child_index(), local_blocks: l.clone() })
+                .collect(),
+            PullConfig { heartbeat_every, block_bytes: self.inner.memory.layout().block_bytes() },
+        );
+        let (handle, channels) = PullHandle::new(parent, children.len());
+        let pull = pull::Pull::new(self.inner.clone(), children, claimed, channels, Instant::now());
+        self.tasks.spawn_on(pull.run(machine), &self.handle);
+        Ok(handle)
+    }
+
+    /// Parses a wire prefill result (refusing incomplete ones, naming the missing children)
+    /// and submits it.
+    pub fn submit_wire(
+        &self,
+        result: v1::PrefillResult,
+        local_blocks: Vec<Vec<BlockId>>,
+    ) -> Result<PullHandle, Error> {
+        let result = PrefillResult::from_wire(result).map_err(SubmitError::from)?;
+        self.submit(result, local_blocks)
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> DecodeStats {
+        let peers = self.inner.peers.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+        self.inner.counters.snapshot(peers)
+    }
+
+    /// Shuts the agent down gracefully: takes no new pulls, lets pulls under way read for up
+    /// to `AgentConfig::shutdown_grace`, then aborts their reads; every child of every pull
+    /// is reported (children not read fail with `PullError::Shutdown`) and every lease is
+    /// notified or cancelled (bounded by the I/O timeout). Returns when every pull task has
+    /// ended. Later calls return at once.
+    pub async fn shutdown(&self) {
+        self.begin_shutdown();
+        let grace = self.inner.config.shutdown_grace;
+        if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
+            self.inner.abort.cancel();
+            self.tasks.wait().await;
+        }
+    }
+
+    /// Stops taking pulls and tells the pulls under way to stop starting reads.
+    fn begin_shutdown(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.tasks.close();
+        self.inner.stop.cancel();
+    }
+}
+
+impl DecodeAgent {
+    /// Starts the shutdown without waiting: the bounded drain (grace, then aborted reads)
+    /// runs as a task that keeps the agent's memory alive until its pulls ended.
+    pub(crate) fn begin_shutdown_detached(&self) {
+        if self.inner.abort.is_cancelled() || (self.tasks.is_closed() && self.tasks.is_empty()) {
+            return;
+        }
+        self.begin_shutdown();
+        let (tasks, inner) = (self.tasks.clone(), self.inner.clone());
+        let grace = inner.config.shutdown_grace;
+        // If the runtime is gone, its tasks (the pulls) were dropped with it.
+        self.handle.spawn(async move {
+            if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
+                inner.abort.cancel();
+            }
+        });
+    }
+}
+
+impl Drop for DecodeAgent {
+    /// Never blocks: signals shutdown and leaves the bounded drain to a task.
+    fn drop(&mut self) {
+        self.begin_shutdown_detached();
+    }
+}

@@ -1,0 +1,510 @@
+//! The pull task: a thin driver of the core's [`PullMachine`]. It handshakes, then carries
+//! out the machine's actions — reads, sibling copies, notifies, cancels, heartbeats, reports
+//! — and feeds back what happened. Every decision (which read, when a child is decided,
+//! what a sibling's failure means) is the machine's.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::future::OptionFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use kvxfer_core::plan::BlockRun;
+use kvxfer_core::pull::{
+    Action, ChildOutcome, ControlAnswer, PullError, PullMachine, PullSummary, ReadResult,
+};
+use kvxfer_core::{BlockId, BlockLayout, ChildHandoff};
+use kvxfer_proto::v1::{self, LeaseOutcome};
+use kvxfer_tcp::ClientError;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::peer::{pull_error, read_error, unreachable_peer, ControlOp, ControlReply, Peer};
+use super::report::{add, ChildReport, PullChannels, Totals};
+use super::Inner;
+use crate::TransportChoice;
+
+/// The data path a pull uses with one peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    Tcp,
+    #[cfg(feature = "ucx")]
+    Ucx,
+}
+
+/// How long, at most, a failed control exchange (notify, cancel, heartbeat) is retried on
+/// fresh connections: the io timeout, and at most this many attempts.
+const CONTROL_ATTEMPTS: u32 = 3;
+
+/// What one of the pull's concurrent I/O futures reports.
+enum Event {
+    Read(usize, ReadResult),
+    Control(usize, ControlAnswer),
+    Heartbeat(bool),
+}
+
+type IoFuture<'a> = Pin<Box<dyn Future<Output = Event> + Send + 'a>>;
+
+/// One pull under way.
+pub(crate) struct Pull {
+    inner: Arc<Inner>,
+    children: Vec<ChildHandoff>,
+    claimed: HashSet<BlockId>,
+    /// Per child, the runs it reads over the wire (from the plan).
+    wire: Vec<Vec<BlockRun>>,
+    channels: PullChannels,
+    started: Instant,
+    /// Cleared when the peer cannot be reached at all (connect or handshake refused): later
+    /// notifies and cancels of this pull are skipped instead of each waiting out a timeout.
+    reachable: AtomicBool,
+    /// One-sided reads the transport could not stop, and the blocks they hold.
+    #[cfg(feature = "ucx")]
+    held: Arc<crate::ucx::HeldReads>,
+}
+
+impl Pull {
+    pub(crate) fn new(
+        inner: Arc<Inner>,
+        children: Vec<ChildHandoff>,
+        claimed: HashSet<BlockId>,
+        channels: PullChannels,
+        started: Instant,
+    ) -> Self {
+        Pull {
+            #[cfg(feature = "ucx")]
+            held: Arc::new(crate::ucx::HeldReads::new(inner.busy.clone(), inner.reclaimed_tx.clone())),
+            inner,
+            children,
+            claimed,
+            wire: Vec::new(),
+            channels,
+            started,
+            reachable: AtomicBool::new(true),
+        }
+    }
+
+    pub(crate) async fn run(mut self, mut machine: PullMachine) {
+        let addr = self.children[0].engine().addr();
+        let peer = self.inner.peer(&addr);
+        let (stop, abort) = (self.inner.stop.clone(), self.inner.abort.clone());
+        let mut cancels =
+            std::mem::replace(&mut self.channels.cancels, tokio::sync::mpsc::unbounded_channel().1);
+        let done = std::mem::replace(&mut self.channels.done, tokio::sync::oneshot::channel().0);
+        self.wire = machine.plan().children.iter().map(|c| c.wire.clone()).collect();
+        let path = tokio::select! {
+            r = self.connect(&peer) => match r {
+                Ok((layout, path)) => {
+                    machine.connected(Instant::now(), path == Path::Tcp);
+                    Some((layout, path))
+                }
+                Err((e, reachable)) => {
+                    self.reachable.store(reachable, Ordering::Relaxed);
+                    machine.connect_failed(Instant::now(), e, reachable);
+                    None
+                }
+            },
+            () = abort.cancelled() => {
+                self.reachable.store(false, Ordering::Relaxed);
+                machine.connect_failed(Instant::now(), PullError::Shutdown, false);
+                None
+            }
+        };
+        let this = &self;
+        let mut io: FuturesUnordered<IoFuture<'_>> = FuturesUnordered::new();
+        let mut heartbeat: Option<IoFuture<'_>> = None;
+        let mut read_aborts: Vec<Option<CancellationToken>> = vec![None; this.children.len()];
+        let (mut stopping, mut aborting, mut cancels_open) = (false, false, true);
+        loop {
+            while let Some(action) = machine.poll_action() {
+                match action {
+                    Action::StartRead(i) => {
+                        let Some((layout, path)) = &path else { continue };
+                        let token = CancellationToken::new();
+                        read_aborts[i] = Some(token.clone());
+                        io.push(Box::pin(this.read(&peer, i, layout, *path, token)));
+                    }
+                    Action::AbortRead(i) => {
+                        if let Some(t) = &read_aborts[i] {
+                            t.cancel();
+                        }
+                    }
+                    Action::Copy { copies, .. } => this.copy(&copies),
+                    Action::Notify(i) | Action::CancelLease(i) => {
+                        // A heartbeat still waiting for its answer holds the control
+                        // connection: it is cut short (its connection dropped, so its late
+                        // reply is never read as this exchange's answer) rather than make the
+                        // notify or cancel wait for it.
+                        if heartbeat.take().is_some() {
+                            machine.heartbeat_answered(Instant::now(), true);
+                        }
+                        let f: IoFuture<'_> = match action {
+                            Action::Notify(_) => Box::pin(this.notify(&peer, i)),
+                            _ => Box::pin(this.cancel_lease(&peer, i)),
+                        };
+                        io.push(f);
+                    }
+                    Action::Heartbeat(leases) => heartbeat = Some(Box::pin(this.heartbeat(&peer, leases))),
+                    Action::Report { child, outcome } => this.report(child, outcome),
+                    Action::Finished(summary) => {
+                        let _ = done.send(this.finish(summary));
+                        return;
+                    }
+                }
+            }
+            let timer = machine.poll_timeout();
+            tokio::select! {
+                Some(event) = io.next(), if !io.is_empty() => {
+                    let now = Instant::now();
+                    match event {
+                        Event::Read(i, r) => machine.read_finished(i, now, r),
+                        Event::Control(i, a) => machine.control_answered(i, now, a),
+                        Event::Heartbeat(reachable) => machine.heartbeat_answered(now, reachable),
+                    }
+                }
+                Some(event) = OptionFuture::from(heartbeat.as_mut()), if heartbeat.is_some() => {
+                    heartbeat = None;
+                    if let Event::Heartbeat(reachable) = event {
+                        machine.heartbeat_answered(Instant::now(), reachable);
+                    }
+                }
+                index = cancels.recv(), if cancels_open => match index {
+                    Some(index) => {
+                        if let Some(i) = this.children.iter().position(|c| c.child_index() == index) {
+                            machine.cancel(i, Instant::now());
+                        }
+                    }
+                    // The handle and every canceller are gone: nobody can cancel any more.
+                    None => cancels_open = false,
+                },
+                () = sleep_until(timer), if timer.is_some() => machine.handle_timeout(Instant::now()),
+                () = stop.cancelled(), if !stopping => {
+                    stopping = true;
+                    machine.begin_shutdown(Instant::now());
+                }
+                () = abort.cancelled(), if !aborting => {
+                    aborting = true;
+                    machine.abort_reads(Instant::now());
+                }
+            }
+        }
+    }
+
+    /// Handshakes, checks the remote ids against the peer's layout, and picks the path. On
+    /// failure: the error, and whether the peer can still be told to release the leases.
+    async fn connect(&self, peer: &Peer) -> Result<(BlockLayout, Path), (PullError, bool)> {
+        let (remote_layout, path) = self.handshake(peer).await.map_err(|e| (e, false))?;
+        let ids: Vec<BlockId> = self
+            .children
+            .iter()
+            .flat_map(|c| remote_layout.out_of_range(c.remote_block_ids().iter().copied()))
+            .take(16)
+            .collect();
+        if !ids.is_empty() {
+            let num_blocks = remote_layout.num_blocks();
+            return Err((PullError::RemoteBlocksOutOfRange { ids, num_blocks }, true));
+        }
+        Ok((remote_layout, path))
+    }
+
+    /// Handshakes with the peer (once per connection), checks it is the engine process the
+    /// hand-offs name (engine id, and incarnation when stated), and picks the data path: the
+    /// best one both sides offer, unless the config forces one.
+    async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), PullError> {
+        let hello = async || match peer.control(&self.inner, &ControlOp::Hello).await {
+            Ok(ControlReply::Hello(ack)) => Ok(*ack),
+            Ok(other) => {
+                Err(PullError::Protocol { peer: peer.addr.clone(), detail: format!("unexpected {other:?}") })
+            }
+            Err(e) => Err(pull_error(&e, &self.inner)),
+        };
+        let want = self.children[0].engine();
+        let stale = |ack: &v1::HelloAck| {
+            ack.engine_id != want.engine_id || (want.incarnation != 0 && ack.incarnation != want.incarnation)
+        };
+        let mut ack = hello().await?;
+        if stale(&ack) {
+            // Our connections may predate a restart of the worker at this address: start
+            // over once with fresh ones before calling the hand-off stale.
+            debug!(peer = %peer.addr, had = %ack.engine_id, had_incarnation = ack.incarnation, want = %want.engine_id, want_incarnation = want.incarnation, "engine changed; reconnecting");
+            peer.reset().await;
+            ack = hello().await?;
+        }
+        if stale(&ack) {
+            return Err(PullError::PeerRestarted {
+                peer: peer.addr.clone(),
+                expected_engine: want.engine_id.clone(),
+                expected_incarnation: want.incarnation,
+                found_engine: ack.engine_id.clone(),
+                found_incarnation: ack.incarnation,
+            });
+        }
+        let protocol = |detail: String| PullError::Protocol { peer: peer.addr.clone(), detail };
+        let wire =
+            ack.layout.as_ref().ok_or_else(|| protocol("the prefill agent sent no block layout".into()))?;
+        let layout = BlockLayout::from_wire(wire)
+            .map_err(|e| protocol(format!("the prefill agent's layout is malformed: {e}")))?;
+        let path = self.choose_path(peer, &ack).await?;
+        Ok((layout, path))
+    }
+
+    #[cfg_attr(not(feature = "ucx"), allow(clippy::unused_async))]
+    async fn choose_path(&self, peer: &Peer, ack: &v1::HelloAck) -> Result<Path, PullError> {
+        let want = self.inner.config.transport;
+        if want == TransportChoice::Tcp {
+            return Ok(Path::Tcp);
+        }
+        #[cfg(feature = "ucx")]
+        if crate::ucx::connect(&self.inner, peer, ack).await? {
+            return Ok(Path::Ucx);
+        }
+        if want == TransportChoice::Ucx {
+            return Err(PullError::TransportUnavailable {
+                peer: peer.addr.clone(),
+                detail: format!(
+                    "UCX was requested, but {} does not offer it or this agent has no UCX",
+                    peer.addr
+                ),
+            });
+        }
+        let _ = (peer, ack);
+        Ok(Path::Tcp)
+    }
+
+    /// Reads child `i`'s wire runs; a TCP read stops when `abort` is cancelled.
+    async fn read(
+        &self,
+        peer: &Peer,
+        i: usize,
+        remote: &BlockLayout,
+        path: Path,
+        abort: CancellationToken,
+    ) -> Event {
+        let child = &self.children[i];
+        let runs = &self.wire[i];
+        #[cfg(feature = "ucx")]
+        if path == Path::Ucx {
+            // A UCX get cannot be cut short: the machine never aborts one.
+            let r = crate::ucx::read_child(&self.inner, peer, child, runs, remote, &self.held, i).await;
+            return Event::Read(i, r);
+        }
+        let _ = (remote, path);
+        let read = async {
+            let (_permit, mut conn) = match peer.checkout(&self.inner).await {
+                Ok(c) => c,
+                Err(e) => return ReadResult::Failed(e),
+            };
+            let id = child.remote_request_id();
+            // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
+            // other pull writes them; the caller does not touch them until their report,
+            // which the machine sends only after this read ended), and `ResultPlan::build`
+            // checked them against the local layout.
+            #[allow(unsafe_code)]
+            let r = unsafe { conn.read_into(id, child.token().as_bytes(), runs, &self.inner.memory) }.await;
+            peer.checkin(conn, &r);
+            debug!(remote_request_id = %id, result = ?r, "child read");
+            match r {
+                Ok(bytes) => ReadResult::Ok { bytes },
+                Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+            }
+        };
+        tokio::select! {
+            r = read => Event::Read(i, r),
+            // Dropping the read drops its connection mid-transfer: it is never reused.
+            () = abort.cancelled() => Event::Read(i, ReadResult::Aborted),
+        }
+    }
+
+    fn copy(&self, copies: &[(BlockId, BlockId)]) {
+        for &(src, dst) in copies {
+            // SAFETY: `src` and `dst` are destination blocks claimed by this pull (no other
+            // pull writes them), the machine asks for a copy only once every read it depends
+            // on has finished, and before any report hands `src` or `dst` back to the caller.
+            #[allow(unsafe_code)]
+            let r = unsafe { self.inner.memory.copy_block(src, dst) };
+            if let Err(e) = r {
+                warn!(error = %e, "local copy failed");
+            }
+        }
+    }
+
+    fn report(&self, i: usize, outcome: ChildOutcome) {
+        let c = &self.inner.counters;
+        let id = self.children[i].remote_request_id();
+        match &outcome {
+            ChildOutcome::Done { bytes_delivered, acknowledged } => {
+                add(&c.children_done, 1);
+                add(&c.bytes_delivered, *bytes_delivered);
+                if !acknowledged {
+                    add(&c.notifications_unacknowledged, 1);
+                }
+            }
+            ChildOutcome::Failed { error, .. } => {
+                add(&c.children_failed, 1);
+                warn!(remote_request_id = %id, %error, advice = ?error.advice(), "child pull failed");
+            }
+            ChildOutcome::Cancelled { .. } => add(&c.children_cancelled, 1),
+            ChildOutcome::FailedBlocksHeld { error, .. } => {
+                add(&c.children_failed, 1);
+                add(&c.children_blocks_held, 1);
+                warn!(remote_request_id = %id, %error, "child pull failed; its blocks stay held");
+            }
+        }
+        // The handle may have been dropped: the pull still completes and releases leases.
+        let _ = self.channels.reports.send(ChildReport {
+            child_index: self.children[i].child_index(),
+            remote_request_id: id.to_owned(),
+            outcome,
+        });
+    }
+
+    /// Counts the pull's bytes, releases its destination blocks (except those held by a
+    /// read that could not be stopped: released when it completes) and returns the totals.
+    fn finish(&self, summary: PullSummary) -> Totals {
+        add(&self.inner.counters.bytes_pulled, summary.wire_bytes);
+        let held: HashSet<BlockId> = summary.held_blocks.iter().copied().collect();
+        {
+            let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
+            for b in self.claimed.iter().filter(|b| !held.contains(b)) {
+                busy.remove(b);
+            }
+        }
+        if !held.is_empty() {
+            warn!(
+                blocks = held.len(),
+                "destination blocks stay held until the read that could not be stopped completes"
+            );
+            #[cfg(feature = "ucx")]
+            {
+                let reclaimed = super::Reclaimed {
+                    parent_request_id: self.children[0].parent_request_id().to_owned(),
+                    children: summary.held_children.iter().map(|&i| self.children[i].child_index()).collect(),
+                    local_blocks: summary.held_blocks.clone(),
+                };
+                self.held.finish(held, reclaimed);
+            }
+        }
+        debug!(
+            children = self.children.len(),
+            wire_bytes = summary.wire_bytes,
+            delivered = summary.delivered_bytes,
+            "pull finished"
+        );
+        (summary.wire_bytes, summary.delivered_bytes, self.started.elapsed())
+    }
+
+    /// Runs `op` on the peer's control connection unless the peer was found unreachable
+    /// (`None`). An exchange that fails midway (connection reset, lost or garbled reply) is
+    /// retried on a fresh connection while the io timeout allows; the second value is the
+    /// number of attempts made (a retried notify may find its first attempt counted).
+    async fn control(&self, peer: &Peer, op: ControlOp) -> Option<(Result<ControlReply, ClientError>, u32)> {
+        if !self.reachable.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut attempt = 1;
+        let mut r = peer.control(&self.inner, &op).await;
+        let deadline = tokio::time::Instant::now() + self.inner.config.limits.io_timeout;
+        loop {
+            match &r {
+                Err(e) if unreachable_peer(e) => {
+                    self.reachable.store(false, Ordering::Relaxed);
+                    return None;
+                }
+                Err(e) if !e.connection_usable() && attempt < CONTROL_ATTEMPTS => {
+                    debug!(peer = %peer.addr, error = %e, attempt, "control exchange failed; retrying on a fresh connection");
+                    add(&self.inner.counters.control_retries, 1);
+                    attempt += 1;
+                    match tokio::time::timeout_at(deadline, peer.control(&self.inner, &op)).await {
+                        Ok(next) => r = next,
+                        Err(_) => break,
+                    }
+                }
+                _ => break,
+            }
+        }
+        Some((r, attempt))
+    }
+
+    async fn heartbeat(&self, peer: &Peer, leases: Vec<usize>) -> Event {
+        let refs: Vec<v1::LeaseRef> = leases
+            .iter()
+            .map(|&i| v1::LeaseRef {
+                remote_request_id: self.children[i].remote_request_id().to_owned(),
+                lease_token: self.children[i].token().as_bytes().to_vec(),
+            })
+            .collect();
+        match self.control(peer, ControlOp::Heartbeat(refs)).await {
+            None => Event::Heartbeat(false),
+            Some((Ok(ControlReply::Heartbeat(outcomes)), _)) => {
+                for (&i, o) in leases.iter().zip(outcomes) {
+                    if o != LeaseOutcome::Extended {
+                        debug!(remote_request_id = %self.children[i].remote_request_id(), outcome = ?o, "heartbeat not extended");
+                    }
+                }
+                Event::Heartbeat(true)
+            }
+            Some((r, _)) => {
+                debug!(result = ?r, "heartbeat failed");
+                Event::Heartbeat(true)
+            }
+        }
+    }
+
+    async fn notify(&self, peer: &Peer, i: usize) -> Event {
+        let child = &self.children[i];
+        let id = child.remote_request_id().to_owned();
+        let token = child.token().as_bytes().to_vec();
+        let consumer = self.inner.consumer_id.clone();
+        let r = self.control(peer, ControlOp::Notify { id, token, consumer }).await;
+        let answer = match &r {
+            None => ControlAnswer::Unreachable,
+            Some((Ok(ControlReply::Notify(ack)), attempts)) => match LeaseOutcome::try_from(ack.outcome) {
+                // ALREADY_PULLED: an earlier attempt (whose answer was lost) ended the lease.
+                Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted | LeaseOutcome::AlreadyPulled) => {
+                    ControlAnswer::Acknowledged
+                }
+                // Our consumer id was counted by an earlier attempt of this notify.
+                Ok(LeaseOutcome::Duplicate) if *attempts > 1 => ControlAnswer::Acknowledged,
+                _ => ControlAnswer::NotAcknowledged,
+            },
+            Some(_) => ControlAnswer::NotAcknowledged,
+        };
+        if answer != ControlAnswer::Acknowledged {
+            warn!(remote_request_id = %child.remote_request_id(), result = ?r, "notification not acknowledged");
+        }
+        Event::Control(i, answer)
+    }
+
+    async fn cancel_lease(&self, peer: &Peer, i: usize) -> Event {
+        let child = &self.children[i];
+        let id = child.remote_request_id().to_owned();
+        let token = child.token().as_bytes().to_vec();
+        let r = self.control(peer, ControlOp::Cancel { id, token }).await;
+        let answer = match &r {
+            None => {
+                info!(remote_request_id = %child.remote_request_id(), "peer unreachable: lease left to expire");
+                ControlAnswer::Unreachable
+            }
+            // ALREADY_RELEASED: an earlier attempt (whose answer was lost) released it.
+            Some((Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)), _)) => {
+                info!(remote_request_id = %child.remote_request_id(), "lease released");
+                ControlAnswer::Acknowledged
+            }
+            Some(r) => {
+                info!(remote_request_id = %child.remote_request_id(), result = ?r, "cancel sent");
+                ControlAnswer::NotAcknowledged
+            }
+        };
+        Event::Control(i, answer)
+    }
+}
+
+/// Sleeps until `t` (for ever when `None`; the branch is disabled then).
+async fn sleep_until(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t.into()).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,267 @@
+//! What a pull tells its caller: per-child reports (a [`Stream`]), the whole pull's
+//! [`PullReport`] (a [`Future`]), reclaimed blocks, and the decode agent's counters.
+
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use kvxfer_core::pull::ChildOutcome;
+use kvxfer_core::BlockId;
+use tokio::sync::{mpsc, oneshot};
+
+/// Local blocks of children reported [`ChildOutcome::FailedBlocksHeld`] that are safe to
+/// reuse again: the read that held them completed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reclaimed {
+    /// The parent request of the pull.
+    pub parent_request_id: String,
+    /// The children (indices) whose held blocks these are.
+    pub children: Vec<u32>,
+    /// The blocks, now free for the caller to reuse or free.
+    pub local_blocks: Vec<BlockId>,
+}
+
+/// One child's report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildReport {
+    /// The child index.
+    pub child_index: u32,
+    /// The prefill side's id for the child.
+    pub remote_request_id: String,
+    /// How it ended.
+    pub outcome: ChildOutcome,
+}
+
+/// All children's reports of one pull.
+#[derive(Debug, Clone)]
+pub struct PullReport {
+    /// The parent request id.
+    pub parent_request_id: String,
+    /// One report per child, child 0 first.
+    pub children: Vec<ChildReport>,
+    /// Bytes that crossed the wire.
+    pub wire_bytes: u64,
+    /// Bytes delivered into local blocks (wire + local copies for siblings).
+    pub delivered_bytes: u64,
+    /// From submit to the last report.
+    pub elapsed: Duration,
+}
+
+impl PullReport {
+    /// Whether every child is done.
+    pub fn all_done(&self) -> bool {
+        self.children.iter().all(|c| matches!(c.outcome, ChildOutcome::Done { .. }))
+    }
+}
+
+/// Counters of a decode agent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Pulls submitted.
+    pub pulls: u64,
+    /// Children done.
+    pub children_done: u64,
+    /// Children failed.
+    pub children_failed: u64,
+    /// Children cancelled.
+    pub children_cancelled: u64,
+    /// Bytes on the wire.
+    pub bytes_pulled: u64,
+    /// Bytes delivered into local blocks (wire + local copies).
+    pub bytes_delivered: u64,
+    /// Notifications the prefill side did not count (unrecognized / bad token).
+    pub notifications_unacknowledged: u64,
+    /// Connections opened.
+    pub connections_opened: u64,
+    /// Prefill peers this agent keeps connections (or a pool) for; peers that closed every
+    /// connection and no pull uses are forgotten when a new peer is added.
+    pub peers: u64,
+    /// Handshakes that failed authentication (no key on one side, another key, a replayed
+    /// challenge), whichever side refused.
+    pub auth_failures: u64,
+    /// Control exchanges (notify, cancel, heartbeat) retried on a fresh connection after one
+    /// failed midway.
+    pub control_retries: u64,
+    /// Children reported [`ChildOutcome::FailedBlocksHeld`].
+    pub children_blocks_held: u64,
+}
+
+/// The live counters behind [`DecodeStats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) auth_failures: AtomicU64,
+    pub(crate) control_retries: AtomicU64,
+    pub(crate) children_blocks_held: AtomicU64,
+    pub(crate) pulls: AtomicU64,
+    pub(crate) children_done: AtomicU64,
+    pub(crate) children_failed: AtomicU64,
+    pub(crate) children_cancelled: AtomicU64,
+    pub(crate) bytes_pulled: AtomicU64,
+    pub(crate) bytes_delivered: AtomicU64,
+    pub(crate) notifications_unacknowledged: AtomicU64,
+    pub(crate) connections_opened: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self, peers: u64) -> DecodeStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DecodeStats {
+            pulls: l(&self.pulls),
+            children_done: l(&self.children_done),
+            children_failed: l(&self.children_failed),
+            children_cancelled: l(&self.children_cancelled),
+            bytes_pulled: l(&self.bytes_pulled),
+            bytes_delivered: l(&self.bytes_delivered),
+            notifications_unacknowledged: l(&self.notifications_unacknowledged),
+            connections_opened: l(&self.connections_opened),
+            auth_failures: l(&self.auth_failures),
+            control_retries: l(&self.control_retries),
+            children_blocks_held: l(&self.children_blocks_held),
+            peers,
+        }
+    }
+}
+
+/// Adds `n` to a counter.
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Totals a pull sends when it finished: wire bytes, delivered bytes, elapsed.
+pub(crate) type Totals = (u64, u64, Duration);
+
+/// Cancels children of a pull; cheap to clone and usable after the [`PullHandle`] is
+/// consumed (e.g. while awaiting it).
+#[derive(Debug, Clone)]
+pub struct PullCanceller {
+    cancels: mpsc::UnboundedSender<u32>,
+}
+
+impl PullCanceller {
+    /// The decode side drops child `index`: its lease is released now (or as soon as reads
+    /// that siblings need from it finish). Its local blocks are not written after its report
+    /// arrives. Ignored once the child has reported (or the pull has finished).
+    pub fn cancel_child(&self, index: u32) {
+        let _ = self.cancels.send(index);
+    }
+}
+
+/// A pull under way. Its per-child reports are a [`Stream`] (as children finish, each
+/// once); awaiting it (or [`PullHandle::finished`]) gives the whole [`PullReport`].
+/// Dropping it does not stop the pull: every child still ends, and every lease with it.
+pub struct PullHandle {
+    parent: String,
+    count: usize,
+    reports: mpsc::UnboundedReceiver<ChildReport>,
+    canceller: PullCanceller,
+    done: oneshot::Receiver<Totals>,
+    /// Reports already received, with when they arrived.
+    seen: Vec<(ChildReport, Instant)>,
+}
+
+impl std::fmt::Debug for PullHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PullHandle")
+            .field("parent", &self.parent)
+            .field("children", &self.count)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The pull task's ends of a [`PullHandle`]'s channels.
+pub(crate) struct PullChannels {
+    pub(crate) reports: mpsc::UnboundedSender<ChildReport>,
+    pub(crate) cancels: mpsc::UnboundedReceiver<u32>,
+    pub(crate) done: oneshot::Sender<Totals>,
+}
+
+impl PullHandle {
+    /// A handle for a pull of `count` children of `parent`, and the pull task's ends.
+    pub(crate) fn new(parent: String, count: usize) -> (Self, PullChannels) {
+        let (report_tx, reports) = mpsc::unbounded_channel();
+        let (cancel_tx, cancels) = mpsc::unbounded_channel();
+        let (done_tx, done) = oneshot::channel();
+        let handle = PullHandle {
+            parent,
+            count,
+            reports,
+            canceller: PullCanceller { cancels: cancel_tx },
+            done,
+            seen: Vec::new(),
+        };
+        (handle, PullChannels { reports: report_tx, cancels, done: done_tx })
+    }
+
+    /// Cancels child `index` (see [`PullCanceller::cancel_child`]).
+    pub fn cancel_child(&self, index: u32) {
+        self.canceller.cancel_child(index);
+    }
+
+    /// A canceller that outlives this handle.
+    pub fn canceller(&self) -> PullCanceller {
+        self.canceller.clone()
+    }
+
+    /// Children this pull covers.
+    pub fn children(&self) -> usize {
+        self.count
+    }
+
+    /// The parent request id.
+    pub fn parent_request_id(&self) -> &str {
+        &self.parent
+    }
+
+    /// Waits for every child's report (those the stream already gave included).
+    pub async fn finished(self) -> PullReport {
+        self.finished_timed().await.0
+    }
+
+    /// Waits for every child's report, and says when each one arrived (same order as
+    /// `PullReport::children`): for hand-off latency figures.
+    pub async fn finished_timed(mut self) -> (PullReport, Vec<Instant>) {
+        while self.seen.len() < self.count {
+            match self.reports.recv().await {
+                Some(r) => self.seen.push((r, Instant::now())),
+                None => break,
+            }
+        }
+        let mut children = std::mem::take(&mut self.seen);
+        children.sort_by_key(|c| c.0.child_index);
+        let (wire_bytes, delivered_bytes, elapsed) = (&mut self.done).await.unwrap_or_default();
+        let (children, arrived) = children.into_iter().unzip();
+        let report =
+            PullReport { parent_request_id: self.parent, children, wire_bytes, delivered_bytes, elapsed };
+        (report, arrived)
+    }
+}
+
+impl Stream for PullHandle {
+    type Item = ChildReport;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<ChildReport>> {
+        let this = self.get_mut();
+        if this.seen.len() >= this.count {
+            return Poll::Ready(None);
+        }
+        match this.reports.poll_recv(cx) {
+            Poll::Ready(Some(r)) => {
+                this.seen.push((r.clone(), Instant::now()));
+                Poll::Ready(Some(r))
+            }
+            other => other,
+        }
+    }
+}
+
+impl IntoFuture for PullHandle {
+    type Output = PullReport;
+    type IntoFuture = Pin<Box<dyn Future<Output = PullReport> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.finished())
+    }
+}

@@ -1,0 +1,69 @@
+//! The handshake both agents build: a decode agent's `Hello`, a prefill agent's `HelloAck`
+//! (identity, layout, compatibility hash and the transports offered), and the warning an
+//! agent without a cluster key logs once.
+
+use kvxfer_core::BlockLayout;
+use kvxfer_proto::v1;
+
+use crate::AgentConfig;
+
+/// The TCP offer every agent makes in its handshake.
+pub(crate) fn tcp_offer() -> v1::TransportOffer {
+    v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }
+}
+
+/// A decode agent's UCX offer: it only reads, so it carries no connection info.
+#[cfg(feature = "ucx")]
+pub(crate) fn ucx_reader_offer() -> v1::TransportOffer {
+    v1::TransportOffer { transport: v1::Transport::Ucx as i32, connection_info: vec![] }
+}
+
+/// The `Hello` a decode agent sends (nonce and `authenticated` are set per connection by
+/// the handshake).
+pub(crate) fn hello(
+    config: &AgentConfig,
+    layout: &BlockLayout,
+    transports: Vec<v1::TransportOffer>,
+) -> v1::Hello {
+    v1::Hello {
+        protocol_version: config.protocol_version,
+        engine_id: config.engine_id.clone(),
+        agent_name: config.agent_name.clone(),
+        compat_hash: layout.compat_hash(),
+        layout: Some(layout.to_wire()),
+        transports,
+        nonce: Vec::new(),
+        authenticated: false,
+    }
+}
+
+/// The `HelloAck` a prefill agent answers a compatible hello with (`authenticated` is set
+/// per connection).
+pub(crate) fn hello_ack(
+    config: &AgentConfig,
+    layout: &BlockLayout,
+    transports: Vec<v1::TransportOffer>,
+    incarnation: u64,
+) -> v1::HelloAck {
+    v1::HelloAck {
+        protocol_version: config.protocol_version,
+        engine_id: config.engine_id.clone(),
+        agent_name: config.agent_name.clone(),
+        compat_hash: layout.compat_hash(),
+        layout: Some(layout.to_wire()),
+        transports,
+        incarnation,
+        authenticated: false,
+    }
+}
+
+/// Logs, once per agent, that it runs without a cluster key.
+pub(crate) fn warn_unauthenticated(role: &str, agent: &str) {
+    tracing::warn!(
+        agent,
+        "{role} agent has no cluster key: peers are not authenticated (any peer that can connect \
+         may handshake, and over UCX read whole registered regions); set {} or {}",
+        crate::CLUSTER_KEY_ENV,
+        crate::CLUSTER_KEY_FILE_ENV
+    );
+}
