@@ -275,3 +275,26 @@ fn connect_reports_an_endpoint_only_once_the_target_answered_its_wire_up() {
     drop(target);
     drop(dst_buf);
 }
+
+/// An initiator stopped while a target has not answered its wire-up (it never progresses)
+/// shuts down cleanly: the connect fails, the endpoint's graceful close gives up after its
+/// bound, and that unanswered close request is released — destroying the worker with it
+/// unreleased trips UCX 1.13's assertion (`ucp_ep.c:382 ... UCP_REQUEST_FLAG_RELEASED`)
+/// and aborts this process.
+#[test]
+fn an_initiator_stopped_during_an_unanswered_wire_up_shuts_down_cleanly() {
+    let config = UcxConfig { tls: Some("tcp".into()), peer_failure_handling: true, ..UcxConfig::default() };
+    let target = IdleWorker::new();
+    let mut dst_buf = vec![0u8; 4096];
+    let dst_span = Span { ptr: dst_buf.as_mut_ptr(), len: dst_buf.len() };
+    // SAFETY: `dst_buf` outlives the initiator and nothing is read into it.
+    let initiator = unsafe { UcxInitiator::start(&config, vec![dst_span], Arc::new(())) }.expect("initiator");
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let info = kvxfer_ucx::TargetInfo { worker_address: target.address.clone(), regions: vec![] };
+    initiator.connect("silent", info, Box::new(move |r| drop(tx.send(r))));
+    drop(initiator);
+    let answer = rx.recv_timeout(std::time::Duration::from_secs(30)).expect("connect answered");
+    assert!(answer.is_err(), "a connect the target never answered reported an endpoint");
+    drop(target);
+    drop(dst_buf);
+}
