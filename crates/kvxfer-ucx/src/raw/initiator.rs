@@ -12,7 +12,7 @@ use crossbeam_channel::{Receiver, Sender};
 use tracing::warn;
 use ucx_sys as sys;
 
-use super::endpoint::PeerEp;
+use super::endpoint::{PeerEp, Wireup};
 use super::error::UcxError;
 use super::handles::{setup, Signal};
 use crate::{Command, Done, GetPiece, Span, UcxConfig};
@@ -108,6 +108,35 @@ fn issue(peer: &PeerEp, job: &mut Box<Job>, pieces: &[GetPiece]) -> Result<(), U
     Ok(())
 }
 
+/// An endpoint whose wire-up is under way. Its connect's `done` runs when the wire-up
+/// finishes (or fails, or takes longer than [`WIREUP_TIMEOUT`]); `done` is `None` once the
+/// connect was answered without the endpoint (timed out, disconnected, aborted, stopping),
+/// and the endpoint is then closed when its wire-up finishes, not before.
+///
+/// Why wait: until the target's reply to our wire-up request has gone out, UCX 1.13's
+/// target holds it queued on a transport endpoint to us (over tcp: until we accept and
+/// acknowledge its connection, which needs our worker progressed). If our endpoint is
+/// closed or this process dies in that window, the target fails that endpoint, purges the
+/// queued reply, and aborts on an assertion (`ucp_request.c:684 ... got REP message`; see
+/// ARCHITECTURE.md, UCX notes).
+struct Wiring {
+    peer: String,
+    ep: PeerEp,
+    wireup: Wireup,
+    deadline: Instant,
+    done: Option<Done<()>>,
+}
+
+impl Wiring {
+    /// Answers the connect (if not answered yet) with `error`; the endpoint is kept until
+    /// its wire-up finishes.
+    fn give_up(&mut self, error: impl FnOnce() -> UcxError) {
+        if let Some(done) = self.done.take() {
+            done(Err(error()));
+        }
+    }
+}
+
 type InitiatorReady = Sender<Result<Signal, UcxError>>;
 
 /// The decode side's thread: endpoints, rkeys and gets, all on one worker.
@@ -134,6 +163,8 @@ pub(crate) fn run_initiator(
     // value (not by peer name), so a Connect to the same peer in the same batch keeps its
     // new endpoint.
     let mut closing: Vec<(String, PeerEp)> = Vec::new();
+    // Endpoints made by a Connect whose wire-up has not finished.
+    let mut wiring: Vec<Wiring> = Vec::new();
     let mut stop_since: Option<Instant> = None;
     let mut leak = false;
     if ready.send(Ok(signal.clone())).is_ok() {
@@ -145,15 +176,37 @@ pub(crate) fn run_initiator(
                             done(Err(UcxError::other("connect", "reads to this peer are still in flight")));
                             continue;
                         }
+                        if wiring.iter().any(|w| w.peer == peer && w.done.is_some()) {
+                            done(Err(UcxError::other("connect", "a connect to this peer is under way")));
+                            continue;
+                        }
                         if let Some(old) = peers.remove(&peer) {
                             old.close(&worker);
                         }
-                        match PeerEp::connect(&worker, &info, config.peer_failure_handling) {
-                            Ok(ep) => {
+                        let ep = match PeerEp::connect(&worker, &info, config.peer_failure_handling) {
+                            Ok(ep) => ep,
+                            Err(e) => {
+                                done(Err(e));
+                                continue;
+                            }
+                        };
+                        // Answered once the endpoint is wired up both ways (see `Wiring`).
+                        match ep.start_wireup() {
+                            Ok(None) => {
                                 peers.insert(peer, ep);
                                 done(Ok(()));
                             }
-                            Err(e) => done(Err(e)),
+                            Ok(Some(wireup)) => wiring.push(Wiring {
+                                peer,
+                                ep,
+                                wireup,
+                                deadline: Instant::now() + WIREUP_TIMEOUT,
+                                done: Some(done),
+                            }),
+                            Err(e) => {
+                                ep.close(&worker);
+                                done(Err(e));
+                            }
                         }
                     }
                     Command::Get { peer, pieces, done } => {
@@ -172,6 +225,11 @@ pub(crate) fn run_initiator(
                         jobs.push(job);
                     }
                     Command::Disconnect { peer } => {
+                        for w in wiring.iter_mut().filter(|w| w.peer == peer) {
+                            w.give_up(|| {
+                                UcxError::other("connect", "disconnected before the wire-up finished")
+                            });
+                        }
                         if let Some(ep) = peers.remove(&peer) {
                             closing.push((peer, ep));
                         }
@@ -186,10 +244,49 @@ pub(crate) fn run_initiator(
                             warn!(%peer, "aborting the UCX endpoint: reads in flight are cancelled");
                             ep.abort(&worker);
                         }
+                        // No read uses an endpoint still wiring up: it is closed (not forced)
+                        // once its wire-up finishes.
+                        for w in wiring.iter_mut().filter(|w| w.peer == peer) {
+                            w.give_up(|| UcxError::other("connect", "aborted before the wire-up finished"));
+                        }
                     }
                 }
             }
             worker.progress_all();
+            // Answer connects whose wire-up finished; close given-up endpoints once theirs did.
+            let now = Instant::now();
+            let mut still_wiring = Vec::with_capacity(wiring.len());
+            for mut w in wiring.drain(..) {
+                match w.wireup.poll() {
+                    None => {
+                        if now > w.deadline {
+                            w.give_up(|| {
+                                UcxError::other(
+                                    "connect",
+                                    format!("the peer did not finish the wire-up in {WIREUP_TIMEOUT:?}"),
+                                )
+                            });
+                        }
+                        still_wiring.push(w);
+                    }
+                    Some(result) => {
+                        let Wiring { peer, ep, wireup, done, .. } = w;
+                        drop(wireup);
+                        match (done, result) {
+                            (Some(done), Ok(())) => {
+                                peers.insert(peer, ep);
+                                done(Ok(()));
+                            }
+                            (Some(done), Err(e)) => {
+                                ep.close(&worker);
+                                done(Err(e));
+                            }
+                            (None, _) => ep.close(&worker),
+                        }
+                    }
+                }
+            }
+            wiring = still_wiring;
             // Finish jobs whose pieces all completed.
             jobs.retain_mut(|job| {
                 if job.outstanding > 0 {
@@ -214,10 +311,18 @@ pub(crate) fn run_initiator(
             }
             closing = still_closing;
             if stop.load(Ordering::Acquire) {
-                if jobs.is_empty() {
+                for w in &mut wiring {
+                    w.give_up(|| UcxError::other("connect", "the UCX initiator is stopping"));
+                }
+                if jobs.is_empty() && wiring.is_empty() {
                     break;
                 }
                 let since = *stop_since.get_or_insert_with(Instant::now);
+                if jobs.is_empty() && since.elapsed() > WIREUP_GRACE_AT_STOP {
+                    // Wire-ups that did not finish in time: their endpoints are closed below
+                    // anyway (the peer is gone or stuck).
+                    break;
+                }
                 if since.elapsed() > STUCK_READ_GRACE {
                     // UCX still owns reads that will not finish. Destroying the worker or
                     // unmapping could let UCX write into (or call back into) freed memory,
@@ -230,20 +335,26 @@ pub(crate) fn run_initiator(
                     break;
                 }
             }
-            if jobs.is_empty() {
+            if jobs.is_empty() && wiring.iter().all(|w| w.done.is_none()) {
                 worker.wait(Duration::from_millis(100));
             } else {
-                // Transfers in flight: wait briefly on the event fd (tcp) without spinning.
+                // Transfers or connects under way: wait briefly on the event fd without
+                // spinning. (A wire-up needs the target's new tcp connection to us accepted,
+                // and a waiting UCX 1.13 initiator was not seen woken for it here.)
                 worker.wait(Duration::from_millis(1));
             }
         }
     }
     signal.disarm();
     if leak {
-        std::mem::forget((jobs, peers, closing, maps, worker, ctx, keep_alive));
+        std::mem::forget((jobs, peers, closing, wiring, maps, worker, ctx, keep_alive));
         return;
     }
-    for (_, ep) in peers.drain().chain(closing.drain(..)) {
+    let unwired = wiring.drain(..).map(|w| {
+        drop(w.wireup);
+        (w.peer, w.ep)
+    });
+    for (_, ep) in peers.drain().chain(closing.drain(..)).chain(unwired) {
         ep.close(&worker);
     }
     drop(maps);
@@ -254,3 +365,11 @@ pub(crate) fn run_initiator(
 
 /// How long a stopping initiator waits for reads in flight before leaking instead.
 const STUCK_READ_GRACE: Duration = Duration::from_secs(5);
+
+/// How long a stopping initiator (with no reads in flight) waits for wire-ups under way
+/// before closing their endpoints anyway.
+const WIREUP_GRACE_AT_STOP: Duration = Duration::from_secs(1);
+
+/// How long a connect waits for its endpoint's wire-up before it fails (the endpoint is
+/// still kept until the wire-up finishes).
+const WIREUP_TIMEOUT: Duration = Duration::from_secs(5);
