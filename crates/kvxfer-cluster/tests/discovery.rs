@@ -11,7 +11,8 @@ use kvxfer_cluster::{
     RegistrationConfig, ResolveError, StatusWatch,
 };
 use support::{
-    is_added, is_removed, key, namespace, next_event, record, wait_added, wait_event, EtcdServer, LAYOUT_HASH,
+    is_added, is_removed, key, namespace, next_event, record, start_etcd, wait_added, wait_event, EtcdServer,
+    LAYOUT_HASH,
 };
 use tokio::runtime::Handle;
 
@@ -46,7 +47,7 @@ async fn stored(etcd: &EtcdServer, engine: &str) -> Option<(EngineRecord, i64)> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_engine_resolves_from_the_cache() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-a", 0xa1);
@@ -77,7 +78,7 @@ async fn registered_engine_resolves_from_the_cache() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_revokes_the_key_at_once() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-a", 1);
@@ -129,7 +130,7 @@ fn spawn_registering_process(etcd: &EtcdServer, engine: &str) -> (std::process::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_registering_process_vanishes_within_the_lease_ttl() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let (mut child, line) = spawn_registering_process(&etcd, "engine-k");
@@ -163,7 +164,7 @@ async fn killed_registering_process_vanishes_within_the_lease_ttl() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registering_process_revokes_when_told_to_leave() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let (mut child, _) = spawn_registering_process(&etcd, "engine-q");
@@ -180,7 +181,7 @@ async fn registering_process_revokes_when_told_to_leave() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_incarnation_is_an_update_and_outlives_the_old_lease() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let old = register(&etcd, "engine-r", 0x01);
@@ -222,7 +223,7 @@ async fn new_incarnation_is_an_update_and_outlives_the_old_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_lease_is_granted_again_and_the_key_put_back() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-l", 7);
@@ -254,7 +255,7 @@ async fn wait_state(what: &str, mut watch: StatusWatch, want: EtcdState) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_restart_brings_registrations_back_and_the_watch_resumes() {
-    let mut etcd = EtcdServer::start();
+    let mut etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let a = register(&etcd, "engine-a", 0xa);
@@ -309,7 +310,7 @@ async fn etcd_restart_brings_registrations_back_and_the_watch_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_values_are_ignored_counted_and_the_watcher_lives_on() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let mut client = etcd.client().await;
     let prefix = engines_prefix(&namespace());
     let valid = |engine: &str, hash: u64| {
@@ -372,7 +373,7 @@ async fn malformed_values_are_ignored_counted_and_the_watcher_lives_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_etcd_leaves_the_cache_answering_and_says_degraded() {
-    let mut etcd = EtcdServer::start();
+    let mut etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-u", 5);
@@ -415,7 +416,7 @@ async fn unreachable_etcd_leaves_the_cache_answering_and_says_degraded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_that_stops_answering_is_noticed_and_recovered_from() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-s", 3);
