@@ -162,6 +162,9 @@ pub struct DecodeSnapshot {
     pub connections_opened: u64,
     /// Gauge: prefill peers with connections.
     pub peers: u64,
+    /// Peers whose pooled connections were dropped because discovery saw their engine leave
+    /// or change (a new incarnation or address).
+    pub peers_invalidated: u64,
 }
 
 /// How a lease ended, as a label value.
@@ -261,6 +264,7 @@ impl Snapshot for DecodeSnapshot {
         self.integrity_failures.add(&o.integrity_failures);
         self.notifications_unacknowledged += o.notifications_unacknowledged;
         self.connections_opened += o.connections_opened;
+        self.peers_invalidated += o.peers_invalidated;
     }
 }
 
@@ -752,6 +756,12 @@ impl Collector for SnapshotCollector {
                 d.notifications_unacknowledged,
             )?;
             w.gauge("peers", "Prefill peers with open connections", d.peers)?;
+            w.counter(
+                "peers_invalidated",
+                "Peers whose pooled connections were dropped because their engine left etcd or changed",
+                None,
+                d.peers_invalidated,
+            )?;
         }
         if registration.is_some() || directory.is_some() {
             let parts: Vec<(&str, EtcdPart)> =

@@ -39,6 +39,8 @@
 // regions, `UcxInitiator::get`, the CRC of a completed read), each with a SAFETY note.
 
 pub mod blocking;
+#[cfg(feature = "cluster")]
+pub mod cluster;
 mod config;
 mod decode;
 mod error;
