@@ -272,3 +272,6 @@ pub fn fast_config(endpoint: &str) -> EtcdConfig {
     c.backoff_max = Duration::from_millis(500);
     c
 }
+
+/// The etcd client crate, for tests that write what agents would not (leases, raw values).
+pub use etcd_client;

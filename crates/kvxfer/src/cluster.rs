@@ -430,7 +430,13 @@ impl DecodeCluster {
             detail,
         };
         let inc = engine.incarnation;
-        if self.gone.lock().unwrap_or_else(|p| p.into_inner()).contains(&engine.engine_id, inc) {
+        // What the cache lists now wins over what the events said (they are applied by
+        // another task, a moment after the cache changed).
+        let gone = || {
+            self.gone.lock().unwrap_or_else(|p| p.into_inner()).contains(&engine.engine_id, inc)
+                && !dir.engine(&engine.engine_id).iter().any(|e| e.record.incarnation == inc)
+        };
+        if gone() {
             return Err(not_registered(format!(
                 "incarnation {inc:#x} left etcd namespace {ns:?} (deregistered, or its lease expired after a \
                  crash, or replaced by a restart): its leases are gone"
