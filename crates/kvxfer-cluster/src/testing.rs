@@ -25,11 +25,22 @@ pub struct EtcdLaunch {
     /// A program and its arguments that run `etcd` (e.g. `["ip", "netns", "exec", "ns1"]`:
     /// it must exec etcd so that killing the child kills etcd).
     pub wrapper: Vec<String>,
+    /// More etcd options (e.g. `--grpc-keepalive-min-time=100ms`).
+    pub args: Vec<String>,
 }
 
 impl Default for EtcdLaunch {
+    /// 127.0.0.1, free ports, etcd's own defaults otherwise.
     fn default() -> Self {
-        Self { ip: IpAddr::V4(Ipv4Addr::LOCALHOST), ports: None, wrapper: Vec::new() }
+        Self { ip: IpAddr::V4(Ipv4Addr::LOCALHOST), ports: None, wrapper: Vec::new(), args: Vec::new() }
+    }
+}
+
+impl EtcdLaunch {
+    /// 127.0.0.1, free ports, and pings allowed every 100 ms (etcd's default minimum is
+    /// 5 s), so clients with [`fast_config`] notice a hung etcd within a second.
+    pub fn for_tests() -> Self {
+        Self { args: vec!["--grpc-keepalive-min-time=100ms".into()], ..Self::default() }
     }
 }
 
@@ -60,13 +71,13 @@ fn free_port() -> Result<u16, String> {
 }
 
 impl EtcdServer {
-    /// Starts a fresh single-member etcd on free 127.0.0.1 ports and waits until it is
-    /// healthy.
+    /// Starts a fresh single-member etcd as [`EtcdLaunch::for_tests`] says and waits until
+    /// it is healthy.
     ///
     /// # Panics
     /// When etcd is not installed or does not start (what failed, with etcd's log).
     pub fn start() -> Self {
-        Self::launch(EtcdLaunch::default()).unwrap_or_else(|e| panic!("{e}"))
+        Self::launch(EtcdLaunch::for_tests()).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Starts a fresh single-member etcd as `launch` says and waits until it is healthy.
@@ -141,6 +152,7 @@ impl EtcdServer {
             .arg(format!("--initial-cluster-token=kvxfer-test-{}", std::process::id()))
             .arg("--logger=zap")
             .arg("--log-level=warn")
+            .args(&self.launch.args)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(err_log))
@@ -261,7 +273,8 @@ fn tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
-/// Short timeouts and backoff for `endpoint`: tests see recovery within a second.
+/// Short timeouts and backoff for `endpoint`: tests see recovery within a second. Its
+/// 500 ms pings need an etcd that allows them ([`EtcdLaunch::for_tests`]).
 pub fn fast_config(endpoint: &str) -> EtcdConfig {
     let mut c = EtcdConfig::new([endpoint]);
     c.connect_timeout = Duration::from_millis(500);

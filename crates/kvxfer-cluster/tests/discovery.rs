@@ -6,9 +6,10 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvxfer_cluster::testing::EtcdLaunch;
 use kvxfer_cluster::{
-    engines_prefix, DirectoryEvent, DirectoryOptions, EngineDirectory, EngineRecord, EtcdState, Registration,
-    RegistrationConfig, ResolveError, StatusWatch,
+    engines_prefix, DirectoryEvent, DirectoryOptions, EngineDirectory, EngineRecord, EtcdConfig, EtcdState,
+    Registration, RegistrationConfig, ResolveError, StatusWatch,
 };
 use support::{
     is_added, is_removed, key, namespace, next_event, record, start_etcd, wait_added, wait_event, EtcdServer,
@@ -438,6 +439,36 @@ async fn etcd_that_stops_answering_is_noticed_and_recovered_from() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(stored(&etcd, "engine-s").await.is_some());
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}
+
+/// With the default settings, against an etcd with its default keep-alive policy (clients
+/// may ping at most every `--grpc-keepalive-min-time`, 5 s), the watch and the lease
+/// keep-alive streams stay up: an etcd answers pings that come too often with GOAWAY
+/// `too_many_pings`, which broke both every ~4 s when the defaults pinged every second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_settings_keep_their_streams_up_against_a_default_etcd() {
+    support::init_logs();
+    // etcd's own keep-alive policy, not the tests' relaxed one.
+    let etcd = EtcdServer::launch(EtcdLaunch::default()).expect("etcd");
+    let defaults = EtcdConfig::new([etcd.endpoint()]);
+    let dir = EngineDirectory::start(
+        &Handle::current(),
+        defaults.clone(),
+        namespace(),
+        DirectoryOptions::default(),
+    )
+    .expect("start directory");
+    dir.wait_synced(WAIT).await.expect("synced");
+    let config = RegistrationConfig { key: key("engine-p", 0), record: record(7000, 0x9), ttl: TTL };
+    let reg = Registration::start(&Handle::current(), defaults, config).expect("registration");
+    registered(&reg).await;
+    // Long enough for three pings at the old 1 s interval to draw etcd's GOAWAY.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let (d, r) = (dir.status(), reg.status());
+    assert_eq!((d.state, d.failures), (EtcdState::Connected, 0), "directory: {d:?}");
+    assert_eq!((r.state, r.failures), (EtcdState::Connected, 0), "registration: {r:?}");
     reg.shutdown().await.expect("shutdown");
     dir.shutdown().await;
 }
