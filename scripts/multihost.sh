@@ -12,7 +12,9 @@
 #   sudo scripts/multihost.sh --ttl-s 5  # other driver options: kvxfer-multihost --help
 #
 # Needs root, `ip netns` (iproute2) and etcd (etcd-server); without them it prints why it
-# is skipped and exits 0. Everything it creates is removed on exit, also on failure.
+# is skipped and exits 0. Everything it creates is removed on exit, also on failure or
+# interruption. KVXFER_BIN_DIR=target/debug uses binaries built already (with the cluster and
+# ucx features) instead of building them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,10 +29,17 @@ probe="kvxprobe$$"
 ip netns add "$probe" 2>/dev/null || skip "'ip netns add' does not work here (no network namespaces in this container?)"
 ip netns del "$probe"
 
-echo "multihost: building kvxfer-node and kvxfer-multihost (features cluster, ucx)" >&2
-cargo build ${MULTIHOST_LOCKED---locked} -q -p kvxfer-chaos --features cluster,ucx --bins
-target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
-bin="$target_dir/debug"
+if [ -n "${KVXFER_BIN_DIR:-}" ]; then
+    # Binaries built already (scripts/test-all.sh: `cargo test --workspace --all-features`).
+    bin="$KVXFER_BIN_DIR"
+else
+    echo "multihost: building kvxfer-node and kvxfer-multihost (features cluster, ucx)" >&2
+    cargo build --locked -q -p kvxfer-chaos --features cluster,ucx --bins
+    bin="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug"
+fi
+for b in kvxfer-node kvxfer-multihost; do
+    [ -x "$bin/$b" ] || { echo "multihost: $bin/$b is missing (build with --features kvxfer-chaos/cluster,kvxfer-chaos/ucx)" >&2; exit 1; }
+done
 
 # Namespace names unique per run (parallel runs do not collide; the 10.77.0.0/24 addresses
 # live inside the namespaces only).
@@ -47,7 +56,8 @@ cleanup() {
         ip netns del "$ns" 2>/dev/null || true
     done
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap "exit 130" INT TERM
 
 ip netns add "$hub"
 ip -n "$hub" link set lo up
