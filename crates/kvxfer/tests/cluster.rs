@@ -39,7 +39,7 @@ mod discovery {
 
     use kvxfer::blocking::{DecodeAgent, PrefillAgent};
     use kvxfer::cluster::{DiscoveryConfig, EtcdState, Metrics};
-    use kvxfer::{AgentConfig, BlockId, ChildOutcome, PullError, PullReport};
+    use kvxfer::{AgentConfig, BlockId, ChildOutcome, PullError, PullReport, TransportChoice};
     use kvxfer_cluster::testing::etcd_client::PutOptions;
     use kvxfer_cluster::testing::EtcdServer;
     use kvxfer_cluster::EngineRecord;
@@ -135,7 +135,8 @@ mod discovery {
         assert_eq!(r.addr.to_string(), prefill.local_addr().to_string());
         assert_eq!(r.compat_hash, layout(64).compat_hash());
         assert_eq!(r.protocol_version, kvxfer_proto::PROTOCOL_VERSION);
-        assert_eq!(r.transports.iter().map(|t| t.as_str()).collect::<Vec<_>>(), ["tcp"]);
+        let offered: &[&str] = if prefill.offers_ucx() { &["ucx", "tcp"] } else { &["tcp"] };
+        assert_eq!(r.transports.iter().map(|t| t.as_str()).collect::<Vec<_>>(), offered);
         assert_eq!(r.agent.as_str(), "prefill");
         assert_ne!(entry.lease, 0, "the key is on a lease");
         let status = prefill.registration_status().expect("status");
@@ -290,12 +291,16 @@ mod discovery {
         let metrics = Arc::new(Metrics::new());
         let prefill = prefill_with(
             AgentConfig::new("prefill")
+                .transport(TransportChoice::Tcp)
                 .lease_ttl(Duration::from_millis(300))
                 .metrics(metrics.clone())
                 .metrics_listen("127.0.0.1:0"),
             layout(64),
         );
-        let decode = decode_with(AgentConfig::new("decode").metrics(metrics.clone()), layout(64));
+        let decode = decode_with(
+            AgentConfig::new("decode").transport(TransportChoice::Tcp).metrics(metrics.clone()),
+            layout(64),
+        );
         let addr = prefill.metrics_addr().expect("served");
         assert!(addr.ip().is_loopback());
         assert!(decode.metrics_addr().is_none());
