@@ -137,6 +137,13 @@ fn corrupted_payload_is_refused_by_its_checksum() {
     // Typed: an integrity failure, and a fresh hand-off is worth trying.
     let e = errors(&o);
     assert!(e.iter().any(|e| matches!(e, PullError::Integrity { .. }) && e.is_retryable()), "{e:?}");
+    // Counted once per failed read (siblings that depended on it are not counted again).
+    let direct = |c: &&kvxfer::ChildReport| {
+        matches!(c.outcome, ChildOutcome::Failed { error: PullError::Integrity { .. }, .. })
+    };
+    let failed_reads = o.report.children.iter().filter(direct).count() as u64;
+    assert!(failed_reads >= 1);
+    assert_eq!((o.decode.integrity_failures, o.decode.integrity_failures_ucx), (failed_reads, 0));
     // Failed children's leases were released by the decode side, not left to expire.
     for (e, ok) in o.ends.iter().zip(&o.verified) {
         let want = if *ok { EndKind::Pulled } else { EndKind::Released };

@@ -110,6 +110,7 @@ impl Pins {
         if let Some(pin) = pin {
             if u.completed {
                 ctx.counters.bytes_served.fetch_add(pin.bytes, Ordering::Relaxed);
+                ctx.counters.bytes_served_one_sided.fetch_add(pin.bytes, Ordering::Relaxed);
                 bump(&ctx.counters.reads_served);
             }
             debug!(remote_request_id = %pin.guard.request_id(), seq = u.seq, completed = u.completed, "unpinned");

@@ -17,6 +17,12 @@
 //! signals the shutdown and a task finishes it. [`blocking`] has the same agents with a
 //! runtime of their own, for hosts without tokio (Python, C).
 //!
+//! # In a cluster
+//!
+//! With the `cluster` feature, [`AgentConfig`]'s `cluster` section turns on etcd discovery
+//! (prefill agents register, decode agents resolve and watch engines) and Prometheus metrics;
+//! see the `cluster` module.
+//!
 //! # Threads
 //!
 //! | agent | async (host's runtime) | blocking |
@@ -39,6 +45,8 @@
 // regions, `UcxInitiator::get`, the CRC of a completed read), each with a SAFETY note.
 
 pub mod blocking;
+#[cfg(feature = "cluster")]
+pub mod cluster;
 mod config;
 mod decode;
 mod error;

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,8 @@ pub struct PrefillStats {
     pub leases: LeaseStats,
     /// Connections: bytes and reads served, refusals, protocol errors.
     pub server: ServerStats,
+    /// Connections open now (served; refused ones are not counted).
+    pub connections_open: u64,
 }
 
 /// What a prefill agent's tasks share.
@@ -35,6 +38,8 @@ struct Shared {
     table: Arc<LeaseTable>,
     memory: Arc<KvMemory>,
     counters: Arc<ServerCounters>,
+    /// Connections being served now.
+    connections_open: Arc<AtomicU64>,
     tracker: Arc<Mutex<ParentTracker>>,
     /// Wakes the expiry task (a new lease may have an earlier deadline).
     wake: Arc<Notify>,
@@ -52,6 +57,9 @@ struct Shared {
     /// and never on a runtime thread (it joins UCX's thread).
     #[cfg(feature = "ucx")]
     ucx: Mutex<Option<crate::runtime::DropOffRuntime<kvxfer_ucx::UcxTarget>>>,
+    /// The etcd registration and the metrics, when configured.
+    #[cfg(feature = "cluster")]
+    cluster: Option<crate::cluster::PrefillCluster>,
 }
 
 /// A prefill worker's agent: owns the lease table and serves the registered KV cache. Runs
@@ -195,10 +203,30 @@ impl PrefillAgent {
             limits: config.limits,
             counters: counters.clone(),
         });
+        let connections_open = Arc::new(AtomicU64::new(0));
+        #[cfg(feature = "cluster")]
+        let cluster = crate::cluster::PrefillCluster::start(
+            &handle,
+            &config,
+            crate::cluster::PrefillSide {
+                host: &host,
+                port: addr.port(),
+                incarnation,
+                compat_hash: layout.compat_hash(),
+                #[cfg(feature = "ucx")]
+                offers_ucx: ucx.is_some(),
+                #[cfg(not(feature = "ucx"))]
+                offers_ucx: false,
+                table: table.clone(),
+                counters: counters.clone(),
+                connections_open: connections_open.clone(),
+            },
+        )?;
         let shared = Arc::new(Shared {
             table,
             memory,
             counters,
+            connections_open,
             tracker: Arc::new(Mutex::new(ParentTracker::with_forget_after(config.max_lease_lifetime))),
             wake: Arc::new(Notify::new()),
             stop_accepting: CancellationToken::new(),
@@ -209,6 +237,8 @@ impl PrefillAgent {
             grace: config.shutdown_grace,
             #[cfg(feature = "ucx")]
             ucx: Mutex::new(ucx.map(crate::runtime::DropOffRuntime::new)),
+            #[cfg(feature = "cluster")]
+            cluster,
         });
         let (events_tx, events) = crossbeam_channel::unbounded();
         let events_ready = Arc::new(Notify::new());
@@ -241,6 +271,38 @@ impl PrefillAgent {
     /// The address the agent listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The etcd registration's state (`None` without discovery, or after shutdown).
+    #[cfg(feature = "cluster")]
+    pub fn registration_status(&self) -> Option<crate::cluster::EtcdStatus> {
+        self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::registration_status)
+    }
+
+    /// Waits until the registration is in etcd, up to `timeout`: `Ok` once registered,
+    /// `Err` with the status then (etcd unreachable, or no discovery configured: `None`).
+    /// The agent serves either way; this is for callers that hand out hand-offs naming only
+    /// the engine id, which decode agents can resolve only once they saw the key.
+    #[cfg(feature = "cluster")]
+    pub async fn wait_registered(
+        &self,
+        timeout: Duration,
+    ) -> Result<crate::cluster::EtcdStatus, Option<crate::cluster::EtcdStatus>> {
+        let watch = self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::registration_watch);
+        let Some(mut watch) = watch else { return Err(None) };
+        watch.wait_until(timeout, |s| s.state == crate::cluster::EtcdState::Connected).await.map_err(Some)
+    }
+
+    /// The address `/metrics` is served on, when configured.
+    #[cfg(feature = "cluster")]
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::metrics_addr)
+    }
+
+    /// The metrics registry the agent feeds, when configured.
+    #[cfg(feature = "cluster")]
+    pub fn metrics(&self) -> Option<&Arc<crate::cluster::Metrics>> {
+        self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::metrics)
     }
 
     /// Whether the agent offers the UCX data path.
@@ -364,7 +426,11 @@ impl PrefillAgent {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> PrefillStats {
-        PrefillStats { leases: self.shared.table.stats(), server: self.shared.counters.snapshot() }
+        PrefillStats {
+            leases: self.shared.table.stats(),
+            server: self.shared.counters.snapshot(),
+            connections_open: self.shared.connections_open.load(Ordering::Relaxed),
+        }
     }
 
     fn lock_tracker(&self) -> std::sync::MutexGuard<'_, ParentTracker> {
@@ -403,6 +469,12 @@ impl Drop for PrefillAgent {
 
 /// The graceful shutdown (see [`PrefillAgent::shutdown`]); safe to run more than once.
 async fn run_shutdown(shared: Arc<Shared>) {
+    // Deregistered first: decode agents see the key go (and stop pulling from here) before
+    // any connection closes.
+    #[cfg(feature = "cluster")]
+    if let Some(c) = &shared.cluster {
+        c.deregister().await;
+    }
     shared.stop_accepting.cancel();
     // One-sided readers (UCX) read registered memory without us seeing the reads; a pin is
     // their promise to unpin when done. Reads and pins in flight hold read guards: wait for
@@ -424,6 +496,10 @@ async fn run_shutdown(shared: Arc<Shared>) {
     shared.tasks.wait().await;
     #[cfg(feature = "ucx")]
     drop(shared.ucx.lock().unwrap_or_else(|p| p.into_inner()).take());
+    #[cfg(feature = "cluster")]
+    if let Some(c) = &shared.cluster {
+        c.stop().await;
+    }
 }
 
 /// The lease ends of a prefill agent as a [`Stream`](futures::Stream)
@@ -552,12 +628,15 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<
                 Ok(permit) => match per_peer.take(peer.ip(), ctx.limits.max_connections_per_peer) {
                     Some(slot) => {
                         let (ctx, stop) = (ctx.clone(), shared.stop.clone());
+                        let open = shared.connections_open.clone();
+                        open.fetch_add(1, Ordering::Relaxed);
                         shared.connections.spawn(async move {
                             tokio::select! {
                                 () = serve_connection(stream, ctx) => {}
                                 // Shutdown: the connection (and any read guard) is dropped.
                                 () = stop.cancelled() => {}
                             }
+                            open.fetch_sub(1, Ordering::Relaxed);
                             drop(slot);
                             drop(permit);
                         });
@@ -639,6 +718,10 @@ fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {
                 "Releasing expired KV blocks for request {} which were retrieved by {} of {} remote worker(s) before lease expired",
                 end.remote_request_id, end.consumers_seen, end.expected_consumers
             ),
+        }
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &shared.cluster {
+            c.observe_end(&end);
         }
         let done = shared.tracker.lock().unwrap_or_else(|p| p.into_inner()).on_end(&end, Instant::now());
         if let Some(status) = done {

@@ -57,6 +57,10 @@ fn pull_n(t: Transport, n: u32, seed: u64) {
     assert_eq!((p.leases.unrecognized, p.leases.bad_token), (0, 0));
     assert_eq!((p.server.bytes_served, d.bytes_pulled, d.bytes_delivered), (bytes, bytes, bytes));
     assert_eq!((d.children_done, d.children_failed), (u64::from(n), 0));
+    // Per data path: every byte over UCX or none.
+    let one_sided = if t == Transport::Tcp { 0 } else { bytes };
+    assert_eq!((d.bytes_pulled_ucx, p.server.bytes_served_one_sided), (one_sided, one_sided));
+    assert_eq!(d.integrity_failures, 0);
     assert_no_more_ends(&prefill, Duration::from_millis(50));
 }
 

@@ -44,16 +44,62 @@ pub(crate) struct Inner {
     pub(crate) busy: Arc<Mutex<HashSet<BlockId>>>,
     #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     pub(crate) reclaimed_tx: Sender<Reclaimed>,
-    pub(crate) counters: Counters,
+    /// Shared with the metrics source, which may outlive the agent by a scrape.
+    pub(crate) counters: Arc<Counters>,
     /// Set by `shutdown`: pulls stop starting reads.
     stop: CancellationToken,
     /// Set when the shutdown grace is over: pulls abort their reads.
     abort: CancellationToken,
     #[cfg(feature = "ucx")]
     pub(crate) ucx: Option<crate::runtime::DropOffRuntime<kvxfer_ucx::UcxInitiator>>,
+    /// The engine directory and the metrics, when configured.
+    #[cfg(feature = "cluster")]
+    pub(crate) cluster: Option<crate::cluster::DecodeCluster>,
 }
 
 impl Inner {
+    /// Where to pull `engine`'s hand-offs from: their own address, checked against
+    /// discovery when it runs (which also resolves hand-offs naming only the engine id).
+    pub(crate) fn resolve(
+        &self,
+        engine: &kvxfer_core::EngineInfo,
+    ) -> Result<String, kvxfer_core::pull::PullError> {
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.cluster {
+            return c.resolve(engine, self.config.rank);
+        }
+        Ok(engine.addr())
+    }
+
+    /// Whether a hand-off naming only the engine id can be resolved here.
+    fn resolves_engine_ids(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.cluster {
+            return c.directory().is_some();
+        }
+        false
+    }
+
+    /// Prefill peers this agent keeps connections (or a pool) for.
+    pub(crate) fn peer_count(&self) -> u64 {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner()).len() as u64
+    }
+
+    /// Forgets the peer at `addr` (its engine left or changed): new pulls get fresh
+    /// connections at once, and its pooled ones are closed. Returns whether there was one.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn invalidate_peer(&self, addr: &str) -> bool {
+        let peer = self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(addr);
+        match peer {
+            // A pull may hold its control connection: close them from a task of their own.
+            Some(peer) => {
+                tokio::spawn(async move { peer.reset().await });
+                true
+            }
+            None => false,
+        }
+    }
+
     pub(crate) fn peer(&self, addr: &str) -> Arc<Peer> {
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
         if !peers.contains_key(addr) {
@@ -175,6 +221,8 @@ impl DecodeAgent {
             transports.insert(0, crate::hello::ucx_reader_offer());
         }
         let hello = crate::hello::hello(&config, memory.layout(), transports);
+        #[cfg(feature = "cluster")]
+        let cluster = crate::cluster::DecodeCluster::start(&handle, &config, memory.layout().compat_hash())?;
         if config.cluster_key.is_none() {
             crate::hello::warn_unauthenticated("decode", &config.agent_name);
         }
@@ -189,10 +237,16 @@ impl DecodeAgent {
             peers: Mutex::new(HashMap::new()),
             busy: Arc::new(Mutex::new(HashSet::new())),
             reclaimed_tx,
-            counters: Counters::default(),
+            counters: Arc::new(Counters::default()),
             stop: CancellationToken::new(),
             abort: CancellationToken::new(),
+            #[cfg(feature = "cluster")]
+            cluster,
         });
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &inner.cluster {
+            c.attach(&handle, &inner);
+        }
         Ok(DecodeAgent {
             inner,
             handle,
@@ -264,6 +318,11 @@ impl DecodeAgent {
         if children.is_empty() {
             return Err(SubmitError::NothingSelected { parent }.into());
         }
+        if let Some(c) = children.iter().find(|c| !c.engine().names_address()) {
+            if !self.inner.resolves_engine_ids() {
+                return Err(SubmitError::NoAddress { parent, engine: c.engine().engine_id.clone() }.into());
+            }
+        }
         let engines: HashSet<(&str, String, u64)> = children
             .iter()
             .map(|c| (c.engine().engine_id.as_str(), c.engine().addr(), c.engine().incarnation))
@@ -320,8 +379,26 @@ impl DecodeAgent {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> DecodeStats {
-        let peers = self.inner.peers.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
-        self.inner.counters.snapshot(peers)
+        self.inner.counters.snapshot(self.inner.peer_count())
+    }
+
+    /// The engine directory pulls resolve through, when discovery is configured: its
+    /// [`subscribe`](crate::cluster::EngineDirectory::subscribe) sees what the agent reacts to.
+    #[cfg(feature = "cluster")]
+    pub fn directory(&self) -> Option<&Arc<crate::cluster::EngineDirectory>> {
+        self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::directory)
+    }
+
+    /// The address `/metrics` is served on, when configured.
+    #[cfg(feature = "cluster")]
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics_addr)
+    }
+
+    /// The metrics registry the agent feeds, when configured.
+    #[cfg(feature = "cluster")]
+    pub fn metrics(&self) -> Option<&Arc<crate::cluster::Metrics>> {
+        self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics)
     }
 
     /// Shuts the agent down gracefully: takes no new pulls, lets pulls under way read for up
@@ -335,6 +412,10 @@ impl DecodeAgent {
         if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
             self.inner.abort.cancel();
             self.tasks.wait().await;
+        }
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.inner.cluster {
+            c.stop().await;
         }
     }
 

@@ -87,14 +87,25 @@ impl Pull {
     }
 
     pub(crate) async fn run(mut self, mut machine: PullMachine) {
-        let addr = self.children[0].engine().addr();
-        let peer = self.inner.peer(&addr);
+        // The hand-off's address, or discovery's verdict: a gone engine fails every child
+        // at once, before any I/O.
+        let resolved = self.inner.resolve(self.children[0].engine());
+        let peer = match &resolved {
+            Ok(addr) => self.inner.peer(addr),
+            // Not pooled, and never connected to: the pull fails before any I/O.
+            Err(_) => Arc::new(Peer::new(&self.children[0].engine().engine_id, 1)),
+        };
         let (stop, abort) = (self.inner.stop.clone(), self.inner.abort.clone());
         let mut cancels =
             std::mem::replace(&mut self.channels.cancels, tokio::sync::mpsc::unbounded_channel().1);
         let done = std::mem::replace(&mut self.channels.done, tokio::sync::oneshot::channel().0);
         self.wire = machine.plan().children.iter().map(|c| c.wire.clone()).collect();
-        let path = tokio::select! {
+        let path = if let Err(e) = resolved {
+            self.reachable.store(false, Ordering::Relaxed);
+            machine.connect_failed(Instant::now(), e, false);
+            None
+        } else {
+            tokio::select! {
             r = self.connect(&peer) => match r {
                 Ok((layout, path)) => {
                     machine.connected(Instant::now(), path == Path::Tcp);
@@ -111,7 +122,9 @@ impl Pull {
                 machine.connect_failed(Instant::now(), PullError::Shutdown, false);
                 None
             }
+            }
         };
+        let used = path.as_ref().map(|(_, p)| *p);
         let this = &self;
         let mut io: FuturesUnordered<IoFuture<'_>> = FuturesUnordered::new();
         let mut heartbeat: Option<IoFuture<'_>> = None;
@@ -147,9 +160,9 @@ impl Pull {
                         io.push(f);
                     }
                     Action::Heartbeat(leases) => heartbeat = Some(Box::pin(this.heartbeat(&peer, leases))),
-                    Action::Report { child, outcome } => this.report(child, outcome),
+                    Action::Report { child, outcome } => this.report(child, outcome, used),
                     Action::Finished(summary) => {
-                        let _ = done.send(this.finish(summary));
+                        let _ = done.send(this.finish(summary, used));
                         return;
                     }
                 }
@@ -330,9 +343,29 @@ impl Pull {
         }
     }
 
-    fn report(&self, i: usize, outcome: ChildOutcome) {
+    fn report(&self, i: usize, outcome: ChildOutcome, path: Option<Path>) {
         let c = &self.inner.counters;
         let id = self.children[i].remote_request_id();
+        if let ChildOutcome::Failed { error: PullError::Integrity { .. }, .. }
+        | ChildOutcome::FailedBlocksHeld { error: PullError::Integrity { .. }, .. } = &outcome
+        {
+            // A sibling failing for this read is `SiblingFailed`: each failed read counts once.
+            add(&c.integrity_failures, 1);
+            #[cfg(feature = "ucx")]
+            if path == Some(Path::Ucx) {
+                add(&c.integrity_failures_ucx, 1);
+            }
+        }
+        let _ = path;
+        #[cfg(feature = "cluster")]
+        if let Some(m) = self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics) {
+            let kind = match &outcome {
+                ChildOutcome::Done { .. } => crate::cluster::ChildPullOutcome::Done,
+                ChildOutcome::Cancelled { .. } => crate::cluster::ChildPullOutcome::Cancelled,
+                _ => crate::cluster::ChildPullOutcome::Failed,
+            };
+            m.observe_child_pull(kind, self.started.elapsed());
+        }
         match &outcome {
             ChildOutcome::Done { bytes_delivered, acknowledged } => {
                 add(&c.children_done, 1);
@@ -362,8 +395,17 @@ impl Pull {
 
     /// Counts the pull's bytes, releases its destination blocks (except those held by a
     /// read that could not be stopped: released when it completes) and returns the totals.
-    fn finish(&self, summary: PullSummary) -> Totals {
+    fn finish(&self, summary: PullSummary, path: Option<Path>) -> Totals {
         add(&self.inner.counters.bytes_pulled, summary.wire_bytes);
+        #[cfg(feature = "ucx")]
+        if path == Some(Path::Ucx) {
+            add(&self.inner.counters.bytes_pulled_ucx, summary.wire_bytes);
+        }
+        let _ = path;
+        #[cfg(feature = "cluster")]
+        if let Some(m) = self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics) {
+            m.observe_pull(self.started.elapsed());
+        }
         let held: HashSet<BlockId> = summary.held_blocks.iter().copied().collect();
         {
             let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());

@@ -87,6 +87,16 @@ pub struct DecodeStats {
     pub control_retries: u64,
     /// Children reported [`ChildOutcome::FailedBlocksHeld`].
     pub children_blocks_held: u64,
+    /// The part of `bytes_pulled` read one-sided over UCX (the rest went over TCP).
+    pub bytes_pulled_ucx: u64,
+    /// Reads whose payload failed its integrity check (CRC-32C, length, or an answer to
+    /// another read); nothing of them was used.
+    pub integrity_failures: u64,
+    /// The part of `integrity_failures` of one-sided (UCX) reads.
+    pub integrity_failures_ucx: u64,
+    /// Peers whose pooled connections were dropped because discovery saw their engine leave
+    /// etcd or change (the `cluster` feature).
+    pub peers_invalidated: u64,
 }
 
 /// The live counters behind [`DecodeStats`].
@@ -103,6 +113,10 @@ pub(crate) struct Counters {
     pub(crate) bytes_delivered: AtomicU64,
     pub(crate) notifications_unacknowledged: AtomicU64,
     pub(crate) connections_opened: AtomicU64,
+    pub(crate) bytes_pulled_ucx: AtomicU64,
+    pub(crate) integrity_failures: AtomicU64,
+    pub(crate) integrity_failures_ucx: AtomicU64,
+    pub(crate) peers_invalidated: AtomicU64,
 }
 
 impl Counters {
@@ -120,6 +134,10 @@ impl Counters {
             auth_failures: l(&self.auth_failures),
             control_retries: l(&self.control_retries),
             children_blocks_held: l(&self.children_blocks_held),
+            bytes_pulled_ucx: l(&self.bytes_pulled_ucx),
+            integrity_failures: l(&self.integrity_failures),
+            integrity_failures_ucx: l(&self.integrity_failures_ucx),
+            peers_invalidated: l(&self.peers_invalidated),
             peers,
         }
     }
