@@ -177,7 +177,7 @@ pub(crate) async fn read_child(
 ) -> ReadResult {
     let ucx_err = |detail: String| PullError::UcxRead { peer: peer.addr.clone(), detail };
     let Some(init) = inner.ucx() else { return ReadResult::Failed(ucx_err("this agent has no UCX".into())) };
-    let (_permit, mut conn) = match peer.checkout(inner).await {
+    let (_permit, mut conn, _) = match peer.checkout(inner).await {
         Ok(c) => c,
         Err(e) => return ReadResult::Failed(e),
     };

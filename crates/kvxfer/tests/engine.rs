@@ -505,3 +505,33 @@ mod pins {
         one_sided_read_outliving_its_pin_is_refused(Transport::UcxShm)
     }
 }
+
+/// `DecodeAgent::release`: a decode worker drops children it will not pull (vLLM aborts
+/// requests still waiting in its queue) and pulls the others. The dropped child's lease ends
+/// released at once, deterministically — a `cancel_child` right after `submit` races the pull
+/// and may lose to it (the child is then done). Releasing again is answered "already
+/// released" (true); releasing a pulled lease, or through a peer that is gone, is refused.
+#[test]
+fn children_released_without_pulling_them_end_released_the_others_pulled() {
+    let prefill = prefill(64, TTL);
+    let decode = decode(64);
+    let remote: Vec<Vec<BlockId>> = (0..3).map(|i| (i * 4..i * 4 + 4).collect()).collect();
+    let result = prefill.lease_parent("R", remote.clone(), 1, None).expect("lease");
+    assert!(decode.release(&result.children()[1]), "released");
+    let others = vec![(0, remote[0].clone()), (2, remote[2].clone())];
+    let report = decode.submit_subset(&result, others).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    assert!(verify(&decode, &remote[0], &remote[0]) && verify(&decode, &remote[2], &remote[2]));
+    let ends = wait_ends(&prefill, 3, Duration::from_secs(5));
+    let kinds: Vec<EndKind> = ends.iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, [EndKind::Pulled, EndKind::Released, EndKind::Pulled]);
+    assert!(decode.release(&result.children()[1]), "already released: still released");
+    assert!(!decode.release(&result.children()[0]), "a pulled lease is not released");
+    let s = decode.stats();
+    assert_eq!((s.leases_released, s.releases_refused), (2, 1), "{s:?}");
+    // The prefill worker is gone: the release cannot get through.
+    let late = prefill.lease_parent("G", vec![vec![20]], 1, None).expect("lease");
+    drop(prefill);
+    assert!(!decode.release(&late.children()[0]));
+    assert_eq!(decode.stats().releases_refused, 2);
+}
