@@ -408,13 +408,16 @@ async fn run_shutdown(shared: Arc<Shared>) {
     // their promise to unpin when done. Reads and pins in flight hold read guards: wait for
     // them (bounded) before the memory can be unmapped and freed.
     let deadline = tokio::time::Instant::now() + shared.grace;
-    while shared.table.reads_in_flight() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_for_reads(&shared, deadline).await;
     let released = shared.table.release_all(Instant::now());
     if released > 0 {
         info!(released, "shutdown: live leases released");
     }
+    // A read or pin granted after the wait saw none and before `release_all` ended its lease
+    // holds a guard too (no later one can: every lease has ended). Wait for it as well: a
+    // one-sided reader's get may be under way, and tearing the memory and UCX target down
+    // under it left the get to never complete (its decode side holding its blocks for good).
+    wait_for_reads(&shared, deadline).await;
     // Connections close (dropping the guards of reads cut short, which hands their leases
     // back); then the expiry task and the event forwarder finish.
     shared.stop.cancel();
@@ -424,6 +427,13 @@ async fn run_shutdown(shared: Arc<Shared>) {
     shared.tasks.wait().await;
     #[cfg(feature = "ucx")]
     drop(shared.ucx.lock().unwrap_or_else(|p| p.into_inner()).take());
+}
+
+/// Waits (until `deadline`) for the reads and pins in flight to end.
+async fn wait_for_reads(shared: &Shared, deadline: tokio::time::Instant) {
+    while shared.table.reads_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// The lease ends of a prefill agent as a [`Stream`](futures::Stream)

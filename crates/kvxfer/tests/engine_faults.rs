@@ -172,14 +172,30 @@ fn prefill_agent_dropped_mid_pull_ends_every_child_in_bounded_time_and_a_new_pre
     drop(prefill);
     let report = handle.wait();
     assert!(started.elapsed() < Duration::from_secs(10), "no hang: {:?}", started.elapsed());
+    let mut held = Vec::new();
     for (c, local) in report.children.iter().zip(&remote) {
         match &c.outcome {
             ChildOutcome::Done { .. } => {
                 assert!(verify(&decode, local, local), "a child reported done must verify")
             }
             ChildOutcome::Failed { invalid_local_blocks, .. } => assert_eq!(invalid_local_blocks, local),
+            // A one-sided read slower than its bound that UCX did not give up when its endpoint
+            // was aborted (shared memory has no peer-failure handling): its blocks are held —
+            // and must come back once UCX completes it, which it does, since the prefill agent
+            // keeps its memory and UCX target until every pin it granted is unpinned (bounded
+            // by its shutdown grace) and the decode side unpins only after UCX is done.
+            ChildOutcome::FailedBlocksHeld { error, held_local_blocks } => {
+                assert!(matches!(error, kvxfer::PullError::UcxRead { .. }), "{error:?}");
+                assert_eq!(held_local_blocks, local);
+                held.push(c.child_index);
+            }
             other => panic!("unexpected {other:?}"),
         }
+    }
+    if !held.is_empty() {
+        let back = decode.reclaimed().recv_timeout(Duration::from_secs(30)).expect("held blocks come back");
+        assert_eq!(back.children, held, "{back:?}");
+        eprintln!("children {held:?} held their blocks until UCX completed the read");
     }
     // A new prefill process (agent) at a new address: the same decode agent pulls from it.
     let fresh = t.prefill(64, Duration::from_secs(30));
