@@ -51,8 +51,10 @@ pub struct ServerCounters {
     pub peer_connections_refused: AtomicU64,
     /// Connections closed after `Limits::idle_timeout` without a frame or a pin.
     pub idle_closed: AtomicU64,
-    /// Connections closed because a read's payload did not move within its overall
-    /// deadline (`Limits::transfer_deadline`).
+    /// Connections reset because a read's payload did not move within its overall deadline
+    /// (`Limits::transfer_deadline`, capped at the lease's maximum lifetime plus
+    /// `Limits::io_timeout`), or because the peer did not take a reply within
+    /// `Limits::io_timeout` (it sends but never reads).
     pub slow_transfers: AtomicU64,
     /// Rate limit of the warnings peers can trigger at will.
     pub warnings: WarnBudget,

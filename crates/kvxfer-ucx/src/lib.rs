@@ -229,11 +229,12 @@ impl UcxInitiator {
     /// the endpoint is wired up both ways (so the target holds nothing of its wire-up
     /// queued: see ARCHITECTURE.md, UCX notes), or with an error if that takes over 5 s
     /// (the endpoint is then closed once its wire-up ends). Reads can be issued once `done`
-    /// reported `Ok`. The worker address and rkeys are length-checked first (non-empty, at
-    /// most [`MAX_WORKER_ADDRESS_LEN`] / [`MAX_RKEY_LEN`] bytes) and every region's
-    /// `base + len` must fit in 64 bits; their contents are opaque to kvxfer and parsed by
-    /// UCX itself (UCX takes no length for them), so connect only to peers that passed the
-    /// handshake.
+    /// reported `Ok`. An endpoint it replaces is closed once the reads issued on it finish —
+    /// a read that never completes holds up only its own endpoint, never a new one. The
+    /// worker address and rkeys are length-checked first (non-empty, at most
+    /// [`MAX_WORKER_ADDRESS_LEN`] / [`MAX_RKEY_LEN`] bytes) and every region's `base + len`
+    /// must fit in 64 bits; their contents are opaque to kvxfer and parsed by UCX itself
+    /// (UCX takes no length for them), so connect only to peers that passed the handshake.
     pub fn connect(&self, peer: &str, info: TargetInfo, done: Done<()>) {
         if let Err(Command::Connect { done, .. }) =
             self.send(Command::Connect { peer: peer.to_owned(), info, done })

@@ -244,6 +244,11 @@ impl DecodeAgent {
         Ok(PullHandle::new(h, self.handle()))
     }
 
+    /// Releases a child's lease without pulling it; see [`crate::DecodeAgent::release`].
+    pub fn release(&self, child: &ChildHandoff) -> bool {
+        wait(&self.handle(), self.as_async().release(child))
+    }
+
     /// See [`crate::DecodeAgent::submit_wire`].
     pub fn submit_wire(
         &self,

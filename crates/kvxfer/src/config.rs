@@ -60,7 +60,9 @@ pub struct AgentConfig {
     /// Data connections a decode agent opens to one prefill agent (pulls of different
     /// children run in parallel over them). Reused across pulls.
     pub connections_per_peer: usize,
-    /// How often a decode agent heartbeats pending pulls; `None`: the lease ttl / 6.
+    /// How often a decode agent heartbeats pending pulls; `None`: the shortest lease ttl of
+    /// the pull / 6. Never more often than every 100 ms (a hand-off may state a ttl of 1 ms;
+    /// the decode side does not spin on it).
     pub heartbeat_interval: Option<Duration>,
     /// Tensor-parallel size written into hand-offs.
     pub tp_size: u32,

@@ -40,9 +40,10 @@
 // lets callers match on the nested variants directly.
 #![allow(clippy::result_large_err)]
 // The data path's unsafe code lives in kvxfer-mem, kvxfer-tcp and kvxfer-ucx. This crate's
-// unsafe call sites: `Connection::read_into` and `KvMemory::copy_block` into destination
-// blocks the pull has claimed (`decode/pull.rs`), and the UCX glue (`ucx.rs`: mapping the
-// regions, `UcxInitiator::get`, the CRC of a completed read), each with a SAFETY note.
+// six unsafe call sites: `Connection::read_into` and `KvMemory::copy_block` into destination
+// blocks the pull has claimed (`decode/pull.rs`), and four in the UCX glue (`ucx.rs`:
+// starting the target and the initiator over the regions, `UcxInitiator::get`, the CRC of a
+// completed read), each with a SAFETY note.
 
 pub mod blocking;
 #[cfg(feature = "cluster")]

@@ -480,13 +480,16 @@ async fn run_shutdown(shared: Arc<Shared>) {
     // their promise to unpin when done. Reads and pins in flight hold read guards: wait for
     // them (bounded) before the memory can be unmapped and freed.
     let deadline = tokio::time::Instant::now() + shared.grace;
-    while shared.table.reads_in_flight() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_for_reads(&shared, deadline).await;
     let released = shared.table.release_all(Instant::now());
     if released > 0 {
         info!(released, "shutdown: live leases released");
     }
+    // A read or pin granted after the wait saw none and before `release_all` ended its lease
+    // holds a guard too (no later one can: every lease has ended). Wait for it as well: a
+    // one-sided reader's get may be under way, and tearing the memory and UCX target down
+    // under it left the get to never complete (its decode side holding its blocks for good).
+    wait_for_reads(&shared, deadline).await;
     // Connections close (dropping the guards of reads cut short, which hands their leases
     // back); then the expiry task and the event forwarder finish.
     shared.stop.cancel();
@@ -499,6 +502,13 @@ async fn run_shutdown(shared: Arc<Shared>) {
     #[cfg(feature = "cluster")]
     if let Some(c) = &shared.cluster {
         c.stop().await;
+    }
+}
+
+/// Waits (until `deadline`) for the reads and pins in flight to end.
+async fn wait_for_reads(shared: &Shared, deadline: tokio::time::Instant) {
+    while shared.table.reads_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 
@@ -579,7 +589,7 @@ fn no_route(bound: SocketAddr, source: std::io::Error) -> Error {
     }
 }
 
-/// Connections open per peer address, for `Limits::max_connections_per_peer`.
+/// Connections open per peer, for `Limits::max_connections_per_peer`.
 #[derive(Debug, Default)]
 struct PeerCounts(Mutex<HashMap<IpAddr, usize>>);
 
@@ -589,9 +599,24 @@ struct PeerSlot {
     ip: IpAddr,
 }
 
+/// Which peer an address counts as for the per-peer cap: an IPv4 address itself (also when
+/// IPv4-mapped), an IPv6 address its /64 — a host is routinely given a whole /64, so one
+/// peer could otherwise open the cap's worth of connections from each of its addresses.
+fn peer_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from_bits(v6.to_bits() & !u128::from(u64::MAX))),
+        },
+    }
+}
+
 impl PeerCounts {
-    /// Takes a slot for `ip`, unless it already has `max` connections open.
+    /// Takes a slot for the peer `ip` belongs to ([`peer_key`]), unless it already has `max`
+    /// connections open.
     fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<PeerSlot> {
+        let ip = peer_key(ip);
         let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let open = counts.entry(ip).or_insert(0);
         if *open >= max.max(1) {
@@ -739,6 +764,26 @@ fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review 10 finding 14: the per-peer cap was keyed on the full IP address, so an IPv6
+    /// client with a /64 (every host gets one) had as many caps as it has addresses. IPv6
+    /// peers share one cap per /64 now; IPv4 peers (and IPv4-mapped IPv6 ones) one per address.
+    #[test]
+    fn the_per_peer_connection_cap_counts_an_ipv6_slash_64_as_one_peer() {
+        let counts = Arc::new(PeerCounts::default());
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        let first = counts.take(ip("2001:db8:1:2::1"), 2).expect("first");
+        let second = counts.take(ip("2001:db8:1:2:ffff:eeee:dddd:cccc"), 2).expect("same /64, second slot");
+        assert!(counts.take(ip("2001:db8:1:2::3"), 2).is_none(), "a third address of the same /64");
+        let other = counts.take(ip("2001:db8:1:3::1"), 2).expect("another /64 is another peer");
+        let v4 = counts.take(ip("192.0.2.1"), 1).expect("an IPv4 peer");
+        assert!(counts.take(ip("::ffff:192.0.2.1"), 1).is_none(), "the same IPv4 peer, mapped");
+        let v4b = counts.take(ip("192.0.2.2"), 1).expect("IPv4 peers are one address each");
+        drop(first);
+        let again = counts.take(ip("2001:db8:1:2::3"), 2).expect("a slot came back");
+        drop((second, other, v4, v4b, again));
+        assert!(counts.0.lock().expect("lock").is_empty());
+    }
 
     #[test]
     fn unspecified_listen_addresses_advertise_a_concrete_one() {

@@ -39,9 +39,12 @@ fn check_pieces(peer: &PeerEp, pieces: &[GetPiece]) -> Result<(), UcxError> {
     Ok(())
 }
 
-/// A get under way: pieces outstanding, first error, and who to tell.
+/// A get under way: the endpoint it was issued on, pieces outstanding, first error, and
+/// who to tell.
 struct Job {
-    peer: String,
+    /// The generation of the endpoint (not the peer's name: a read that never completes must
+    /// not hold up a new endpoint to the same peer).
+    ep: u64,
     outstanding: usize,
     error: Option<UcxError>,
     bytes: u64,
@@ -157,12 +160,15 @@ pub(crate) fn run_initiator(
         }
     };
     let signal = Signal::new(&worker);
-    let mut peers: std::collections::HashMap<String, PeerEp> = std::collections::HashMap::new();
+    // The live endpoint of each peer, with its generation (counted from 1 per initiator).
+    let mut peers: std::collections::HashMap<String, (u64, PeerEp)> = std::collections::HashMap::new();
+    let mut generation = 0u64;
     let mut jobs: Vec<Box<Job>> = Vec::new();
-    // Endpoints a Disconnect took out of `peers`, closed once no read uses them. Held by
-    // value (not by peer name), so a Connect to the same peer in the same batch keeps its
-    // new endpoint.
-    let mut closing: Vec<(String, PeerEp)> = Vec::new();
+    // Endpoints a Disconnect (or a Connect replacing them) took out of `peers`, closed once no
+    // read uses them. Held by value with their generation, so a Connect to the same peer keeps
+    // its new endpoint, and reads still in flight on an old one (even one that never
+    // completes) hold up only that one.
+    let mut closing: Vec<(String, u64, PeerEp)> = Vec::new();
     // Endpoints made by a Connect whose wire-up has not finished.
     let mut wiring: Vec<Wiring> = Vec::new();
     let mut stop_since: Option<Instant> = None;
@@ -172,16 +178,13 @@ pub(crate) fn run_initiator(
             while let Ok(cmd) = commands.try_recv() {
                 match cmd {
                     Command::Connect { peer, info, done } => {
-                        if jobs.iter().any(|j| j.peer == peer) {
-                            done(Err(UcxError::other("connect", "reads to this peer are still in flight")));
-                            continue;
-                        }
                         if wiring.iter().any(|w| w.peer == peer && w.done.is_some()) {
                             done(Err(UcxError::other("connect", "a connect to this peer is under way")));
                             continue;
                         }
-                        if let Some(old) = peers.remove(&peer) {
-                            old.close(&worker);
+                        // The old endpoint is closed once its reads finish (at once if none).
+                        if let Some((g, old)) = peers.remove(&peer) {
+                            closing.push((peer.clone(), g, old));
                         }
                         let ep = match PeerEp::connect(&worker, &info, config.peer_failure_handling) {
                             Ok(ep) => ep,
@@ -193,7 +196,8 @@ pub(crate) fn run_initiator(
                         // Answered once the endpoint is wired up both ways (see `Wiring`).
                         match ep.start_wireup() {
                             Ok(None) => {
-                                peers.insert(peer, ep);
+                                generation += 1;
+                                peers.insert(peer, (generation, ep));
                                 done(Ok(()));
                             }
                             Ok(Some(wireup)) => wiring.push(Wiring {
@@ -210,12 +214,12 @@ pub(crate) fn run_initiator(
                         }
                     }
                     Command::Get { peer, pieces, done } => {
-                        let Some(ep) = peers.get(&peer) else {
+                        let Some((g, ep)) = peers.get(&peer) else {
                             done(Err(UcxError::other("get", format!("no endpoint to {peer}"))));
                             continue;
                         };
                         let mut job =
-                            Box::new(Job { peer, outstanding: 0, error: None, bytes: 0, done: Some(done) });
+                            Box::new(Job { ep: *g, outstanding: 0, error: None, bytes: 0, done: Some(done) });
                         if let Err(e) = issue(ep, &mut job, &pieces) {
                             // Pieces already issued still complete into this job: keep it
                             // until they do, and report this error then.
@@ -230,16 +234,20 @@ pub(crate) fn run_initiator(
                                 UcxError::other("connect", "disconnected before the wire-up finished")
                             });
                         }
-                        if let Some(ep) = peers.remove(&peer) {
-                            closing.push((peer, ep));
+                        if let Some((g, ep)) = peers.remove(&peer) {
+                            closing.push((peer, g, ep));
                         }
                     }
                     Command::Abort { peer } => {
                         // The live endpoint and any disconnected one still finishing reads.
                         let (doomed, rest): (Vec<_>, Vec<_>) =
-                            closing.drain(..).partition(|(p, _)| *p == peer);
+                            closing.drain(..).partition(|(p, _, _)| *p == peer);
                         closing = rest;
-                        let eps = peers.remove(&peer).into_iter().chain(doomed.into_iter().map(|(_, ep)| ep));
+                        let eps = peers
+                            .remove(&peer)
+                            .map(|(_, ep)| ep)
+                            .into_iter()
+                            .chain(doomed.into_iter().map(|(_, _, ep)| ep));
                         for ep in eps {
                             warn!(%peer, "aborting the UCX endpoint: reads in flight are cancelled");
                             ep.abort(&worker);
@@ -274,7 +282,10 @@ pub(crate) fn run_initiator(
                         drop(wireup);
                         match (done, result) {
                             (Some(done), Ok(())) => {
-                                peers.insert(peer, ep);
+                                generation += 1;
+                                if let Some((g, old)) = peers.insert(peer.clone(), (generation, ep)) {
+                                    closing.push((peer, g, old));
+                                }
                                 done(Ok(()));
                             }
                             (Some(done), Err(e)) => {
@@ -302,9 +313,9 @@ pub(crate) fn run_initiator(
             });
             // Close endpoints nobody reads from any more.
             let mut still_closing = Vec::with_capacity(closing.len());
-            for (peer, ep) in closing.drain(..) {
-                if jobs.iter().any(|j| j.peer == peer) {
-                    still_closing.push((peer, ep));
+            for (peer, g, ep) in closing.drain(..) {
+                if jobs.iter().any(|j| j.ep == g) {
+                    still_closing.push((peer, g, ep));
                 } else {
                     ep.close(&worker);
                 }
@@ -352,9 +363,11 @@ pub(crate) fn run_initiator(
     }
     let unwired = wiring.drain(..).map(|w| {
         drop(w.wireup);
-        (w.peer, w.ep)
+        w.ep
     });
-    for (_, ep) in peers.drain().chain(closing.drain(..)).chain(unwired) {
+    for ep in
+        peers.drain().map(|(_, (_, ep))| ep).chain(closing.drain(..).map(|(_, _, ep)| ep)).chain(unwired)
+    {
         ep.close(&worker);
     }
     drop(maps);

@@ -16,18 +16,19 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvxfer_core::plan::ResultPlan;
 use kvxfer_core::pull::{PullChild, PullConfig, PullMachine};
-use kvxfer_core::{BlockId, PrefillResult};
+use kvxfer_core::{BlockId, ChildHandoff, PrefillResult};
 use kvxfer_mem::KvMemory;
-use kvxfer_proto::v1;
+use kvxfer_proto::v1::{self, LeaseOutcome};
 use kvxfer_tcp::{ClientError, Connection};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::warn;
+use tracing::{info, warn};
 
 #[cfg(feature = "ucx")]
 pub(crate) use peer::read_error;
 pub(crate) use peer::Peer;
+use peer::{ControlOp, ControlReply};
 use report::{add, Counters};
 pub use report::{ChildReport, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
 
@@ -109,7 +110,9 @@ impl Inner {
         }
         peers
             .entry(addr.to_owned())
-            .or_insert_with(|| Arc::new(Peer::new(addr, self.config.connections_per_peer)))
+            .or_insert_with(|| {
+                Arc::new(Peer::new(addr, self.config.connections_per_peer, self.config.limits.idle_timeout))
+            })
             .clone()
     }
 
@@ -349,8 +352,7 @@ impl DecodeAgent {
         }
         add(&self.inner.counters.pulls, 1);
         let min_ttl = children.iter().map(|c| c.ttl()).min().unwrap_or(Duration::from_secs(30));
-        let heartbeat_every =
-            self.inner.config.heartbeat_interval.unwrap_or(min_ttl / 6).max(Duration::from_millis(10));
+        let heartbeat_every = heartbeat_interval(self.inner.config.heartbeat_interval, min_ttl);
         let machine = PullMachine::new(
             plan,
             children
@@ -364,6 +366,40 @@ impl DecodeAgent {
         let pull = pull::Pull::new(self.inner.clone(), children, claimed, channels, Instant::now());
         self.tasks.spawn_on(pull.run(machine), &self.handle);
         Ok(handle)
+    }
+
+    /// Releases the lease of a child this agent will not pull — a request aborted while it
+    /// still waited in the decode queue (vLLM aborts those), or a child of a result this
+    /// worker takes only part of — without reading anything: a cancel goes over the peer's
+    /// control connection (retried on a fresh connection like a pull's, bounded by the io
+    /// timeout), so the prefill side frees the blocks now rather than at the lease's expiry.
+    ///
+    /// Returns whether the prefill side released the lease (also when an earlier release had,
+    /// and its answer was lost); false when the lease had been pulled or had expired, was
+    /// unknown there (wrong token, or a restarted prefill process), or the peer could not be
+    /// reached — then it ends by expiry, if it has not ended. Counted in
+    /// `DecodeStats::leases_released` / `releases_refused`.
+    ///
+    /// Unlike [`PullHandle::cancel_child`], nothing races: the child is not being pulled. Do
+    /// not release a child a pull of this agent is reading (its read then fails as a lease
+    /// that ended); cancel it through its handle.
+    pub async fn release(&self, child: &ChildHandoff) -> bool {
+        let peer = self.inner.peer(&child.engine().addr());
+        let id = child.remote_request_id().to_owned();
+        let op = ControlOp::Cancel { id, token: child.token().as_bytes().to_vec() };
+        let answer = peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await;
+        let released = matches!(
+            answer,
+            Some((Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)), _))
+        );
+        if released {
+            add(&self.inner.counters.leases_released, 1);
+            info!(remote_request_id = %child.remote_request_id(), "lease released without pulling it");
+        } else {
+            add(&self.inner.counters.releases_refused, 1);
+            info!(remote_request_id = %child.remote_request_id(), answer = ?answer, "release not applied");
+        }
+        released
     }
 
     /// Parses a wire prefill result (refusing incomplete ones, naming the missing children)
@@ -425,6 +461,18 @@ impl DecodeAgent {
         self.tasks.close();
         self.inner.stop.cancel();
     }
+}
+
+/// The decode side never heartbeats a pull's leases more often than this, whatever the
+/// hand-offs' ttls (a prefill peer, or a `kv_transfer_params` from a request body, may state
+/// a ttl of 1 ms) or `AgentConfig::heartbeat_interval` say: a lease whose ttl is below about
+/// twice this cannot be kept alive by heartbeats, and is not worth spinning for.
+pub(crate) const MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How often a pull heartbeats: the configured interval, else a sixth of the shortest ttl of
+/// its hand-offs; never more often than [`MIN_HEARTBEAT_INTERVAL`].
+fn heartbeat_interval(configured: Option<Duration>, min_ttl: Duration) -> Duration {
+    configured.unwrap_or(min_ttl / 6).max(MIN_HEARTBEAT_INTERVAL)
 }
 
 impl DecodeAgent {

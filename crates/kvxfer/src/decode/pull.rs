@@ -22,7 +22,7 @@ use kvxfer_tcp::ClientError;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::peer::{pull_error, read_error, unreachable_peer, ControlOp, ControlReply, Peer};
+use super::peer::{pull_error, read_error, ControlOp, ControlReply, Peer};
 use super::report::{add, ChildReport, PullChannels, Totals};
 use super::Inner;
 use crate::TransportChoice;
@@ -34,10 +34,6 @@ pub(crate) enum Path {
     #[cfg(feature = "ucx")]
     Ucx,
 }
-
-/// How long, at most, a failed control exchange (notify, cancel, heartbeat) is retried on
-/// fresh connections: the io timeout, and at most this many attempts.
-const CONTROL_ATTEMPTS: u32 = 3;
 
 /// What one of the pull's concurrent I/O futures reports.
 enum Event {
@@ -57,8 +53,9 @@ pub(crate) struct Pull {
     wire: Vec<Vec<BlockRun>>,
     channels: PullChannels,
     started: Instant,
-    /// Cleared when the peer cannot be reached at all (connect or handshake refused): later
-    /// notifies and cancels of this pull are skipped instead of each waiting out a timeout.
+    /// Cleared when the peer cannot be reached at all (connect or handshake refused, or no
+    /// answer within the io timeout): later notifies and cancels of this pull are skipped
+    /// instead of each waiting out a timeout.
     reachable: AtomicBool,
     /// One-sided reads the transport could not stop, and the blocks they hold.
     #[cfg(feature = "ucx")]
@@ -93,7 +90,11 @@ impl Pull {
         let peer = match &resolved {
             Ok(addr) => self.inner.peer(addr),
             // Not pooled, and never connected to: the pull fails before any I/O.
-            Err(_) => Arc::new(Peer::new(&self.children[0].engine().engine_id, 1)),
+            Err(_) => Arc::new(Peer::new(
+                &self.children[0].engine().engine_id,
+                1,
+                self.inner.config.limits.idle_timeout,
+            )),
         };
         let (stop, abort) = (self.inner.stop.clone(), self.inner.abort.clone());
         let mut cancels =
@@ -226,13 +227,7 @@ impl Pull {
     /// hand-offs name (engine id, and incarnation when stated), and picks the data path: the
     /// best one both sides offer, unless the config forces one.
     async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), PullError> {
-        let hello = async || match peer.control(&self.inner, &ControlOp::Hello).await {
-            Ok(ControlReply::Hello(ack)) => Ok(*ack),
-            Ok(other) => {
-                Err(PullError::Protocol { peer: peer.addr.clone(), detail: format!("unexpected {other:?}") })
-            }
-            Err(e) => Err(pull_error(&e, &self.inner)),
-        };
+        let hello = async || peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner));
         let want = self.children[0].engine();
         let stale = |ack: &v1::HelloAck| {
             ack.engine_id != want.engine_id || (want.incarnation != 0 && ack.incarnation != want.incarnation)
@@ -305,22 +300,38 @@ impl Pull {
         }
         let _ = (remote, path);
         let read = async {
-            let (_permit, mut conn) = match peer.checkout(&self.inner).await {
+            let (_permit, mut conn, mut reused) = match peer.checkout(&self.inner).await {
                 Ok(c) => c,
                 Err(e) => return ReadResult::Failed(e),
             };
             let id = child.remote_request_id();
-            // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
-            // other pull writes them; the caller does not touch them until their report,
-            // which the machine sends only after this read ended), and `ResultPlan::build`
-            // checked them against the local layout.
-            #[allow(unsafe_code)]
-            let r = unsafe { conn.read_into(id, child.token().as_bytes(), runs, &self.inner.memory) }.await;
-            peer.checkin(conn, &r);
-            debug!(remote_request_id = %id, result = ?r, "child read");
-            match r {
-                Ok(bytes) => ReadResult::Ok { bytes },
-                Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+            loop {
+                // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
+                // other pull writes them; the caller does not touch them until their report,
+                // which the machine sends only after this read ended), and `ResultPlan::build`
+                // checked them against the local layout.
+                #[allow(unsafe_code)]
+                let r =
+                    unsafe { conn.read_into(id, child.token().as_bytes(), runs, &self.inner.memory) }.await;
+                // A pooled connection the peer closed before answering (its idle close racing
+                // our request): nothing reached the blocks, so the read is made once more on a
+                // fresh connection.
+                if r.as_ref().is_err_and(closed_before_answer) && reused && !conn.payload_started() {
+                    debug!(remote_request_id = %id, result = ?r, "pooled connection closed before the answer; retrying the read");
+                    add(&self.inner.counters.read_retries, 1);
+                    conn = match peer.connect(&self.inner).await {
+                        Ok(c) => c,
+                        Err(e) => return ReadResult::Failed(e),
+                    };
+                    reused = false;
+                    continue;
+                }
+                peer.checkin(conn, &r);
+                debug!(remote_request_id = %id, result = ?r, "child read");
+                return match r {
+                    Ok(bytes) => ReadResult::Ok { bytes },
+                    Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+                };
             }
         };
         tokio::select! {
@@ -437,36 +448,11 @@ impl Pull {
         (summary.wire_bytes, summary.delivered_bytes, self.started.elapsed())
     }
 
-    /// Runs `op` on the peer's control connection unless the peer was found unreachable
-    /// (`None`). An exchange that fails midway (connection reset, lost or garbled reply) is
-    /// retried on a fresh connection while the io timeout allows; the second value is the
-    /// number of attempts made (a retried notify may find its first attempt counted).
+    /// Runs `op` on the peer's control connection ([`Peer::exchange`]: retried, bounded)
+    /// unless the peer was found unreachable (`None`; this pull's later exchanges are then
+    /// skipped).
     async fn control(&self, peer: &Peer, op: ControlOp) -> Option<(Result<ControlReply, ClientError>, u32)> {
-        if !self.reachable.load(Ordering::Relaxed) {
-            return None;
-        }
-        let mut attempt = 1;
-        let mut r = peer.control(&self.inner, &op).await;
-        let deadline = tokio::time::Instant::now() + self.inner.config.limits.io_timeout;
-        loop {
-            match &r {
-                Err(e) if unreachable_peer(e) => {
-                    self.reachable.store(false, Ordering::Relaxed);
-                    return None;
-                }
-                Err(e) if !e.connection_usable() && attempt < CONTROL_ATTEMPTS => {
-                    debug!(peer = %peer.addr, error = %e, attempt, "control exchange failed; retrying on a fresh connection");
-                    add(&self.inner.counters.control_retries, 1);
-                    attempt += 1;
-                    match tokio::time::timeout_at(deadline, peer.control(&self.inner, &op)).await {
-                        Ok(next) => r = next,
-                        Err(_) => break,
-                    }
-                }
-                _ => break,
-            }
-        }
-        Some((r, attempt))
+        peer.exchange(&self.inner, &op, &self.reachable).await
     }
 
     async fn heartbeat(&self, peer: &Peer, leases: Vec<usize>) -> Event {
@@ -541,6 +527,15 @@ impl Pull {
         };
         Event::Control(i, answer)
     }
+}
+
+/// Whether a read failed because its connection closed or broke before the answer: the
+/// peer's idle close racing a request on a pooled connection looks like this.
+fn closed_before_answer(e: &ClientError) -> bool {
+    matches!(
+        e,
+        ClientError::Frame { source: kvxfer_tcp::FrameError::Closed | kvxfer_tcp::FrameError::Io(_), .. }
+    )
 }
 
 /// Sleeps until `t` (for ever when `None`; the branch is disabled then).
