@@ -85,6 +85,10 @@ pub enum LeaseError {
         /// The `n` of the parent's tracked leases.
         tracked: u32,
     },
+    /// The table was closed ([`crate::LeaseTable::release_all`]: the prefill agent is
+    /// shutting down); no lease is made after that, so none is left without an end.
+    #[error("lease for request {0}: the prefill agent is shutting down")]
+    Closed(String),
 }
 
 /// Why a hand-off or prefill result was refused.

@@ -476,6 +476,8 @@ pub struct LeaseTable {
     counters: Counters,
     /// Each shard's share of `LeaseConfig::max_ended_records` (at least 1).
     records_per_shard: usize,
+    /// Set by [`Self::release_all`]: no lease is made afterwards.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for LeaseTable {
@@ -529,6 +531,7 @@ impl LeaseTable {
             ended_rx,
             end_hook: std::sync::OnceLock::new(),
             counters: Counters::default(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -595,6 +598,11 @@ impl LeaseTable {
         let blocks: Arc<[BlockId]> = Arc::from(req.blocks);
 
         let mut shard = self.lock(self.shard_of(&key));
+        // Checked under the shard lock: `release_all` sets the flag before it visits any
+        // shard, so a lease is either made before its visit (and released by it) or refused.
+        if self.closed.load(Ordering::Acquire) {
+            return Err(LeaseError::Closed(key.to_string()));
+        }
         if shard.leases.contains_key(&key) {
             return Err(LeaseError::AlreadyLeased(key.to_string()));
         }
@@ -950,8 +958,11 @@ impl LeaseTable {
 
     /// Ends every live lease as released (the owner shuts down): each end is delivered on
     /// [`Self::ended`] as usual — at once, or when its last read finishes. Returns how many
-    /// ended.
+    /// ended. The table is closed from then on: [`Self::lease`] refuses with
+    /// [`LeaseError::Closed`], so no lease is left without an end.
     pub fn release_all(&self, now: Instant) -> usize {
+        // No lease is made from here on (checked under each shard's lock by `lease`).
+        self.closed.store(true, Ordering::Release);
         let mut count = 0;
         for index in 0..self.shards.len() {
             let mut shard = self.lock(index);

@@ -479,7 +479,10 @@ async fn run_shutdown(shared: Arc<Shared>) {
     // One-sided readers (UCX) read registered memory without us seeing the reads; a pin is
     // their promise to unpin when done. Reads and pins in flight hold read guards: wait for
     // them (bounded) before the memory can be unmapped and freed.
-    let deadline = tokio::time::Instant::now() + shared.grace;
+    let deadline = tokio::time::Instant::from_std(crate::runtime::instant_after(
+        std::time::Instant::now(),
+        shared.grace,
+    ));
     wait_for_reads(&shared, deadline).await;
     let released = shared.table.release_all(Instant::now());
     if released > 0 {
@@ -717,17 +720,32 @@ async fn expiry_loop(shared: Arc<Shared>) {
 /// each one with its request id. Woken by the table's end hook; after shutdown it delivers
 /// what is left and drops its sender (the owner's receivers then disconnect).
 async fn forward_events(shared: Arc<Shared>, ended: Arc<Notify>, out: Sender<LeaseEnd>, ready: Arc<Notify>) {
+    // However this task ends — finished, or dropped with its runtime — the channel is
+    // closed and the `LeaseEnds` streams are woken, so they end instead of waiting for ever.
+    let closing = CloseOnDrop { out: Some(out), ready };
+    let (Some(out), ready) = (closing.out.as_ref(), &closing.ready) else { return };
     loop {
-        forward(&shared, &out, &ready);
+        forward(&shared, out, ready);
         tokio::select! {
             () = ended.notified() => {}
             () = shared.events_final.cancelled() => break,
         }
     }
     // Every connection is gone (the shutdown waited for them), so no end can follow.
-    forward(&shared, &out, &ready);
-    drop(out);
-    ready.notify_waiters();
+    forward(&shared, out, ready);
+}
+
+/// Closes the lease-end channel, then wakes the streams waiting on it.
+struct CloseOnDrop {
+    out: Option<Sender<LeaseEnd>>,
+    ready: Arc<Notify>,
+}
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        drop(self.out.take());
+        self.ready.notify_waiters();
+    }
 }
 
 fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {

@@ -9,7 +9,7 @@ mod pull;
 mod report;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -146,7 +146,9 @@ pub struct DecodeAgent {
     inner: Arc<Inner>,
     handle: Handle,
     tasks: TaskTracker,
-    closed: AtomicBool,
+    /// Set at shutdown; a pull is spawned under this lock, so none starts after the shutdown
+    /// began waiting for the pulls.
+    closed: std::sync::Mutex<bool>,
     reclaimed: Receiver<Reclaimed>,
 }
 
@@ -254,7 +256,7 @@ impl DecodeAgent {
             inner,
             handle,
             tasks: TaskTracker::new(),
-            closed: AtomicBool::new(false),
+            closed: std::sync::Mutex::new(false),
             reclaimed,
         })
     }
@@ -304,7 +306,7 @@ impl DecodeAgent {
         selection: Vec<(u32, Vec<BlockId>)>,
     ) -> Result<PullHandle, Error> {
         let parent = result.parent_request_id().to_owned();
-        if self.closed.load(Ordering::Acquire) {
+        if self.is_closed() {
             return Err(SubmitError::ShuttingDown { parent }.into());
         }
         let n = result.n();
@@ -350,7 +352,6 @@ impl DecodeAgent {
             }
             busy.extend(claimed.iter().copied());
         }
-        add(&self.inner.counters.pulls, 1);
         let min_ttl = children.iter().map(|c| c.ttl()).min().unwrap_or(Duration::from_secs(30));
         let heartbeat_every = heartbeat_interval(self.inner.config.heartbeat_interval, min_ttl);
         let machine = PullMachine::new(
@@ -362,9 +363,25 @@ impl DecodeAgent {
                 .collect(),
             PullConfig { heartbeat_every, block_bytes: self.inner.memory.layout().block_bytes() },
         );
-        let (handle, channels) = PullHandle::new(parent, children.len());
+        let expected = children
+            .iter()
+            .zip(&local)
+            .map(|(c, l)| (c.child_index(), c.remote_request_id().to_owned(), l.clone()))
+            .collect();
+        let (handle, channels) = PullHandle::new(parent.clone(), expected);
+        let closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        if *closed {
+            // The shutdown began after the check above: hand the blocks back, pull nothing.
+            let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
+            for b in &claimed {
+                busy.remove(b);
+            }
+            return Err(SubmitError::ShuttingDown { parent }.into());
+        }
         let pull = pull::Pull::new(self.inner.clone(), children, claimed, channels, Instant::now());
         self.tasks.spawn_on(pull.run(machine), &self.handle);
+        drop(closed);
+        add(&self.inner.counters.pulls, 1);
         Ok(handle)
     }
 
@@ -384,7 +401,17 @@ impl DecodeAgent {
     /// not release a child a pull of this agent is reading (its read then fails as a lease
     /// that ended); cancel it through its handle.
     pub async fn release(&self, child: &ChildHandoff) -> bool {
-        let peer = self.inner.peer(&child.engine().addr());
+        // Resolved like a pull's: an engine-only hand-off through discovery, and nothing
+        // sent to an incarnation discovery knows is gone (its leases went with it).
+        let addr = match self.inner.resolve(child.engine()) {
+            Ok(addr) => addr,
+            Err(e) => {
+                add(&self.inner.counters.releases_refused, 1);
+                info!(remote_request_id = %child.remote_request_id(), error = %e, "release not applied");
+                return false;
+            }
+        };
+        let peer = self.inner.peer(&addr);
         let id = child.remote_request_id().to_owned();
         let op = ControlOp::Cancel { id, token: child.token().as_bytes().to_vec() };
         let answer = peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await;
@@ -455,9 +482,13 @@ impl DecodeAgent {
         }
     }
 
+    fn is_closed(&self) -> bool {
+        *self.closed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Stops taking pulls and tells the pulls under way to stop starting reads.
     fn begin_shutdown(&self) {
-        self.closed.store(true, Ordering::Release);
+        *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = true;
         self.tasks.close();
         self.inner.stop.cancel();
     }

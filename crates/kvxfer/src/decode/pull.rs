@@ -209,7 +209,7 @@ impl Pull {
     /// Handshakes, checks the remote ids against the peer's layout, and picks the path. On
     /// failure: the error, and whether the peer can still be told to release the leases.
     async fn connect(&self, peer: &Peer) -> Result<(BlockLayout, Path), (PullError, bool)> {
-        let (remote_layout, path) = self.handshake(peer).await.map_err(|e| (e, false))?;
+        let (remote_layout, path) = self.handshake(peer).await?;
         let ids: Vec<BlockId> = self
             .children
             .iter()
@@ -225,9 +225,15 @@ impl Pull {
 
     /// Handshakes with the peer (once per connection), checks it is the engine process the
     /// hand-offs name (engine id, and incarnation when stated), and picks the data path: the
-    /// best one both sides offer, unless the config forces one.
-    async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), PullError> {
-        let hello = async || peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner));
+    /// best one both sides offer, unless the config forces one. On failure: the error, and
+    /// whether the peer can still be told to release the leases — not when the hello failed
+    /// or the peer is another process than the hand-offs name; yes when it answered as the
+    /// right engine and only its layout or the data path was wrong.
+    async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), (PullError, bool)> {
+        let unreachable = |e| (e, false);
+        let hello = async || {
+            peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner)).map_err(unreachable)
+        };
         let want = self.children[0].engine();
         let stale = |ack: &v1::HelloAck| {
             ack.engine_id != want.engine_id || (want.incarnation != 0 && ack.incarnation != want.incarnation)
@@ -241,20 +247,21 @@ impl Pull {
             ack = hello().await?;
         }
         if stale(&ack) {
-            return Err(PullError::PeerRestarted {
+            return Err(unreachable(PullError::PeerRestarted {
                 peer: peer.addr.clone(),
                 expected_engine: want.engine_id.clone(),
                 expected_incarnation: want.incarnation,
                 found_engine: ack.engine_id.clone(),
                 found_incarnation: ack.incarnation,
-            });
+            }));
         }
-        let protocol = |detail: String| PullError::Protocol { peer: peer.addr.clone(), detail };
+        // The right engine answered: it can still be told to release the leases.
+        let protocol = |detail: String| (PullError::Protocol { peer: peer.addr.clone(), detail }, true);
         let wire =
             ack.layout.as_ref().ok_or_else(|| protocol("the prefill agent sent no block layout".into()))?;
         let layout = BlockLayout::from_wire(wire)
             .map_err(|e| protocol(format!("the prefill agent's layout is malformed: {e}")))?;
-        let path = self.choose_path(peer, &ack).await?;
+        let path = self.choose_path(peer, &ack).await.map_err(|e| (e, true))?;
         Ok((layout, path))
     }
 
