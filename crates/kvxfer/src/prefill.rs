@@ -325,7 +325,7 @@ impl PrefillAgent {
     pub fn lease(&self, req: LeaseRequest) -> Result<ChildHandoff, Error> {
         let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
         // The tracker records the lease only once the table made it, under the tracker's
-        // lock, so the lease's end (applied by the event thread under the same lock) cannot
+        // lock, so the lease's end (applied by the event task under the same lock) cannot
         // overtake it.
         let mut tracker = self.lock_tracker();
         let now = Instant::now();
