@@ -106,7 +106,7 @@ pub mod testing;
 
 pub use directory::{
     DirectoryEvent, DirectoryEvents, DirectoryOptions, DirectoryStats, EngineDirectory, EngineEntry,
-    IgnoreReason,
+    IgnoreReason, DEFAULT_MAX_ENTRIES,
 };
 pub use error::{ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, RecordError, ResolveError};
 pub use etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusWatch};

@@ -355,6 +355,7 @@ impl DirectorySnapshot {
         s.ignored_malformed += o.ignored_malformed;
         s.ignored_unsupported_version += o.ignored_unsupported_version;
         s.ignored_layout_mismatch += o.ignored_layout_mismatch;
+        s.ignored_limit += o.ignored_limit;
         s.listings += o.listings;
     }
 }

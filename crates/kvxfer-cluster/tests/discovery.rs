@@ -26,7 +26,7 @@ fn register(etcd: &EtcdServer, engine: &str, incarnation: u64) -> Registration {
 }
 
 async fn directory(etcd: &EtcdServer) -> EngineDirectory {
-    let options = DirectoryOptions { expected_compat_hash: Some(LAYOUT_HASH) };
+    let options = DirectoryOptions { expected_compat_hash: Some(LAYOUT_HASH), ..Default::default() };
     let dir = EngineDirectory::start(&Handle::current(), etcd.config(), namespace(), options)
         .expect("start directory");
     dir.wait_synced(WAIT).await.expect("directory synced");
@@ -471,4 +471,53 @@ async fn default_settings_keep_their_streams_up_against_a_default_etcd() {
     assert_eq!((r.state, r.failures), (EtcdState::Connected, 0), "registration: {r:?}");
     reg.shutdown().await.expect("shutdown");
     dir.shutdown().await;
+}
+
+/// etcd accepts values of up to 1.5 MiB; a few of them under the namespace (junk, or a
+/// namespace with very many records) make a listing larger than a gRPC message may be by
+/// default (4 MiB). The directory pages its listing (all pages at one revision) and still
+/// syncs; values put later (more than 4 MiB of them) reach it through the watch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_more_than_a_grpc_message_pages_through() {
+    use kvxfer_cluster::testing::etcd_client::{Txn, TxnOp};
+    let etcd = start_etcd();
+    let mut client = etcd.client().await;
+    let prefix = engines_prefix(&namespace());
+    let blob = vec![b'x'; 1_400_000];
+    for i in 0..4 {
+        client.put(format!("{prefix}junk-{i}/0"), blob.clone(), None).await.expect("put junk");
+    }
+    // Valid records across several pages, written 100 per transaction.
+    let engines: Vec<String> = (0..300).map(|i| format!("engine-{i:03}")).collect();
+    for chunk in engines.chunks(100) {
+        let ops: Vec<TxnOp> =
+            chunk.iter().map(|e| TxnOp::put(key(e, 0).to_key(), record(7000, 1).to_json(), None)).collect();
+        client.txn(Txn::new().and_then(ops)).await.expect("txn");
+    }
+
+    let dir = directory(&etcd).await;
+    let s = dir.stats();
+    assert_eq!((s.entries, s.ignored_malformed), (300, 4), "{s:?}");
+    assert!(dir.resolve("engine-299", 0).is_some() && dir.resolve("engine-000", 0).is_some());
+
+    // A directory that accepts at most 4 MiB per message: pages shrink until one fits.
+    let mut small = etcd.config();
+    small.max_response_bytes = 4 << 20;
+    let options = DirectoryOptions { expected_compat_hash: Some(LAYOUT_HASH), ..Default::default() };
+    let tight =
+        EngineDirectory::start(&Handle::current(), small, namespace(), options).expect("start directory");
+    tight.wait_synced(WAIT).await.expect("a directory with a 4 MiB cap syncs");
+    assert_eq!(tight.stats().entries, 300);
+
+    // More than 4 MiB of values after the listing, then one good record.
+    let mut events = dir.subscribe();
+    for i in 4..8 {
+        client.put(format!("{prefix}junk-{i}/0"), blob.clone(), None).await.expect("put junk");
+    }
+    client.put(key("late", 0).to_key(), record(7000, 2).to_json(), None).await.expect("put");
+    wait_event(&mut events, "Added late", |e| is_added(e, "late")).await;
+    assert_eq!(dir.stats().ignored_malformed, 8);
+    assert_eq!(dir.stats().listings, 1, "the watch went on without a re-list");
+    dir.shutdown().await;
+    tight.shutdown().await;
 }
