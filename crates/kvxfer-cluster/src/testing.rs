@@ -64,10 +64,12 @@ pub fn etcd_binary() -> Option<PathBuf> {
         .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join("etcd")).find(|p| p.is_file()))
 }
 
-fn free_port() -> Result<u16, String> {
-    let listener =
-        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
-    listener.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+/// Two distinct free ports of 127.0.0.1 (both held while the second is picked).
+fn free_ports() -> Result<(u16, u16), String> {
+    let bind = || TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("bind 127.0.0.1:0: {e}"));
+    let (a, b) = (bind()?, bind()?);
+    let port = |l: &TcpListener| l.local_addr().map(|a| a.port()).map_err(|e| e.to_string());
+    Ok((port(&a)?, port(&b)?))
 }
 
 impl EtcdServer {
@@ -94,10 +96,10 @@ impl EtcdServer {
         let fixed = launch.ports;
         let mut server = Self { child: None, dir, launch, client_port: 0, peer_port: 0, starts: 0 };
         let mut last = String::new();
-        for _ in 0..if fixed.is_some() { 1 } else { 3 } {
+        for _ in 0..if fixed.is_some() { 1 } else { 5 } {
             (server.client_port, server.peer_port) = match fixed {
                 Some(ports) => ports,
-                None => (free_port()?, free_port()?),
+                None => free_ports()?,
             };
             match server.spawn_and_wait() {
                 Ok(()) => return Ok(server),

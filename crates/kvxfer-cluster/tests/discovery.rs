@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvxfer_cluster::testing::EtcdLaunch;
+use kvxfer_cluster::testing::{fast_config, EtcdLaunch};
 use kvxfer_cluster::{
     engines_prefix, DirectoryEvent, DirectoryOptions, EngineDirectory, EngineRecord, EtcdConfig, EtcdState,
     Registration, RegistrationConfig, ResolveError, StatusWatch,
@@ -520,4 +520,92 @@ async fn listing_more_than_a_grpc_message_pages_through() {
     assert_eq!(dir.stats().listings, 1, "the watch went on without a re-list");
     dir.shutdown().await;
     tight.shutdown().await;
+}
+
+/// An operator's `etcdctl del` of a live registration's key: the registration sees it go
+/// (it watches its own key) and puts it back on its lease at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_key_is_put_back_by_its_live_registration() {
+    let etcd = start_etcd();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-d", 0xd1);
+    registered(&reg).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-d")).await;
+    let lease = reg.lease_id();
+
+    etcd.client().await.delete(key("engine-d", 0).to_key(), None).await.expect("delete");
+    let removed = next_event(&mut events, "Removed by the delete").await;
+    assert!(is_removed(&removed, "engine-d"), "{removed:?}");
+    let added = next_event(&mut events, "Added again by the registration").await;
+    let DirectoryEvent::Added(entry) = added else { panic!("expected Added, got {added:?}") };
+    assert_eq!(entry.record, record(7000, 0xd1));
+    assert_eq!(Some(entry.lease), lease, "put back on the same, live lease");
+    // Counted once the put's answer is in (the directory may see the put first).
+    let deadline = Instant::now() + WAIT;
+    while reg.stats().restores != 1 {
+        assert!(Instant::now() < deadline, "{:?}", reg.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}
+
+/// Split brain: agent A is cut off from etcd for longer than its TTL (a long stall or a
+/// partition), its key expires, a replacement B registers the same engine rank; when A gets
+/// through again it must not overwrite B's record with its own (decode agents would mark
+/// the live B gone): it logs and counts a conflict and leaves the key to B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_back_after_its_lease_expired_leaves_a_replacement_alone() {
+    let etcd = start_etcd();
+    let upstream: std::net::SocketAddr =
+        etcd.endpoint().trim_start_matches("http://").parse().expect("etcd address");
+    let proxy = support::CuttableProxy::start(upstream).await;
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let config = RegistrationConfig { key: key("engine-s", 0), record: record(7000, 0xa), ttl: TTL };
+    let a = Registration::start(&Handle::current(), fast_config(&proxy.endpoint()), config)
+        .expect("start registration");
+    registered(&a).await;
+    wait_event(&mut events, "Added A", |e| is_added(e, "engine-s")).await;
+
+    proxy.cut();
+    let removed = wait_event(&mut events, "A's lease expiring", |e| is_removed(e, "engine-s")).await;
+    assert!(is_removed(&removed, "engine-s"));
+    let b = register(&etcd, "engine-s", 0xb);
+    registered(&b).await;
+    wait_event(&mut events, "Added B", |e| is_added(e, "engine-s")).await;
+
+    proxy.restore();
+    // A gets through, finds its lease gone, grants a new one and tries to register again.
+    let deadline = Instant::now() + WAIT;
+    while a.stats().grants < 2 || a.stats().puts + a.stats().conflicts < 2 {
+        assert!(Instant::now() < deadline, "A did not come back: {:?} {:?}", a.stats(), a.status());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(stored(&etcd, "engine-s").await.map(|(r, _)| r.incarnation), Some(0xb), "B's record stays");
+    assert_eq!(dir.resolve("engine-s", 0).map(|e| e.record.incarnation), Some(0xb));
+    assert_eq!(a.stats().conflicts, 1, "{:?}", a.stats());
+    assert_eq!(a.status().state, EtcdState::Degraded, "A says it is not registered");
+    let metrics = kvxfer_cluster::Metrics::new();
+    let _source = metrics.add_registration(&a);
+    let text = metrics.encode().expect("encode");
+    assert!(text.contains("kvxfer_etcd_registration_conflicts_total 1\n"), "{text}");
+    // B stays registered: no event for engine-s before the marker's.
+    let marker = register(&etcd, "marker", 9);
+    registered(&marker).await;
+    let next = next_event(&mut events, "the marker's Added").await;
+    assert!(is_added(&next, "marker"), "engine-s must stay B's, got {next:?}");
+
+    // B shuts down: the key is free, and A (alive, still holding its lease) takes it.
+    b.shutdown().await.expect("shutdown B");
+    let removed = next_event(&mut events, "Removed B").await;
+    assert!(is_removed(&removed, "engine-s"), "{removed:?}");
+    let added = next_event(&mut events, "Added A again").await;
+    let DirectoryEvent::Added(entry) = added else { panic!("expected Added, got {added:?}") };
+    assert_eq!(entry.record.incarnation, 0xa);
+    for r in [a, marker] {
+        r.shutdown().await.expect("shutdown");
+    }
+    dir.shutdown().await;
 }
