@@ -27,12 +27,22 @@ pub struct EtcdLaunch {
     pub wrapper: Vec<String>,
     /// More etcd options (e.g. `--grpc-keepalive-min-time=100ms`).
     pub args: Vec<String>,
+    /// The directory etcd's own temporary directory is made in (default: the system's
+    /// temporary directory). A script that may kill the process before it cleans up gives
+    /// one it removes itself.
+    pub data_root: Option<PathBuf>,
 }
 
 impl Default for EtcdLaunch {
     /// 127.0.0.1, free ports, etcd's own defaults otherwise.
     fn default() -> Self {
-        Self { ip: IpAddr::V4(Ipv4Addr::LOCALHOST), ports: None, wrapper: Vec::new(), args: Vec::new() }
+        Self {
+            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            ports: None,
+            wrapper: Vec::new(),
+            args: Vec::new(),
+            data_root: None,
+        }
     }
 }
 
@@ -89,10 +99,13 @@ impl EtcdServer {
                         (apt-get install etcd-server; scripts/test-all.sh does) or set ETCD_BIN"
                 .into());
         }
-        let dir = tempfile::Builder::new()
-            .prefix("kvxfer-etcd-")
-            .tempdir()
-            .map_err(|e| format!("temp dir: {e}"))?;
+        let mut builder = tempfile::Builder::new();
+        builder.prefix("kvxfer-etcd-");
+        let dir = match &launch.data_root {
+            Some(root) => builder.tempdir_in(root),
+            None => builder.tempdir(),
+        }
+        .map_err(|e| format!("temp dir: {e}"))?;
         let fixed = launch.ports;
         let mut server = Self { child: None, dir, launch, client_port: 0, peer_port: 0, starts: 0 };
         let mut last = String::new();

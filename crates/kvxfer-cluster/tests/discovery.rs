@@ -160,6 +160,10 @@ async fn killed_registering_process_vanishes_within_the_lease_ttl() {
         elapsed.as_secs_f64() * 1000.0,
         TTL.as_secs()
     );
+    // The goal is TTL + 1 s (checked by scripts/multihost.sh); here, on a shared machine,
+    // a bound that only a key outliving its lease (or a stuck watch) can break.
+    let bound = 2 * TTL + Duration::from_secs(1);
+    assert!(elapsed <= bound, "Removed {elapsed:?} after the kill, more than 2 x TTL + 1 s ({bound:?})");
     dir.shutdown().await;
 }
 
