@@ -263,6 +263,11 @@ impl PrefillCluster {
     }
 }
 
+/// Bytes served per transport, each from its own counter.
+fn served_bytes(s: &kvxfer_tcp::ServerStats) -> PerTransport {
+    PerTransport { tcp: s.bytes_served_tcp, ucx: s.bytes_served_one_sided, rdma: 0 }
+}
+
 fn prefill_snapshot(table: &LeaseTable, counters: &ServerCounters, open: &AtomicU64) -> PrefillSnapshot {
     let l = table.stats();
     let s = counters.snapshot();
@@ -276,11 +281,7 @@ fn prefill_snapshot(table: &LeaseTable, counters: &ServerCounters, open: &Atomic
         notifications_unrecognized: l.unrecognized,
         notifications_bad_token: l.bad_token,
         notifications_duplicate: l.duplicate,
-        bytes_served: PerTransport {
-            tcp: s.bytes_served.saturating_sub(s.bytes_served_one_sided),
-            ucx: s.bytes_served_one_sided,
-            rdma: 0,
-        },
+        bytes_served: served_bytes(&s),
         reads_served: s.reads_served,
         reads_refused: s.reads_refused,
         connections_accepted: s.connections,
@@ -361,7 +362,8 @@ impl DecodeCluster {
             Some(d) => {
                 // Records of another layout are ignored (and counted): this agent could not
                 // pull from them.
-                let options = DirectoryOptions { expected_compat_hash: Some(compat_hash) };
+                let options =
+                    DirectoryOptions { expected_compat_hash: Some(compat_hash), ..Default::default() };
                 let dir = EngineDirectory::start(handle, d.etcd.clone(), d.namespace()?, options);
                 Some(Arc::new(dir.map_err(cluster_error)?))
             }
@@ -501,13 +503,9 @@ fn decode_snapshot(s: &crate::DecodeStats) -> DecodeSnapshot {
         children_done: s.children_done,
         children_failed: s.children_failed,
         children_cancelled: s.children_cancelled,
-        bytes_pulled: PerTransport {
-            tcp: s.bytes_pulled.saturating_sub(s.bytes_pulled_ucx),
-            ucx: s.bytes_pulled_ucx,
-            rdma: 0,
-        },
+        bytes_pulled: PerTransport { tcp: s.bytes_pulled_tcp, ucx: s.bytes_pulled_ucx, rdma: 0 },
         integrity_failures: PerTransport {
-            tcp: s.integrity_failures.saturating_sub(s.integrity_failures_ucx),
+            tcp: s.integrity_failures_tcp,
             ucx: s.integrity_failures_ucx,
             rdma: 0,
         },
@@ -536,5 +534,30 @@ async fn invalidate_on_events(mut events: DirectoryEvents, inner: Weak<Inner>) {
         } else {
             debug!(engine = %old.key, %addr, "engine left or changed in etcd (no pooled connections)");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scrape between a writer's two adds (total first, then the transport's part) must
+    /// not see the bytes under another transport: counts per transport only ever grow.
+    #[test]
+    fn per_transport_counts_never_borrow_from_the_total() {
+        // A one-sided read counted in the total, its UCX part not yet.
+        let served = kvxfer_tcp::ServerStats { bytes_served: 4096, ..Default::default() };
+        assert_eq!(served_bytes(&served).tcp, 0, "a UCX read in progress showed as TCP bytes");
+        let pulled = crate::DecodeStats { bytes_pulled: 4096, integrity_failures: 1, ..Default::default() };
+        let d = decode_snapshot(&pulled);
+        assert_eq!((d.bytes_pulled.tcp, d.integrity_failures.tcp), (0, 0));
+        // Each transport's own counter is what shows.
+        let served = kvxfer_tcp::ServerStats {
+            bytes_served: 4096 + 100,
+            bytes_served_tcp: 100,
+            bytes_served_one_sided: 4096,
+            ..Default::default()
+        };
+        assert_eq!((served_bytes(&served).tcp, served_bytes(&served).ucx), (100, 4096));
     }
 }
