@@ -24,7 +24,6 @@
 //!   task each lease's life by outcome; [`ClusterConfig::metrics_listen`] serves them at
 //!   `GET /metrics`.
 
-use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -38,7 +37,8 @@ use tracing::{debug, info, warn};
 
 use kvxfer_cluster::{
     AdvertiseAddr, AgentName, DecodeSnapshot, DirectoryOptions, EngineId, EngineKey, EngineRecord, Host,
-    Namespace, PerTransport, PrefillSnapshot, Registration, RegistrationConfig, SourceGuard, TransportName,
+    Namespace, PerTransport, PrefillSnapshot, Registration, RegistrationConfig, ResolveError, SourceGuard,
+    TransportName,
 };
 pub use kvxfer_cluster::{
     ChildPullOutcome, DirectoryEvent, DirectoryEvents, EngineDirectory, EngineEntry, EtcdConfig, EtcdState,
@@ -296,48 +296,10 @@ fn prefill_snapshot(table: &LeaseTable, counters: &ServerCounters, open: &Atomic
     }
 }
 
-/// Incarnations the directory saw deregistered or replaced, most recent last (bounded).
-#[derive(Debug, Default)]
-struct GoneIncarnations {
-    order: VecDeque<(String, u64)>,
-    set: HashSet<(String, u64)>,
-}
-
-impl GoneIncarnations {
-    /// Plenty for every engine restart between two pulls of a hand-off.
-    const CAPACITY: usize = 4096;
-
-    fn insert(&mut self, engine: &str, incarnation: u64) {
-        let key = (engine.to_owned(), incarnation);
-        if incarnation == 0 || !self.set.insert(key.clone()) {
-            return;
-        }
-        self.order.push_back(key);
-        while self.order.len() > Self::CAPACITY {
-            if let Some(old) = self.order.pop_front() {
-                self.set.remove(&old);
-            }
-        }
-    }
-
-    /// The same incarnation registered again (e.g. re-put after etcd lost its data).
-    fn remove(&mut self, engine: &str, incarnation: u64) {
-        let key = (engine.to_owned(), incarnation);
-        if self.set.remove(&key) {
-            self.order.retain(|k| *k != key);
-        }
-    }
-
-    fn contains(&self, engine: &str, incarnation: u64) -> bool {
-        self.set.contains(&(engine.to_owned(), incarnation))
-    }
-}
-
 /// A decode agent's directory, metrics sources and endpoint.
 pub(crate) struct DecodeCluster {
     directory: Option<Arc<EngineDirectory>>,
     namespace: String,
-    gone: Mutex<GoneIncarnations>,
     metrics: Option<Arc<Metrics>>,
     guards: Mutex<Vec<SourceGuard>>,
     server: Mutex<Option<MetricsServer>>,
@@ -373,7 +335,6 @@ impl DecodeCluster {
         Ok(Some(Self {
             directory,
             namespace: c.discovery.as_ref().map(|d| d.namespace.clone()).unwrap_or_default(),
-            gone: Mutex::new(GoneIncarnations::default()),
             metrics,
             guards: Mutex::new(Vec::new()),
             server: Mutex::new(server),
@@ -432,17 +393,28 @@ impl DecodeCluster {
             detail,
         };
         let inc = engine.incarnation;
-        // What the cache lists now wins over what the events said (they are applied by
-        // another task, a moment after the cache changed).
-        let gone = || {
-            self.gone.lock().unwrap_or_else(|p| p.into_inner()).contains(&engine.engine_id, inc)
-                && !dir.engine(&engine.engine_id).iter().any(|e| e.record.incarnation == inc)
-        };
-        if gone() {
-            return Err(not_registered(format!(
-                "incarnation {inc:#x} left etcd namespace {ns:?} (deregistered, or its lease expired after a \
-                 crash, or replaced by a restart): its leases are gone"
-            )));
+        // Judged under the cache's lock: never behind the events an application reacts to,
+        // and a restart is seen even by an agent that started after it (the rank registered
+        // at the hand-off's address names another incarnation).
+        let at = engine
+            .names_address()
+            .then(|| Host::parse(&engine.host).and_then(|h| AdvertiseAddr::new(h, engine.port)).ok())
+            .flatten();
+        match dir.check_handoff(&engine.engine_id, inc, at.as_ref()) {
+            Ok(()) => {}
+            Err(ResolveError::StaleIncarnation { registered, .. }) => {
+                return Err(not_registered(format!(
+                    "incarnation {inc:#x} is not registered in etcd namespace {ns:?}: the rank at {} is \
+                     incarnation {registered:#x} now (the process restarted): its leases are gone",
+                    engine.addr()
+                )));
+            }
+            Err(_) => {
+                return Err(not_registered(format!(
+                    "incarnation {inc:#x} left etcd namespace {ns:?} (deregistered, or its lease expired after a \
+                     crash, or replaced by a restart): its leases are gone"
+                )));
+            }
         }
         if engine.names_address() {
             return Ok(engine.addr());
@@ -472,20 +444,6 @@ impl DecodeCluster {
             task.abort();
         }
         self.guards.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    }
-
-    fn record(&self, event: &DirectoryEvent) {
-        let mut gone = self.gone.lock().unwrap_or_else(|p| p.into_inner());
-        match event {
-            DirectoryEvent::Added(e) => gone.remove(e.key.engine_id.as_str(), e.record.incarnation),
-            DirectoryEvent::Updated { old, new } => {
-                if old.record.incarnation != new.record.incarnation {
-                    gone.insert(old.key.engine_id.as_str(), old.record.incarnation);
-                }
-                gone.remove(new.key.engine_id.as_str(), new.record.incarnation);
-            }
-            DirectoryEvent::Removed(e) => gone.insert(e.key.engine_id.as_str(), e.record.incarnation),
-        }
     }
 }
 
@@ -517,12 +475,11 @@ fn decode_snapshot(s: &crate::DecodeStats) -> DecodeSnapshot {
 }
 
 /// Drops the pooled connections of every engine rank whose key was deleted or whose record
-/// changed, as soon as the directory says so, and remembers the incarnations that went.
+/// changed, as soon as the directory says so (the directory itself remembers the
+/// incarnations that went).
 async fn invalidate_on_events(mut events: DirectoryEvents, inner: Weak<Inner>) {
     while let Some(event) = events.recv().await {
         let Some(inner) = inner.upgrade() else { return };
-        let Some(cluster) = inner.cluster.as_ref() else { return };
-        cluster.record(&event);
         let old = match &event {
             DirectoryEvent::Added(_) => continue,
             DirectoryEvent::Updated { old, .. } | DirectoryEvent::Removed(old) => old,
