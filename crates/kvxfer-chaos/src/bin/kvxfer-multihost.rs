@@ -344,16 +344,21 @@ fn run(args: Args) -> Result<Value, String> {
     )?;
     let served_tcp = m.get(r#"kvxfer_served_bytes_total{transport="tcp"}"#).copied().unwrap_or(0.0);
     let served_ucx = m.get(r#"kvxfer_served_bytes_total{transport="ucx"}"#).copied().unwrap_or(0.0);
+    // Each transport's own counter: exactly what each decode node pulled over it.
+    let parent_bytes = (u64::from(a.n * BLOCKS_PER_CHILD) * 65536) as f64;
     check(
-        served_tcp > 0.0 && (a.no_ucx || served_ucx > 0.0),
-        "prefill /metrics: bytes served per transport",
+        served_tcp == parent_bytes && served_ucx == if a.no_ucx { 0.0 } else { parent_bytes },
+        format!("prefill /metrics: {served_tcp} B served over tcp, {served_ucx} B over ucx, {parent_bytes} B each expected"),
     )?;
     let registration =
         m.get(r#"kvxfer_etcd_state{component="registration",state="connected"}"#).copied().unwrap_or(0.0);
     check(registration == 1.0, "prefill /metrics: registration connected")?;
     let dm = scrape(&SocketAddr::new(a.decode_ip, 9101).to_string())?;
     let pulled = dm.get(r#"kvxfer_pulled_bytes_total{transport="tcp"}"#).copied().unwrap_or(0.0);
-    check(pulled > 0.0, "decode /metrics: bytes pulled over tcp")?;
+    check(
+        pulled == parent_bytes,
+        format!("decode /metrics: {pulled} B pulled over tcp, {parent_bytes} B expected"),
+    )?;
     say(format!("/metrics: prefill served {served_tcp} B over tcp and {served_ucx} B over ucx; decode-tcp pulled {pulled} B"));
 
     // Hand-offs made before the crash, pulled after it.
