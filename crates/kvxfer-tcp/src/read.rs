@@ -180,6 +180,7 @@ pub(crate) async fn serve_read(
     drop(slices);
     drop(guard);
     ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);
+    ctx.counters.bytes_served_tcp.fetch_add(payload_len, Ordering::Relaxed);
     bump(&ctx.counters.reads_served);
     debug!(remote_request_id = %req.remote_request_id, bytes = payload_len, "read served");
     Ok(())

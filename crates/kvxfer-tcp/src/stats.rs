@@ -13,6 +13,9 @@ pub struct ServerCounters {
     pub bytes_served: AtomicU64,
     /// The part of `bytes_served` read one-sided (UCX) under a pin.
     pub bytes_served_one_sided: AtomicU64,
+    /// The part of `bytes_served` written for reads over TCP (its own counter, so each
+    /// transport's count only ever grows, whatever order a scrape reads them in).
+    pub bytes_served_tcp: AtomicU64,
     /// Reads served.
     pub reads_served: AtomicU64,
     /// Reads refused (unknown or ended lease, bad token, blocks outside layout or lease).
@@ -98,6 +101,7 @@ impl WarnBudget {
 pub struct ServerStats {
     pub bytes_served: u64,
     pub bytes_served_one_sided: u64,
+    pub bytes_served_tcp: u64,
     pub reads_served: u64,
     pub reads_refused: u64,
     pub connections: u64,
@@ -124,6 +128,7 @@ impl ServerCounters {
         ServerStats {
             bytes_served: l(&self.bytes_served),
             bytes_served_one_sided: l(&self.bytes_served_one_sided),
+            bytes_served_tcp: l(&self.bytes_served_tcp),
             reads_served: l(&self.reads_served),
             reads_refused: l(&self.reads_refused),
             connections: l(&self.connections),

@@ -564,7 +564,12 @@ impl futures::Stream for LeaseEnds {
 /// documentation ranges, which only the default route reaches.
 fn advertise_host(configured: Option<&str>, bound: SocketAddr) -> Result<String, Error> {
     if let Some(h) = configured {
-        return Ok(h.to_owned());
+        // An IP literal in its canonical form (`fd00:0::2` is `fd00::2`): the form the
+        // registered record and every comparison of addresses use.
+        let unbracketed = h.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(h);
+        return Ok(unbracketed
+            .parse::<std::net::IpAddr>()
+            .map_or_else(|_| h.to_owned(), |ip| ip.to_string()));
     }
     if !bound.ip().is_unspecified() {
         return Ok(bound.ip().to_string());

@@ -369,6 +369,9 @@ impl Pull {
         {
             // A sibling failing for this read is `SiblingFailed`: each failed read counts once.
             add(&c.integrity_failures, 1);
+            if path == Some(Path::Tcp) {
+                add(&c.integrity_failures_tcp, 1);
+            }
             #[cfg(feature = "ucx")]
             if path == Some(Path::Ucx) {
                 add(&c.integrity_failures_ucx, 1);
@@ -415,6 +418,9 @@ impl Pull {
     /// read that could not be stopped: released when it completes) and returns the totals.
     fn finish(&self, summary: PullSummary, path: Option<Path>) -> Totals {
         add(&self.inner.counters.bytes_pulled, summary.wire_bytes);
+        if path == Some(Path::Tcp) {
+            add(&self.inner.counters.bytes_pulled_tcp, summary.wire_bytes);
+        }
         #[cfg(feature = "ucx")]
         if path == Some(Path::Ucx) {
             add(&self.inner.counters.bytes_pulled_ucx, summary.wire_bytes);

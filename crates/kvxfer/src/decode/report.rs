@@ -95,6 +95,11 @@ pub struct DecodeStats {
     pub integrity_failures: u64,
     /// The part of `integrity_failures` of one-sided (UCX) reads.
     pub integrity_failures_ucx: u64,
+    /// The part of `bytes_pulled` read over TCP (counted on its own: per-transport counts
+    /// only ever grow).
+    pub bytes_pulled_tcp: u64,
+    /// The part of `integrity_failures` of TCP reads.
+    pub integrity_failures_tcp: u64,
     /// Peers whose pooled connections were dropped because discovery saw their engine leave
     /// etcd or change (the `cluster` feature).
     pub peers_invalidated: u64,
@@ -126,6 +131,8 @@ pub(crate) struct Counters {
     pub(crate) bytes_pulled_ucx: AtomicU64,
     pub(crate) integrity_failures: AtomicU64,
     pub(crate) integrity_failures_ucx: AtomicU64,
+    pub(crate) bytes_pulled_tcp: AtomicU64,
+    pub(crate) integrity_failures_tcp: AtomicU64,
     pub(crate) peers_invalidated: AtomicU64,
     pub(crate) read_retries: AtomicU64,
     pub(crate) leases_released: AtomicU64,
@@ -150,6 +157,8 @@ impl Counters {
             bytes_pulled_ucx: l(&self.bytes_pulled_ucx),
             integrity_failures: l(&self.integrity_failures),
             integrity_failures_ucx: l(&self.integrity_failures_ucx),
+            bytes_pulled_tcp: l(&self.bytes_pulled_tcp),
+            integrity_failures_tcp: l(&self.integrity_failures_tcp),
             peers_invalidated: l(&self.peers_invalidated),
             read_retries: l(&self.read_retries),
             leases_released: l(&self.leases_released),
