@@ -63,6 +63,7 @@ proptest! {
             lease_ttl_ms: 1000,
             tp_size: 1,
             incarnation: 0,
+            other_group_block_ids: vec![],
         }).collect();
         let wire = v1::PrefillResult { parent_request_id: "P".into(), n, children };
         match PrefillResult::from_wire(wire) {

@@ -248,7 +248,7 @@ impl Connection {
     }
 
     /// A read (or pin) request for the remote side of `runs`, with the next sequence number.
-    fn request(&mut self, id: &str, token: &[u8], runs: &[BlockRun]) -> (u64, v1::ReadRequest) {
+    fn request(&mut self, id: &str, token: &[u8], group: u32, runs: &[BlockRun]) -> (u64, v1::ReadRequest) {
         let seq = self.next_seq;
         self.next_seq += 1;
         let req = v1::ReadRequest {
@@ -257,6 +257,7 @@ impl Connection {
             lease_token: token.to_vec(),
             ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
             pin_crc32c: false,
+            group,
         };
         (seq, req)
     }
@@ -276,8 +277,25 @@ impl Connection {
         runs: &[BlockRun],
         dest: &KvMemory,
     ) -> Result<u64, ClientError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.read_group_into(id, token, 0, runs, dest) }.await
+    }
+
+    /// [`Self::read_into`] for KV-cache group `group`: the runs name group-local blocks on
+    /// both sides and `dest` is the local memory of that group.
+    ///
+    /// # Safety
+    /// As [`Self::read_into`], for `dest`.
+    pub async unsafe fn read_group_into(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        group: u32,
+        runs: &[BlockRun],
+        dest: &KvMemory,
+    ) -> Result<u64, ClientError> {
         self.payload_started = false;
-        let (seq, req) = self.request(id, token, runs);
+        let (seq, req) = self.request(id, token, group, runs);
         self.send(&Frame::ReadRequest(req)).await?;
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
         match self.recv().await? {
@@ -332,7 +350,19 @@ impl Connection {
         runs: &[BlockRun],
         want_crc: bool,
     ) -> Result<PinGrant, ClientError> {
-        let (seq, mut req) = self.request(id, token, runs);
+        self.pin_group(id, token, 0, runs, want_crc).await
+    }
+
+    /// [`Self::pin`] of blocks of KV-cache group `group` (group-local ids).
+    pub async fn pin_group(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        group: u32,
+        runs: &[BlockRun],
+        want_crc: bool,
+    ) -> Result<PinGrant, ClientError> {
+        let (seq, mut req) = self.request(id, token, group, runs);
         req.pin_crc32c = want_crc;
         self.send(&Frame::Pin(req)).await?;
         match self.recv().await? {

@@ -706,6 +706,7 @@ mod tests {
                 }],
                 incarnation: 7,
                 authenticated: false,
+                other_group_layouts: vec![],
             },
             cluster_key: key,
             limits: Limits::default(),

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::{ReadGuard, ReadRefused};
+use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1::{self, ErrorCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -31,7 +32,8 @@ fn refusal_answer(r: &ReadRefused, id: &str) -> (ErrorCode, String) {
         ReadRefused::OutOfRange { .. }
         | ReadRefused::NotLeased { .. }
         | ReadRefused::BadSize { .. }
-        | ReadRefused::EmptyRange { .. } => (ErrorCode::BlockOutOfRange, r.to_string()),
+        | ReadRefused::EmptyRange { .. }
+        | ReadRefused::NoSuchGroup { .. } => (ErrorCode::BlockOutOfRange, r.to_string()),
         _ => (ErrorCode::Internal, r.to_string()),
     }
 }
@@ -41,13 +43,29 @@ pub(crate) fn ranges_of(req: &v1::ReadRequest) -> Vec<BlockRange> {
     req.ranges.iter().map(|r| BlockRange { start: r.start, count: r.count }).collect()
 }
 
+/// The memory of the KV-cache group a read or pin request names. The lease table refuses
+/// a group the layout does not have before this is asked ([`begin`]), and it is built from
+/// this memory, so `None` is never expected; it is answered as an internal error.
+pub(crate) fn group_memory<'c>(
+    ctx: &'c ServeContext,
+    req: &v1::ReadRequest,
+) -> Result<&'c KvMemory, v1::Error> {
+    ctx.memory.group(req.group as usize).ok_or_else(|| v1::Error {
+        code: ErrorCode::Internal as i32,
+        message: format!("KV-cache group {} has no memory here", req.group),
+        seq: req.seq,
+    })
+}
+
 /// Takes a read guard for a read or pin request: the guard and the payload bytes, or the
-/// error to answer with.
+/// error to answer with. The ranges are checked against the named KV-cache group first.
 pub(crate) fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), v1::Error> {
     let ranges = ranges_of(req);
-    match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now()) {
+    let now = Instant::now();
+    match ctx.table.begin_group_read(&req.remote_request_id, &req.lease_token, req.group, &ranges, now) {
         Ok(g) => {
-            let bytes = ranges.iter().map(|r| u64::from(r.count) * ctx.memory.layout().block_bytes()).sum();
+            let block_bytes = group_memory(ctx, req)?.layout().block_bytes();
+            let bytes = ranges.iter().map(|r| u64::from(r.count) * block_bytes).sum();
             Ok((g, bytes))
         }
         Err(refused) => {
@@ -136,7 +154,10 @@ pub(crate) async fn serve_read(
         Err(e) => return crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await,
     };
     let ranges = ranges_of(&req);
-    let mem = &ctx.memory;
+    let mem = match group_memory(ctx, &req) {
+        Ok(m) => m,
+        Err(e) => return crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await,
+    };
     scratch.clear();
     Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
     let io_timeout = ctx.limits.io_timeout;

@@ -109,6 +109,24 @@ pub enum SubmitError {
         #[source]
         source: PlanError,
     },
+    /// A hand-off, or the local block lists given for it, do not name one block list per
+    /// KV-cache group of this agent's memory.
+    #[error(
+        "prefill result for {parent}: child {child} lists {handoff} KV-cache group(s) and {given} local list(s) \
+         were given; this agent's memory has {local} group(s)"
+    )]
+    GroupCount {
+        /// The parent request id.
+        parent: String,
+        /// The child index.
+        child: u32,
+        /// Groups the hand-off lists.
+        handoff: usize,
+        /// Local block lists given for it.
+        given: usize,
+        /// Groups of the local memory.
+        local: usize,
+    },
     /// The children do not all come from one prefill engine.
     #[error("prefill result for {parent}: children come from several engines ({engines:?}); submit one result per engine")]
     MixedEngines {

@@ -25,8 +25,17 @@ use kvxfer_proto::v1;
 use kvxfer_proto::Message;
 use kvxfer_ucx::{GetPiece, RegionInfo, Span, TargetInfo, UcxConfig, UcxError, UcxInitiator, UcxTarget};
 
+/// Every region of every KV-cache group, group 0's first: region `r` of the offer (and of
+/// the initiator's mapping) is segment `r - first` of the group whose regions start at
+/// `first` ([`region_base`]).
 fn spans(memory: &KvMemory) -> Vec<Span> {
-    memory.regions().iter().map(|r| Span { ptr: r.as_ptr(), len: r.len() }).collect()
+    memory.all_regions().map(|r| Span { ptr: r.as_ptr(), len: r.len() }).collect()
+}
+
+/// The index of KV-cache group `group`'s first region among [`spans`]: the segments of the
+/// groups before it (the same on both sides, whose groups have the same segment counts).
+pub(crate) fn region_base(memory: &KvMemory, group: usize) -> usize {
+    memory.group_layouts().take(group).map(|l| l.segments().len()).sum()
 }
 
 /// Maps a prefill agent's regions for remote reads.
@@ -95,8 +104,15 @@ pub(crate) fn parse_offer(offers: &[v1::TransportOffer]) -> Option<Result<Target
 }
 
 /// The get pieces that move `runs` from the peer (laid out as `remote`) into `local`: one
-/// piece per run and segment where both sides are packed, else one per block.
-pub(crate) fn pieces(local: &KvMemory, remote: &BlockLayout, runs: &[BlockRun]) -> Vec<GetPiece> {
+/// piece per run and segment where both sides are packed, else one per block. `local` and
+/// `remote` are one KV-cache group's memory and layout, whose regions start at
+/// `region_base` among the peer's.
+pub(crate) fn pieces(
+    local: &KvMemory,
+    remote: &BlockLayout,
+    region_base: usize,
+    runs: &[BlockRun],
+) -> Vec<GetPiece> {
     let mut out = Vec::new();
     for run in runs {
         for (s, (ls, rs)) in local.layout().segments().iter().zip(remote.segments()).enumerate() {
@@ -106,7 +122,7 @@ pub(crate) fn pieces(local: &KvMemory, remote: &BlockLayout, runs: &[BlockRun]) 
                 // The block is inside the local layout (checked by the plan), so the offset
                 // is inside the region.
                 local: base.wrapping_add((l * ls.stride) as usize),
-                remote_region: s,
+                remote_region: region_base + s,
                 remote_offset: r * rs.stride,
                 len: len * n,
             };
@@ -171,7 +187,7 @@ pub(crate) async fn read_child(
     inner: &Inner,
     peer: &Peer,
     child: &ChildHandoff,
-    runs: &[BlockRun],
+    (group, local, runs): (u32, &KvMemory, &[BlockRun]),
     remote: &BlockLayout,
     held: &Arc<HeldReads>,
     i: usize,
@@ -184,7 +200,7 @@ pub(crate) async fn read_child(
     };
     let id = child.remote_request_id();
     let verify = inner.config.ucx.verify_payloads;
-    let grant = match conn.pin(id, child.token().as_bytes(), runs, verify).await {
+    let grant = match conn.pin_group(id, child.token().as_bytes(), group, runs, verify).await {
         Ok(p) => p,
         Err(e) => {
             let error = crate::decode::read_error(&e, inner, id);
@@ -192,7 +208,7 @@ pub(crate) async fn read_child(
             return ReadResult::Failed(error);
         }
     };
-    let pieces = pieces(&inner.memory, remote, runs);
+    let pieces = pieces(local, remote, region_base(&inner.memory, group as usize), runs);
     let (tx, rx) = tokio::sync::oneshot::channel();
     // Whether the pull gave up on the read before UCX completed it (then the completion
     // releases the blocks it held, from the UCX thread).
@@ -266,7 +282,7 @@ pub(crate) async fn read_child(
         let Some(want) = pinned_crc else { return Ok(b) };
         // SAFETY: the read completed, so UCX no longer writes these blocks, and this pull
         // still holds them (see above).
-        let got = unsafe { inner.memory.crc32c(runs.iter().map(|r| (r.local_start, r.count))) };
+        let got = unsafe { local.crc32c(runs.iter().map(|r| (r.local_start, r.count))) };
         kvxfer_tcp::check_crc(&peer.addr, seq, want, got)
             .map(|()| b)
             .map_err(|e| PullError::Integrity { peer: peer.addr.clone(), detail: e.to_string() })
