@@ -47,6 +47,7 @@ fn ack() -> v1::HelloAck {
         incarnation: 7,
         authenticated: false,
         other_group_layouts: vec![],
+        kv_shape: None,
     }
 }
 

@@ -230,6 +230,7 @@ fn control_handshake_bytes(blocks: u32) -> u64 {
         authenticated: true,
         // A single-group cache: nothing on the wire.
         other_group_layouts: vec![],
+        kv_shape: None,
     };
     let proof = kvxfer_proto::v1::HelloProof { mac: vec![0; 32] };
     (5 + hello.encoded_len() + 5 + proof.encoded_len()) as u64
@@ -276,6 +277,7 @@ fn control_handshake_answer_bytes(blocks: u32) -> u64 {
         authenticated: true,
         // A single-group cache: nothing on the wire.
         other_group_layouts: vec![],
+        kv_shape: None,
     };
     let proof = kvxfer_proto::v1::HelloProof { mac: vec![0; 32] };
     (5 + challenge.encoded_len() + 5 + ack.encoded_len() + 5 + proof.encoded_len()) as u64

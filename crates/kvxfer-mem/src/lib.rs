@@ -539,6 +539,83 @@ pub mod pattern {
         Ok(first.with_groups(groups))
     }
 
+    /// Fills `out` with the pattern of head `head` (model-wide index) of `block`, segment
+    /// `segment`, group `group` of a prefill engine: the same bytes on every rank holding
+    /// that head, so a decode rank of another TP size can check what it assembled.
+    pub fn fill_head(group: usize, segment: usize, block: BlockId, head: u32, out: &mut [u8]) {
+        let id = (u64::from(block) << 16) ^ ((segment as u64) << 8) ^ u64::from(head);
+        fill_in_group(group, (id ^ (id >> 32)) as BlockId, out);
+    }
+
+    /// New memory of `shape` (every group) with every head of every block holding its
+    /// [`fill_head`] pattern: one prefill rank's cache.
+    pub fn alloc_filled_shape(shape: &kvxfer_core::KvShape) -> Result<KvMemory, MemError> {
+        let mut groups = Vec::with_capacity(shape.num_groups());
+        let heads = shape.local_heads();
+        for g in 0..shape.num_groups() {
+            let Some(layout) = shape.block_layout(g) else { break };
+            let mem = KvMemory::alloc(layout.clone())?;
+            for (s, seg) in shape.segments(g).iter().enumerate() {
+                let c = seg.head_bytes() as usize;
+                let mut buf = vec![0u8; c];
+                for b in 0..layout.num_blocks() {
+                    for j in 0..heads.count {
+                        fill_head(g, s, b, heads.first + j, &mut buf);
+                        let offset = (u64::from(b) * seg.stride()) as usize + j as usize * c;
+                        // SAFETY: `mem` was just allocated and is not shared.
+                        unsafe { mem.regions()[s].slice_mut(offset, c) }.copy_from_slice(&buf);
+                    }
+                }
+            }
+            groups.push(mem);
+        }
+        if groups.is_empty() {
+            return Err(MemError::NoSuchGroup { group: 0, groups: 0 });
+        }
+        let first = groups.remove(0);
+        Ok(first.with_groups(groups))
+    }
+
+    /// Checks a decode rank's pull of one group: remote block `remote[i]` landed in local
+    /// block `local[i / k]` at token slot `i % k` (`k`: the pair's block ratio), every head
+    /// of the decode rank holding [`fill_head`] of that remote block. Returns the first
+    /// local block that does not.
+    ///
+    /// # Safety
+    /// Nobody writes the `local` blocks meanwhile (their pull has reported).
+    pub unsafe fn check_shaped_blocks(
+        mem: &KvMemory,
+        pair: &kvxfer_core::TransferPair,
+        group: usize,
+        remote: &[BlockId],
+        local: &[BlockId],
+    ) -> Result<Option<BlockId>, MemError> {
+        let Some(g) = mem.group(group) else {
+            return Err(MemError::NoSuchGroup { group, groups: mem.num_groups() });
+        };
+        let decode = pair.decode();
+        let (heads, k) = (decode.local_heads(), u64::from(pair.block_ratio()));
+        for (s, seg) in decode.segments(group).iter().enumerate() {
+            // One prefill block's worth of one head.
+            let c = seg.head_bytes() / k;
+            let (mut want, mut got) = (vec![0u8; c as usize], vec![0u8; c as usize]);
+            for (i, &r) in remote.iter().enumerate() {
+                let (l, slot) = (local[i / k as usize], i as u64 % k);
+                g.check_block(l)?;
+                for j in 0..heads.count {
+                    fill_head(group, s, r, heads.first + j, &mut want);
+                    let offset = u64::from(l) * seg.stride() + u64::from(j) * seg.head_bytes() + slot * c;
+                    // SAFETY: in the layout (checked); forwarded contract.
+                    got.copy_from_slice(unsafe { g.regions()[s].slice(offset as usize, c as usize) });
+                    if want != got {
+                        return Ok(Some(l));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// [`check_blocks`] for KV-cache group `group` of `mem` (group-local ids on both sides).
     ///
     /// # Safety

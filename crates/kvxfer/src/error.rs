@@ -44,6 +44,10 @@ pub enum Error {
         /// The async call to use instead.
         instead: &'static str,
     },
+    /// `AgentConfig::kv_shape` does not describe the registered memory (or is itself
+    /// inconsistent).
+    #[error("the configured KV-cache shape does not fit the memory: {0}")]
+    ShapeMismatch(String),
     /// Binding the listener or starting the runtime failed.
     #[error("{what}: {source}")]
     Io {
@@ -108,6 +112,15 @@ pub enum SubmitError {
         /// What is wrong.
         #[source]
         source: PlanError,
+    },
+    /// The per-rank results of [`crate::DecodeAgent::submit_ranks`] do not fit together
+    /// (or this agent has no KV-cache shape).
+    #[error("prefill results for {parent}: {detail}")]
+    RankResults {
+        /// The parent request id.
+        parent: String,
+        /// What is wrong.
+        detail: String,
     },
     /// A hand-off, or the local block lists given for it, do not name one block list per
     /// KV-cache group of this agent's memory.

@@ -197,10 +197,14 @@ impl PrefillAgent {
         if let Some(t) = &ucx {
             transports.insert(0, crate::ucx::offer(t));
         }
+        let shape = config.checked_shape(&memory)?;
+        let mut hello_ack = crate::hello::hello_ack(&config, &memory, transports, incarnation);
+        hello_ack.kv_shape = shape.as_ref().map(|s| s.spec().to_wire());
         let ctx = Arc::new(ServeContext {
+            shape,
             table: table.clone(),
             memory: memory.clone(),
-            hello_ack: crate::hello::hello_ack(&config, &memory, transports, incarnation),
+            hello_ack,
             cluster_key: config.cluster_key.clone(),
             limits: config.limits,
             counters: counters.clone(),

@@ -187,3 +187,318 @@ per_transport!(two_groups_pulled_group_by_group, one_group_against_two_is_refuse
 fn tcp_reads_are_checked_against_their_own_group() {
     reads_are_checked_against_their_own_group(Transport::Tcp);
 }
+
+// ---- Tensor-parallel sizes and block sizes (head-slice reads, scattered in place) ----
+
+use kvxfer_core::{GroupSpec, KvHeads, KvShape, KvShapeSpec, SegmentSpec, TransferPair};
+
+/// One rank's shape: `heads` KV heads in all, head dim 64, bf16, two segments (K and V)
+/// per group, `blocks[g]` blocks in group `g`.
+fn spec(tp_size: u32, tp_rank: u32, heads: KvHeads, block_tokens: u32, blocks: &[u32]) -> KvShapeSpec {
+    KvShapeSpec {
+        tp_size,
+        tp_rank,
+        heads,
+        block_tokens,
+        dtype: "bf16".into(),
+        dtype_bytes: 2,
+        groups: blocks
+            .iter()
+            .map(|&num_blocks| GroupSpec { num_blocks, segments: vec![SegmentSpec::packed(64); 2] })
+            .collect(),
+    }
+}
+
+/// A prefill rank over its [`pattern::alloc_filled_shape`] cache.
+fn shaped_prefill(t: Transport, spec: KvShapeSpec) -> PrefillAgent {
+    init_tracing();
+    let shape = KvShape::new(spec.clone()).expect("shape");
+    let config =
+        keyed(t.config(AgentConfig::new("prefill").lease_ttl(TTL).io_timeout(Duration::from_secs(5))))
+            .kv_shape(spec);
+    PrefillAgent::start(config, "127.0.0.1:0", pattern::alloc_filled_shape(&shape).expect("memory"))
+        .expect("prefill agent")
+}
+
+/// A decode rank over zeroed memory of its shape.
+fn shaped_decode(t: Transport, spec: KvShapeSpec) -> DecodeAgent {
+    init_tracing();
+    let shape = KvShape::new(spec.clone()).expect("shape");
+    let mut layouts: Vec<BlockLayout> =
+        (0..shape.num_groups()).map(|g| shape.block_layout(g).expect("group").clone()).collect();
+    let first = KvMemory::alloc(layouts.remove(0)).expect("alloc");
+    let others = layouts.into_iter().map(|l| KvMemory::alloc(l).expect("alloc")).collect();
+    let config = keyed(t.config(AgentConfig::new("decode").io_timeout(Duration::from_secs(5))))
+        .rank(spec.tp_rank)
+        .kv_shape(spec);
+    DecodeAgent::start(config, first.with_groups(others)).expect("decode agent")
+}
+
+/// Prefill TP `tp_p` (block tokens `bt_p`) → decode TP `tp_d` (block tokens `bt_d`), `n`
+/// children, every group: each prefill rank leases the same blocks for
+/// `expected_consumers` decode ranks, every decode rank pulls with all the results, checks
+/// its heads of every block against the pattern, and every lease ends pulled exactly once
+/// after exactly its expected consumers.
+fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), heads: KvHeads, groups: usize) {
+    let k = bt_d / bt_p;
+    let n = 2u32;
+    let prefill_blocks = vec![40u32; groups];
+    let decode_blocks = vec![24u32; groups];
+    let prefills: Vec<PrefillAgent> =
+        (0..tp_p).map(|r| shaped_prefill(t, spec(tp_p, r, heads, bt_p, &prefill_blocks))).collect();
+    let consumers = kvxfer_core::expected_consumers(tp_p, tp_d).expect("divisible");
+    // remote[child][group]: 5 remote blocks (not a multiple of k = 2 or 4: the last local
+    // block is partly filled), shuffled; local: ceil(5 / k) blocks.
+    let remote: Vec<Vec<Vec<BlockId>>> = (0..n)
+        .map(|i| {
+            (0..groups as u32)
+                .map(|g| {
+                    let mut v: Vec<BlockId> = (0..5).map(|b| 3 + i * 11 + g * 2 + b * 2).collect();
+                    shuffle(&mut v, u64::from(i * 7 + g + 1));
+                    v
+                })
+                .collect()
+        })
+        .collect();
+    let per_local = 5usize.div_ceil(k as usize) as u32;
+    let local: Vec<Vec<Vec<BlockId>>> = (0..n)
+        .map(|i| (0..groups as u32).map(|g| (0..per_local).map(|b| 20 - i * 8 - b - g).collect()).collect())
+        .collect();
+    let results: Vec<PrefillResult> = prefills
+        .iter()
+        .map(|p| {
+            let handoffs = (0..n)
+                .map(|i| {
+                    let req =
+                        LeaseRequest::grouped("T", i, n, remote[i as usize].clone()).consumers(consumers);
+                    p.lease(req).expect("lease")
+                })
+                .collect();
+            PrefillResult::new("T", n, handoffs).expect("result")
+        })
+        .collect();
+    let decodes: Vec<DecodeAgent> =
+        (0..tp_d).map(|r| shaped_decode(t, spec(tp_d, r, heads, bt_d, &decode_blocks))).collect();
+    let handles: Vec<_> =
+        decodes.iter().map(|d| d.submit_ranks(results.clone(), local.clone()).expect("submit")).collect();
+    let prefill_shape = KvShape::new(spec(tp_p, 0, heads, bt_p, &prefill_blocks)).expect("shape");
+    for (r, (d, h)) in decodes.iter().zip(handles).enumerate() {
+        let report = h.wait();
+        assert!(report.all_done(), "decode rank {r}: {report:?}");
+        let decode_shape = KvShape::new(spec(tp_d, r as u32, heads, bt_d, &decode_blocks)).expect("shape");
+        let pair = TransferPair::new(&prefill_shape, &decode_shape).expect("pair");
+        assert_eq!(pair.block_ratio(), k);
+        for i in 0..n as usize {
+            for g in 0..groups {
+                // SAFETY: the pull has reported.
+                let bad = unsafe {
+                    pattern::check_shaped_blocks(d.memory(), &pair, g, &remote[i][g], &local[i][g])
+                        .expect("layout")
+                };
+                assert_eq!(bad, None, "decode rank {r}, child {i}, group {g}");
+            }
+        }
+        // Every destination byte once: the bytes pulled are the decode rank's heads of
+        // every remote block.
+        let per_block: u64 = (0..groups)
+            .map(|g| decode_shape.segments(g).iter().map(|s| s.head_bytes() / u64::from(k)).sum::<u64>())
+            .sum::<u64>()
+            / groups as u64;
+        let expected =
+            u64::from(n) * 5 * groups as u64 * per_block * u64::from(decode_shape.heads_per_rank());
+        assert_eq!(report.wire_bytes, expected, "decode rank {r}");
+    }
+    for (r, p) in prefills.iter().enumerate() {
+        let ends = wait_ends(p, n as usize, Duration::from_secs(10));
+        for e in &ends {
+            assert_eq!(e.kind, EndKind::Pulled, "prefill rank {r}: {e:?}");
+            assert_eq!((e.consumers_seen, e.expected_consumers), (consumers, consumers), "prefill rank {r}");
+        }
+        let s = p.stats();
+        assert_eq!((s.leases.leased, s.leases.pulled, s.leases.live), (u64::from(n), u64::from(n), 0));
+        assert_no_more_ends(p, Duration::from_millis(50));
+    }
+}
+
+fn tp1_to_tp2_each_decode_rank_reads_its_head_slice(t: Transport) {
+    tp_pull(t, (1, 16), (2, 16), KvHeads::Split { total: 4 }, 1);
+}
+fn tp2_to_tp1_assembles_blocks_from_both_ranks(t: Transport) {
+    tp_pull(t, (2, 16), (1, 16), KvHeads::Split { total: 4 }, 1);
+}
+fn tp2_to_tp1_with_two_groups(t: Transport) {
+    tp_pull(t, (2, 16), (1, 16), KvHeads::Split { total: 4 }, 2);
+}
+fn tp4_to_tp2_replicated_gqa_heads_read_once_and_the_rest_notified(t: Transport) {
+    // 2 KV heads over 4 prefill ranks: each head on two ranks; decode rank d reads its
+    // head from one of them and only notifies the other.
+    tp_pull(t, (4, 16), (2, 16), KvHeads::Split { total: 2 }, 1);
+}
+fn mla_tp1_to_tp2(t: Transport) {
+    tp_pull(t, (1, 16), (2, 16), KvHeads::Latent, 1);
+}
+fn block_ratio_2(t: Transport) {
+    tp_pull(t, (1, 16), (1, 32), KvHeads::Split { total: 4 }, 1);
+}
+fn block_ratio_4(t: Transport) {
+    tp_pull(t, (1, 16), (1, 64), KvHeads::Split { total: 4 }, 1);
+}
+fn block_ratio_2_with_tp1_to_tp2_and_two_groups(t: Transport) {
+    tp_pull(t, (1, 16), (2, 32), KvHeads::Split { total: 4 }, 2);
+}
+
+mod tp_tcp {
+    use super::*;
+    #[test]
+    fn tp1_to_tp2() {
+        tp1_to_tp2_each_decode_rank_reads_its_head_slice(Transport::Tcp);
+    }
+    #[test]
+    fn tp2_to_tp1() {
+        tp2_to_tp1_assembles_blocks_from_both_ranks(Transport::Tcp);
+    }
+    #[test]
+    fn tp2_to_tp1_two_groups() {
+        tp2_to_tp1_with_two_groups(Transport::Tcp);
+    }
+    #[test]
+    fn tp4_to_tp2_replicated_gqa() {
+        tp4_to_tp2_replicated_gqa_heads_read_once_and_the_rest_notified(Transport::Tcp);
+    }
+    #[test]
+    fn mla_tp1_to_tp2_reads() {
+        mla_tp1_to_tp2(Transport::Tcp);
+    }
+    #[test]
+    fn ratio_2() {
+        block_ratio_2(Transport::Tcp);
+    }
+    #[test]
+    fn ratio_4() {
+        block_ratio_4(Transport::Tcp);
+    }
+    #[test]
+    fn ratio_2_tp1_to_tp2_two_groups() {
+        block_ratio_2_with_tp1_to_tp2_and_two_groups(Transport::Tcp);
+    }
+}
+
+/// The handshake refuses what no plan can serve, naming the field: another head dim, TP
+/// sizes that do not divide, a smaller decode block. Identical shapes still need equal
+/// layouts (the compatibility hash), and pull block for block as before.
+#[test]
+fn tcp_shapes_no_plan_can_serve_are_refused_naming_the_field() {
+    let t = Transport::Tcp;
+    let heads = KvHeads::Split { total: 4 };
+    let prefill = shaped_prefill(t, spec(2, 0, heads, 16, &[16]));
+    let other_head_dim = {
+        let mut s = spec(1, 0, heads, 16, &[16]);
+        s.groups[0].segments[1].head_dim = 128;
+        s
+    };
+    for (decode_spec, names) in [
+        (other_head_dim, "head_dim"),
+        (spec(3, 0, KvHeads::Split { total: 6 }, 16, &[16]), "tp_size"),
+        (spec(1, 0, KvHeads::Split { total: 8 }, 16, &[16]), "total_kv_heads"),
+        (spec(1, 0, KvHeads::Latent, 16, &[16]), "attention"),
+        (spec(1, 0, heads, 8, &[16]), "block_tokens"),
+    ] {
+        let decode = shaped_decode(t, decode_spec);
+        let h = prefill.lease(LeaseRequest::new("C", 0, 1, vec![1])).expect("lease");
+        let result = PrefillResult::new("C", 1, vec![h.clone()]).expect("result");
+        // One prefill rank's result stands for both here (the pull fails at the handshake).
+        let report =
+            decode.submit_ranks(vec![result.clone(), result], vec![vec![vec![1]]]).expect("submit").wait();
+        match &report.children[0].outcome {
+            ChildOutcome::Failed { error, .. } => {
+                let msg = error.to_string();
+                assert!(msg.contains(names), "{names}: {msg}");
+            }
+            o => panic!("{names}: expected a refusal, got {o:?}"),
+        }
+        let _ = prefill.cancel(&h);
+    }
+    // The same shape (TP 2 both sides, rank 1 pulling from rank 1's peer: here rank 0's
+    // agent stands for it) pulls whole blocks with plain `submit`.
+    let same = shaped_decode(t, spec(2, 0, heads, 16, &[16]));
+    let h = prefill.lease(LeaseRequest::new("S", 0, 1, vec![3, 4])).expect("lease");
+    let report = same
+        .submit(PrefillResult::new("S", 1, vec![h]).expect("result"), vec![vec![7, 8]])
+        .expect("submit")
+        .wait();
+    assert!(report.all_done(), "{report:?}");
+}
+
+/// A head slice past the serving rank's heads (or overflowing) is refused before anything
+/// is read, and so is one asked of an agent without a shape.
+#[test]
+fn tcp_head_slices_are_checked_by_the_server() {
+    let heads = KvHeads::Split { total: 8 };
+    let sp = spec(2, 1, heads, 16, &[8]);
+    let shape = KvShape::new(sp.clone()).expect("shape");
+    let layout = shape.block_layout(0).expect("layout").clone();
+    let prefill = shaped_prefill(Transport::Tcp, sp);
+    let plain = grouped_prefill(Transport::Tcp, vec![layout.clone()]);
+    let dest = KvMemory::alloc(layout.clone()).expect("alloc");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    for (agent, cases) in [
+        (
+            &prefill,
+            vec![
+                ((3u32, 2u32), "outside this rank's 4 heads"),
+                ((u32::MAX, 2), "outside"),
+                ((1, 0), "outside"),
+            ],
+        ),
+        (&plain, vec![((0, 1), "no KV-cache shape")]),
+    ] {
+        let h = agent.lease(LeaseRequest::new("H", 0, 1, vec![2])).expect("lease");
+        rt.block_on(async {
+            let mut c = raw_connect(&agent.local_addr().to_string(), &raw_hello(&layout, "raw"))
+                .await
+                .expect("connect");
+            let ranges = [kvxfer_core::plan::BlockRange { start: 2, count: 1 }];
+            for (slice, what) in cases {
+                let chunks = [kvxfer_mem::Chunk { region: 0, offset: 0, len: 64 }];
+                // SAFETY: `dest` is this test's own memory; the chunk is inside region 0.
+                let r = unsafe {
+                    c.read_scatter(
+                        h.remote_request_id(),
+                        h.token().as_bytes(),
+                        kvxfer_tcp::SliceSpec { group: 0, head_slice: Some(slice), ranges: &ranges },
+                        &dest,
+                        &chunks,
+                    )
+                }
+                .await;
+                match r {
+                    Err(kvxfer_tcp::ClientError::Refused { code, message, .. }) => {
+                        assert_eq!(code, ErrorCode::BlockOutOfRange, "{message}");
+                        assert!(message.contains(what), "{slice:?}: {message}");
+                    }
+                    other => panic!("{slice:?}: expected a refusal, got {other:?}"),
+                }
+            }
+            // A slice in range reads its heads: 2 heads x 2 segments x 2 KiB.
+            if agent.local_addr() == prefill.local_addr() {
+                let chunks = [kvxfer_mem::Chunk { region: 0, offset: 0, len: 2 * 2 * 2048 }];
+                // SAFETY: as above.
+                let got = unsafe {
+                    c.read_scatter(
+                        h.remote_request_id(),
+                        h.token().as_bytes(),
+                        kvxfer_tcp::SliceSpec { group: 0, head_slice: Some((2, 2)), ranges: &ranges },
+                        &dest,
+                        &chunks,
+                    )
+                }
+                .await
+                .expect("slice read");
+                assert_eq!(got, 8192);
+            }
+        });
+        let served = if agent.local_addr() == prefill.local_addr() { 8192 } else { 0 };
+        eventually("served bytes counted", || agent.stats().server.bytes_served == served);
+        let _ = agent.cancel(&h);
+    }
+}

@@ -7,6 +7,7 @@
 mod groups;
 mod peer;
 mod pull;
+mod ranks;
 mod report;
 
 use std::collections::{HashMap, HashSet};
@@ -39,6 +40,9 @@ use crate::{AgentConfig, Error, SubmitError};
 pub(crate) struct Inner {
     pub(crate) config: AgentConfig,
     pub(crate) memory: Arc<KvMemory>,
+    /// This rank's KV-cache shape, when configured (pulls from peers of other TP or
+    /// block sizes need it).
+    pub(crate) shape: Option<kvxfer_core::KvShape>,
     hello: v1::Hello,
     pub(crate) consumer_id: String,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
@@ -224,7 +228,9 @@ impl DecodeAgent {
         if ucx.is_some() {
             transports.insert(0, crate::hello::ucx_reader_offer());
         }
-        let hello = crate::hello::hello(&config, &memory, transports);
+        let shape = config.checked_shape(&memory)?;
+        let mut hello = crate::hello::hello(&config, &memory, transports);
+        hello.kv_shape = shape.as_ref().map(|s| s.spec().to_wire());
         #[cfg(feature = "cluster")]
         let cluster = crate::cluster::DecodeCluster::start(
             &handle,
@@ -239,6 +245,7 @@ impl DecodeAgent {
             consumer_id: config.effective_consumer_id(),
             config,
             memory,
+            shape,
             #[cfg(feature = "ucx")]
             ucx: ucx.map(crate::runtime::DropOffRuntime::new),
             hello,

@@ -267,6 +267,15 @@ impl Pull {
             });
         }
         let protocol = |detail: String| PullError::Protocol { peer: peer.addr.clone(), detail };
+        // A peer of another TP or block size (accepted for its shape) cannot be pulled
+        // block for block: its blocks are not ours.
+        if ack.compat_hash != kvxfer_core::groups_compat_hash(self.inner.memory.group_layouts()) {
+            return Err(protocol(
+                "the prefill agent's KV-cache shape differs from this agent's (another TP or block size): \
+                 pull its results with DecodeAgent::submit_ranks"
+                    .into(),
+            ));
+        }
         let wire =
             ack.layout.as_ref().ok_or_else(|| protocol("the prefill agent sent no block layout".into()))?;
         let layouts = std::iter::once(wire)
