@@ -348,6 +348,17 @@ impl KvMemory {
         crc
     }
 
+    /// CRC-32C of the bytes of `chunks`, in order (a head-slice read's payload).
+    ///
+    /// # Safety
+    /// As [`Self::chunk`]: nobody writes these bytes while this runs.
+    pub unsafe fn crc32c_chunks(&self, chunks: &[Chunk]) -> u32 {
+        chunks.iter().fold(0, |crc, &c| {
+            // SAFETY: forwarded contract.
+            crc32c::crc32c_append(crc, unsafe { self.chunk(c) })
+        })
+    }
+
     fn check_block(&self, block: BlockId) -> Result<(), MemError> {
         if self.layout.contains(block) {
             Ok(())

@@ -424,20 +424,23 @@ impl Connection {
         runs: &[BlockRun],
         want_crc: bool,
     ) -> Result<PinGrant, ClientError> {
-        self.pin_group(id, token, 0, runs, want_crc).await
+        self.pin_group(id, token, (0, None), runs, want_crc).await
     }
 
-    /// [`Self::pin`] of blocks of KV-cache group `group` (group-local ids).
+    /// [`Self::pin`] of blocks of KV-cache group `group` (group-local ids); with a head
+    /// slice `(first, count)`, the CRC (if wanted) covers only those heads of each block,
+    /// in the order a read of them would send them.
     pub async fn pin_group(
         &mut self,
         id: &str,
         token: &[u8],
-        group: u32,
+        (group, head_slice): (u32, Option<(u32, u32)>),
         runs: &[BlockRun],
         want_crc: bool,
     ) -> Result<PinGrant, ClientError> {
         let (seq, mut req) = self.request(id, token, group, runs);
         req.pin_crc32c = want_crc;
+        req.head_slice = head_slice.map(|(first, count)| v1::HeadSlice { first, count });
         self.send(&Frame::Pin(req)).await?;
         match self.recv().await? {
             Frame::PinAck(a) if a.seq == seq => Ok(PinGrant {

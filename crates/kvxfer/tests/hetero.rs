@@ -282,6 +282,7 @@ fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), hea
     let handles: Vec<_> =
         decodes.iter().map(|d| d.submit_ranks(results.clone(), local.clone()).expect("submit")).collect();
     let prefill_shape = KvShape::new(spec(tp_p, 0, heads, bt_p, &prefill_blocks)).expect("shape");
+    let mut pulled = 0;
     for (r, (d, h)) in decodes.iter().zip(handles).enumerate() {
         let report = h.wait();
         assert!(report.all_done(), "decode rank {r}: {report:?}");
@@ -307,7 +308,15 @@ fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), hea
         let expected =
             u64::from(n) * 5 * groups as u64 * per_block * u64::from(decode_shape.heads_per_rank());
         assert_eq!(report.wire_bytes, expected, "decode rank {r}");
+        pulled += expected;
     }
+    // Every byte over the data path asked for: one-sided (pinned) reads over UCX.
+    let one_sided = if t == Transport::Tcp { 0 } else { pulled };
+    eventually("bytes served counted", || {
+        let served: u64 = prefills.iter().map(|p| p.stats().server.bytes_served).sum();
+        let ucx: u64 = prefills.iter().map(|p| p.stats().server.bytes_served_one_sided).sum();
+        (served, ucx) == (pulled, one_sided)
+    });
     for (r, p) in prefills.iter().enumerate() {
         let ends = wait_ends(p, n as usize, Duration::from_secs(10));
         for e in &ends {
@@ -347,40 +356,20 @@ fn block_ratio_2_with_tp1_to_tp2_and_two_groups(t: Transport) {
     tp_pull(t, (1, 16), (2, 32), KvHeads::Split { total: 4 }, 2);
 }
 
-mod tp_tcp {
+/// The TP and block-ratio pulls once per data path (TCP; UCX over tcp and over shared
+/// memory with the `ucx` feature).
+mod tp {
     use super::*;
-    #[test]
-    fn tp1_to_tp2() {
-        tp1_to_tp2_each_decode_rank_reads_its_head_slice(Transport::Tcp);
-    }
-    #[test]
-    fn tp2_to_tp1() {
-        tp2_to_tp1_assembles_blocks_from_both_ranks(Transport::Tcp);
-    }
-    #[test]
-    fn tp2_to_tp1_two_groups() {
-        tp2_to_tp1_with_two_groups(Transport::Tcp);
-    }
-    #[test]
-    fn tp4_to_tp2_replicated_gqa() {
-        tp4_to_tp2_replicated_gqa_heads_read_once_and_the_rest_notified(Transport::Tcp);
-    }
-    #[test]
-    fn mla_tp1_to_tp2_reads() {
-        mla_tp1_to_tp2(Transport::Tcp);
-    }
-    #[test]
-    fn ratio_2() {
-        block_ratio_2(Transport::Tcp);
-    }
-    #[test]
-    fn ratio_4() {
-        block_ratio_4(Transport::Tcp);
-    }
-    #[test]
-    fn ratio_2_tp1_to_tp2_two_groups() {
-        block_ratio_2_with_tp1_to_tp2_and_two_groups(Transport::Tcp);
-    }
+    per_transport!(
+        tp1_to_tp2_each_decode_rank_reads_its_head_slice,
+        tp2_to_tp1_assembles_blocks_from_both_ranks,
+        tp2_to_tp1_with_two_groups,
+        tp4_to_tp2_replicated_gqa_heads_read_once_and_the_rest_notified,
+        mla_tp1_to_tp2,
+        block_ratio_2,
+        block_ratio_4,
+        block_ratio_2_with_tp1_to_tp2_and_two_groups,
+    );
 }
 
 /// The handshake refuses what no plan can serve, naming the field: another head dim, TP

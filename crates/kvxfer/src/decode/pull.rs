@@ -343,8 +343,8 @@ impl Pull {
                     child,
                     (*group, local, runs),
                     layout,
-                    &self.held,
-                    i,
+                    None,
+                    (&self.held, i),
                 )
                 .await;
                 match r {

@@ -12,7 +12,10 @@
 //! ones its plan names. Each prefill rank leases with [`kvxfer_core::expected_consumers`]
 //! consumers, so a lease ends once every decode rank that reads or notifies it has.
 //!
-//! This path runs over TCP. Its decisions are simple enough to live here: every child's
+//! Over TCP each source and group is one read whose payload scatters into place; over UCX
+//! one pin (a read guard, with the CRC of the slices when payloads are verified) and one
+//! get per contiguous copy, merged where contiguous on both sides. Its decisions are simple
+//! enough to live here: every child's
 //! reads run concurrently; a child whose reads all succeeded notifies every rank of its
 //! plan; one with a failed read releases every rank's lease. It does not heartbeat (the
 //! leases' ttl must cover the pull) and children cannot be cancelled once submitted.
@@ -34,6 +37,7 @@ use tracing::{debug, warn};
 
 use super::groups::GroupIds;
 use super::peer::{pull_error, read_error, ControlOp, ControlReply, Peer};
+use super::pull::Path;
 use super::report::{add, ChildReport, PullChannels, PullHandle};
 use super::{DecodeAgent, Inner};
 use crate::{Error, SubmitError};
@@ -120,7 +124,19 @@ impl DecodeAgent {
         }
         add(&self.inner.counters.pulls, 1);
         let (handle, channels) = PullHandle::new(parent, n as usize);
-        let pull = RankPull { inner: self.inner.clone(), results, local: local_blocks, ids, claimed };
+        let pull = RankPull {
+            #[cfg(feature = "ucx")]
+            held: Arc::new(crate::ucx::HeldReads::new(
+                self.inner.busy.clone(),
+                self.inner.reclaimed_tx.clone(),
+            )),
+            abandoned: std::sync::Mutex::new(HashSet::new()),
+            inner: self.inner.clone(),
+            results,
+            local: local_blocks,
+            ids,
+            claimed,
+        };
         self.tasks.spawn_on(pull.run(channels, Instant::now()), &self.handle);
         Ok(handle)
     }
@@ -133,7 +149,15 @@ struct RankPull {
     local: Vec<Vec<Vec<BlockId>>>,
     ids: GroupIds,
     claimed: HashSet<BlockId>,
+    /// One-sided reads UCX could not stop, and the blocks they hold.
+    #[cfg(feature = "ucx")]
+    held: Arc<crate::ucx::HeldReads>,
+    /// Children with such a read: their blocks stay held until it completes.
+    abandoned: std::sync::Mutex<HashSet<usize>>,
 }
+
+/// A source rank: its rank, its peer, and the data path to it.
+type Source = (u32, Arc<Peer>, Path);
 
 /// The source ranks of a decode rank, from the TP sizes alone (what
 /// [`TransferPair::source_ranks`] says, known before any shape arrives).
@@ -155,7 +179,7 @@ impl RankPull {
 
     /// Handshakes with every source rank and checks its shape: the pair to plan with and
     /// each rank's peer, or why none can be made.
-    async fn connect(&self, decode: &KvShape) -> Result<(TransferPair, Vec<(u32, Arc<Peer>)>), PullError> {
+    async fn connect(&self, decode: &KvShape) -> Result<(TransferPair, Vec<Source>), PullError> {
         let tp = self.results.len() as u32;
         kvxfer_core::expected_consumers(tp, decode.tp_size())
             .map_err(|e| PullError::Protocol { peer: String::new(), detail: e.to_string() })?;
@@ -193,19 +217,40 @@ impl RankPull {
             if pair.is_none() {
                 pair = Some(TransferPair::new(&shape, decode).map_err(|e| protocol(e.to_string()))?);
             }
-            peers.push((rank, peer));
+            let path = self.choose_path(&peer, &ack).await?;
+            peers.push((rank, peer, path));
         }
         let pair =
             pair.ok_or_else(|| PullError::Protocol { peer: String::new(), detail: "no source rank".into() })?;
         Ok((pair, peers))
     }
 
+    /// The data path to a source: UCX when both offer it (and the config allows), else TCP.
+    #[cfg_attr(not(feature = "ucx"), allow(clippy::unused_async))]
+    async fn choose_path(&self, peer: &Peer, ack: &kvxfer_proto::v1::HelloAck) -> Result<Path, PullError> {
+        let want = self.inner.config.transport;
+        if want == crate::TransportChoice::Tcp {
+            return Ok(Path::Tcp);
+        }
+        #[cfg(feature = "ucx")]
+        if crate::ucx::connect(&self.inner, peer, ack).await? {
+            return Ok(Path::Ucx);
+        }
+        if want == crate::TransportChoice::Ucx {
+            let detail =
+                format!("UCX was requested, but {} does not offer it or this agent has no UCX", peer.addr);
+            return Err(PullError::TransportUnavailable { peer: peer.addr.clone(), detail });
+        }
+        let _ = (peer, ack);
+        Ok(Path::Tcp)
+    }
+
     /// Child `i`'s plan: its groups' remote lists (the same on every source rank) and local
     /// lists.
-    fn plan(&self, pair: &TransferPair, peers: &[(u32, Arc<Peer>)], i: usize) -> Result<RankPlan, PullError> {
-        let (rank0, peer0) = &peers[0];
+    fn plan(&self, pair: &TransferPair, peers: &[Source], i: usize) -> Result<RankPlan, PullError> {
+        let (rank0, peer0, _) = &peers[0];
         let remote = self.child(*rank0, i);
-        for (rank, peer) in &peers[1..] {
+        for (rank, peer, _) in &peers[1..] {
             if !self.child(*rank, i).groups().eq(remote.groups()) {
                 return Err(PullError::Protocol {
                     peer: peer.addr.clone(),
@@ -222,10 +267,9 @@ impl RankPull {
     /// per group, scattered into place. Returns the payload bytes.
     async fn read_source(
         &self,
-        peer: &Peer,
+        (rank, peer, path): (u32, &Peer, Path),
         pair: &TransferPair,
         plan: &RankPlan,
-        rank: u32,
         i: usize,
     ) -> Result<u64, PullError> {
         let Some(read) = plan.reads().iter().find(|r| r.source_rank() == rank) else { return Ok(0) };
@@ -245,8 +289,15 @@ impl RankPull {
             let ranges: Vec<BlockRange> =
                 runs.iter().map(|r| BlockRange { start: r.remote_start, count: r.count }).collect();
             let chunks = chunks(dest, plan.pieces().filter(|p| p.source_rank == rank && p.group == g));
-            let (_permit, mut conn, _) = peer.checkout(&self.inner).await?;
             let id = child.remote_request_id();
+            #[cfg(feature = "ucx")]
+            if path == Path::Ucx {
+                let what = (rank, g as u32, slice);
+                total += self.read_source_ucx((peer, child, i), pair, plan, what, dest, chunks).await?;
+                continue;
+            }
+            let _ = path;
+            let (_permit, mut conn, _) = peer.checkout(&self.inner).await?;
             // SAFETY: the chunks lie in local blocks this pull claimed in `submit_ranks` (no
             // other pull writes them; the caller does not touch them until their report,
             // sent only after this read ended), checked against their group's layout there
@@ -268,6 +319,65 @@ impl RankPull {
             total += r.map_err(|e| read_error(&e, &self.inner, id))?;
         }
         Ok(total)
+    }
+
+    /// [`Self::read_source`]'s part for one group over UCX: a pin of the group's remote
+    /// blocks (and, verifying, the CRC of the slices), one get per contiguous copy.
+    #[cfg(feature = "ucx")]
+    async fn read_source_ucx(
+        &self,
+        (peer, child, i): (&Peer, &ChildHandoff, usize),
+        pair: &TransferPair,
+        plan: &RankPlan,
+        (rank, group, slice): (u32, u32, Option<(u32, u32)>),
+        dest: &KvMemory,
+        chunks: Vec<Chunk>,
+    ) -> Result<u64, PullError> {
+        use kvxfer_core::pull::ReadResult;
+        let g = group as usize;
+        let prefill = pair.prefill();
+        let remote_strides: Vec<u64> = prefill.segments(g).iter().map(|s| s.stride()).collect();
+        let region_base = crate::ucx::region_base(&self.inner.memory, g);
+        let pieces = crate::ucx::slice_gets(
+            dest,
+            &remote_strides,
+            region_base,
+            plan.pieces().filter(|p| p.source_rank == rank && p.group == g),
+        );
+        let runs: Vec<kvxfer_core::plan::BlockRun> = plan.runs()[g]
+            .iter()
+            .map(|r| kvxfer_core::plan::BlockRun {
+                remote_start: r.remote_start,
+                local_start: r.local_start,
+                count: r.count,
+            })
+            .collect();
+        let bytes = chunks.iter().map(|c| c.len as u64).sum();
+        let Some(layout) = prefill.block_layout(g) else {
+            return Err(PullError::Protocol { peer: peer.addr.clone(), detail: format!("no group {g}") });
+        };
+        let gets = crate::ucx::SliceGets { head_slice: slice, pieces, chunks, bytes };
+        let r = crate::ucx::read_child(
+            &self.inner,
+            peer,
+            child,
+            (group, dest, &runs),
+            layout,
+            Some(gets),
+            (&self.held, i),
+        );
+        match r.await {
+            ReadResult::Ok { bytes } => {
+                add(&self.inner.counters.bytes_pulled_ucx, bytes);
+                Ok(bytes)
+            }
+            ReadResult::Failed(e) => Err(e),
+            ReadResult::Abandoned(e) => {
+                self.abandoned.lock().unwrap_or_else(|p| p.into_inner()).insert(i);
+                Err(e)
+            }
+            ReadResult::Aborted => Err(PullError::Shutdown),
+        }
     }
 
     /// Notifies (or, `release`, cancels) child `i`'s lease on `rank`: whether it was
@@ -335,6 +445,9 @@ impl RankPull {
             Ok((pair, peers)) => {
                 let this = &self;
                 let (pair, peers) = (&pair, &peers);
+                // A UCX get cannot be cut short (its blocks would be handed back while UCX
+                // may still write them): only all-TCP pulls stop at the shutdown's abort.
+                let abortable = peers.iter().all(|(_, _, path)| *path == Path::Tcp);
                 let mut children: FuturesUnordered<_> = (0..n)
                     .map(|i| async move {
                         let outcome = async {
@@ -342,18 +455,25 @@ impl RankPull {
                             let mut bytes = 0;
                             {
                                 let plan = &plan;
-                                let reads = peers
-                                    .iter()
-                                    .map(|(rank, peer)| this.read_source(peer, pair, plan, *rank, i));
+                                let reads = peers.iter().map(|(rank, peer, path)| {
+                                    this.read_source((*rank, peer, *path), pair, plan, i)
+                                });
                                 for r in futures::future::join_all(reads).await {
                                     bytes += r?;
                                 }
                             }
                             Ok::<_, PullError>((plan, bytes))
                         };
+                        let abort = async {
+                            if abortable {
+                                this.inner.abort.cancelled().await;
+                            } else {
+                                std::future::pending::<()>().await;
+                            }
+                        };
                         let r = tokio::select! {
                             r = outcome => r,
-                            () = this.inner.abort.cancelled() => Err(PullError::Shutdown),
+                            () = abort => Err(PullError::Shutdown),
                         };
                         (i, r)
                     })
@@ -363,7 +483,7 @@ impl RankPull {
                         Ok((plan, bytes)) => {
                             let mut acknowledged = true;
                             for rank in plan.notify_ranks() {
-                                if let Some((_, peer)) = peers.iter().find(|(r, _)| *r == rank) {
+                                if let Some((_, peer, _)) = peers.iter().find(|(r, _, _)| *r == rank) {
                                     acknowledged &= self.tell(peer, rank, i, false).await;
                                 }
                             }
@@ -372,10 +492,17 @@ impl RankPull {
                             ChildOutcome::Done { bytes_delivered: bytes, acknowledged }
                         }
                         Err(error) => {
-                            for (rank, peer) in peers {
+                            for (rank, peer, _) in peers {
                                 self.tell(peer, *rank, i, true).await;
                             }
-                            ChildOutcome::Failed { error, invalid_local_blocks: invalid[i].clone() }
+                            if self.abandoned.lock().unwrap_or_else(|p| p.into_inner()).contains(&i) {
+                                ChildOutcome::FailedBlocksHeld {
+                                    error,
+                                    held_local_blocks: invalid[i].clone(),
+                                }
+                            } else {
+                                ChildOutcome::Failed { error, invalid_local_blocks: invalid[i].clone() }
+                            }
                         }
                     };
                     self.report(&channels, i, outcome);
@@ -384,11 +511,25 @@ impl RankPull {
         }
         let c = &self.inner.counters;
         add(&c.bytes_pulled, wire);
+        // Blocks of children whose UCX read could not be stopped stay held until it completes.
+        let abandoned = std::mem::take(&mut *self.abandoned.lock().unwrap_or_else(|p| p.into_inner()));
+        let held: HashSet<BlockId> = abandoned.iter().flat_map(|&i| invalid[i].iter().copied()).collect();
         {
             let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
-            for b in &self.claimed {
+            for b in self.claimed.iter().filter(|b| !held.contains(b)) {
                 busy.remove(b);
             }
+        }
+        #[cfg(feature = "ucx")]
+        if !held.is_empty() {
+            let mut local_blocks: Vec<BlockId> = held.iter().copied().collect();
+            local_blocks.sort_unstable();
+            let reclaimed = super::Reclaimed {
+                parent_request_id: self.results[0].parent_request_id().to_owned(),
+                children: abandoned.iter().map(|&i| self.results[0].children()[i].child_index()).collect(),
+                local_blocks,
+            };
+            self.held.finish(held, reclaimed);
         }
         let _ = channels.done.send((wire, delivered, started.elapsed()));
     }
@@ -406,6 +547,11 @@ impl RankPull {
             ChildOutcome::Failed { error, .. } => {
                 add(&c.children_failed, 1);
                 warn!(child = i, %error, "child pull failed");
+            }
+            ChildOutcome::FailedBlocksHeld { error, .. } => {
+                add(&c.children_failed, 1);
+                add(&c.children_blocks_held, 1);
+                warn!(child = i, %error, "child pull failed; its blocks stay held");
             }
             _ => {}
         }
