@@ -491,3 +491,42 @@ fn tcp_head_slices_are_checked_by_the_server() {
         let _ = agent.cancel(&h);
     }
 }
+
+/// A child cancelled through the handle right after `submit_ranks`: cancelled with its
+/// lease released on every source rank, or — when the cancel lost the race to the child's
+/// reads — done and pulled; never anything in between. Its sibling is pulled either way.
+#[test]
+fn tcp_a_cancelled_slice_child_releases_every_source_lease_or_completes() {
+    let heads = KvHeads::Split { total: 4 };
+    let prefills: Vec<PrefillAgent> =
+        (0..2).map(|r| shaped_prefill(Transport::Tcp, spec(2, r, heads, 16, &[32]))).collect();
+    let decode = shaped_decode(Transport::Tcp, spec(1, 0, heads, 16, &[32]));
+    let results: Vec<PrefillResult> = prefills
+        .iter()
+        .map(|p| {
+            let hs = (0..2)
+                .map(|i| p.lease(LeaseRequest::new("X", i, 2, vec![i * 10, i * 10 + 1])).expect("lease"))
+                .collect();
+            PrefillResult::new("X", 2, hs).expect("result")
+        })
+        .collect();
+    let h = decode.submit_ranks(results, vec![vec![vec![3, 4]], vec![vec![5, 6]]]).expect("submit");
+    h.cancel_child(0);
+    let report = h.wait();
+    let cancelled = match &report.children[0].outcome {
+        ChildOutcome::Cancelled { released: true, .. } => true,
+        ChildOutcome::Done { acknowledged: true, .. } => false,
+        o => panic!("child 0: {o:?}"),
+    };
+    eprintln!("child 0 {}", if cancelled { "cancelled" } else { "completed before the cancel" });
+    assert!(
+        matches!(report.children[1].outcome, ChildOutcome::Done { acknowledged: true, .. }),
+        "{report:?}"
+    );
+    for p in &prefills {
+        let ends = wait_ends(p, 2, Duration::from_secs(10));
+        let want = if cancelled { EndKind::Released } else { EndKind::Pulled };
+        assert_eq!((ends[0].kind, ends[1].kind), (want, EndKind::Pulled), "{ends:?}");
+        assert_no_more_ends(p, Duration::from_millis(50));
+    }
+}

@@ -17,8 +17,11 @@
 //! get per contiguous copy, merged where contiguous on both sides. Its decisions are simple
 //! enough to live here: every child's
 //! reads run concurrently; a child whose reads all succeeded notifies every rank of its
-//! plan; one with a failed read releases every rank's lease. It does not heartbeat (the
-//! leases' ttl must cover the pull) and children cannot be cancelled once submitted.
+//! plan; one with a failed read releases every rank's lease. Undecided children's leases
+//! are heartbeated on every source rank (as `submit` does); a child cancelled through the
+//! handle stops its TCP reads and releases every source rank's lease (a UCX get cannot be
+//! stopped: that child finishes and reports what became of it). Siblings' shared blocks are
+//! not deduplicated.
 
 use std::collections::HashSet;
 use std::sync::atomic::AtomicBool;
@@ -33,6 +36,7 @@ use kvxfer_core::{BlockId, ChildHandoff, KvShape, KvShapeSpec, PrefillResult, Tr
 use kvxfer_mem::{Chunk, KvMemory};
 use kvxfer_proto::v1::LeaseOutcome;
 use kvxfer_tcp::SliceSpec;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::groups::GroupIds;
@@ -380,6 +384,28 @@ impl RankPull {
         }
     }
 
+    /// Heartbeats the leases of the `undecided` children on every source rank.
+    async fn heartbeat(&self, peers: &[Source], undecided: &HashSet<usize>) {
+        if undecided.is_empty() {
+            return;
+        }
+        for (rank, peer, _) in peers {
+            let refs = undecided
+                .iter()
+                .map(|&i| {
+                    let c = self.child(*rank, i);
+                    kvxfer_proto::v1::LeaseRef {
+                        remote_request_id: c.remote_request_id().to_owned(),
+                        lease_token: c.token().as_bytes().to_vec(),
+                    }
+                })
+                .collect();
+            let answer =
+                peer.exchange(&self.inner, &ControlOp::Heartbeat(refs), &AtomicBool::new(true)).await;
+            debug!(rank, answer = ?answer.as_ref().map(|(r, _)| r.as_ref().map(|_| ()).map_err(ToString::to_string)), "heartbeat");
+        }
+    }
+
     /// Notifies (or, `release`, cancels) child `i`'s lease on `rank`: whether it was
     /// acknowledged.
     async fn tell(&self, peer: &Peer, rank: u32, i: usize, release: bool) -> bool {
@@ -408,6 +434,7 @@ impl RankPull {
     }
 
     async fn run(self, channels: PullChannels, started: Instant) {
+        let PullChannels { reports, cancels, done } = channels;
         let n = self.local.len();
         let mut invalid: Vec<Vec<BlockId>> = Vec::with_capacity(n);
         for l in &self.local {
@@ -436,7 +463,7 @@ impl RankPull {
                         }
                     }
                     self.report(
-                        &channels,
+                        &reports,
                         i,
                         ChildOutcome::Failed { error: error.clone(), invalid_local_blocks: invalid.clone() },
                     );
@@ -448,6 +475,9 @@ impl RankPull {
                 // A UCX get cannot be cut short (its blocks would be handed back while UCX
                 // may still write them): only all-TCP pulls stop at the shutdown's abort.
                 let abortable = peers.iter().all(|(_, _, path)| *path == Path::Tcp);
+                // Per child: cancelled through the handle (stops its TCP reads).
+                let stops: Vec<CancellationToken> = (0..n).map(|_| CancellationToken::new()).collect();
+                let stops = &stops;
                 let mut children: FuturesUnordered<_> = (0..n)
                     .map(|i| async move {
                         let outcome = async {
@@ -471,14 +501,56 @@ impl RankPull {
                                 std::future::pending::<()>().await;
                             }
                         };
+                        let cancel = async {
+                            if abortable {
+                                stops[i].cancelled().await;
+                            } else {
+                                std::future::pending::<()>().await;
+                            }
+                        };
                         let r = tokio::select! {
-                            r = outcome => r,
-                            () = abort => Err(PullError::Shutdown),
+                            r = outcome => r.map_err(Some),
+                            () = abort => Err(Some(PullError::Shutdown)),
+                            () = cancel => Err(None),
                         };
                         (i, r)
                     })
                     .collect();
-                while let Some((i, r)) = children.next().await {
+                // Heartbeats keep the undecided children's leases alive while reads run.
+                let min_ttl = (0..n)
+                    .flat_map(|i| peers.iter().map(move |(rank, _, _)| this.child(*rank, i).ttl()))
+                    .min()
+                    .unwrap_or(std::time::Duration::from_secs(30));
+                let every = super::heartbeat_interval(self.inner.config.heartbeat_interval, min_ttl);
+                let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+                let mut undecided: HashSet<usize> = (0..n).collect();
+                let (mut cancels, mut cancels_open) = (cancels, true);
+                let mut cancelled: HashSet<usize> = HashSet::new();
+                loop {
+                    let (i, r) = tokio::select! {
+                        next = children.next() => match next {
+                            Some(done) => done,
+                            None => break,
+                        },
+                        index = cancels.recv(), if cancels_open => {
+                            match index.and_then(|x| self.results[0].children().iter().position(|c| c.child_index() == x)) {
+                                // A UCX child cannot stop its get: it finishes and reports
+                                // what became of it (a cancel lost to completion is Done).
+                                Some(i) if undecided.contains(&i) => {
+                                    cancelled.insert(i);
+                                    stops[i].cancel();
+                                }
+                                Some(_) => {}
+                                None => cancels_open = index.is_some(),
+                            }
+                            continue;
+                        }
+                        _ = tick.tick() => {
+                            self.heartbeat(peers, &undecided).await;
+                            continue;
+                        }
+                    };
+                    undecided.remove(&i);
                     let outcome = match r {
                         Ok((plan, bytes)) => {
                             let mut acknowledged = true;
@@ -491,7 +563,14 @@ impl RankPull {
                             delivered += bytes;
                             ChildOutcome::Done { bytes_delivered: bytes, acknowledged }
                         }
-                        Err(error) => {
+                        Err(None) => {
+                            let mut released = true;
+                            for (rank, peer, _) in peers {
+                                released &= self.tell(peer, *rank, i, true).await;
+                            }
+                            ChildOutcome::Cancelled { released, invalid_local_blocks: invalid[i].clone() }
+                        }
+                        Err(Some(error)) => {
                             for (rank, peer, _) in peers {
                                 self.tell(peer, *rank, i, true).await;
                             }
@@ -505,7 +584,7 @@ impl RankPull {
                             }
                         }
                     };
-                    self.report(&channels, i, outcome);
+                    self.report(&reports, i, outcome);
                 }
             }
         }
@@ -531,10 +610,15 @@ impl RankPull {
             };
             self.held.finish(held, reclaimed);
         }
-        let _ = channels.done.send((wire, delivered, started.elapsed()));
+        let _ = done.send((wire, delivered, started.elapsed()));
     }
 
-    fn report(&self, channels: &PullChannels, i: usize, outcome: ChildOutcome) {
+    fn report(
+        &self,
+        reports: &tokio::sync::mpsc::UnboundedSender<ChildReport>,
+        i: usize,
+        outcome: ChildOutcome,
+    ) {
         let c = &self.inner.counters;
         match &outcome {
             ChildOutcome::Done { bytes_delivered, acknowledged } => {
@@ -556,7 +640,7 @@ impl RankPull {
             _ => {}
         }
         let child = &self.results[0].children()[i];
-        let _ = channels.reports.send(ChildReport {
+        let _ = reports.send(ChildReport {
             child_index: child.child_index(),
             remote_request_id: child.remote_request_id().to_owned(),
             outcome,
