@@ -113,10 +113,11 @@ pub enum SubmitError {
         #[source]
         source: PlanError,
     },
-    /// The per-rank results of [`crate::DecodeAgent::submit_ranks`] do not fit together
-    /// (or this agent has no KV-cache shape).
+    /// The results do not fit together (the per-rank results of
+    /// [`crate::DecodeAgent::submit_ranks`], or this agent has no KV-cache shape for them, or
+    /// the KV-cache groups' blocks cannot be numbered with block ids).
     #[error("prefill results for {parent}: {detail}")]
-    RankResults {
+    Unfit {
         /// The parent request id.
         parent: String,
         /// What is wrong.

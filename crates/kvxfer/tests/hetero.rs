@@ -530,3 +530,35 @@ fn tcp_a_cancelled_slice_child_releases_every_source_lease_or_completes() {
         assert_no_more_ends(p, Duration::from_millis(50));
     }
 }
+
+/// `submit_ranks` refuses before any I/O what cannot fit: fewer results than the prefill
+/// TP size, a local block listed twice, no shape here.
+#[test]
+fn tcp_submit_ranks_refuses_results_that_do_not_fit() {
+    let heads = KvHeads::Split { total: 4 };
+    let prefills: Vec<PrefillAgent> =
+        (0..2).map(|r| shaped_prefill(Transport::Tcp, spec(2, r, heads, 16, &[32]))).collect();
+    let results: Vec<PrefillResult> = prefills
+        .iter()
+        .map(|p| {
+            let h = p.lease(LeaseRequest::new("F", 0, 1, vec![1, 2])).expect("lease");
+            PrefillResult::new("F", 1, vec![h]).expect("result")
+        })
+        .collect();
+    let decode = shaped_decode(Transport::Tcp, spec(1, 0, heads, 16, &[32]));
+    let unfit = |r: Result<kvxfer::blocking::PullHandle, Error>, what: &str| match r {
+        Err(Error::Submit(SubmitError::Unfit { detail, .. })) => assert!(detail.contains(what), "{detail}"),
+        Err(other) => panic!("{what}: {other}"),
+        Ok(_) => panic!("{what}: accepted"),
+    };
+    unfit(decode.submit_ranks(results[..1].to_vec(), vec![vec![vec![1, 2]]]), "tp_size 2");
+    unfit(decode.submit_ranks(results.clone(), vec![vec![vec![3, 3]]]), "listed twice");
+    let plain = grouped_decode(
+        Transport::Tcp,
+        vec![KvShape::new(spec(1, 0, heads, 16, &[32])).expect("s").block_layout(0).expect("l").clone()],
+    );
+    unfit(plain.submit_ranks(results.clone(), vec![vec![vec![1, 2]]]), "no KV-cache shape");
+    // Nothing was claimed by the refusals: the same blocks pull fine.
+    let report = decode.submit_ranks(results, vec![vec![vec![3, 4]]]).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+}

@@ -389,11 +389,8 @@ impl DecodeAgent {
         }
         let refs: Vec<&ChildHandoff> = children.iter().collect();
         let Some(ids) = groups::GroupIds::new(memory, &refs) else {
-            return Err(SubmitError::Plan {
-                parent,
-                source: kvxfer_core::PlanError::LengthMismatch { remote: usize::MAX, local: usize::MAX },
-            }
-            .into());
+            let detail = "the KV-cache groups' blocks together do not fit block ids".into();
+            return Err(SubmitError::Unfit { parent, detail }.into());
         };
         let plan_err = |source| Error::from(SubmitError::Plan { parent: parent.clone(), source });
         let mut flat_remote: Vec<Vec<BlockId>> = Vec::with_capacity(children.len());

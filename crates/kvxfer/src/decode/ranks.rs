@@ -61,12 +61,10 @@ impl DecodeAgent {
         local_blocks: Vec<Vec<Vec<BlockId>>>,
     ) -> Result<PullHandle, Error> {
         let Some(first) = results.first() else {
-            return Err(
-                SubmitError::RankResults { parent: String::new(), detail: "no results".into() }.into()
-            );
+            return Err(SubmitError::Unfit { parent: String::new(), detail: "no results".into() }.into());
         };
         let parent = first.parent_request_id().to_owned();
-        let bad = |detail: String| Error::from(SubmitError::RankResults { parent: parent.clone(), detail });
+        let bad = |detail: String| Error::from(SubmitError::Unfit { parent: parent.clone(), detail });
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Err(SubmitError::ShuttingDown { parent }.into());
         }
