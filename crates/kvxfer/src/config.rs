@@ -158,9 +158,11 @@ impl AgentConfig {
     }
 
     /// Sets this rank's KV-cache shape (see [`Self::kv_shape`](AgentConfig::kv_shape)); its
-    /// `tp_size` is also written into hand-offs.
+    /// `tp_size` is also written into hand-offs, and its `tp_rank` becomes the agent's
+    /// [`rank`](AgentConfig::rank) (registration key, default consumer id).
     pub fn kv_shape(mut self, spec: kvxfer_core::KvShapeSpec) -> Self {
         self.tp_size = spec.tp_size;
+        self.rank = spec.tp_rank;
         self.kv_shape = Some(spec);
         self
     }

@@ -562,3 +562,69 @@ fn tcp_submit_ranks_refuses_results_that_do_not_fit() {
     let report = decode.submit_ranks(results, vec![vec![vec![3, 4]]]).expect("submit").wait();
     assert!(report.all_done(), "{report:?}");
 }
+
+/// Hand-offs naming only the engine id, from a prefill engine of TP 2 whose layout differs
+/// from the decode rank's: each prefill rank's hand-offs resolve to that rank's registration
+/// (not the decode rank's `rank % tp`), and a decode agent with a shape keeps records of
+/// other layouts in its directory.
+#[cfg(feature = "cluster")]
+#[test]
+fn tcp_engine_only_handoffs_resolve_each_prefill_rank_through_discovery() {
+    use kvxfer::cluster::DiscoveryConfig;
+    use kvxfer_cluster::testing::EtcdServer;
+    let etcd = EtcdServer::start();
+    let discovery = DiscoveryConfig {
+        etcd: etcd.config(),
+        namespace: "kvxfer-hetero-test".into(),
+        registration_ttl: Duration::from_secs(2),
+    };
+    let heads = KvHeads::Split { total: 4 };
+    let prefills: Vec<PrefillAgent> = (0..2)
+        .map(|r| {
+            let sp = spec(2, r, heads, 16, &[32]);
+            let shape = KvShape::new(sp.clone()).expect("shape");
+            let config =
+                keyed(AgentConfig::new("prefill").engine_id("hetero-engine").discovery(discovery.clone()))
+                    .kv_shape(sp);
+            let p = PrefillAgent::start(
+                config,
+                "127.0.0.1:0",
+                pattern::alloc_filled_shape(&shape).expect("memory"),
+            )
+            .expect("prefill");
+            p.wait_registered(Duration::from_secs(15)).expect("registered");
+            p
+        })
+        .collect();
+    let dsp = spec(1, 0, heads, 16, &[32]);
+    let dshape = KvShape::new(dsp.clone()).expect("shape");
+    let decode = DecodeAgent::start(
+        keyed(AgentConfig::new("decode").discovery(discovery)).kv_shape(dsp),
+        KvMemory::alloc(dshape.block_layout(0).expect("layout").clone()).expect("memory"),
+    )
+    .expect("decode");
+    let dir = decode.directory().expect("a directory").clone();
+    eventually("both prefill ranks in the directory", || {
+        (0..2).all(|r| dir.resolve("hetero-engine", r).is_some())
+    });
+    let remote = vec![4, 5, 6];
+    let results: Vec<PrefillResult> = prefills
+        .iter()
+        .map(|p| {
+            let h = p.lease(LeaseRequest::new("D", 0, 1, remote.clone())).expect("lease");
+            PrefillResult::new("D", 1, vec![h]).expect("result").engine_only()
+        })
+        .collect();
+    let report = decode.submit_ranks(results, vec![vec![vec![7, 8, 9]]]).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    let pair = TransferPair::new(&KvShape::new(spec(2, 0, heads, 16, &[32])).expect("shape"), &dshape)
+        .expect("pair");
+    // SAFETY: the pull has reported.
+    let bad = unsafe { pattern::check_shaped_blocks(decode.memory(), &pair, 0, &remote, &[7, 8, 9]) }
+        .expect("layout");
+    assert_eq!(bad, None);
+    for p in &prefills {
+        let ends = wait_ends(p, 1, Duration::from_secs(10));
+        assert_eq!(ends[0].kind, EndKind::Pulled, "{ends:?}");
+    }
+}

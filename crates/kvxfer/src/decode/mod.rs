@@ -77,6 +77,21 @@ impl Inner {
         Ok(engine.addr())
     }
 
+    /// Where prefill rank `rank` of `engine` is: the hand-off's own address, checked against
+    /// discovery when it runs (which also resolves hand-offs naming only the engine id).
+    pub(crate) fn resolve_rank(
+        &self,
+        engine: &kvxfer_core::EngineInfo,
+        rank: u32,
+    ) -> Result<String, kvxfer_core::pull::PullError> {
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.cluster {
+            return c.resolve_rank(engine, rank);
+        }
+        let _ = rank;
+        Ok(engine.addr())
+    }
+
     /// Whether a hand-off naming only the engine id can be resolved here.
     fn resolves_engine_ids(&self) -> bool {
         #[cfg(feature = "cluster")]

@@ -84,6 +84,11 @@ impl DecodeAgent {
                 return Err(bad(format!("result {r} states another tp_size")));
             }
         }
+        if let Some(c) = results.iter().flat_map(|r| r.children()).find(|c| !c.engine().names_address()) {
+            if !self.inner.resolves_engine_ids() {
+                return Err(SubmitError::NoAddress { parent, engine: c.engine().engine_id.clone() }.into());
+            }
+        }
         if local_blocks.len() != n as usize {
             return Err(SubmitError::LocalBlockLists { parent, n, given: local_blocks.len() }.into());
         }
@@ -189,7 +194,7 @@ impl RankPull {
         let mut peers = Vec::new();
         for rank in source_ranks(tp, decode) {
             let engine = self.child(rank, 0).engine();
-            let addr = self.inner.resolve(engine)?;
+            let addr = self.inner.resolve_rank(engine, rank)?;
             let peer = self.inner.peer(&addr);
             let ack = peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner))?;
             let protocol = |detail: String| PullError::Protocol { peer: addr.clone(), detail };
@@ -455,7 +460,7 @@ impl RankPull {
                 let sources = decode.as_ref().map_or(0..0, |d| source_ranks(tp, d));
                 for (i, invalid) in invalid.iter().enumerate() {
                     for rank in sources.clone().filter(|&r| r < tp) {
-                        if let Ok(addr) = self.inner.resolve(self.child(rank, i).engine()) {
+                        if let Ok(addr) = self.inner.resolve_rank(self.child(rank, i).engine(), rank) {
                             let peer = self.inner.peer(&addr);
                             self.tell(&peer, rank, i, true).await;
                         }
