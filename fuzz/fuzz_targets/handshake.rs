@@ -46,6 +46,8 @@ fn ack() -> v1::HelloAck {
         transports: vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }],
         incarnation: 7,
         authenticated: false,
+        other_group_layouts: vec![],
+        kv_shape: None,
     }
 }
 

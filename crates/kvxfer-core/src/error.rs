@@ -52,6 +52,17 @@ pub enum LeaseError {
     /// A lease must have at least one block.
     #[error("lease for request {0} names no blocks")]
     NoBlocks(String),
+    /// Not one block list per KV-cache group of the layout (or more groups' blocks than
+    /// block ids can number).
+    #[error("lease for request {request}: {got} KV-cache group block lists given, the layout has {expected} groups")]
+    GroupCount {
+        /// The request id.
+        request: String,
+        /// Groups of the layout.
+        expected: usize,
+        /// Block lists given.
+        got: usize,
+    },
     /// `expected_consumers` must be at least 1.
     #[error("lease for request {0}: expected_consumers must be at least 1")]
     NoConsumers(String),
@@ -239,19 +250,6 @@ pub enum ParamsError {
         /// Why its value is unusable.
         #[source]
         source: Box<HandoffError>,
-    },
-    /// `remote_block_ids` lists more than one KV-cache group (a hybrid model). Until
-    /// per-group layouts exist, only one group can be pulled: flattening would lose which
-    /// pool each id indexes.
-    #[error(
-        "kv_transfer_params: field {field} has {groups} KV-cache groups; kvxfer pulls a single group \
-         (per-group layouts are not supported yet)"
-    )]
-    TooManyGroups {
-        /// The field (`remote_block_ids`).
-        field: &'static str,
-        /// Groups listed.
-        groups: usize,
     },
 }
 

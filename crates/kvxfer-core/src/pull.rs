@@ -534,6 +534,8 @@ pub struct PullMachine {
     actions: VecDeque<Action>,
     wire_bytes: u64,
     delivered_bytes: u64,
+    /// Per child, the bytes it delivers when done (empty: local blocks × `block_bytes`).
+    child_bytes: Vec<u64>,
 }
 
 impl PullMachine {
@@ -615,9 +617,18 @@ impl PullMachine {
             actions: VecDeque::new(),
             wire_bytes: 0,
             delivered_bytes: 0,
+            child_bytes: Vec::new(),
             plan,
             children,
         }
+    }
+
+    /// Sets the bytes each child delivers when done, in child order — for local blocks of
+    /// different sizes (several KV-cache groups); by default its local blocks ×
+    /// [`PullConfig::block_bytes`].
+    pub fn with_child_bytes(mut self, bytes: Vec<u64>) -> Self {
+        self.child_bytes = bytes;
+        self
     }
 
     /// Children in the pull.
@@ -928,7 +939,10 @@ impl PullMachine {
         if let Some(error) = self.connect_error.clone().or_else(|| self.failed_dependency(i)) {
             return ChildOutcome::Failed { error, invalid_local_blocks: local };
         }
-        let bytes_delivered = local.len() as u64 * self.config.block_bytes;
+        let bytes_delivered = match self.child_bytes.get(i) {
+            Some(&bytes) => bytes,
+            None => local.len() as u64 * self.config.block_bytes,
+        };
         ChildOutcome::Done { bytes_delivered, acknowledged: false }
     }
 }

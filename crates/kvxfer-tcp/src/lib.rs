@@ -34,7 +34,7 @@ pub mod server;
 pub mod stats;
 
 pub use client::PinGrant;
-pub use client::{check_crc, ClientError, Connection};
+pub use client::{check_crc, ClientError, Connection, SliceSpec};
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};
 pub use server::{refuse_connection, serve_connection, Refusal, ServeContext};

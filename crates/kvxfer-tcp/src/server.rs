@@ -27,6 +27,9 @@ pub struct ServeContext {
     pub table: Arc<LeaseTable>,
     /// The registered KV cache reads are served from.
     pub memory: Arc<KvMemory>,
+    /// This rank's KV-cache shape, when the agent was given one: what head-slice reads are
+    /// checked against (without one they are refused).
+    pub shape: Option<kvxfer_core::KvShape>,
     /// What this agent answers a compatible hello with.
     pub hello_ack: v1::HelloAck,
     /// The cluster key peers must prove they hold; `None`: peers are not authenticated.

@@ -277,6 +277,26 @@ impl DecodeAgent {
         Ok(PullHandle::new(h, self.handle()))
     }
 
+    /// See [`crate::DecodeAgent::submit_groups`].
+    pub fn submit_groups(
+        &self,
+        result: PrefillResult,
+        local_blocks: Vec<Vec<Vec<BlockId>>>,
+    ) -> Result<PullHandle, Error> {
+        let h = self.as_async().submit_groups(result, local_blocks)?;
+        Ok(PullHandle::new(h, self.handle()))
+    }
+
+    /// See [`crate::DecodeAgent::submit_ranks`].
+    pub fn submit_ranks(
+        &self,
+        results: Vec<PrefillResult>,
+        local_blocks: Vec<Vec<Vec<BlockId>>>,
+    ) -> Result<PullHandle, Error> {
+        let h = self.as_async().submit_ranks(results, local_blocks)?;
+        Ok(PullHandle::new(h, self.handle()))
+    }
+
     /// Releases a child's lease without pulling it; see [`crate::DecodeAgent::release`].
     pub fn release(&self, child: &ChildHandoff) -> bool {
         wait(&self.handle(), self.as_async().release(child))

@@ -323,9 +323,10 @@ impl DecodeCluster {
         let directory = match &c.discovery {
             Some(d) => {
                 // Records of another layout are ignored (and counted): this agent could not
-                // pull from them.
-                let options =
-                    DirectoryOptions { expected_compat_hash: Some(compat_hash), ..Default::default() };
+                // pull from them — unless it has a KV-cache shape, which lets it pull from
+                // engines of other TP and block sizes (the handshake checks the shapes).
+                let expected_compat_hash = Some(compat_hash).filter(|_| config.kv_shape.is_none());
+                let options = DirectoryOptions { expected_compat_hash, ..Default::default() };
                 let dir = EngineDirectory::start(handle, d.etcd.clone(), d.namespace()?, options);
                 Some(Arc::new(dir.map_err(cluster_error)?))
             }
@@ -382,7 +383,12 @@ impl DecodeCluster {
     /// discovery saw the incarnation that made it go; for a hand-off naming only the engine
     /// id, the cached record of rank `decode_rank % tp_size`. Reads only the cache.
     pub(crate) fn resolve(&self, engine: &EngineInfo, decode_rank: u32) -> Result<String, PullError> {
-        let rank = decode_rank % engine.tp_size.max(1);
+        self.resolve_rank(engine, decode_rank % engine.tp_size.max(1))
+    }
+
+    /// [`Self::resolve`] of prefill rank `rank` itself (a pull from several prefill ranks,
+    /// `DecodeAgent::submit_ranks`, names each rank it reads).
+    pub(crate) fn resolve_rank(&self, engine: &EngineInfo, rank: u32) -> Result<String, PullError> {
         let Some(dir) = &self.directory else {
             return Ok(engine.addr());
         };

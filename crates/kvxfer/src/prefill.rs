@@ -177,6 +177,8 @@ impl PrefillAgent {
         };
         let layout = memory.layout().clone();
         let mut lease_config = LeaseConfig::new(engine, layout.num_blocks());
+        // Every further KV-cache group's blocks; leases then name one list per group.
+        lease_config.other_group_blocks = memory.group_layouts().skip(1).map(|l| l.num_blocks()).collect();
         lease_config.default_ttl = config.lease_ttl;
         lease_config.max_lifetime = config.max_lease_lifetime;
         lease_config.max_children = config.max_children;
@@ -195,10 +197,14 @@ impl PrefillAgent {
         if let Some(t) = &ucx {
             transports.insert(0, crate::ucx::offer(t));
         }
+        let shape = config.checked_shape(&memory)?;
+        let mut hello_ack = crate::hello::hello_ack(&config, &memory, transports, incarnation);
+        hello_ack.kv_shape = shape.as_ref().map(|s| s.spec().to_wire());
         let ctx = Arc::new(ServeContext {
+            shape,
             table: table.clone(),
             memory: memory.clone(),
-            hello_ack: crate::hello::hello_ack(&config, &layout, transports, incarnation),
+            hello_ack,
             cluster_key: config.cluster_key.clone(),
             limits: config.limits,
             counters: counters.clone(),
@@ -212,7 +218,7 @@ impl PrefillAgent {
                 host: &host,
                 port: addr.port(),
                 incarnation,
-                compat_hash: layout.compat_hash(),
+                compat_hash: kvxfer_core::groups_compat_hash(memory.group_layouts()),
                 #[cfg(feature = "ucx")]
                 offers_ucx: ucx.is_some(),
                 #[cfg(not(feature = "ucx"))]

@@ -283,6 +283,8 @@ fn idle_connections_without_pins_are_closed() {
         lease_token: child.token().as_bytes().to_vec(),
         ranges: vec![v1::BlockRange { start: 1, count: 1 }],
         pin_crc32c: false,
+        group: 0,
+        head_slice: None,
     };
     pinned.write_all(&frame_bytes(v1::FrameType::Pin, &pin)).expect("pin");
     assert_eq!(first_frame_type(&mut pinned), v1::FrameType::PinAck as u8);

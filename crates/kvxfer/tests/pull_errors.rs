@@ -184,6 +184,7 @@ fn a_peer_answering_out_of_protocol_is_a_protocol_error() {
             lease_ttl_ms: 30_000,
             tp_size: 1,
             incarnation: 0,
+            other_group_block_ids: vec![],
         }],
     };
     let report = decode.submit_wire(wire, vec![vec![1]]).expect("submit").wait();

@@ -270,7 +270,9 @@ pub(crate) fn pull_error(e: &ClientError, inner: &Inner) -> PullError {
                 ErrorCode::VersionMismatch => {
                     (MismatchField::ProtocolVersion, u64::from(inner.config.protocol_version))
                 }
-                _ => (MismatchField::CompatHash, inner.memory.layout().compat_hash()),
+                _ => {
+                    (MismatchField::CompatHash, kvxfer_core::groups_compat_hash(inner.memory.group_layouts()))
+                }
             };
             PullError::Incompatible {
                 peer: peer.clone(),

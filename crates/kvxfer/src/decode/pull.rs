@@ -22,6 +22,7 @@ use kvxfer_tcp::ClientError;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::groups::GroupIds;
 use super::peer::{pull_error, read_error, ControlOp, ControlReply, Peer};
 use super::report::{add, ChildReport, PullChannels, Totals};
 use super::Inner;
@@ -48,8 +49,10 @@ type IoFuture<'a> = Pin<Box<dyn Future<Output = Event> + Send + 'a>>;
 pub(crate) struct Pull {
     inner: Arc<Inner>,
     children: Vec<ChildHandoff>,
+    /// How the plan's flat block ids map to KV-cache groups.
+    ids: GroupIds,
     claimed: HashSet<BlockId>,
-    /// Per child, the runs it reads over the wire (from the plan).
+    /// Per child, the runs it reads over the wire (from the plan, flat ids).
     wire: Vec<Vec<BlockRun>>,
     channels: PullChannels,
     started: Instant,
@@ -66,6 +69,7 @@ impl Pull {
     pub(crate) fn new(
         inner: Arc<Inner>,
         children: Vec<ChildHandoff>,
+        ids: GroupIds,
         claimed: HashSet<BlockId>,
         channels: PullChannels,
         started: Instant,
@@ -75,6 +79,7 @@ impl Pull {
             held: Arc::new(crate::ucx::HeldReads::new(inner.busy.clone(), inner.reclaimed_tx.clone())),
             inner,
             children,
+            ids,
             claimed,
             wire: Vec::new(),
             channels,
@@ -208,19 +213,31 @@ impl Pull {
 
     /// Handshakes, checks the remote ids against the peer's layout, and picks the path. On
     /// failure: the error, and whether the peer can still be told to release the leases.
-    async fn connect(&self, peer: &Peer) -> Result<(BlockLayout, Path), (PullError, bool)> {
-        let (remote_layout, path) = self.handshake(peer).await?;
-        let ids: Vec<BlockId> = self
-            .children
-            .iter()
-            .flat_map(|c| remote_layout.out_of_range(c.remote_block_ids().iter().copied()))
-            .take(16)
-            .collect();
-        if !ids.is_empty() {
-            let num_blocks = remote_layout.num_blocks();
-            return Err((PullError::RemoteBlocksOutOfRange { ids, num_blocks }, true));
+    async fn connect(&self, peer: &Peer) -> Result<(Vec<BlockLayout>, Path), (PullError, bool)> {
+        let (layouts, path) = self.handshake(peer).await?;
+        // Every KV-cache group's ids against that group's layout (the compatibility hash
+        // made sure both sides have the same groups).
+        for (g, remote_layout) in layouts.iter().enumerate() {
+            let ids: Vec<BlockId> = self
+                .children
+                .iter()
+                .flat_map(|c| remote_layout.out_of_range(c.group_block_ids(g).unwrap_or(&[]).iter().copied()))
+                .take(16)
+                .collect();
+            if !ids.is_empty() {
+                let num_blocks = remote_layout.num_blocks();
+                return Err((PullError::RemoteBlocksOutOfRange { ids, num_blocks }, true));
+            }
         }
-        Ok((remote_layout, path))
+        if layouts.len() != self.inner.memory.num_groups() {
+            let detail = format!(
+                "the prefill agent has {} KV-cache group(s), this agent {}",
+                layouts.len(),
+                self.inner.memory.num_groups()
+            );
+            return Err((PullError::Protocol { peer: peer.addr.clone(), detail }, true));
+        }
+        Ok((layouts, path))
     }
 
     /// Handshakes with the peer (once per connection), checks it is the engine process the
@@ -229,7 +246,7 @@ impl Pull {
     /// whether the peer can still be told to release the leases — not when the hello failed
     /// or the peer is another process than the hand-offs name; yes when it answered as the
     /// right engine and only its layout or the data path was wrong.
-    async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), (PullError, bool)> {
+    async fn handshake(&self, peer: &Peer) -> Result<(Vec<BlockLayout>, Path), (PullError, bool)> {
         let unreachable = |e| (e, false);
         let hello = async || {
             peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner)).map_err(unreachable)
@@ -257,12 +274,24 @@ impl Pull {
         }
         // The right engine answered: it can still be told to release the leases.
         let protocol = |detail: String| (PullError::Protocol { peer: peer.addr.clone(), detail }, true);
+        // A peer of another TP or block size (accepted for its shape) cannot be pulled
+        // block for block: its blocks are not ours.
+        if ack.compat_hash != kvxfer_core::groups_compat_hash(self.inner.memory.group_layouts()) {
+            return Err(protocol(
+                "the prefill agent's KV-cache shape differs from this agent's (another TP or block size): \
+                 pull its results with DecodeAgent::submit_ranks"
+                    .into(),
+            ));
+        }
         let wire =
             ack.layout.as_ref().ok_or_else(|| protocol("the prefill agent sent no block layout".into()))?;
-        let layout = BlockLayout::from_wire(wire)
+        let layouts = std::iter::once(wire)
+            .chain(&ack.other_group_layouts)
+            .map(BlockLayout::from_wire)
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| protocol(format!("the prefill agent's layout is malformed: {e}")))?;
         let path = self.choose_path(peer, &ack).await.map_err(|e| (e, true))?;
-        Ok((layout, path))
+        Ok((layouts, path))
     }
 
     #[cfg_attr(not(feature = "ucx"), allow(clippy::unused_async))]
@@ -293,17 +322,44 @@ impl Pull {
         &self,
         peer: &Peer,
         i: usize,
-        remote: &BlockLayout,
+        remote: &[BlockLayout],
         path: Path,
         abort: CancellationToken,
     ) -> Event {
         let child = &self.children[i];
         let runs = &self.wire[i];
+        // One read per KV-cache group (one read, of group 0, for a single-group cache).
+        let by_group = self.ids.split_runs(runs);
         #[cfg(feature = "ucx")]
         if path == Path::Ucx {
-            // A UCX get cannot be cut short: the machine never aborts one.
-            let r = crate::ucx::read_child(&self.inner, peer, child, runs, remote, &self.held, i).await;
-            return Event::Read(i, r);
+            // A UCX get cannot be cut short: the machine never aborts one. One pin and get
+            // per KV-cache group, in group order; the first that does not succeed ends it.
+            let mut total = 0u64;
+            for (group, runs) in &by_group {
+                let g = *group as usize;
+                let (Some(local), Some(layout)) = (self.inner.memory.group(g), remote.get(g)) else {
+                    let detail = format!("no layout or memory for KV-cache group {group}");
+                    return Event::Read(
+                        i,
+                        ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail }),
+                    );
+                };
+                let r = crate::ucx::read_child(
+                    &self.inner,
+                    peer,
+                    child,
+                    (*group, local, runs),
+                    layout,
+                    None,
+                    (&self.held, i),
+                )
+                .await;
+                match r {
+                    ReadResult::Ok { bytes } => total += bytes,
+                    other => return Event::Read(i, other),
+                }
+            }
+            return Event::Read(i, ReadResult::Ok { bytes: total });
         }
         let _ = (remote, path);
         let read = async {
@@ -312,14 +368,25 @@ impl Pull {
                 Err(e) => return ReadResult::Failed(e),
             };
             let id = child.remote_request_id();
+            let mut total = 0u64;
+            let mut next_group = 0usize;
             loop {
+                let Some((group, runs)) = by_group.get(next_group) else {
+                    peer.checkin::<u64>(conn, &Ok(total));
+                    return ReadResult::Ok { bytes: total };
+                };
+                let Some(dest) = self.inner.memory.group(*group as usize) else {
+                    peer.checkin::<u64>(conn, &Ok(total));
+                    let detail = format!("no local memory for KV-cache group {group}");
+                    return ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail });
+                };
                 // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
                 // other pull writes them; the caller does not touch them until their report,
-                // which the machine sends only after this read ended), and `ResultPlan::build`
-                // checked them against the local layout.
+                // which the machine sends only after this read ended), and `submit` checked
+                // them against their group's layout (`dest`).
                 #[allow(unsafe_code)]
                 let r =
-                    unsafe { conn.read_into(id, child.token().as_bytes(), runs, &self.inner.memory) }.await;
+                    unsafe { conn.read_group_into(id, child.token().as_bytes(), *group, runs, dest) }.await;
                 // A pooled connection the peer closed before answering (its idle close racing
                 // our request): nothing reached the blocks, so the read is made once more on a
                 // fresh connection.
@@ -333,12 +400,20 @@ impl Pull {
                     reused = false;
                     continue;
                 }
-                peer.checkin(conn, &r);
-                debug!(remote_request_id = %id, result = ?r, "child read");
-                return match r {
-                    Ok(bytes) => ReadResult::Ok { bytes },
-                    Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
-                };
+                debug!(remote_request_id = %id, group, result = ?r, "child read");
+                match r {
+                    Ok(bytes) => {
+                        total += bytes;
+                        next_group += 1;
+                    }
+                    Err(_) => {
+                        peer.checkin(conn, &r);
+                        return match r {
+                            Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+                            Ok(_) => ReadResult::Ok { bytes: total },
+                        };
+                    }
+                }
             }
         };
         tokio::select! {
@@ -350,11 +425,14 @@ impl Pull {
 
     fn copy(&self, copies: &[(BlockId, BlockId)]) {
         for &(src, dst) in copies {
+            // Both in one group: a plan copies a block only to a block of the same remote id.
+            let ((g, src), (_, dst)) = (self.ids.split_local(src), self.ids.split_local(dst));
+            let Some(mem) = self.inner.memory.group(g) else { continue };
             // SAFETY: `src` and `dst` are destination blocks claimed by this pull (no other
             // pull writes them), the machine asks for a copy only once every read it depends
             // on has finished, and before any report hands `src` or `dst` back to the caller.
             #[allow(unsafe_code)]
-            let r = unsafe { self.inner.memory.copy_block(src, dst) };
+            let r = unsafe { mem.copy_block(src, dst) };
             if let Err(e) = r {
                 warn!(error = %e, "local copy failed");
             }
