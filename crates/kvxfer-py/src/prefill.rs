@@ -95,6 +95,9 @@ pub(crate) fn cancel_outcome(o: CancelOutcome) -> &'static str {
 pub(crate) struct PrefillAgent {
     host: Hosted<kvxfer::PrefillAgent>,
     engine_id: String,
+    /// The lease ends, kept past a shutdown (which releases every live lease: those ends
+    /// are still reported).
+    ends: crossbeam_channel::Receiver<LeaseEnd>,
 }
 
 impl PrefillAgent {
@@ -158,7 +161,8 @@ impl PrefillAgent {
         let started =
             py.detach(|| rt.block_on(kvxfer::PrefillAgent::start_on(handle, config, &listen, memory)));
         let agent = started.map_err(|e| to_py(py, e))?;
-        Ok(PrefillAgent { host: Hosted::new(agent, rt, "prefill agent"), engine_id })
+        let ends = agent.events().clone();
+        Ok(PrefillAgent { host: Hosted::new(agent, rt, "prefill agent"), engine_id, ends })
     }
 
     /// The engine id hand-offs name (`remote_engine_id`).
@@ -273,11 +277,11 @@ impl PrefillAgent {
     /// Lease ends not yet taken, without waiting (at most `max`): dicts with
     /// `remote_request_id`, `parent_request_id`, `child_index`, `n`, `kind` ("pulled",
     /// "released", "expired"), `blocks` (free again), `consumers_seen`,
-    /// `expected_consumers`, `generation`. Each end is delivered once.
+    /// `expected_consumers`, `generation`. Each end is delivered once — also after
+    /// `shutdown()`, which ends every live lease as released.
     #[pyo3(signature = (max = None))]
     fn poll_ends<'py>(&self, py: Python<'py>, max: Option<usize>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let agent = self.agent(py)?;
-        agent.events().try_iter().take(max.unwrap_or(usize::MAX)).map(|e| end_dict(py, &e)).collect()
+        self.ends.try_iter().take(max.unwrap_or(usize::MAX)).map(|e| end_dict(py, &e)).collect()
     }
 
     /// Waits up to `timeout` seconds (GIL released) until `count` lease ends arrived, and
@@ -290,8 +294,7 @@ impl PrefillAgent {
         timeout: f64,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let timeout = seconds(py, "timeout", timeout)?;
-        let agent = self.agent(py)?;
-        let events = agent.events().clone();
+        let events = self.ends.clone();
         let got = py.detach(move || {
             let deadline = std::time::Instant::now() + timeout;
             let mut got = Vec::new();
