@@ -4,11 +4,12 @@
 #
 # What it needs beyond the toolchain is installed first: the UCX development files (the
 # `ucx` feature: ucx-sys runs bindgen, which needs libclang, against the UCX that
-# pkg-config finds). The wire protocol needs nothing: protox compiles it in pure Rust.
+# pkg-config finds), and python3-venv for the Python binding's virtualenv (Debian's python3
+# cannot make one without it). The wire protocol needs nothing: protox compiles it in pure Rust.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server protobuf-compiler)
+SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server protobuf-compiler python3-venv)
 missing=()
 for p in "${SYSTEM_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -35,3 +36,17 @@ cargo run --locked --example loopback -- --n 3 --cancel-child 1 --skip-child 2 -
 cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
 echo "== tokio host smoke run (prefill, decode and router tasks on one runtime; every child's hand-off routed)"
 cargo run --locked --example tokio_host -- --n 4 --cancel-child 1 --json
+
+echo "== Python binding and vLLM connector (the wheel built by maturin into a virtualenv, pytest)"
+# The virtualenv is reused when present; `maturin develop --release` compiles the engine once
+# more, in release, into the kvxfer package (python/kvxfer) installed in it.
+VENV=target/py-venv
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" pytest numpy
+(
+    # shellcheck disable=SC1091
+    source "$VENV/bin/activate"
+    maturin develop --release --locked -q
+)
+# -rs prints why a test was skipped (the real-vLLM contract test runs only where vllm imports).
+"$VENV/bin/python" -m pytest -q -rs python/tests

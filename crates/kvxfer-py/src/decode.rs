@@ -32,6 +32,8 @@ struct ReportData {
     child_index: u32,
     local_blocks: Vec<BlockId>,
     outcome: ChildOutcome,
+    /// From submit to this report.
+    after: Duration,
 }
 
 impl ReportData {
@@ -42,6 +44,7 @@ impl ReportData {
         d.set_item("parent_request_id", &self.parent)?;
         d.set_item("child_index", self.child_index)?;
         d.set_item("local_blocks", self.local_blocks.clone())?;
+        d.set_item("seconds", self.after.as_secs_f64())?;
         let (outcome, error) = match &self.outcome {
             ChildOutcome::Done { bytes_delivered, acknowledged } => {
                 d.set_item("bytes_delivered", *bytes_delivered)?;
@@ -71,6 +74,7 @@ struct PullState {
     /// Per renumbered child j: the prefill child index, remote request id and local blocks.
     children: Vec<(u32, String, Vec<BlockId>)>,
     canceller: PullCanceller,
+    submitted: Instant,
     progress: Mutex<Progress>,
     changed: Condvar,
 }
@@ -99,6 +103,7 @@ impl PullState {
             child_index,
             local_blocks: local,
             outcome: r.outcome,
+            after: self.submitted.elapsed(),
         }
     }
 }
@@ -305,12 +310,14 @@ impl DecodeAgent {
         }
         let result = PrefillResult::new(parent.clone(), k, handoffs).map_err(|e| to_py(py, e.into()))?;
         let (agent, rt) = self.agent(py)?;
+        let submitted = Instant::now();
         let handle = agent.submit(result, local).map_err(|e| to_py(py, e))?;
         let state = Arc::new(PullState {
             id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
             parent,
             children: info,
             canceller: handle.canceller(),
+            submitted,
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
         });
@@ -583,7 +590,8 @@ impl Pull {
 
     /// Waits (GIL released) until every child reported and returns all reports, child 0
     /// first: dicts with `remote_request_id`, `child_index`, `outcome` ("done", "failed",
-    /// "cancelled", "failed_blocks_held"), `local_blocks`, and `error` (a `PullError`
+    /// "cancelled", "failed_blocks_held"), `local_blocks`, `seconds` (from submit to the
+    /// report), and `error` (a `PullError`
     /// instance with `kind` and `advice`, for failed children). Raises `TimeoutError` after
     /// `timeout` seconds (None: no limit).
     #[pyo3(signature = (timeout = None))]
