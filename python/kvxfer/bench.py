@@ -211,6 +211,9 @@ def paired(args: argparse.Namespace) -> int:
             for key in ("gib_per_s", "p50_us", "p99_us", "cpu_s_per_gib"):
                 row[f"{name}_{key}"] = statistics.median(x[key] for x in rows) if rows else None
             row[f"{name}_gib_per_s_all"] = [round(x["gib_per_s"], 3) for x in rows]
+        row["python_api_us_per_parent"] = statistics.median(
+            x["api_us_per_parent"] for x in samples["python"].get(block, [])
+        )
         row["python_over_rust"] = row["python_gib_per_s"] / row["rust_gib_per_s"]
         # Each round ran both back to back: the median of the per-round ratios is less
         # sensitive to load that changes between rounds than the ratio of the medians.
@@ -223,14 +226,15 @@ def paired(args: argparse.Namespace) -> int:
     else:
         print(
             f"{'block':>9} {'Rust GiB/s':>11} {'Python GiB/s':>13} {'Py/Rust':>8} {'paired':>7} "
-            f"{'Rust p50 us':>12} {'Py p50 us':>10} {'Rust CPU s/GiB':>15} {'Py CPU s/GiB':>13}"
+            f"{'Rust p50 us':>12} {'Py p50 us':>10} {'Rust CPU s/GiB':>15} {'Py CPU s/GiB':>13} {'Py API us':>10}"
         )
         for row in results:
             print(
                 f"{human(row['block_bytes']):>9} {row['rust_gib_per_s']:>11.3f} {row['python_gib_per_s']:>13.3f} "
                 f"{row['python_over_rust']:>8.3f} {row['python_over_rust_paired_median']:>7.3f} "
                 f"{row['rust_p50_us']:>12.0f} {row['python_p50_us']:>10.0f} "
-                f"{row['rust_cpu_s_per_gib']:>15.3f} {row['python_cpu_s_per_gib']:>13.3f}"
+                f"{row['rust_cpu_s_per_gib']:>15.3f} {row['python_cpu_s_per_gib']:>13.3f} "
+                f"{row['python_api_us_per_parent']:>10.0f}"
             )
     return 0
 
