@@ -25,9 +25,12 @@ import sys
 import time
 from typing import Any, Optional
 
-import numpy as np
-
 import kvxfer
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is in the `bench` and `test` extras
+    raise SystemExit("python -m kvxfer.bench needs numpy: pip install numpy (or kvxfer[bench])") from None
 
 
 def parse_size(s: str) -> int:

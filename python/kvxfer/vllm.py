@@ -589,6 +589,11 @@ class KvxferConnector(_Base):
         assert self._decode is not None
         groups: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], list[int]]]] = {}
         for rid, (params, local) in to_recv.items():
+            if not local:
+                # Every block was found in the local prefix cache: nothing to pull.
+                self._release([self._for_rank_or_none(params, rank)])
+                self._done_recving.add(rid)
+                continue
             try:
                 p = self._for_rank(params, rank)
                 remote = list(p.get("remote_block_ids") or [])
