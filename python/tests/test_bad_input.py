@@ -231,6 +231,13 @@ def test_a_pull_between_mismatched_layouts_fails_with_advice_to_recompute(prefil
         ({"transport": "ucx"}, "TCP data path only"),
         ({"lease_ttl": -1.0}, "lease_ttl"),
         ({"arm_wait": float("nan")}, "arm_wait"),
+        # Too large for a Duration, and large enough for a Duration but not for an Instant.
+        ({"io_timeout": 1e30}, "io_timeout"),
+        ({"io_timeout": 1e19}, "io_timeout"),
+        ({"arm_wait": 1e19}, "arm_wait"),
+        ({"lease_ttl": 1e19}, "lease_ttl"),
+        ({"max_lease_lifetime": 1e19}, "max_lease_lifetime"),
+        ({"shutdown_grace": 1e19}, "shutdown_grace"),
     ],
 )
 def test_bad_agent_options_are_config_errors(kwargs, message):

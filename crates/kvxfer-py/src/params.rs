@@ -156,12 +156,17 @@ impl Handoff {
     }
 }
 
-/// Seconds (a Python float) as a `Duration`, refusing negative and non-finite values.
+/// Longest duration accepted from Python (about a century): any deadline computed from it
+/// still fits in an `Instant`.
+const MAX_SECONDS: f64 = 100.0 * 365.0 * 24.0 * 3600.0;
+
+/// Seconds (a Python float) as a `Duration`, refusing negative, non-finite and absurdly
+/// large values (more than a century).
 pub(crate) fn seconds(py: Python<'_>, name: &str, v: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(v).map_err(|_| {
+    Duration::try_from_secs_f64(v).ok().filter(|_| v <= MAX_SECONDS).ok_or_else(|| {
         raise::<crate::errors::ConfigError>(
             py,
-            format!("{name} must be a non-negative number of seconds, got {v}"),
+            format!("{name} must be a number of seconds between 0 and {MAX_SECONDS:.0}, got {v}"),
             &[],
         )
     })

@@ -47,7 +47,9 @@ pub(crate) async fn wait_for_arm(ctx: &ServeContext, f: &Frame) {
         return;
     }
     bump(&ctx.counters.arm_waits);
-    let deadline = tokio::time::Instant::now() + ctx.limits.arm_wait;
+    // Saturating: an `arm_wait` too large for an `Instant` waits a year.
+    let deadline =
+        tokio::time::Instant::from_std(crate::instant_after(std::time::Instant::now(), ctx.limits.arm_wait));
     loop {
         let made = ctx.leases_made.notified();
         tokio::pin!(made);

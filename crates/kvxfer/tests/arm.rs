@@ -165,3 +165,13 @@ fn an_ended_lease_is_answered_from_its_record_without_waiting() {
     assert_eq!(notifier.join().expect("notifier"), LeaseOutcome::AlreadyReleased as i32);
     assert_eq!(prefill.stats().server.arm_waits, 0, "an ended lease is known: no wait");
 }
+
+#[test]
+fn an_arm_wait_too_large_for_a_deadline_still_waits_for_the_arm() {
+    let prefill = prefill_armed_within(Duration::MAX);
+    let token = minted();
+    let notifier = notify_in_thread(&prefill, "M", token);
+    eventually("the notify waits for its lease", || prefill.stats().server.arm_waits == 1);
+    prefill.arm("M", LeaseRequest::new("M", 0, 1, vec![2]), token).expect("arm");
+    assert_eq!(notifier.join().expect("notifier"), LeaseOutcome::Pulled as i32);
+}
