@@ -102,6 +102,10 @@ pub(crate) struct RunArgs {
     /// Draw GiB/s against block size (kvxfer and baselines) into this SVG file.
     #[arg(long)]
     pub(crate) plot: Option<String>,
+    /// Both agents feed a Prometheus registry served at this address (`GET /metrics`), to
+    /// measure what metrics cost; needs the `cluster` feature.
+    #[arg(long)]
+    pub(crate) metrics: Option<String>,
 }
 
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
@@ -119,6 +123,46 @@ pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
 /// `c` with the UCX options and the cluster key of the environment (`KVXFER_CLUSTER_KEY` or
 /// `KVXFER_CLUSTER_KEY_FILE`; without one the agents run unauthenticated). Serve and pull
 /// processes of a two-process run need the same key.
+/// `c` feeding the process's metrics registry when `--metrics ADDR` was given: one registry
+/// for every agent of the run, served at ADDR from a runtime of its own (started with the
+/// first agent, kept until the process exits).
+#[cfg(feature = "cluster")]
+pub(crate) fn metrics_config(c: AgentConfig, metrics: &Option<String>) -> Result<AgentConfig, String> {
+    use std::sync::{Arc, OnceLock};
+
+    use kvxfer::cluster::{Metrics, MetricsServer};
+
+    type Served = (Arc<Metrics>, tokio::runtime::Runtime, MetricsServer);
+    static SERVED: OnceLock<Result<Served, String>> = OnceLock::new();
+    let Some(addr) = metrics else { return Ok(c) };
+    let served = SERVED.get_or_init(|| {
+        // One worker thread of its own serves scrapes (the agents have their runtimes).
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("bench-metrics")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let m = Arc::new(Metrics::new());
+        let server = MetricsServer::start(rt.handle(), addr, m.clone()).map_err(|e| e.to_string())?;
+        eprintln!("kvxfer-bench: metrics at http://{}/metrics", server.local_addr());
+        Ok((m, rt, server))
+    });
+    match served {
+        Ok((m, _, _)) => Ok(c.metrics(m.clone())),
+        Err(e) => Err(format!("--metrics {addr}: {e}")),
+    }
+}
+
+/// Without the `cluster` feature there are no metrics.
+#[cfg(not(feature = "cluster"))]
+pub(crate) fn metrics_config(c: AgentConfig, metrics: &Option<String>) -> Result<AgentConfig, String> {
+    match metrics {
+        None => Ok(c),
+        Some(_) => Err("--metrics needs kvxfer-bench built with the `cluster` feature".into()),
+    }
+}
+
 pub(crate) fn ucx_config(
     c: AgentConfig,
     tls: &Option<String>,

@@ -28,7 +28,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use kvxfer::AgentConfig;
 
-use crate::cli::{ucx_config, Cli, Mode};
+use crate::cli::{metrics_config, ucx_config, Cli, Mode};
 use crate::report::bench;
 use crate::serve::serve;
 use crate::source::{LocalSource, RemoteSource};
@@ -56,6 +56,7 @@ fn main() -> ExitCode {
             &cli.run.ucx_tls,
             cli.run.ucx_peer_failure,
         )
+        .and_then(|config| metrics_config(config, &cli.run.metrics))
         .and_then(|config| bench(&cli.run, &mut LocalSource { config, agent: None }, "1")),
     };
     match result {

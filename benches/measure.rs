@@ -82,6 +82,7 @@ pub(crate) fn run_block_size(
             )?
             .ucx_verify_payloads(run.ucx_verify_payloads)
             .map_err(|e| e.to_string())?;
+            let c = crate::cli::metrics_config(c, &run.metrics)?;
             DecodeAgent::start(c, KvMemory::alloc(layout.clone()).map_err(|e| e.to_string())?)
                 .map_err(|e| e.to_string())
         })

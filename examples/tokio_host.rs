@@ -7,6 +7,9 @@
 //! must exist and carry no error — but then goes on and collects **every** child's
 //! hand-off (not only the first frame's), builds the `PrefillResult` and forwards it to the
 //! decode worker, which pulls, streams the per-child reports back and verifies every byte.
+//! With `--cancel-child`, that child's request is aborted while it waits for decode (as vLLM
+//! aborts a request still in its queue): the decode worker releases its lease without
+//! pulling it (`DecodeAgent::release`) and pulls the others.
 //!
 //! ```text
 //! cargo run --example tokio_host -- --n 4 --cancel-child 1 --json
@@ -38,7 +41,8 @@ struct Args {
     /// Bytes per block.
     #[arg(long, default_value_t = 65536)]
     block_bytes: u64,
-    /// The decode side drops this child: it must end released.
+    /// This child's request is aborted before it is pulled: the decode worker releases its
+    /// lease without pulling it, and it must end released.
     #[arg(long)]
     cancel_child: Option<u32>,
     /// Print one JSON object as the last line.
@@ -57,11 +61,21 @@ struct PrefillRequest {
     frames: mpsc::Sender<PrefillFrame>,
 }
 
-/// A pull for the decode worker, and where to send its reports.
+/// A pull for the decode worker: the result, a child to release instead of pulling (its
+/// request was aborted), and where to send how each child ended.
 struct DecodeRequest {
     result: PrefillResult,
-    cancel_child: Option<u32>,
-    reports: mpsc::UnboundedSender<kvxfer::ChildReport>,
+    release: Option<u32>,
+    ended: mpsc::UnboundedSender<Ended>,
+}
+
+/// How the decode worker ended one child.
+#[derive(Debug)]
+enum Ended {
+    /// Pulled: the pull's report of the child.
+    Pulled(kvxfer::ChildReport),
+    /// Released without pulling: whether the prefill side released its lease.
+    Released { child_index: u32, released: bool },
 }
 
 #[tokio::main]
@@ -144,19 +158,26 @@ async fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         prefill
     };
 
-    // The decode worker: pulls what the router forwards and streams the reports back.
+    // The decode worker: releases the child whose request was aborted, pulls the others and
+    // streams how each one ended back.
     let (decode_tx, mut decode_rx) = mpsc::channel::<DecodeRequest>(8);
     let decode_worker = async move {
         while let Some(req) = decode_rx.recv().await {
-            let local: Vec<Vec<BlockId>> =
-                (0..req.result.n()).map(|i| (i * bpc..(i + 1) * bpc).collect()).collect();
-            match decode.submit(req.result, local) {
+            if let Some(child) = req.release.and_then(|i| req.result.children().get(i as usize)) {
+                let released = decode.release(child).await;
+                let _ = req.ended.send(Ended::Released { child_index: child.child_index(), released });
+            }
+            let selection: Vec<(u32, Vec<BlockId>)> = (0..req.result.n())
+                .filter(|&i| Some(i) != req.release)
+                .map(|i| (i, (i * bpc..(i + 1) * bpc).collect()))
+                .collect();
+            if selection.is_empty() {
+                continue;
+            }
+            match decode.submit_subset(&req.result, selection) {
                 Ok(mut pull) => {
-                    if let Some(i) = req.cancel_child {
-                        pull.cancel_child(i);
-                    }
                     while let Some(report) = pull.next().await {
-                        let _ = req.reports.send(report);
+                        let _ = req.ended.send(Ended::Pulled(report));
                     }
                 }
                 Err(e) => eprintln!("decode: {e}"),
@@ -173,8 +194,9 @@ async fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         let req = PrefillRequest { parent: "cmpl-tokio-host".into(), n, frames: frames_tx };
         prefill_tx2.send(req).await.map_err(|_| "the prefill worker is gone".to_string())?;
         let result = consume_prefill_stream(frames_rx, n).await?;
+        // The request of `--cancel-child` was aborted while it waited for decode.
         let (reports_tx, mut reports_rx) = mpsc::unbounded_channel();
-        let req = DecodeRequest { result, cancel_child, reports: reports_tx };
+        let req = DecodeRequest { result, release: cancel_child, ended: reports_tx };
         decode_tx2.send(req).await.map_err(|_| "the decode worker is gone".to_string())?;
         let mut reports = Vec::new();
         while let Some(r) = reports_rx.recv().await {
@@ -187,22 +209,29 @@ async fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let (prefill, decode, routed) = tokio::join!(prefill_worker, decode_worker, router);
     routed?;
     let mut reports = done_rx.await?;
-    reports.sort_by_key(|r| r.child_index);
+    let index = |e: &Ended| match e {
+        Ended::Pulled(r) => r.child_index,
+        Ended::Released { child_index, .. } => *child_index,
+    };
+    reports.sort_by_key(index);
 
     let mut as_asked = reports.len() == n as usize;
     for r in &reports {
-        let i = r.child_index as usize;
-        let ok = match &r.outcome {
-            ChildOutcome::Done { acknowledged: true, .. } if Some(r.child_index) != args.cancel_child => {
-                // SAFETY: the child reported; nothing writes its blocks any more.
-                let bad = unsafe { pattern::check_blocks(decode.memory(), &remote[i], &remote[i])? };
-                bad.is_none()
-            }
-            ChildOutcome::Cancelled { released: true, .. } => Some(r.child_index) == args.cancel_child,
-            _ => false,
+        let i = index(r) as usize;
+        let cancelled = Some(index(r)) == args.cancel_child;
+        let ok = match r {
+            Ended::Pulled(report) => match &report.outcome {
+                ChildOutcome::Done { acknowledged: true, .. } if !cancelled => {
+                    // SAFETY: the child reported; nothing writes its blocks any more.
+                    let bad = unsafe { pattern::check_blocks(decode.memory(), &remote[i], &remote[i])? };
+                    bad.is_none()
+                }
+                _ => false,
+            },
+            Ended::Released { released, .. } => *released && cancelled,
         };
         if !ok {
-            eprintln!("child {i}: {:?}", r.outcome);
+            eprintln!("child {i}: {r:?}");
         }
         as_asked &= ok;
     }

@@ -353,3 +353,57 @@ fn a_ucx_read_that_cannot_be_stopped_holds_its_blocks_until_it_completes() {
     assert_eq!(reclaimed["local_blocks"].as_array().map(Vec::len), Some(64 * held.len()), "{reclaimed}");
     eprintln!("{} of {N} children held their blocks until UCX completed the read", held.len());
 }
+
+/// Review 10 finding 10: the UCX initiator refused every new endpoint to a peer while any
+/// read to it was in flight, so one read that never completes disabled UCX to that address
+/// for good (with `--transport ucx`, every later pull from it failed). Here the prefill
+/// process is frozen mid-read (the read is held, as above) and then killed: the held read
+/// never completes. A new prefill process on the same address must still be pulled from over
+/// UCX.
+#[cfg(feature = "ucx")]
+#[test]
+fn a_ucx_read_that_never_completes_does_not_block_a_new_endpoint_to_the_same_address() {
+    let ucx = ["--transport", "ucx", "--ucx-tls", "tcp", "--io-timeout-ms", "1000"];
+    // The decode side's local blocks are the remote ids: room for the new process's blocks
+    // past the ones the held read keeps.
+    let big = ["--blocks", "512", "--block-bytes", "1048576"];
+    let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "60000"][..], &ucx, &big].concat());
+    let addr = prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new())["addr"]
+        .as_str()
+        .expect("addr")
+        .to_owned();
+    let mut decode = decode_node(&[&ucx[..], &big].concat());
+    prefill.send(json!({"cmd": "lease", "parent": "H", "n": N, "blocks_per_child": 64}));
+    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
+        .as_str()
+        .expect("result")
+        .to_owned();
+    decode.send(json!({"cmd": "pull", "result": result}));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stats(&mut prefill)["pins_open"].as_u64().unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "no read under way");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    prefill.signal("STOP");
+    let (children, _) = decode.wait_events("child", N as usize, Duration::from_secs(60));
+    let held = children.iter().filter(|c| c["outcome"] == "failed_blocks_held").count();
+    assert!(held > 0, "a read in flight at the freeze is held: {children:?}");
+    // The frozen process dies: its held read never completes.
+    prefill.kill9();
+    let mut fresh =
+        Node::start(&[&["prefill", "--ttl-ms", "60000", "--listen", addr.as_str()][..], &ucx, &big].concat());
+    fresh.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
+    // Blocks 0..256 may be held: a lease nobody pulls takes them, the next one 256..272.
+    fresh.send(json!({"cmd": "lease", "parent": "skip", "n": 4, "blocks_per_child": 64}));
+    fresh.wait_event("result", Duration::from_secs(10), &mut Vec::new());
+    fresh.send(json!({"cmd": "lease", "parent": "B", "n": 1, "blocks_per_child": 16}));
+    let result = fresh.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
+        .as_str()
+        .expect("result")
+        .to_owned();
+    decode.send(json!({"cmd": "pull", "result": result}));
+    let child = decode.wait_event("child", Duration::from_secs(60), &mut Vec::new());
+    assert_eq!((&child["outcome"], &child["verified"]), (&json!("done"), &json!(true)), "{child}");
+    // (`--transport ucx`: no fallback to TCP; before, this failed as `TransportUnavailable`.)
+    eprintln!("{held} held read(s) to the dead process; the new one at {addr} was pulled over UCX");
+}

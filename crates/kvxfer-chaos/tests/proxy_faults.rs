@@ -25,6 +25,7 @@ struct Outcome {
     elapsed: Duration,
     proxy: ProxyStats,
     verified: Vec<bool>,
+    prefill: kvxfer::PrefillStats,
 }
 
 /// Pulls `n` children of one parent through a proxy applying `faults`, then waits for
@@ -89,7 +90,15 @@ fn pull_through(faults: Vec<Fault>, n: u32, io_timeout: Duration, ttl: Duration)
     let p = prefill.stats().leases;
     assert_eq!(p.leased, p.pulled + p.released + p.expired, "{p:?}");
     assert_eq!(p.live, 0);
-    Outcome { report, decode: decode.stats(), ends, elapsed, proxy: proxy.stats(), verified }
+    Outcome {
+        report,
+        decode: decode.stats(),
+        ends,
+        elapsed,
+        proxy: proxy.stats(),
+        verified,
+        prefill: prefill.stats(),
+    }
 }
 
 /// The typed errors of the failed children.
@@ -137,6 +146,13 @@ fn corrupted_payload_is_refused_by_its_checksum() {
     // Typed: an integrity failure, and a fresh hand-off is worth trying.
     let e = errors(&o);
     assert!(e.iter().any(|e| matches!(e, PullError::Integrity { .. }) && e.is_retryable()), "{e:?}");
+    // Counted once per failed read (siblings that depended on it are not counted again).
+    let direct = |c: &&kvxfer::ChildReport| {
+        matches!(c.outcome, ChildOutcome::Failed { error: PullError::Integrity { .. }, .. })
+    };
+    let failed_reads = o.report.children.iter().filter(direct).count() as u64;
+    assert!(failed_reads >= 1);
+    assert_eq!((o.decode.integrity_failures, o.decode.integrity_failures_ucx), (failed_reads, 0));
     // Failed children's leases were released by the decode side, not left to expire.
     for (e, ok) in o.ends.iter().zip(&o.verified) {
         let want = if *ok { EndKind::Pulled } else { EndKind::Released };
@@ -236,6 +252,89 @@ fn control_connection_reset_mid_pull_still_ends_every_pulled_child_acknowledged(
     assert!(o.ends.iter().all(|e| e.kind == EndKind::Pulled), "{:?}", o.ends);
     assert!(o.decode.control_retries >= 1, "{:?}", o.decode);
     assert_eq!(o.decode.notifications_unacknowledged, 0);
+}
+
+/// Bytes the prefill side sends on the control connection before its first answer after
+/// the handshake: the challenge (a bare nonce), its `HelloAck` and the MAC over it.
+fn control_handshake_answer_bytes(blocks: u32) -> u64 {
+    use kvxfer_proto::Message;
+    let layout = BlockLayout::single(blocks, BLOCK).expect("layout");
+    let challenge = kvxfer_proto::v1::HelloChallenge { nonce: vec![0; 32], mac: vec![] };
+    let ack = kvxfer_proto::v1::HelloAck {
+        protocol_version: kvxfer_proto::PROTOCOL_VERSION,
+        engine_id: "0".repeat(32), // the default engine id: 16 random bytes as hex
+        agent_name: "prefill".into(),
+        compat_hash: layout.compat_hash(),
+        layout: Some(layout.to_wire()),
+        transports: vec![kvxfer_proto::v1::TransportOffer {
+            transport: kvxfer_proto::v1::Transport::Tcp as i32,
+            connection_info: vec![],
+        }],
+        incarnation: 1, // fixed64: the same size whatever its (non-zero) value
+        authenticated: true,
+    };
+    let proof = kvxfer_proto::v1::HelloProof { mac: vec![0; 32] };
+    (5 + challenge.encoded_len() + 5 + ack.encoded_len() + 5 + proof.encoded_len()) as u64
+}
+
+/// Review 10 finding 13: the reset above hits the notify on its way to the prefill side, so
+/// the server never applies it and the retry is a plain first notify. Here the answer is
+/// lost *after* the server applied the notify: the control connection is reset as the first
+/// `NotifyAck` comes back. The retry on a fresh connection must be answered from the
+/// ended-lease record (`ALREADY_PULLED`, counted `already_ended` by the prefill side) and
+/// count as acknowledged.
+#[test]
+fn a_notify_whose_answer_is_lost_after_it_was_applied_is_answered_already_pulled() {
+    let n = 3;
+    // A long ttl: no heartbeat comes before the first notify on the control connection.
+    let ttl = Duration::from_secs(30);
+    let offset = control_handshake_answer_bytes(n * BPC);
+    let fault = Fault { direction: Direction::ToDecode, offset, kind: FaultKind::Reset, connection: Some(0) };
+    let o = pull_through(vec![fault], n, IO, ttl);
+    assert_eq!(o.proxy.faults_fired, 1, "{:?}", o.proxy);
+    for c in &o.report.children {
+        assert!(matches!(c.outcome, ChildOutcome::Done { acknowledged: true, .. }), "{c:?}");
+    }
+    assert!(o.ends.iter().all(|e| e.kind == EndKind::Pulled), "{:?}", o.ends);
+    assert_eq!(o.prefill.leases.already_ended, 1, "the retry answered from the record: {:?}", o.prefill);
+    assert!(o.decode.control_retries >= 1, "{:?}", o.decode);
+    assert_eq!(o.decode.notifications_unacknowledged, 0, "{:?}", o.decode);
+}
+
+/// Review 10 finding 3: the prefill host stops answering after the reads (partitioned, or its
+/// process frozen: the kernel still accepts connections). Each child's notify used to wait
+/// out the io timeout on its connection, then again on a fresh one, child after child (about
+/// 160 s for n = 8 with default limits), and the peer was never marked unreachable. Now the
+/// first exchange's budget is the io timeout, and when it runs out the peer is unreachable:
+/// the other children skip their notifies.
+#[test]
+fn a_peer_frozen_after_the_reads_costs_one_io_timeout_not_one_per_child() {
+    let n = 4;
+    let io = Duration::from_millis(800);
+    // Connection 0 is the control connection: silent from its first exchange after the
+    // handshake. Connections 1 and 2 carry the reads (two per peer). Every later one is
+    // accepted but never answered.
+    let mut faults = vec![Fault {
+        direction: Direction::ToPrefill,
+        offset: control_handshake_bytes(n * BPC),
+        kind: FaultKind::Blackhole,
+        connection: Some(0),
+    }];
+    faults.extend((3..64).map(|c| Fault {
+        direction: Direction::ToPrefill,
+        offset: 0,
+        kind: FaultKind::Blackhole,
+        connection: Some(c),
+    }));
+    let o = pull_through(faults, n, io, TTL);
+    eprintln!("frozen peer after the reads: every child reported in {:?} (io timeout {io:?})", o.elapsed);
+    for c in &o.report.children {
+        assert!(matches!(c.outcome, ChildOutcome::Done { acknowledged: false, .. }), "{c:?}");
+    }
+    // Before: one retry per child, each on a fresh (black-holed) connection.
+    assert!(o.decode.control_retries <= 1, "{:?}", o.decode);
+    assert!(o.proxy.connections <= 4, "{:?}", o.proxy);
+    assert_eq!(o.decode.notifications_unacknowledged, u64::from(n), "{:?}", o.decode);
 }
 
 #[test]

@@ -18,7 +18,10 @@ pub struct EtcdConfig {
     /// Longest wait for any one answer (a grant, a put, a list, a watch being set up).
     pub request_timeout: Duration,
     /// HTTP/2 pings on idle connections, so a dead etcd (or path to it) is noticed by open
-    /// watch and keep-alive streams within `keepalive_interval + keepalive_timeout`.
+    /// watch and keep-alive streams within `keepalive_interval + keepalive_timeout`. Keep it
+    /// at or above the server's `--grpc-keepalive-min-time` (5 s by default): etcd answers
+    /// pings that come more often with GOAWAY (`too_many_pings`), which closes every stream
+    /// of the connection.
     pub keepalive_interval: Duration,
     /// How long a ping may go unanswered.
     pub keepalive_timeout: Duration,
@@ -29,15 +32,17 @@ pub struct EtcdConfig {
 }
 
 impl EtcdConfig {
-    /// Defaults for `endpoints`: 2 s connect and request timeouts, 1 s + 1 s HTTP/2 pings,
-    /// retries from 100 ms doubling to at most 2 s.
+    /// Defaults for `endpoints`: 2 s connect and request timeouts, HTTP/2 pings every 6 s
+    /// answered within 4 s (a dead etcd is noticed within 10 s; etcd refuses pings more
+    /// often than every 5 s unless configured otherwise), retries from 100 ms doubling to
+    /// at most 2 s.
     pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
         Self {
             endpoints: endpoints.into_iter().map(Into::into).collect(),
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(2),
-            keepalive_interval: Duration::from_secs(1),
-            keepalive_timeout: Duration::from_secs(1),
+            keepalive_interval: Duration::from_secs(6),
+            keepalive_timeout: Duration::from_secs(4),
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(2),
         }

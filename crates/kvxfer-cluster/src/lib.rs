@@ -102,6 +102,7 @@ mod metrics;
 mod names;
 mod record;
 mod registration;
+pub mod testing;
 
 pub use directory::{
     DirectoryEvent, DirectoryEvents, DirectoryOptions, DirectoryStats, EngineDirectory, EngineEntry,
@@ -111,8 +112,8 @@ pub use error::{ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, 
 pub use etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusWatch};
 pub use http::MetricsServer;
 pub use metrics::{
-    DecodeSnapshot, HandoffOutcome, Metrics, PerTransport, PrefillSnapshot, SourceGuard, Transport,
-    OPENMETRICS_CONTENT_TYPE,
+    ChildPullOutcome, DecodeSnapshot, HandoffOutcome, Metrics, PerTransport, PrefillSnapshot, SourceGuard,
+    Transport, OPENMETRICS_CONTENT_TYPE,
 };
 pub use names::{engines_prefix, AgentName, EngineId, EngineKey, Namespace, TransportName, KEY_LAYOUT};
 pub use record::{AdvertiseAddr, EngineRecord, Host, MAX_RECORD_LEN, MAX_TRANSPORTS, RECORD_VERSION};

@@ -123,6 +123,8 @@ pub struct PrefillSnapshot {
     pub reads_refused: u64,
     /// Connections accepted.
     pub connections_accepted: u64,
+    /// Gauge: connections open now (served, not yet closed).
+    pub connections_open: u64,
     /// Connections refused at the connection limit.
     pub connections_refused_limit: u64,
     /// Handshakes refused (version, layout, authentication).
@@ -160,6 +162,9 @@ pub struct DecodeSnapshot {
     pub connections_opened: u64,
     /// Gauge: prefill peers with connections.
     pub peers: u64,
+    /// Peers whose pooled connections were dropped because discovery saw their engine leave
+    /// or change (a new incarnation or address).
+    pub peers_invalidated: u64,
 }
 
 /// How a lease ended, as a label value.
@@ -184,6 +189,28 @@ impl HandoffOutcome {
     }
 }
 
+/// How one child of a pull ended on the decode side, as a label value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChildPullOutcome {
+    /// Its blocks are in place and the prefill side was notified.
+    Done,
+    /// It failed (its blocks hold no valid data).
+    Failed,
+    /// The caller cancelled it.
+    Cancelled,
+}
+
+impl ChildPullOutcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChildPullOutcome::Done => "done",
+            ChildPullOutcome::Failed => "failed",
+            ChildPullOutcome::Cancelled => "cancelled",
+        }
+    }
+}
+
 /// Sums snapshots of live sources, plus the final counts of retired ones.
 trait Snapshot: Copy + Default + Send + 'static {
     /// Adds everything (counters and gauges) of `o`.
@@ -198,6 +225,7 @@ impl Snapshot for PrefillSnapshot {
         self.leases_live += o.leases_live;
         self.leases_draining += o.leases_draining;
         self.pins_open += o.pins_open;
+        self.connections_open += o.connections_open;
     }
 
     fn retire(&mut self, o: &Self) {
@@ -236,6 +264,7 @@ impl Snapshot for DecodeSnapshot {
         self.integrity_failures.add(&o.integrity_failures);
         self.notifications_unacknowledged += o.notifications_unacknowledged;
         self.connections_opened += o.connections_opened;
+        self.peers_invalidated += o.peers_invalidated;
     }
 }
 
@@ -432,6 +461,7 @@ pub struct Metrics {
     registry: Registry,
     sources: Sources,
     pull_duration: Histogram,
+    child_pull: HistogramFamily,
     child_handoff: HistogramFamily,
 }
 
@@ -447,6 +477,11 @@ impl Default for Metrics {
     }
 }
 
+fn pull_histogram() -> Histogram {
+    // 100 µs .. ~52 s.
+    Histogram::new(exponential_buckets(0.000_1, 2.0, 20))
+}
+
 fn handoff_histogram() -> Histogram {
     // 1 ms .. ~65 s: from a local pull to a lease that ran out.
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
@@ -456,13 +491,19 @@ impl Metrics {
     /// An empty registry with every family (sources added later fill them).
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("kvxfer");
-        // 100 µs .. ~52 s.
-        let pull_duration = Histogram::new(exponential_buckets(0.000_1, 2.0, 20));
+        let pull_duration = pull_histogram();
         registry.register_with_unit(
             "pull_duration",
             "Decode side: time from submitting a prefill result to its last child's report",
             Unit::Seconds,
             pull_duration.clone(),
+        );
+        let child_pull: HistogramFamily = Family::new_with_constructor(pull_histogram);
+        registry.register_with_unit(
+            "child_pull_duration",
+            "Decode side: time from submitting a prefill result to one child's report, by outcome",
+            Unit::Seconds,
+            child_pull.clone(),
         );
         let child_handoff: HistogramFamily = Family::new_with_constructor(handoff_histogram);
         registry.register_with_unit(
@@ -478,7 +519,7 @@ impl Metrics {
             directory: Arc::new(Mutex::new(SourceSet::new())),
         };
         registry.register_collector(Box::new(SnapshotCollector { sources: sources.clone() }));
-        Self { registry, sources, pull_duration, child_handoff }
+        Self { registry, sources, pull_duration, child_pull, child_handoff }
     }
 
     /// Reads a prefill agent's counters at every scrape, until the guard is dropped.
@@ -524,6 +565,11 @@ impl Metrics {
     /// Records one pull's duration (submit to last child report).
     pub fn observe_pull(&self, duration: Duration) {
         self.pull_duration.observe(duration.as_secs_f64());
+    }
+
+    /// Records how long one child of a pull took (submit to its report) and how it ended.
+    pub fn observe_child_pull(&self, outcome: ChildPullOutcome, duration: Duration) {
+        self.child_pull.get_or_create(&[("outcome", outcome.as_str())]).observe(duration.as_secs_f64());
     }
 
     /// Records one lease's life (leased to ended) with how it ended.
@@ -651,6 +697,7 @@ impl Collector for SnapshotCollector {
             )?;
             w.counter("pins", "Pins taken for one-sided reads", None, p.pins_made)?;
             w.gauge("pins_open", "Pins held now", p.pins_open)?;
+            w.gauge("connections_open", "Prefill side: connections open now", p.connections_open)?;
             w.counters(
                 "pins_dropped",
                 "Pins not granted or not kept, by kind",
@@ -709,6 +756,12 @@ impl Collector for SnapshotCollector {
                 d.notifications_unacknowledged,
             )?;
             w.gauge("peers", "Prefill peers with open connections", d.peers)?;
+            w.counter(
+                "peers_invalidated",
+                "Peers whose pooled connections were dropped because their engine left etcd or changed",
+                None,
+                d.peers_invalidated,
+            )?;
         }
         if registration.is_some() || directory.is_some() {
             let parts: Vec<(&str, EtcdPart)> =

@@ -6,12 +6,14 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvxfer_cluster::testing::EtcdLaunch;
 use kvxfer_cluster::{
-    engines_prefix, DirectoryEvent, DirectoryOptions, EngineDirectory, EngineRecord, EtcdState, Registration,
-    RegistrationConfig, ResolveError, StatusWatch,
+    engines_prefix, DirectoryEvent, DirectoryOptions, EngineDirectory, EngineRecord, EtcdConfig, EtcdState,
+    Registration, RegistrationConfig, ResolveError, StatusWatch,
 };
 use support::{
-    is_added, is_removed, key, namespace, next_event, record, wait_added, wait_event, EtcdServer, LAYOUT_HASH,
+    is_added, is_removed, key, namespace, next_event, record, start_etcd, wait_added, wait_event, EtcdServer,
+    LAYOUT_HASH,
 };
 use tokio::runtime::Handle;
 
@@ -46,7 +48,7 @@ async fn stored(etcd: &EtcdServer, engine: &str) -> Option<(EngineRecord, i64)> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registered_engine_resolves_from_the_cache() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-a", 0xa1);
@@ -77,7 +79,7 @@ async fn registered_engine_resolves_from_the_cache() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_revokes_the_key_at_once() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-a", 1);
@@ -129,7 +131,7 @@ fn spawn_registering_process(etcd: &EtcdServer, engine: &str) -> (std::process::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_registering_process_vanishes_within_the_lease_ttl() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let (mut child, line) = spawn_registering_process(&etcd, "engine-k");
@@ -163,7 +165,7 @@ async fn killed_registering_process_vanishes_within_the_lease_ttl() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registering_process_revokes_when_told_to_leave() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let (mut child, _) = spawn_registering_process(&etcd, "engine-q");
@@ -180,7 +182,7 @@ async fn registering_process_revokes_when_told_to_leave() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_incarnation_is_an_update_and_outlives_the_old_lease() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let old = register(&etcd, "engine-r", 0x01);
@@ -222,7 +224,7 @@ async fn new_incarnation_is_an_update_and_outlives_the_old_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_lease_is_granted_again_and_the_key_put_back() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-l", 7);
@@ -254,7 +256,7 @@ async fn wait_state(what: &str, mut watch: StatusWatch, want: EtcdState) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_restart_brings_registrations_back_and_the_watch_resumes() {
-    let mut etcd = EtcdServer::start();
+    let mut etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let a = register(&etcd, "engine-a", 0xa);
@@ -309,7 +311,7 @@ async fn etcd_restart_brings_registrations_back_and_the_watch_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_values_are_ignored_counted_and_the_watcher_lives_on() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let mut client = etcd.client().await;
     let prefix = engines_prefix(&namespace());
     let valid = |engine: &str, hash: u64| {
@@ -372,7 +374,7 @@ async fn malformed_values_are_ignored_counted_and_the_watcher_lives_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_etcd_leaves_the_cache_answering_and_says_degraded() {
-    let mut etcd = EtcdServer::start();
+    let mut etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-u", 5);
@@ -415,7 +417,7 @@ async fn unreachable_etcd_leaves_the_cache_answering_and_says_degraded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_that_stops_answering_is_noticed_and_recovered_from() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let reg = register(&etcd, "engine-s", 3);
@@ -437,6 +439,36 @@ async fn etcd_that_stops_answering_is_noticed_and_recovered_from() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(stored(&etcd, "engine-s").await.is_some());
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}
+
+/// With the default settings, against an etcd with its default keep-alive policy (clients
+/// may ping at most every `--grpc-keepalive-min-time`, 5 s), the watch and the lease
+/// keep-alive streams stay up: an etcd answers pings that come too often with GOAWAY
+/// `too_many_pings`, which broke both every ~4 s when the defaults pinged every second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_settings_keep_their_streams_up_against_a_default_etcd() {
+    support::init_logs();
+    // etcd's own keep-alive policy, not the tests' relaxed one.
+    let etcd = EtcdServer::launch(EtcdLaunch::default()).expect("etcd");
+    let defaults = EtcdConfig::new([etcd.endpoint()]);
+    let dir = EngineDirectory::start(
+        &Handle::current(),
+        defaults.clone(),
+        namespace(),
+        DirectoryOptions::default(),
+    )
+    .expect("start directory");
+    dir.wait_synced(WAIT).await.expect("synced");
+    let config = RegistrationConfig { key: key("engine-p", 0), record: record(7000, 0x9), ttl: TTL };
+    let reg = Registration::start(&Handle::current(), defaults, config).expect("registration");
+    registered(&reg).await;
+    // Long enough for three pings at the old 1 s interval to draw etcd's GOAWAY.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let (d, r) = (dir.status(), reg.status());
+    assert_eq!((d.state, d.failures), (EtcdState::Connected, 0), "directory: {d:?}");
+    assert_eq!((r.state, r.failures), (EtcdState::Connected, 0), "registration: {r:?}");
     reg.shutdown().await.expect("shutdown");
     dir.shutdown().await;
 }

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvxfer_cluster::{
-    DecodeSnapshot, DirectoryOptions, EngineDirectory, HandoffOutcome, Metrics, MetricsServer, PerTransport,
-    PrefillSnapshot, Registration, RegistrationConfig, OPENMETRICS_CONTENT_TYPE,
+    ChildPullOutcome, DecodeSnapshot, DirectoryOptions, EngineDirectory, HandoffOutcome, Metrics,
+    MetricsServer, PerTransport, PrefillSnapshot, Registration, RegistrationConfig, OPENMETRICS_CONTENT_TYPE,
 };
-use support::{key, namespace, record, EtcdServer};
+use support::{key, namespace, record, start_etcd};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::runtime::Handle;
 
@@ -111,7 +111,7 @@ fn label_names(series: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_served_over_http_and_parse() {
-    let etcd = EtcdServer::start();
+    let etcd = start_etcd();
     let metrics = Arc::new(Metrics::new());
 
     // An agent's counters, read at scrape time.
@@ -128,6 +128,7 @@ async fn metrics_are_served_over_http_and_parse() {
         reads_served: 6,
         connections_accepted: 2,
         connections_refused_limit: 1,
+        connections_open: 2,
         pins_open: 2,
         ..Default::default()
     });
@@ -145,6 +146,8 @@ async fn metrics_are_served_over_http_and_parse() {
     metrics.observe_pull(Duration::from_millis(40));
     metrics.observe_child_handoff(HandoffOutcome::Pulled, Duration::from_millis(12));
     metrics.observe_child_handoff(HandoffOutcome::Expired, Duration::from_secs(30));
+    metrics.observe_child_pull(ChildPullOutcome::Done, Duration::from_millis(2));
+    metrics.observe_child_pull(ChildPullOutcome::Failed, Duration::from_millis(5));
 
     // A real registration and directory report their etcd state.
     let reg = Registration::start(
@@ -181,6 +184,8 @@ async fn metrics_are_served_over_http_and_parse() {
         ("kvxfer_pulled_bytes", "counter"),
         ("kvxfer_pull_duration_seconds", "histogram"),
         ("kvxfer_child_handoff_duration_seconds", "histogram"),
+        ("kvxfer_child_pull_duration_seconds", "histogram"),
+        ("kvxfer_connections_open", "gauge"),
         ("kvxfer_connections_opened", "counter"),
         ("kvxfer_connections_refused", "counter"),
         ("kvxfer_pins", "counter"),
@@ -209,6 +214,8 @@ async fn metrics_are_served_over_http_and_parse() {
     assert_eq!(value(r#"kvxfer_connections_refused_total{kind="limit"}"#), 1.0);
     assert_eq!(value("kvxfer_pull_duration_seconds_count"), 2.0);
     assert_eq!(value(r#"kvxfer_child_handoff_duration_seconds_count{outcome="expired"}"#), 1.0);
+    assert_eq!(value(r#"kvxfer_child_pull_duration_seconds_count{outcome="failed"}"#), 1.0);
+    assert_eq!(value("kvxfer_connections_open"), 2.0);
     assert_eq!(value(r#"kvxfer_etcd_state{component="registration",state="connected"}"#), 1.0);
     assert_eq!(value(r#"kvxfer_etcd_state{component="directory",state="connected"}"#), 1.0);
     assert_eq!(value(r#"kvxfer_etcd_state{component="directory",state="degraded"}"#), 0.0);

@@ -11,13 +11,18 @@ use crate::ids::LeaseToken;
 use crate::BlockId;
 
 /// Where a lease can be pulled from.
+///
+/// A hand-off may name **only the engine id** (`host` empty and `port` 0; on the wire
+/// `remote_host = ""` and `remote_port = 0`, in `kv_transfer_params` both absent or null):
+/// a decode agent running discovery (the `cluster` feature) then resolves the address from
+/// the engine's registration when it pulls, and one without discovery refuses it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineInfo {
     /// The prefill engine's id.
     pub engine_id: String,
-    /// Host the prefill agent listens on.
+    /// Host the prefill agent listens on; empty when the hand-off names only the engine id.
     pub host: String,
-    /// Port the prefill agent listens on.
+    /// Port the prefill agent listens on; 0 when the hand-off names only the engine id.
     pub port: u16,
     /// Tensor-parallel size of the prefill engine.
     pub tp_size: u32,
@@ -29,8 +34,15 @@ pub struct EngineInfo {
 
 impl EngineInfo {
     /// `host:port` for connecting, with an IPv6 literal in brackets (`[::1]:5559`).
+    /// Meaningless for a hand-off that names only the engine id ([`Self::names_address`]).
     pub fn addr(&self) -> String {
         join_host_port(&self.host, self.port)
+    }
+
+    /// Whether it names a host and port; `false`: only the engine id (to be resolved
+    /// through discovery).
+    pub fn names_address(&self) -> bool {
+        !self.host.is_empty()
     }
 }
 
@@ -138,6 +150,22 @@ impl ChildHandoff {
         self.ttl
     }
 
+    /// The same hand-off naming only the engine id (no host or port): for deployments
+    /// where decode agents resolve engines through discovery, so a hand-off never carries an
+    /// address that may have been reused by the time it is pulled.
+    pub fn engine_only(&self) -> Self {
+        let mut h = self.clone();
+        let e = &self.engine;
+        h.engine = Arc::new(EngineInfo {
+            engine_id: e.engine_id.clone(),
+            host: String::new(),
+            port: 0,
+            tp_size: e.tp_size,
+            incarnation: e.incarnation,
+        });
+        h
+    }
+
     /// The wire form.
     pub fn to_wire(&self) -> v1::ChildHandoff {
         v1::ChildHandoff {
@@ -165,7 +193,13 @@ impl ChildHandoff {
         if w.parent_request_id.is_empty() {
             return Err(HandoffError::MissingField("parent_request_id"));
         }
-        if w.remote_host.is_empty() {
+        // Neither host nor port: the hand-off names only the engine id (resolved through
+        // discovery), which must then be there.
+        let engine_only = w.remote_host.is_empty() && w.remote_port == 0;
+        if engine_only && w.remote_engine_id.is_empty() {
+            return Err(HandoffError::MissingField("remote_engine_id"));
+        }
+        if w.remote_host.is_empty() && !engine_only {
             return Err(HandoffError::MissingField("remote_host"));
         }
         if w.remote_block_ids.is_empty() {
@@ -179,7 +213,7 @@ impl ChildHandoff {
         }
         let port = u16::try_from(w.remote_port)
             .ok()
-            .filter(|&p| p != 0)
+            .filter(|&p| p != 0 || engine_only)
             .ok_or(HandoffError::BadPort { request: w.remote_request_id.clone(), port: w.remote_port })?;
         let token = LeaseToken::from_wire(&w.lease_token)?;
         Ok(ChildHandoff {
@@ -270,6 +304,16 @@ impl PrefillResult {
             parent_request_id: self.parent_request_id.clone(),
             n: self.n,
             children: self.children.iter().map(ChildHandoff::to_wire).collect(),
+        }
+    }
+
+    /// The same result with every hand-off naming only the engine id
+    /// ([`ChildHandoff::engine_only`]).
+    pub fn engine_only(&self) -> Self {
+        PrefillResult {
+            parent_request_id: self.parent_request_id.clone(),
+            n: self.n,
+            children: self.children.iter().map(ChildHandoff::engine_only).collect(),
         }
     }
 

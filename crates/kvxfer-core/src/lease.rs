@@ -189,6 +189,11 @@ pub struct LeaseEnd {
     /// (what [`LeaseTable::lease_with_generation`] returned), so an end that arrives after
     /// the id was leased again is recognised as the earlier lease's.
     pub generation: u64,
+    /// When the lease was made (the `now` of the lease call).
+    pub leased_at: Instant,
+    /// When it ended (the `now` of the operation that ended it; a draining lease is
+    /// delivered later, once its last read finished).
+    pub ended_at: Instant,
 }
 
 /// Result of [`LeaseTable::notify`].
@@ -395,6 +400,8 @@ struct Lease {
     seq: u64,
     readers: u32,
     ended: Option<EndKind>,
+    /// When it was made.
+    leased_at: Instant,
     /// When it ended (the `now` of the operation that ended it).
     ended_at: Option<Instant>,
 }
@@ -667,6 +674,7 @@ impl LeaseTable {
                 seq,
                 readers: 0,
                 ended: None,
+                leased_at: now,
                 ended_at: None,
             },
         );
@@ -833,6 +841,8 @@ impl LeaseTable {
             consumers_seen,
             expected_consumers: lease.expected,
             generation: lease.seq,
+            leased_at: lease.leased_at,
+            ended_at,
         };
         // The receiver lives in `self`, so the channel is never disconnected.
         let _ = self.ended_tx.send(end);

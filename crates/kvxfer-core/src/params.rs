@@ -125,8 +125,9 @@ impl KvTransferParams {
             remote_block_ids: Some(RemoteBlockIds::Flat(h.remote_block_ids().to_vec())),
             remote_engine_id: Some(h.engine().engine_id.clone()),
             remote_request_id: Some(h.remote_request_id().to_owned()),
-            remote_host: Some(h.engine().host.clone()),
-            remote_port: Some(u32::from(h.engine().port)),
+            // A hand-off naming only the engine id has neither.
+            remote_host: Some(h.engine().host.clone()).filter(|_| h.engine().names_address()),
+            remote_port: Some(u32::from(h.engine().port)).filter(|_| h.engine().names_address()),
             tp_size: Some(h.engine().tp_size),
             kvxfer_lease_token: Some(h.token().to_hex()),
             kvxfer_parent_request_id: Some(h.parent_request_id().to_owned()),
@@ -161,7 +162,15 @@ impl KvTransferParams {
                 return Err(ParamsError::TooManyGroups { field: "remote_block_ids", groups: groups.len() })
             }
         };
-        let port = need(self.remote_port, "remote_port")?;
+        // Neither `remote_host` nor `remote_port`: the dict names only the engine id, which a
+        // decode agent resolves through discovery.
+        let engine_only = self.remote_host.as_deref().is_none_or(str::is_empty) && self.remote_port.is_none();
+        let (host, port) = if engine_only {
+            text(&self.remote_engine_id, "remote_engine_id")?;
+            (String::new(), 0)
+        } else {
+            (text(&self.remote_host, "remote_host")?, need(self.remote_port, "remote_port")?)
+        };
         let token = LeaseToken::from_hex(&need(self.kvxfer_lease_token.clone(), "kvxfer_lease_token")?)
             .map_err(|e| ParamsError::invalid("kvxfer_lease_token", e))?;
         let n = self.kvxfer_n.unwrap_or(1);
@@ -173,7 +182,7 @@ impl KvTransferParams {
             lease_token: token.as_bytes().to_vec(),
             remote_block_ids: blocks,
             remote_engine_id: need(self.remote_engine_id.clone(), "remote_engine_id")?,
-            remote_host: text(&self.remote_host, "remote_host")?,
+            remote_host: host,
             remote_port: port,
             expected_consumers: self.kvxfer_expected_consumers.unwrap_or(1),
             lease_ttl_ms: self.kvxfer_lease_ttl_ms.unwrap_or(30_000),
@@ -329,6 +338,50 @@ mod tests {
             assert_eq!(field, key, "{e}");
             assert!(e.to_string().contains(key), "{e}");
         }
+    }
+
+    #[test]
+    fn a_dict_without_host_and_port_names_only_the_engine() {
+        let mut p = KvTransferParams::from_json(DECODE_SIDE).expect("parses");
+        p.kvxfer_lease_token = Some("00".repeat(16));
+        p.kvxfer_incarnation = Some(7);
+        let full = p.to_handoff().expect("handoff");
+        assert!(full.engine().names_address());
+        for host in [None, Some(String::new())] {
+            p.remote_host = host;
+            p.remote_port = None;
+            let h = p.to_handoff().expect("engine-only handoff");
+            assert!(!h.engine().names_address());
+            assert_eq!(
+                (h.engine().engine_id.as_str(), h.engine().incarnation),
+                ("75192ab7-d1c6-48cf-bd82-ccef4ba0e1d6", 7)
+            );
+            assert_eq!(h, full.engine_only());
+            // Written back without host and port, and the wire form round-trips.
+            let json = KvTransferParams::from_handoff(&h).to_json();
+            let back: serde_json::Value = serde_json::from_str(&json).expect("json");
+            assert_eq!(
+                (&back["remote_host"], &back["remote_port"]),
+                (&serde_json::Value::Null, &serde_json::Value::Null)
+            );
+            assert_eq!(KvTransferParams::from_json(&json).expect("parses").to_handoff().expect("again"), h);
+            let wire = h.to_wire();
+            assert_eq!((wire.remote_host.as_str(), wire.remote_port), ("", 0));
+            assert_eq!(ChildHandoff::from_wire(wire).expect("wire"), h);
+        }
+        // Only the engine id: it must be there.
+        p.remote_engine_id = Some(String::new());
+        assert!(matches!(p.to_handoff(), Err(ParamsError::Missing("remote_engine_id"))));
+        let mut wire = full.engine_only().to_wire();
+        wire.remote_engine_id.clear();
+        assert_eq!(ChildHandoff::from_wire(wire), Err(HandoffError::MissingField("remote_engine_id")));
+        // One of host and port without the other is still an error naming the missing one.
+        let mut wire = full.to_wire();
+        wire.remote_port = 0;
+        assert!(matches!(ChildHandoff::from_wire(wire), Err(HandoffError::BadPort { port: 0, .. })));
+        let mut wire = full.to_wire();
+        wire.remote_host.clear();
+        assert_eq!(ChildHandoff::from_wire(wire), Err(HandoffError::MissingField("remote_host")));
     }
 
     #[test]

@@ -288,6 +288,8 @@ mod tests {
             consumers_seen: 0,
             expected_consumers: 1,
             generation,
+            leased_at: Instant::now(),
+            ended_at: Instant::now(),
         }
     }
 

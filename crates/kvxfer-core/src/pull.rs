@@ -234,6 +234,20 @@ pub enum PullError {
         /// What happened to the pin.
         detail: String,
     },
+    /// Discovery (etcd) says the engine rank the hand-off names cannot be pulled from: the
+    /// process that made the hand-off deregistered or its registration expired (it shut down
+    /// or crashed: its leases are gone), or — for a hand-off that names only the engine id —
+    /// no such rank is registered (yet). Nothing was sent to the engine. Advice: retry from a
+    /// fresh hand-off.
+    #[error("engine {engine} rank {rank}: {detail}")]
+    EngineNotRegistered {
+        /// The engine id the hand-off names.
+        engine: String,
+        /// The engine rank pulled from.
+        rank: u32,
+        /// What discovery knows, naming the incarnation and the namespace.
+        detail: String,
+    },
     /// This child's blocks depend on a read made for a sibling (shared prompt blocks), and
     /// that read failed. Advice: the cause's.
     #[error("shared blocks were read for sibling {sibling}, which failed: {cause}")]
@@ -271,7 +285,8 @@ impl PullError {
             | PullError::Timeout { .. }
             | PullError::ConnectionLost { .. }
             | PullError::UcxRead { .. }
-            | PullError::PinNotHeld { .. } => Advice::RetryFreshHandoff,
+            | PullError::PinNotHeld { .. }
+            | PullError::EngineNotRegistered { .. } => Advice::RetryFreshHandoff,
             PullError::Incompatible { .. }
             | PullError::Authentication { .. }
             | PullError::Protocol { .. }

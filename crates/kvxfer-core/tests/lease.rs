@@ -290,3 +290,18 @@ fn motivating_scenario_n3_only_child_1_notified() {
     assert_eq!(done.indices(ChildState::Expired), vec![0, 2]);
     assert!(tracker.is_empty());
 }
+
+#[test]
+fn an_end_says_when_its_lease_was_made_and_when_it_ended() {
+    let t = table();
+    let t0 = Instant::now();
+    let h = t.lease(LeaseRequest::new("R", 0, 1, vec![1]), t0).expect("lease");
+    let _ = t.lease(LeaseRequest::new("S", 0, 1, vec![2]).ttl(ms(500)), t0 + ms(10)).expect("lease");
+    assert_eq!(t.notify("R", h.token().as_bytes(), "d0", t0 + ms(250)), NotifyOutcome::Pulled);
+    assert_eq!(t.expire(t0 + ms(900)), 1);
+    let e = ended(&t);
+    let times: Vec<(EndKind, Duration, Duration)> =
+        e.iter().map(|e| (e.kind, e.leased_at - t0, e.ended_at - t0)).collect();
+    // The expired one ended at the expiry call's `now`, not at its deadline.
+    assert_eq!(times, [(EndKind::Pulled, ms(0), ms(250)), (EndKind::Expired, ms(10), ms(900))]);
+}

@@ -127,6 +127,7 @@ pub struct Connection {
     scratch: Vec<u8>,
     next_seq: u64,
     ack: v1::HelloAck,
+    payload_started: bool,
 }
 
 impl Connection {
@@ -174,6 +175,7 @@ impl Connection {
             scratch: Vec::new(),
             next_seq: 1,
             ack: v1::HelloAck::default(),
+            payload_started: false,
         };
         c.ack = crate::handshake::initiate(&mut c.stream, &c.peer, hello, key, &c.limits).await?;
         Ok(c)
@@ -182,6 +184,15 @@ impl Connection {
     /// The peer's handshake answer (its engine id, layout and transports).
     pub fn peer_hello(&self) -> &v1::HelloAck {
         &self.ack
+    }
+
+    /// Whether the last [`Self::read_into`] got as far as its payload (its `ReadResponse`
+    /// header arrived; bytes may have been written into the destination). False after a
+    /// read that failed before: nothing of it reached the destination blocks, so it can be
+    /// retried on another connection as it is (e.g. a pooled connection the peer closed as
+    /// it was reused).
+    pub fn payload_started(&self) -> bool {
+        self.payload_started
     }
 
     /// The peer's address.
@@ -265,6 +276,7 @@ impl Connection {
         runs: &[BlockRun],
         dest: &KvMemory,
     ) -> Result<u64, ClientError> {
+        self.payload_started = false;
         let (seq, req) = self.request(id, token, runs);
         self.send(&Frame::ReadRequest(req)).await?;
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
@@ -283,6 +295,7 @@ impl Connection {
             Frame::Error(e) if e.seq == seq => return Err(self.refused(e)),
             other => return Err(self.unexpected(&other)),
         }
+        self.payload_started = true;
         let timeout = self.limits.io_timeout;
         // The payload must arrive by this deadline overall, not only make progress every
         // `io_timeout`: a peer trickling bytes cannot hold the pull for ever.

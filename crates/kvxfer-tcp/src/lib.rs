@@ -50,21 +50,27 @@ use std::time::Duration;
 pub struct Limits {
     /// Largest frame accepted (type byte + body), checked before anything is allocated.
     pub max_frame_len: u32,
-    /// A read or write that makes no progress for this long fails the connection.
+    /// A read or write that makes no progress for this long fails the connection (on the
+    /// prefill side every reply is written within it, or the connection is reset).
     pub io_timeout: Duration,
     /// Connections a prefill agent serves at once; more are refused with an error frame.
     pub max_connections: usize,
-    /// Connections one peer (one IP address) may have open at a prefill agent at once; more
-    /// are refused with an error frame, so one peer cannot take every slot.
+    /// Connections one peer may have open at a prefill agent at once; more are refused with
+    /// an error frame, so one peer cannot take every slot. A peer is one IPv4 address, or one
+    /// IPv6 /64 (a host is routinely given a whole /64; an IPv4-mapped address counts as its
+    /// IPv4 address). Decode ranks behind one NAT share a cap: raise it for such deployments.
     pub max_connections_per_peer: usize,
     /// A prefill-side connection with no pin open that receives no frame for this long is
-    /// closed (a decode agent's pool notices the close and reconnects when it needs to).
+    /// closed. A decode agent does not reuse a pooled connection idle for half its own
+    /// `idle_timeout` or more (both sides default to the same value), and retries a read once
+    /// on a fresh connection when a pooled one was closed before any answer arrived.
     pub idle_timeout: Duration,
     /// Slowest transfer accepted, in bytes per second. A read's payload must move within
     /// `io_timeout + bytes / min_transfer_rate` overall (not just make some progress every
     /// `io_timeout`), on both sides; and the prefill side holds a pin for
     /// `pin_timeout + bytes / min_transfer_rate`, so a large one-sided read gets the time it
-    /// needs.
+    /// needs. On the prefill side neither goes past the lease's maximum lifetime plus
+    /// `io_timeout`.
     pub min_transfer_rate: u64,
     /// One-sided reads (pins) one connection may have in flight at once; more are refused
     /// with LIMIT_EXCEEDED. (TCP reads on a connection are served one at a time: requests
@@ -125,16 +131,23 @@ impl Default for Limits {
     }
 }
 
-/// Sets what every kvxfer TCP connection uses: no Nagle delay, and TCP keepalive probes
-/// after `idle` without traffic (then every second, three times) so a peer that vanished
-/// without a FIN is noticed by the kernel even on an idle pooled connection.
+/// Sets what every kvxfer TCP connection uses: no Nagle delay, TCP keepalive probes after
+/// `idle` without traffic (then every second, three times) so a peer that vanished without a
+/// FIN is noticed by the kernel even on an idle pooled connection, and (Linux)
+/// `TCP_USER_TIMEOUT` of `idle` + 3 s: data the peer leaves unacknowledged that long — or a
+/// receive window it keeps shut that long — fails the connection in the kernel too (the
+/// agents also bound every write themselves).
 pub fn tune_stream(stream: &tokio::net::TcpStream, idle: Duration) {
     let _ = stream.set_nodelay(true);
-    let keepalive = socket2::TcpKeepalive::new()
-        .with_time(idle.max(Duration::from_secs(1)))
-        .with_interval(Duration::from_secs(1))
-        .with_retries(3);
-    if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+    let idle = idle.max(Duration::from_secs(1));
+    let keepalive =
+        socket2::TcpKeepalive::new().with_time(idle).with_interval(Duration::from_secs(1)).with_retries(3);
+    let socket = socket2::SockRef::from(stream);
+    if let Err(e) = socket.set_tcp_keepalive(&keepalive) {
         tracing::debug!(error = %e, "could not enable TCP keepalive");
+    }
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+    if let Err(e) = socket.set_tcp_user_timeout(Some(idle.saturating_add(Duration::from_secs(3)))) {
+        tracing::debug!(error = %e, "could not set TCP_USER_TIMEOUT");
     }
 }

@@ -13,7 +13,7 @@ use kvxfer_proto::v1::{self, ErrorCode};
 use tracing::{debug, warn};
 
 use crate::frame::Frame;
-use crate::read::{begin, ranges_of};
+use crate::read::{begin, guard_deadline, ranges_of};
 use crate::server::ServeContext;
 use crate::stats::{bump, ServerCounters};
 
@@ -69,7 +69,8 @@ impl Pins {
     }
 
     /// Answers a `Pin`: the read guard is taken and held (for `Limits::pin_hold` of its
-    /// bytes) and a `PinAck` answered, or the request is refused — past
+    /// bytes, at most until the lease's maximum lifetime plus the io timeout) and a `PinAck`
+    /// answered, or the request is refused — past
     /// `Limits::max_inflight_reads`, for a sequence number in use, or as a read would be.
     pub(crate) fn pin(&mut self, ctx: &ServeContext, req: &v1::ReadRequest, now: Instant) -> Frame {
         if self.by_seq.len() >= ctx.limits.max_inflight_reads || self.by_seq.contains_key(&req.seq) {
@@ -88,11 +89,12 @@ impl Pins {
                     if req.pin_crc32c { payload_crc(ctx, &guard, &ranges_of(req)) } else { 0 };
                 bump(&ctx.counters.pins);
                 bump(&ctx.counters.pins_open);
-                // Held longer for larger pins, so a big one-sided read has time to finish;
-                // the holder is told how long.
-                let hold = ctx.limits.pin_hold(bytes);
+                // Held longer for larger pins, so a big one-sided read has time to finish,
+                // but never past the lease's maximum lifetime (plus the io timeout); the
+                // holder is told how long.
+                let deadline = guard_deadline(ctx, &guard, now, ctx.limits.pin_hold(bytes));
+                let hold = deadline.saturating_duration_since(now);
                 debug!(remote_request_id = %req.remote_request_id, seq = req.seq, bytes, ?hold, "pinned");
-                let deadline = crate::instant_after(now, hold);
                 self.by_seq
                     .insert(req.seq, Pinned { guard, bytes, hold, deadline, counters: ctx.counters.clone() });
                 let held_for_ms = u64::try_from(hold.as_millis()).unwrap_or(u64::MAX);
@@ -110,6 +112,7 @@ impl Pins {
         if let Some(pin) = pin {
             if u.completed {
                 ctx.counters.bytes_served.fetch_add(pin.bytes, Ordering::Relaxed);
+                ctx.counters.bytes_served_one_sided.fetch_add(pin.bytes, Ordering::Relaxed);
                 bump(&ctx.counters.reads_served);
             }
             debug!(remote_request_id = %pin.guard.request_id(), seq = u.seq, completed = u.completed, "unpinned");

@@ -14,7 +14,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
-use crate::frame::{self, Frame, FrameError};
+use crate::frame::{Frame, FrameError};
 use crate::server::ServeContext;
 use crate::stats::bump;
 
@@ -61,6 +61,24 @@ pub(crate) fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGu
     }
 }
 
+/// Until when a read or pin that `guard` holds may hold it: `allowance` from `now`, but never
+/// past the lease's hard deadline ([`ReadGuard::expires_no_later_than`], its maximum
+/// lifetime) plus `Limits::io_timeout` — a lease's blocks are never held (much) past its
+/// maximum lifetime, however slow the transfer rate allowed, and a read or pin taken just
+/// before it still gets the io timeout.
+pub(crate) fn guard_deadline(
+    ctx: &ServeContext,
+    guard: &ReadGuard,
+    now: Instant,
+    allowance: Duration,
+) -> Instant {
+    let wanted = crate::instant_after(now, allowance);
+    match guard.expires_no_later_than() {
+        Some(hard) => wanted.min(crate::instant_after(hard, ctx.limits.io_timeout)),
+        None => wanted,
+    }
+}
+
 /// Counts (and warns about, rate-limited) a read whose payload missed its deadline, and
 /// makes the close a reset: what is still queued in the send buffer is dropped rather than
 /// trickled out to the slow reader after the connection is "closed".
@@ -72,7 +90,7 @@ fn too_slow(stream: &TcpStream, ctx: &ServeContext, e: &FrameError, bytes: u64) 
             warn!(
                 bytes,
                 suppressed,
-                "closing connection: a read's payload did not move within {:?}",
+                "closing connection: a read's payload did not move within {:?} (or by the lease's maximum lifetime)",
                 ctx.limits.transfer_deadline(bytes)
             );
         }
@@ -115,10 +133,7 @@ pub(crate) async fn serve_read(
 ) -> Result<(), FrameError> {
     let (guard, payload_len) = match begin(ctx, &req) {
         Ok(g) => g,
-        Err(e) => {
-            frame::write_frame(stream, &Frame::Error(e), scratch).await?;
-            return Ok(());
-        }
+        Err(e) => return crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await,
     };
     let ranges = ranges_of(&req);
     let mem = &ctx.memory;
@@ -126,8 +141,9 @@ pub(crate) async fn serve_read(
     Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
     let io_timeout = ctx.limits.io_timeout;
     // The whole payload must move by this deadline, not only make progress every
-    // `io_timeout`: a peer reading a byte at a time cannot hold the read guard for ever.
-    let deadline = crate::instant_after(Instant::now(), ctx.limits.transfer_deadline(payload_len));
+    // `io_timeout`: a peer reading a byte at a time cannot hold the read guard for ever —
+    // nor past the lease's maximum lifetime (plus the io timeout).
+    let deadline = guard_deadline(ctx, &guard, Instant::now(), ctx.limits.transfer_deadline(payload_len));
     // Written in groups of about CRC_GROUP bytes: each group's CRC is taken just before the
     // kernel copies it, while it is in cache; the header rides with the first group and the
     // CRC trailer with the last.

@@ -81,22 +81,47 @@ pub async fn refuse_connection(mut stream: TcpStream, ctx: Arc<ServeContext>, wh
     if let Some(suppressed) = ctx.counters.warnings.allow() {
         warn!(peer = ?stream.peer_addr().ok(), suppressed, "connection refused: {msg}");
     }
-    let _ =
-        tokio::time::timeout(ctx.limits.io_timeout, refuse(&mut stream, ErrorCode::LimitExceeded, msg, 0))
-            .await;
+    let _ = refuse(&mut stream, &ctx, ErrorCode::LimitExceeded, msg, 0).await;
 }
 
-/// Sends an error frame and reports the connection as finished.
+/// Sends an error frame and reports the connection as finished (the write and the close
+/// bounded by `Limits::io_timeout`).
 pub(crate) async fn refuse(
     stream: &mut TcpStream,
+    ctx: &ServeContext,
     code: ErrorCode,
     msg: String,
     seq: u64,
 ) -> Result<(), FrameError> {
     let mut scratch = Vec::new();
-    frame::write_frame(stream, &Frame::error(code, msg, seq), &mut scratch).await?;
-    let _ = stream.shutdown().await;
+    write_reply(stream, ctx, &Frame::error(code, msg, seq), &mut scratch).await?;
+    let _ = tokio::time::timeout(ctx.limits.io_timeout, stream.shutdown()).await;
     Ok(())
+}
+
+/// Writes one frame to the peer within `Limits::io_timeout`. A peer that sends frames but
+/// never reads their answers fills both socket buffers, and an unbounded write would then
+/// block its connection task for ever: its pins never swept, their leases' blocks never
+/// handed back, its slot never freed. On expiry the connection is reset (what is queued is
+/// dropped, not trickled out) and counted in `slow_transfers`.
+pub(crate) async fn write_reply(
+    stream: &mut TcpStream,
+    ctx: &ServeContext,
+    reply: &Frame,
+    scratch: &mut Vec<u8>,
+) -> Result<(), FrameError> {
+    let io = ctx.limits.io_timeout;
+    match tokio::time::timeout(io, frame::write_frame(stream, reply, scratch)).await {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            let _ = socket2::SockRef::from(&*stream).set_linger(Some(std::time::Duration::ZERO));
+            bump(&ctx.counters.slow_transfers);
+            if let Some(suppressed) = ctx.counters.warnings.allow() {
+                warn!(suppressed, "closing connection: the peer did not take a reply within {io:?}");
+            }
+            Err(FrameError::Timeout)
+        }
+    }
 }
 
 async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> Result<(), FrameError> {
@@ -154,9 +179,9 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
         let now = Instant::now();
         last_frame = now;
         match dispatch(ctx, &mut pins, f, now) {
-            Action::Reply(reply) => frame::write_frame(stream, &reply, &mut scratch).await?,
+            Action::Reply(reply) => write_reply(stream, ctx, &reply, &mut scratch).await?,
             Action::Read(req) => crate::read::serve_read(stream, ctx, req, &mut scratch).await?,
-            Action::Close { code, message } => return refuse(stream, code, message, 0).await,
+            Action::Close { code, message } => return refuse(stream, ctx, code, message, 0).await,
         }
     }
 }
@@ -213,5 +238,5 @@ pub(crate) async fn protocol_error(
     if let Some(suppressed) = ctx.counters.warnings.allow() {
         warn!(error = %e, suppressed, "closing connection after a protocol error");
     }
-    refuse(stream, code, e.to_string(), 0).await
+    refuse(stream, ctx, code, e.to_string(), 0).await
 }

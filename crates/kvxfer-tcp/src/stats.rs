@@ -8,8 +8,11 @@ use std::time::Instant;
 /// Counters of a prefill agent's connections.
 #[derive(Debug, Default)]
 pub struct ServerCounters {
-    /// Payload bytes written for reads.
+    /// Payload bytes written for reads (TCP) or read one-sided under a pin (counted when
+    /// the unpin says the read completed).
     pub bytes_served: AtomicU64,
+    /// The part of `bytes_served` read one-sided (UCX) under a pin.
+    pub bytes_served_one_sided: AtomicU64,
     /// Reads served.
     pub reads_served: AtomicU64,
     /// Reads refused (unknown or ended lease, bad token, blocks outside layout or lease).
@@ -48,8 +51,10 @@ pub struct ServerCounters {
     pub peer_connections_refused: AtomicU64,
     /// Connections closed after `Limits::idle_timeout` without a frame or a pin.
     pub idle_closed: AtomicU64,
-    /// Connections closed because a read's payload did not move within its overall
-    /// deadline (`Limits::transfer_deadline`).
+    /// Connections reset because a read's payload did not move within its overall deadline
+    /// (`Limits::transfer_deadline`, capped at the lease's maximum lifetime plus
+    /// `Limits::io_timeout`), or because the peer did not take a reply within
+    /// `Limits::io_timeout` (it sends but never reads).
     pub slow_transfers: AtomicU64,
     /// Frames that named a lease not armed yet and waited for it (`Limits::arm_wait`).
     pub arm_waits: AtomicU64,
@@ -97,6 +102,7 @@ impl WarnBudget {
 #[allow(missing_docs)]
 pub struct ServerStats {
     pub bytes_served: u64,
+    pub bytes_served_one_sided: u64,
     pub reads_served: u64,
     pub reads_refused: u64,
     pub connections: u64,
@@ -124,6 +130,7 @@ impl ServerCounters {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         ServerStats {
             bytes_served: l(&self.bytes_served),
+            bytes_served_one_sided: l(&self.bytes_served_one_sided),
             reads_served: l(&self.reads_served),
             reads_refused: l(&self.reads_refused),
             connections: l(&self.connections),

@@ -225,8 +225,13 @@ impl UcxInitiator {
         Ok(())
     }
 
-    /// Creates (or replaces) the endpoint to `peer` and unpacks its rkeys; `done` runs when
-    /// finished. The worker address and rkeys are length-checked first (non-empty, at most
+    /// Creates (or replaces) the endpoint to `peer` and unpacks its rkeys; `done` runs once
+    /// the endpoint is wired up both ways (so the target holds nothing of its wire-up
+    /// queued: see ARCHITECTURE.md, UCX notes), or with an error if that takes over 5 s
+    /// (the endpoint is then closed once its wire-up ends). Reads can be issued once `done`
+    /// reported `Ok`. An endpoint it replaces is closed once the reads issued on it finish —
+    /// a read that never completes holds up only its own endpoint, never a new one. The
+    /// worker address and rkeys are length-checked first (non-empty, at most
     /// [`MAX_WORKER_ADDRESS_LEN`] / [`MAX_RKEY_LEN`] bytes) and every region's `base + len`
     /// must fit in 64 bits; their contents are opaque to kvxfer and parsed by UCX itself
     /// (UCX takes no length for them), so connect only to peers that passed the handshake.

@@ -177,3 +177,124 @@ fn malformed_target_info_is_refused_before_it_reaches_ucx() {
     drop(target);
     drop(dst_buf);
 }
+
+/// A UCX worker (tcp) that answers nothing until a thread progresses it: a target that is
+/// alive but has not yet handled our wire-up request.
+struct IdleWorker {
+    ctx: ucx_sys::ucp_context_h,
+    worker: ucx_sys::ucp_worker_h,
+    address: Vec<u8>,
+}
+
+impl IdleWorker {
+    fn new() -> IdleWorker {
+        use std::ptr::{null, null_mut};
+        use ucx_sys as sys;
+        let mut cfg: *mut sys::ucp_config_t = null_mut();
+        // SAFETY: default prefix and file; `cfg` is valid for a write.
+        assert_eq!(unsafe { sys::ucp_config_read(null(), null(), &mut cfg) }, sys::UCS_OK);
+        // SAFETY: `cfg` is a live config; both strings are NUL-terminated.
+        assert_eq!(unsafe { sys::ucp_config_modify(cfg, c"TLS".as_ptr(), c"tcp".as_ptr()) }, sys::UCS_OK);
+        let params = sys::ucp_params_t {
+            field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES),
+            features: u64::from(sys::UCP_FEATURE_RMA),
+            ..Default::default()
+        };
+        let mut ctx: sys::ucp_context_h = null_mut();
+        // SAFETY: params initialised for its mask, live config, `ctx` valid for a write.
+        assert_eq!(unsafe { sys::ucp_init(&params, cfg, &mut ctx) }, sys::UCS_OK);
+        // SAFETY: `cfg` came from ucp_config_read and is released once.
+        unsafe { sys::ucp_config_release(cfg) };
+        let wparams = sys::ucp_worker_params_t {
+            field_mask: u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE),
+            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+            ..Default::default()
+        };
+        let mut worker: sys::ucp_worker_h = null_mut();
+        // SAFETY: live context, initialised params, `worker` valid for a write.
+        assert_eq!(unsafe { sys::ucp_worker_create(ctx, &wparams, &mut worker) }, sys::UCS_OK);
+        let mut addr: *mut sys::ucp_address_t = null_mut();
+        let mut len = 0usize;
+        // SAFETY: live worker; out-pointers valid for writes.
+        assert_eq!(unsafe { sys::ucp_worker_get_address(worker, &mut addr, &mut len) }, sys::UCS_OK);
+        // SAFETY: UCX returned `len` readable bytes at `addr`, copied before release.
+        let address = unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), len) }.to_vec();
+        // SAFETY: `addr` came from ucp_worker_get_address on this worker; released once.
+        unsafe { sys::ucp_worker_release_address(worker, addr) };
+        IdleWorker { ctx, worker, address }
+    }
+
+    /// Progresses the worker on a thread of its own until `stop` is set.
+    fn progress_until(&self, stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<()> {
+        let worker = self.worker as usize;
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                // SAFETY: the worker outlives this thread (joined before it is destroyed),
+                // and only this thread uses it meanwhile.
+                unsafe { ucx_sys::ucp_worker_progress(worker as ucx_sys::ucp_worker_h) };
+            }
+        })
+    }
+}
+
+impl Drop for IdleWorker {
+    fn drop(&mut self) {
+        // SAFETY: live handles, no thread progresses the worker any more; worker first.
+        unsafe {
+            ucx_sys::ucp_worker_destroy(self.worker);
+            ucx_sys::ucp_cleanup(self.ctx);
+        }
+    }
+}
+
+/// `connect` reports an endpoint only once the target has answered its wire-up. Until then
+/// the target may hold its reply queued for us, and UCX 1.13 aborts the target's process if
+/// this side vanishes meanwhile (ARCHITECTURE.md, UCX notes) — so an endpoint handed out
+/// (and a read started, or this process killed) before that point puts the target at risk.
+#[test]
+fn connect_reports_an_endpoint_only_once_the_target_answered_its_wire_up() {
+    let config = UcxConfig { tls: Some("tcp".into()), peer_failure_handling: true, ..UcxConfig::default() };
+    let target = IdleWorker::new();
+    let mut dst_buf = vec![0u8; 4096];
+    let dst_span = Span { ptr: dst_buf.as_mut_ptr(), len: dst_buf.len() };
+    // SAFETY: `dst_buf` outlives the initiator and nothing is read into it.
+    let initiator = unsafe { UcxInitiator::start(&config, vec![dst_span], Arc::new(())) }.expect("initiator");
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let info = kvxfer_ucx::TargetInfo { worker_address: target.address.clone(), regions: vec![] };
+    initiator.connect("idle", info, Box::new(move |r| tx.send(r).expect("send")));
+    // The target has not handled our wire-up request (nothing progresses it), so the connect
+    // cannot have finished, however long it is given.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(rx.try_recv().is_err(), "the connect reported before the target answered its wire-up");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let progress = target.progress_until(stop.clone());
+    rx.recv_timeout(std::time::Duration::from_secs(30)).expect("connect answered").expect("connect");
+    drop(initiator);
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    progress.join().expect("progress thread");
+    drop(target);
+    drop(dst_buf);
+}
+
+/// An initiator stopped while a target has not answered its wire-up (it never progresses)
+/// shuts down cleanly: the connect fails, the endpoint's graceful close gives up after its
+/// bound, and that unanswered close request is released — destroying the worker with it
+/// unreleased trips UCX 1.13's assertion (`ucp_ep.c:382 ... UCP_REQUEST_FLAG_RELEASED`)
+/// and aborts this process.
+#[test]
+fn an_initiator_stopped_during_an_unanswered_wire_up_shuts_down_cleanly() {
+    let config = UcxConfig { tls: Some("tcp".into()), peer_failure_handling: true, ..UcxConfig::default() };
+    let target = IdleWorker::new();
+    let mut dst_buf = vec![0u8; 4096];
+    let dst_span = Span { ptr: dst_buf.as_mut_ptr(), len: dst_buf.len() };
+    // SAFETY: `dst_buf` outlives the initiator and nothing is read into it.
+    let initiator = unsafe { UcxInitiator::start(&config, vec![dst_span], Arc::new(())) }.expect("initiator");
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let info = kvxfer_ucx::TargetInfo { worker_address: target.address.clone(), regions: vec![] };
+    initiator.connect("silent", info, Box::new(move |r| drop(tx.send(r))));
+    drop(initiator);
+    let answer = rx.recv_timeout(std::time::Duration::from_secs(30)).expect("connect answered");
+    assert!(answer.is_err(), "a connect the target never answered reported an endpoint");
+    drop(target);
+    drop(dst_buf);
+}

@@ -135,6 +135,34 @@ impl PrefillAgent {
         self.as_async().stats()
     }
 
+    /// See [`crate::PrefillAgent::registration_status`].
+    #[cfg(feature = "cluster")]
+    pub fn registration_status(&self) -> Option<crate::cluster::EtcdStatus> {
+        self.as_async().registration_status()
+    }
+
+    /// See [`crate::PrefillAgent::wait_registered`]; blocks the calling thread.
+    #[cfg(feature = "cluster")]
+    pub fn wait_registered(
+        &self,
+        timeout: Duration,
+    ) -> Result<crate::cluster::EtcdStatus, Option<crate::cluster::EtcdStatus>> {
+        match &self.runtime {
+            Some(rt) if !in_runtime() => wait(rt.handle(), self.as_async().wait_registered(timeout)),
+            // Inside a runtime it cannot wait: it says where the registration stands now.
+            _ => {
+                let now = self.registration_status();
+                now.clone().filter(|s| s.state == crate::cluster::EtcdState::Connected).ok_or(now)
+            }
+        }
+    }
+
+    /// See [`crate::PrefillAgent::metrics_addr`].
+    #[cfg(feature = "cluster")]
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.as_async().metrics_addr()
+    }
+
     /// Shuts the agent down gracefully (see [`crate::PrefillAgent::shutdown`]) and waits
     /// for it. Inside a tokio runtime it only starts the shutdown (and returns at once).
     pub fn shutdown(&self) {
@@ -226,6 +254,11 @@ impl DecodeAgent {
         Ok(PullHandle::new(h, self.handle()))
     }
 
+    /// Releases a child's lease without pulling it; see [`crate::DecodeAgent::release`].
+    pub fn release(&self, child: &ChildHandoff) -> bool {
+        wait(&self.handle(), self.as_async().release(child))
+    }
+
     /// See [`crate::DecodeAgent::submit_wire`].
     pub fn submit_wire(
         &self,
@@ -234,6 +267,18 @@ impl DecodeAgent {
     ) -> Result<PullHandle, Error> {
         let h = self.as_async().submit_wire(result, local_blocks)?;
         Ok(PullHandle::new(h, self.handle()))
+    }
+
+    /// See [`crate::DecodeAgent::directory`].
+    #[cfg(feature = "cluster")]
+    pub fn directory(&self) -> Option<&Arc<crate::cluster::EngineDirectory>> {
+        self.as_async().directory()
+    }
+
+    /// See [`crate::DecodeAgent::metrics_addr`].
+    #[cfg(feature = "cluster")]
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.as_async().metrics_addr()
     }
 
     /// See [`crate::DecodeAgent::stats`].

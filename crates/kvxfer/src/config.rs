@@ -60,7 +60,9 @@ pub struct AgentConfig {
     /// Data connections a decode agent opens to one prefill agent (pulls of different
     /// children run in parallel over them). Reused across pulls.
     pub connections_per_peer: usize,
-    /// How often a decode agent heartbeats pending pulls; `None`: the lease ttl / 6.
+    /// How often a decode agent heartbeats pending pulls; `None`: the shortest lease ttl of
+    /// the pull / 6. Never more often than every 100 ms (a hand-off may state a ttl of 1 ms;
+    /// the decode side does not spin on it).
     pub heartbeat_interval: Option<Duration>,
     /// Tensor-parallel size written into hand-offs.
     pub tp_size: u32,
@@ -91,6 +93,9 @@ pub struct AgentConfig {
     pub max_lease_lifetime: Duration,
     /// Largest `n` a lease may name (prefill); bounds per-parent bookkeeping. Default 1024.
     pub max_children: u32,
+    /// Running in a cluster: etcd discovery and Prometheus metrics (all off by default).
+    #[cfg(feature = "cluster")]
+    pub cluster: crate::cluster::ClusterConfig,
 }
 
 impl AgentConfig {
@@ -119,7 +124,30 @@ impl AgentConfig {
             consumer_id: None,
             max_lease_lifetime: kvxfer_core::LeaseConfig::DEFAULT_MAX_LIFETIME,
             max_children: kvxfer_core::LeaseConfig::DEFAULT_MAX_CHILDREN,
+            #[cfg(feature = "cluster")]
+            cluster: crate::cluster::ClusterConfig::default(),
         }
+    }
+
+    /// Turns etcd discovery on (see [`crate::cluster`]).
+    #[cfg(feature = "cluster")]
+    pub fn discovery(mut self, discovery: crate::cluster::DiscoveryConfig) -> Self {
+        self.cluster.discovery = Some(discovery);
+        self
+    }
+
+    /// Feeds this process's metrics registry (share one `Arc` between a process's agents).
+    #[cfg(feature = "cluster")]
+    pub fn metrics(mut self, metrics: std::sync::Arc<crate::cluster::Metrics>) -> Self {
+        self.cluster.metrics = Some(metrics);
+        self
+    }
+
+    /// Serves the metrics at `GET /metrics` on `listen` (port 0 picks one).
+    #[cfg(feature = "cluster")]
+    pub fn metrics_listen(mut self, listen: impl Into<String>) -> Self {
+        self.cluster.metrics_listen = Some(listen.into());
+        self
     }
 
     /// Sets the cluster key peers must prove (and this agent proves to them).

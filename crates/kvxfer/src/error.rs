@@ -22,6 +22,11 @@ pub enum Error {
     #[cfg(feature = "ucx")]
     #[error(transparent)]
     Ucx(#[from] kvxfer_ucx::UcxError),
+    /// Discovery or metrics could not start (a name etcd keys cannot hold, a bad address,
+    /// a registration TTL out of range, the metrics address not bindable).
+    #[cfg(feature = "cluster")]
+    #[error(transparent)]
+    Cluster(#[from] kvxfer_cluster::Error),
     /// A cluster key was configured but could not be loaded.
     #[error(transparent)]
     Key(#[from] kvxfer_tcp::KeyError),
@@ -117,6 +122,18 @@ pub enum SubmitError {
     ShuttingDown {
         /// The parent request id.
         parent: String,
+    },
+    /// A hand-off names only the engine id (no host or port), and this agent runs no
+    /// discovery to resolve it (`AgentConfig::cluster`, the `cluster` feature).
+    #[error(
+        "prefill result for {parent}: the hand-offs name only engine {engine} (no host or port), and this \
+         decode agent runs no discovery to resolve it"
+    )]
+    NoAddress {
+        /// The parent request id.
+        parent: String,
+        /// The engine id named.
+        engine: String,
     },
     /// Local blocks already being written by another pull.
     #[error(

@@ -17,6 +17,12 @@
 //! signals the shutdown and a task finishes it. [`blocking`] has the same agents with a
 //! runtime of their own, for hosts without tokio (Python, C).
 //!
+//! # In a cluster
+//!
+//! With the `cluster` feature, [`AgentConfig`]'s `cluster` section turns on etcd discovery
+//! (prefill agents register, decode agents resolve and watch engines) and Prometheus metrics;
+//! see the `cluster` module.
+//!
 //! # Threads
 //!
 //! | agent | async (host's runtime) | blocking |
@@ -34,11 +40,14 @@
 // lets callers match on the nested variants directly.
 #![allow(clippy::result_large_err)]
 // The data path's unsafe code lives in kvxfer-mem, kvxfer-tcp and kvxfer-ucx. This crate's
-// unsafe call sites: `Connection::read_into` and `KvMemory::copy_block` into destination
-// blocks the pull has claimed (`decode/pull.rs`), and the UCX glue (`ucx.rs`: mapping the
-// regions, `UcxInitiator::get`, the CRC of a completed read), each with a SAFETY note.
+// six unsafe call sites: `Connection::read_into` and `KvMemory::copy_block` into destination
+// blocks the pull has claimed (`decode/pull.rs`), and four in the UCX glue (`ucx.rs`:
+// starting the target and the initiator over the regions, `UcxInitiator::get`, the CRC of a
+// completed read), each with a SAFETY note.
 
 pub mod blocking;
+#[cfg(feature = "cluster")]
+pub mod cluster;
 mod config;
 mod decode;
 mod error;

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,8 @@ pub struct PrefillStats {
     pub leases: LeaseStats,
     /// Connections: bytes and reads served, refusals, protocol errors.
     pub server: ServerStats,
+    /// Connections open now (served; refused ones are not counted).
+    pub connections_open: u64,
 }
 
 /// What a prefill agent's tasks share.
@@ -35,6 +38,8 @@ struct Shared {
     table: Arc<LeaseTable>,
     memory: Arc<KvMemory>,
     counters: Arc<ServerCounters>,
+    /// Connections being served now.
+    connections_open: Arc<AtomicU64>,
     tracker: Arc<Mutex<ParentTracker>>,
     /// Wakes the expiry task (a new lease may have an earlier deadline).
     wake: Arc<Notify>,
@@ -52,6 +57,9 @@ struct Shared {
     /// and never on a runtime thread (it joins UCX's thread).
     #[cfg(feature = "ucx")]
     ucx: Mutex<Option<crate::runtime::DropOffRuntime<kvxfer_ucx::UcxTarget>>>,
+    /// The etcd registration and the metrics, when configured.
+    #[cfg(feature = "cluster")]
+    cluster: Option<crate::cluster::PrefillCluster>,
 }
 
 /// A prefill worker's agent: owns the lease table and serves the registered KV cache. Runs
@@ -202,10 +210,30 @@ impl PrefillAgent {
             counters: counters.clone(),
             leases_made,
         });
+        let connections_open = Arc::new(AtomicU64::new(0));
+        #[cfg(feature = "cluster")]
+        let cluster = crate::cluster::PrefillCluster::start(
+            &handle,
+            &config,
+            crate::cluster::PrefillSide {
+                host: &host,
+                port: addr.port(),
+                incarnation,
+                compat_hash: layout.compat_hash(),
+                #[cfg(feature = "ucx")]
+                offers_ucx: ucx.is_some(),
+                #[cfg(not(feature = "ucx"))]
+                offers_ucx: false,
+                table: table.clone(),
+                counters: counters.clone(),
+                connections_open: connections_open.clone(),
+            },
+        )?;
         let shared = Arc::new(Shared {
             table,
             memory,
             counters,
+            connections_open,
             tracker: Arc::new(Mutex::new(ParentTracker::with_forget_after(config.max_lease_lifetime))),
             wake: Arc::new(Notify::new()),
             stop_accepting: CancellationToken::new(),
@@ -216,6 +244,8 @@ impl PrefillAgent {
             grace: config.shutdown_grace,
             #[cfg(feature = "ucx")]
             ucx: Mutex::new(ucx.map(crate::runtime::DropOffRuntime::new)),
+            #[cfg(feature = "cluster")]
+            cluster,
         });
         let (events_tx, events) = crossbeam_channel::unbounded();
         let events_ready = Arc::new(Notify::new());
@@ -248,6 +278,38 @@ impl PrefillAgent {
     /// The address the agent listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The etcd registration's state (`None` without discovery, or after shutdown).
+    #[cfg(feature = "cluster")]
+    pub fn registration_status(&self) -> Option<crate::cluster::EtcdStatus> {
+        self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::registration_status)
+    }
+
+    /// Waits until the registration is in etcd, up to `timeout`: `Ok` once registered,
+    /// `Err` with the status then (etcd unreachable, or no discovery configured: `None`).
+    /// The agent serves either way; this is for callers that hand out hand-offs naming only
+    /// the engine id, which decode agents can resolve only once they saw the key.
+    #[cfg(feature = "cluster")]
+    pub async fn wait_registered(
+        &self,
+        timeout: Duration,
+    ) -> Result<crate::cluster::EtcdStatus, Option<crate::cluster::EtcdStatus>> {
+        let watch = self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::registration_watch);
+        let Some(mut watch) = watch else { return Err(None) };
+        watch.wait_until(timeout, |s| s.state == crate::cluster::EtcdState::Connected).await.map_err(Some)
+    }
+
+    /// The address `/metrics` is served on, when configured.
+    #[cfg(feature = "cluster")]
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::metrics_addr)
+    }
+
+    /// The metrics registry the agent feeds, when configured.
+    #[cfg(feature = "cluster")]
+    pub fn metrics(&self) -> Option<&Arc<crate::cluster::Metrics>> {
+        self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::metrics)
     }
 
     /// Whether the agent offers the UCX data path.
@@ -398,7 +460,11 @@ impl PrefillAgent {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> PrefillStats {
-        PrefillStats { leases: self.shared.table.stats(), server: self.shared.counters.snapshot() }
+        PrefillStats {
+            leases: self.shared.table.stats(),
+            server: self.shared.counters.snapshot(),
+            connections_open: self.shared.connections_open.load(Ordering::Relaxed),
+        }
     }
 
     fn lock_tracker(&self) -> std::sync::MutexGuard<'_, ParentTracker> {
@@ -437,18 +503,27 @@ impl Drop for PrefillAgent {
 
 /// The graceful shutdown (see [`PrefillAgent::shutdown`]); safe to run more than once.
 async fn run_shutdown(shared: Arc<Shared>) {
+    // Deregistered first: decode agents see the key go (and stop pulling from here) before
+    // any connection closes.
+    #[cfg(feature = "cluster")]
+    if let Some(c) = &shared.cluster {
+        c.deregister().await;
+    }
     shared.stop_accepting.cancel();
     // One-sided readers (UCX) read registered memory without us seeing the reads; a pin is
     // their promise to unpin when done. Reads and pins in flight hold read guards: wait for
     // them (bounded) before the memory can be unmapped and freed.
     let deadline = tokio::time::Instant::now() + shared.grace;
-    while shared.table.reads_in_flight() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_for_reads(&shared, deadline).await;
     let released = shared.table.release_all(Instant::now());
     if released > 0 {
         info!(released, "shutdown: live leases released");
     }
+    // A read or pin granted after the wait saw none and before `release_all` ended its lease
+    // holds a guard too (no later one can: every lease has ended). Wait for it as well: a
+    // one-sided reader's get may be under way, and tearing the memory and UCX target down
+    // under it left the get to never complete (its decode side holding its blocks for good).
+    wait_for_reads(&shared, deadline).await;
     // Connections close (dropping the guards of reads cut short, which hands their leases
     // back); then the expiry task and the event forwarder finish.
     shared.stop.cancel();
@@ -458,6 +533,17 @@ async fn run_shutdown(shared: Arc<Shared>) {
     shared.tasks.wait().await;
     #[cfg(feature = "ucx")]
     drop(shared.ucx.lock().unwrap_or_else(|p| p.into_inner()).take());
+    #[cfg(feature = "cluster")]
+    if let Some(c) = &shared.cluster {
+        c.stop().await;
+    }
+}
+
+/// Waits (until `deadline`) for the reads and pins in flight to end.
+async fn wait_for_reads(shared: &Shared, deadline: tokio::time::Instant) {
+    while shared.table.reads_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// The lease ends of a prefill agent as a [`Stream`](futures::Stream)
@@ -537,7 +623,7 @@ fn no_route(bound: SocketAddr, source: std::io::Error) -> Error {
     }
 }
 
-/// Connections open per peer address, for `Limits::max_connections_per_peer`.
+/// Connections open per peer, for `Limits::max_connections_per_peer`.
 #[derive(Debug, Default)]
 struct PeerCounts(Mutex<HashMap<IpAddr, usize>>);
 
@@ -547,9 +633,24 @@ struct PeerSlot {
     ip: IpAddr,
 }
 
+/// Which peer an address counts as for the per-peer cap: an IPv4 address itself (also when
+/// IPv4-mapped), an IPv6 address its /64 — a host is routinely given a whole /64, so one
+/// peer could otherwise open the cap's worth of connections from each of its addresses.
+fn peer_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from_bits(v6.to_bits() & !u128::from(u64::MAX))),
+        },
+    }
+}
+
 impl PeerCounts {
-    /// Takes a slot for `ip`, unless it already has `max` connections open.
+    /// Takes a slot for the peer `ip` belongs to ([`peer_key`]), unless it already has `max`
+    /// connections open.
     fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<PeerSlot> {
+        let ip = peer_key(ip);
         let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let open = counts.entry(ip).or_insert(0);
         if *open >= max.max(1) {
@@ -586,12 +687,15 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<
                 Ok(permit) => match per_peer.take(peer.ip(), ctx.limits.max_connections_per_peer) {
                     Some(slot) => {
                         let (ctx, stop) = (ctx.clone(), shared.stop.clone());
+                        let open = shared.connections_open.clone();
+                        open.fetch_add(1, Ordering::Relaxed);
                         shared.connections.spawn(async move {
                             tokio::select! {
                                 () = serve_connection(stream, ctx) => {}
                                 // Shutdown: the connection (and any read guard) is dropped.
                                 () = stop.cancelled() => {}
                             }
+                            open.fetch_sub(1, Ordering::Relaxed);
                             drop(slot);
                             drop(permit);
                         });
@@ -674,6 +778,10 @@ fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {
                 end.remote_request_id, end.consumers_seen, end.expected_consumers
             ),
         }
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &shared.cluster {
+            c.observe_end(&end);
+        }
         let done = shared.tracker.lock().unwrap_or_else(|p| p.into_inner()).on_end(&end, Instant::now());
         if let Some(status) = done {
             debug!(parent = %end.parent_request_id, ?status, "parent complete");
@@ -690,6 +798,26 @@ fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review 10 finding 14: the per-peer cap was keyed on the full IP address, so an IPv6
+    /// client with a /64 (every host gets one) had as many caps as it has addresses. IPv6
+    /// peers share one cap per /64 now; IPv4 peers (and IPv4-mapped IPv6 ones) one per address.
+    #[test]
+    fn the_per_peer_connection_cap_counts_an_ipv6_slash_64_as_one_peer() {
+        let counts = Arc::new(PeerCounts::default());
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        let first = counts.take(ip("2001:db8:1:2::1"), 2).expect("first");
+        let second = counts.take(ip("2001:db8:1:2:ffff:eeee:dddd:cccc"), 2).expect("same /64, second slot");
+        assert!(counts.take(ip("2001:db8:1:2::3"), 2).is_none(), "a third address of the same /64");
+        let other = counts.take(ip("2001:db8:1:3::1"), 2).expect("another /64 is another peer");
+        let v4 = counts.take(ip("192.0.2.1"), 1).expect("an IPv4 peer");
+        assert!(counts.take(ip("::ffff:192.0.2.1"), 1).is_none(), "the same IPv4 peer, mapped");
+        let v4b = counts.take(ip("192.0.2.2"), 1).expect("IPv4 peers are one address each");
+        drop(first);
+        let again = counts.take(ip("2001:db8:1:2::3"), 2).expect("a slot came back");
+        drop((second, other, v4, v4b, again));
+        assert!(counts.0.lock().expect("lock").is_empty());
+    }
 
     #[test]
     fn unspecified_listen_addresses_advertise_a_concrete_one() {

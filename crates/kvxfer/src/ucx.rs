@@ -165,7 +165,8 @@ pub(crate) async fn connect(inner: &Inner, peer: &Peer, ack: &v1::HelloAck) -> R
 
 /// Pins child `i`'s runs on a pooled connection, reads them with UCX straight into the
 /// local blocks, and unpins. A read UCX cannot stop is [`ReadResult::Abandoned`]: its
-/// blocks stay held (in `held`) until UCX completes it.
+/// blocks stay held (in `held`) until UCX completes it, and so does its pin (a task keeps its
+/// connection, and unpins then).
 pub(crate) async fn read_child(
     inner: &Inner,
     peer: &Peer,
@@ -177,7 +178,7 @@ pub(crate) async fn read_child(
 ) -> ReadResult {
     let ucx_err = |detail: String| PullError::UcxRead { peer: peer.addr.clone(), detail };
     let Some(init) = inner.ucx() else { return ReadResult::Failed(ucx_err("this agent has no UCX".into())) };
-    let (_permit, mut conn) = match peer.checkout(inner).await {
+    let (_permit, mut conn, _) = match peer.checkout(inner).await {
         Ok(c) => c,
         Err(e) => return ReadResult::Failed(e),
     };
@@ -223,23 +224,38 @@ pub(crate) async fn read_child(
     let stuck = io_timeout + Duration::from_secs_f64(bytes as f64 / 100e6);
     let limit = stuck.min(grant.held_for.max(io_timeout));
     let (seq, pinned_crc) = (grant.seq, grant.payload_crc32c);
+    let pinned_at = tokio::time::Instant::now();
     let mut rx = rx;
-    let mut abandoned = false;
     let result = match tokio::time::timeout(limit, &mut rx).await {
         Ok(Ok(r)) => r.map_err(|e| ucx_err(e.to_string())),
         Ok(Err(_)) => Err(ucx_err("the UCX thread stopped".to_owned())),
         Err(_) => {
             init.abort(&peer.addr);
-            match tokio::time::timeout(io_timeout, rx).await {
+            match tokio::time::timeout(io_timeout, &mut rx).await {
                 Ok(_) => Err(ucx_err(format!("UCX read made no progress in {limit:?}; endpoint aborted"))),
                 // UCX still owns the read: its destination blocks are held (reported
                 // FailedBlocksHeld) until UCX completes it.
                 Err(_) if held.abandon(i, &fate) => {
-                    abandoned = true;
-                    Err(ucx_err(format!(
+                    let e = ucx_err(format!(
                         "UCX read made no progress in {limit:?} and did not stop after the endpoint was \
                          aborted; its local blocks stay held until it completes"
-                    )))
+                    ));
+                    // The endpoint may be broken: the next pull makes a new one.
+                    init.disconnect(&peer.addr);
+                    *peer.ucx_engine.lock().await = None;
+                    // The pin stays held until UCX is done with the read: unpinning now would
+                    // tell the prefill side its blocks (and, at its shutdown, its memory and UCX
+                    // target) are free while our get may still read them — and a target gone
+                    // before the get completed means it never completes, and these blocks
+                    // never come back. Not past the pin's hold: the prefill side drops it then.
+                    let hold_left = grant.held_for.saturating_sub(pinned_at.elapsed());
+                    tokio::spawn(async move {
+                        let completed = tokio::time::timeout(hold_left, rx).await.is_ok();
+                        let unpinned = conn.unpin(seq, false).await;
+                        debug!(seq, completed, ?unpinned, "pin of an abandoned UCX read released");
+                    });
+                    debug!(remote_request_id = %id, error = %e, "child read over UCX abandoned");
+                    return ReadResult::Abandoned(e);
                 }
                 Err(_) => Err(ucx_err(format!("UCX read made no progress in {limit:?}; endpoint aborted"))),
             }
@@ -282,7 +298,6 @@ pub(crate) async fn read_child(
     debug!(remote_request_id = %id, ?result, "child read over UCX");
     match result {
         Ok(bytes) => ReadResult::Ok { bytes },
-        Err(e) if abandoned => ReadResult::Abandoned(e),
         Err(e) => ReadResult::Failed(e),
     }
 }

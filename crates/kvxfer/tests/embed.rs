@@ -201,3 +201,26 @@ async fn shutdown_ends_a_stuck_pull_with_shutdown_errors() {
     drop(silent);
     prefill.shutdown().await;
 }
+
+/// `DecodeAgent::release` on the host's runtime: a child is released without being pulled
+/// while its sibling is pulled; the lease-end stream says so.
+#[tokio::test(flavor = "current_thread")]
+async fn a_child_released_without_pulling_it_on_a_current_thread_runtime() {
+    let (prefill, decode) = agents(16).await;
+    let mut ends = prefill.lease_ends();
+    let result = prefill.lease_parent("Q", vec![vec![1, 2], vec![3, 4]], 1, None).expect("lease");
+    assert!(decode.release(&result.children()[0]).await);
+    let report = decode.submit_subset(&result, vec![(1, vec![3, 4])]).expect("submit").await;
+    assert!(report.all_done(), "{report:?}");
+    let mut kinds = Vec::new();
+    for _ in 0..2 {
+        let end =
+            tokio::time::timeout(Duration::from_secs(10), ends.next()).await.expect("in time").expect("end");
+        kinds.push((end.child_index, end.kind));
+    }
+    kinds.sort_unstable_by_key(|k| k.0);
+    assert_eq!(kinds, [(0, EndKind::Released), (1, EndKind::Pulled)]);
+    assert_eq!(decode.stats().leases_released, 1);
+    decode.shutdown().await;
+    prefill.shutdown().await;
+}

@@ -172,14 +172,30 @@ fn prefill_agent_dropped_mid_pull_ends_every_child_in_bounded_time_and_a_new_pre
     drop(prefill);
     let report = handle.wait();
     assert!(started.elapsed() < Duration::from_secs(10), "no hang: {:?}", started.elapsed());
+    let mut held = Vec::new();
     for (c, local) in report.children.iter().zip(&remote) {
         match &c.outcome {
             ChildOutcome::Done { .. } => {
                 assert!(verify(&decode, local, local), "a child reported done must verify")
             }
             ChildOutcome::Failed { invalid_local_blocks, .. } => assert_eq!(invalid_local_blocks, local),
+            // A one-sided read slower than its bound that UCX did not give up when its endpoint
+            // was aborted (shared memory has no peer-failure handling): its blocks are held —
+            // and must come back once UCX completes it, which it does, since the prefill agent
+            // keeps its memory and UCX target until every pin it granted is unpinned (bounded
+            // by its shutdown grace) and the decode side unpins only after UCX is done.
+            ChildOutcome::FailedBlocksHeld { error, held_local_blocks } => {
+                assert!(matches!(error, kvxfer::PullError::UcxRead { .. }), "{error:?}");
+                assert_eq!(held_local_blocks, local);
+                held.push(c.child_index);
+            }
             other => panic!("unexpected {other:?}"),
         }
+    }
+    if !held.is_empty() {
+        let back = decode.reclaimed().recv_timeout(Duration::from_secs(30)).expect("held blocks come back");
+        assert_eq!(back.children, held, "{back:?}");
+        eprintln!("children {held:?} held their blocks until UCX completed the read");
     }
     // A new prefill process (agent) at a new address: the same decode agent pulls from it.
     let fresh = t.prefill(64, Duration::from_secs(30));
@@ -659,4 +675,103 @@ fn two_ranks_of_one_decode_engine_are_two_consumers() {
     assert_eq!((ends[0].kind, ends[0].consumers_seen), (EndKind::Pulled, 2));
     assert_eq!(prefill.stats().leases.duplicate, 0);
     assert_eq!((rank0.consumer_id(), rank1.consumer_id()), ("decode-engine/0", "decode-engine/1"));
+}
+
+/// Review 10 finding 9: the prefill side closes a connection idle for `idle_timeout`; a
+/// pooled data connection closed just as it was reused (the close racing the request)
+/// failed its child, since reads were never retried. A read that fails before any byte of
+/// its answer arrived is retried once on a fresh connection now. Here the scripted peer
+/// closes the first data connection, unanswered, at its second read.
+#[test]
+fn a_pooled_connection_closed_as_it_is_reused_costs_a_retry_not_the_child() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let reads_on_first = AtomicUsize::new(0);
+    let port = scripted_prefill(layout.clone(), "idle-close", move |conn, s, ty, body, mem| {
+        if ty == v1::FrameType::ReadRequest as u8 {
+            // Connection 0 is the control connection, 1 the first data connection.
+            if conn == 1 && reads_on_first.fetch_add(1, Ordering::SeqCst) == 1 {
+                return Flow::Close;
+            }
+            answer_read(s, mem, body);
+        } else {
+            answer_control(s, ty, body);
+        }
+        Flow::Continue
+    });
+    let decode = decode_unkeyed(
+        AgentConfig::new("decode").io_timeout(Duration::from_secs(5)).connections_per_peer(1),
+        layout,
+    );
+    let first = decode.submit(fake_result(port, "idle-close", &[vec![1, 2]]), vec![vec![5, 6]]);
+    assert!(first.expect("submit").wait().all_done());
+    let second = decode.submit(fake_result(port, "idle-close", &[vec![3, 4]]), vec![vec![7, 8]]);
+    let report = second.expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    assert!(verify(&decode, &[3, 4], &[7, 8]));
+    let s = decode.stats();
+    assert_eq!((s.read_retries, s.connections_opened), (1, 3), "{s:?}");
+}
+
+/// Review 10 finding 9, the other half: the decode side does not reuse a pooled connection
+/// idle for half its `idle_timeout` or more (the prefill side closes connections idle for
+/// `idle_timeout`, the same setting by default), so an idle close rarely races a request.
+#[test]
+fn pooled_connections_idle_for_half_the_idle_timeout_are_not_reused() {
+    let prefill = prefill(64, Duration::from_secs(30));
+    let mut config = AgentConfig::new("decode").connections_per_peer(1);
+    config.limits.idle_timeout = Duration::from_millis(400);
+    let decode = decode_with(config, BlockLayout::single(64, BLOCK).expect("layout"));
+    let pull = |parent: &str, block: BlockId| {
+        let r = prefill.lease_parent(parent, vec![vec![block]], 1, None).expect("lease");
+        assert!(decode.submit(r, vec![vec![block]]).expect("submit").wait().all_done());
+    };
+    pull("A", 1);
+    // The control connection and one data connection.
+    assert_eq!(decode.stats().connections_opened, 2);
+    pull("B", 2);
+    assert_eq!(decode.stats().connections_opened, 2, "reused while fresh");
+    std::thread::sleep(Duration::from_millis(300));
+    pull("C", 3);
+    assert_eq!(decode.stats().connections_opened, 4, "both replaced after 300 ms idle: {:?}", decode.stats());
+}
+
+/// A hand-off's ttl sets the decode side's heartbeat interval (ttl / 6), and a prefill peer
+/// (or a `kv_transfer_params` in a request body) can state a ttl of 1 ms: the decode side
+/// then heartbeated every 10 ms. It never heartbeats more often than every 100 ms now. The
+/// scripted peer holds the read for 600 ms and counts the heartbeats meanwhile.
+#[test]
+fn a_tiny_lease_ttl_does_not_make_the_decode_side_heartbeat_in_a_loop() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let heartbeats = Arc::new(AtomicUsize::new(0));
+    let held = Arc::new(Mutex::new(None::<Duration>));
+    let (h, d) = (heartbeats.clone(), held.clone());
+    let port = scripted_prefill(layout.clone(), "tiny-ttl", move |_, s, ty, body, mem| {
+        if ty == v1::FrameType::ReadRequest as u8 {
+            let started = Instant::now();
+            std::thread::sleep(Duration::from_millis(600));
+            *d.lock().expect("lock") = Some(started.elapsed());
+            answer_read(s, mem, body);
+        } else {
+            if ty == v1::FrameType::Heartbeat as u8 {
+                h.fetch_add(1, Ordering::SeqCst);
+            }
+            answer_control(s, ty, body);
+        }
+        Flow::Continue
+    });
+    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)), layout);
+    let mut wire = fake_result(port, "tiny-ttl", &[vec![1, 2]]).to_wire();
+    wire.children[0].lease_ttl_ms = 1;
+    let report = decode.submit_wire(wire, vec![vec![5, 6]]).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    let held = held.lock().expect("lock").expect("the read was held");
+    let count = heartbeats.load(Ordering::SeqCst);
+    // At most one per 100 ms while the read was held, and one more at its edge.
+    let bound = (held.as_millis() / 100) as usize + 2;
+    eprintln!("{count} heartbeats while a read was held {held:?} (at most {bound})");
+    assert!(count <= bound, "{count} heartbeats in {held:?}");
+    assert!(count >= 1, "heartbeats still go out");
 }

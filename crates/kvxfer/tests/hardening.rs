@@ -441,3 +441,167 @@ fn a_child_leased_with_another_n_than_its_siblings_is_refused() {
     assert!(e.to_string().contains("n = 3") && e.to_string().contains("n = 2"), "{e}");
     assert_eq!(prefill.stats().leases.live, 2, "nothing leased");
 }
+
+/// A blocking socket to `addr` whose receive buffer is as small as the kernel allows (so a
+/// peer that never reads fills it fast).
+fn small_window_socket(addr: std::net::SocketAddr) -> std::net::TcpStream {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("small receive buffer");
+        let s = socket.connect(addr).await.expect("connect").into_std().expect("std");
+        s.set_nonblocking(false).expect("blocking");
+        s
+    })
+}
+
+/// Review 10 finding 2: the server's replies (to pins, notifies, heartbeats, cancels, unpins
+/// and refused reads) were written with no timeout, so a peer that pins, then keeps sending
+/// frames but never reads, blocked its connection task for ever once the socket buffers
+/// filled: its pin was never swept, its lease's blocks never handed back. Every reply write
+/// is bounded by the io timeout now (the connection is reset and counted). Both kinds of
+/// reply: the loop's (a pin refused past `max_inflight_reads`) and a refused read's.
+#[test]
+fn a_peer_that_never_reads_its_replies_loses_its_pins_and_connection() {
+    use std::io::Write;
+    for refused_reads in [false, true] {
+        let mut config = AgentConfig::new("prefill").io_timeout(Duration::from_millis(500));
+        config.limits.max_inflight_reads = 1;
+        config.limits.pin_timeout = Duration::from_millis(200);
+        let layout = BlockLayout::single(16, BLOCK).expect("layout");
+        let prefill = prefill_unkeyed(config, layout.clone());
+        let result = prefill.lease_parent("W", vec![vec![1, 2]], 1, None).expect("lease");
+        let child = result.children()[0].clone();
+        let mut s = small_window_socket(prefill.local_addr());
+        s.write_all(&frame_bytes(v1::FrameType::Hello, &raw_hello(&layout, "raw"))).expect("hello");
+        let pin = |seq: u64, id: &str| v1::ReadRequest {
+            seq,
+            remote_request_id: id.into(),
+            lease_token: child.token().as_bytes().to_vec(),
+            ranges: vec![v1::BlockRange { start: 1, count: 2 }],
+            pin_crc32c: false,
+        };
+        s.write_all(&frame_bytes(v1::FrameType::Pin, &pin(1, child.remote_request_id()))).expect("pin");
+        eventually("the pin is granted", || prefill.stats().server.pins_open == 1);
+        // Requests whose answers are larger than themselves, never read: more pins (refused,
+        // one open at most), or reads of an unknown id (refused, naming the id).
+        let flood: Vec<u8> = if refused_reads {
+            let long_id = "u".repeat(8 * 1024);
+            (2..66).flat_map(|seq| frame_bytes(v1::FrameType::ReadRequest, &pin(seq, &long_id))).collect()
+        } else {
+            (2..2050).flat_map(|seq| frame_bytes(v1::FrameType::Pin, &pin(seq, "W"))).collect()
+        };
+        s.set_write_timeout(Some(Duration::from_millis(300))).expect("write timeout");
+        // Until both directions are full (the write times out) or the server gives up on us.
+        let started = std::time::Instant::now();
+        while s.write_all(&flood).is_ok() {
+            assert!(started.elapsed() < Duration::from_secs(60), "the socket buffers never filled");
+        }
+        // The server's reply write times out: the connection (and its pin) is gone.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while prefill.stats().server.pins_open != 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "refused reads {refused_reads}: the pin outlived its connection's stalled reply: {:?}",
+                prefill.stats().server
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(prefill.stats().server.slow_transfers >= 1, "{:?}", prefill.stats().server);
+        // Nothing holds the lease's blocks any more: released now, they are handed back.
+        assert_eq!(prefill.cancel(&child), kvxfer_core::CancelOutcome::Released);
+        let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
+        assert_eq!(ends[0].kind, kvxfer::EndKind::Released);
+        assert_eq!(prefill.stats().leases.draining, 0);
+    }
+}
+
+/// Review 10 finding 4: a pin was held `pin_timeout + bytes / min_transfer_rate` whatever the
+/// lease's maximum lifetime, so pins (and long TCP reads) kept a lease's blocks far past
+/// `max_lease_lifetime`. A pin's hold is capped at the lease's hard deadline plus the io
+/// timeout now, and the holder is told.
+#[test]
+fn a_pin_never_holds_a_lease_past_its_maximum_lifetime() {
+    let io = Duration::from_millis(300);
+    let max_life = Duration::from_millis(700);
+    let config = AgentConfig::new("prefill").io_timeout(io).max_lease_lifetime(max_life);
+    // pin_timeout stays at its default (60 s).
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_unkeyed(config, layout.clone());
+    let result = prefill.lease_parent("L", vec![vec![1, 2, 3]], 1, None).expect("lease");
+    let child = &result.children()[0];
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let addr = prefill.local_addr().to_string();
+        let mut c = kvxfer_tcp::Connection::connect(&addr, &raw_hello(&layout, "raw"), Default::default())
+            .await
+            .expect("connect");
+        let grant = c
+            .pin(child.remote_request_id(), child.token().as_bytes(), &runs(&[(1, 3)]), false)
+            .await
+            .expect("pin");
+        assert!(
+            grant.held_for <= max_life + io,
+            "held for {:?}, past the lease's maximum lifetime",
+            grant.held_for
+        );
+        // Never unpinned, never heartbeated: the pin goes at the cap, and the lease (expired at
+        // its deadline, draining while pinned) is handed back.
+        let ends = wait_ends(&prefill, 1, Duration::from_secs(10));
+        assert_eq!(ends[0].kind, kvxfer::EndKind::Expired);
+        let s = prefill.stats();
+        assert_eq!((s.server.pins_open, s.server.pins_expired, s.leases.draining), (0, 1, 0), "{s:?}");
+        drop(c);
+    });
+}
+
+/// Review 10 finding 4, TCP reads: a read's payload may take `io_timeout + bytes /
+/// min_transfer_rate`, which a slow transfer rate makes far longer than the lease may live;
+/// the read's deadline is capped at the lease's hard deadline plus the io timeout.
+#[test]
+fn a_tcp_read_never_holds_a_lease_past_its_maximum_lifetime() {
+    use std::io::{Read, Write};
+    let mut config = AgentConfig::new("prefill")
+        .io_timeout(Duration::from_secs(2))
+        .max_lease_lifetime(Duration::from_secs(1));
+    // 1 KiB/s: without the cap the 64 MiB read below would be allowed 18 hours.
+    config.limits.min_transfer_rate = 1024;
+    let layout = BlockLayout::single(1024, 64 * 1024).expect("layout");
+    let prefill = prefill_unkeyed(config, layout.clone());
+    let result = prefill.lease_parent("T", vec![(0..1024).collect()], 1, None).expect("lease");
+    let child = &result.children()[0];
+    let mut s = std::net::TcpStream::connect(prefill.local_addr()).expect("connect");
+    s.write_all(&frame_bytes(v1::FrameType::Hello, &raw_hello(&layout, "raw"))).expect("hello");
+    assert_eq!(first_frame_type(&mut s), v1::FrameType::HelloAck as u8);
+    let read = v1::ReadRequest {
+        seq: 1,
+        remote_request_id: child.remote_request_id().into(),
+        lease_token: child.token().as_bytes().to_vec(),
+        ranges: vec![v1::BlockRange { start: 0, count: 1024 }],
+        pin_crc32c: false,
+    };
+    s.write_all(&frame_bytes(v1::FrameType::ReadRequest, &read)).expect("read request");
+    s.set_read_timeout(Some(Duration::from_secs(3))).expect("read timeout");
+    // At most 64 KiB every 8 ms (about 8 MiB/s): fast enough for every progress timeout, but
+    // the whole payload takes about 8 s, past the lease's 1 s life (+ the 2 s io timeout).
+    // Give up after 20 s.
+    let started = std::time::Instant::now();
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 64 * 1024];
+    let cut_off = loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break true,
+            Ok(n) => got += n,
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(8));
+    };
+    eprintln!("cut off: {cut_off} after {got} bytes in {:?}", started.elapsed());
+    assert!(cut_off, "the reader still held its read after 20 s ({got} bytes)");
+    assert!(got < 64 << 20, "the whole payload arrived ({got} bytes in {:?})", started.elapsed());
+    eventually("the cut-off read is counted", || prefill.stats().server.slow_transfers == 1);
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
+    assert_eq!(ends[0].kind, kvxfer::EndKind::Expired);
+}

@@ -19,6 +19,13 @@
 //! Prefill memory holds `kvxfer_mem::pattern` bytes, so the decode side verifies every
 //! byte it pulled. Local blocks are the remote ones, child by child.
 //!
+//! In a cluster (built with the `cluster` feature): `--etcd URL --namespace NS` registers a
+//! prefill node (`--engine-id`, `--registration-ttl-s`; it prints
+//! `{"event":"registered",..}` once its key is in etcd) and makes a decode node resolve and
+//! watch engines (it prints `{"event":"directory","kind":"added|updated|removed",..}` as its
+//! directory changes, and `"kind":"present"` for what it had listed already); `{"cmd":"lease",..,"engine_only":true}` hands out results naming only
+//! the engine id; `--metrics ADDR` serves `/metrics` (`{"event":"metrics","addr":..}`).
+//!
 //! Both roles authenticate peers with the cluster key of `KVXFER_CLUSTER_KEY` (hex) or
 //! `KVXFER_CLUSTER_KEY_FILE`, and run unauthenticated when neither is set. A decode node
 //! also reports blocks held by a one-sided read it could not stop
@@ -82,16 +89,61 @@ struct Common {
     /// UCX endpoint error mode PEER (for networks; UCX then avoids shared memory).
     #[arg(long)]
     ucx_peer_failure: bool,
+    /// Serve Prometheus metrics at `GET /metrics` on this address (needs the `cluster` feature).
+    #[arg(long)]
+    metrics: Option<String>,
+    /// etcd client URL, repeatable: discovery on (needs the `cluster` feature).
+    #[arg(long = "etcd")]
+    etcd: Vec<String>,
+    /// Discovery namespace.
+    #[arg(long, default_value = "kvxfer")]
+    namespace: String,
+    /// This node's engine id (random when absent).
+    #[arg(long)]
+    engine_id: Option<String>,
+    /// Registration lease TTL in seconds (prefill, with `--etcd`).
+    #[arg(long, default_value_t = 10)]
+    registration_ttl_s: u64,
+    /// The host hand-offs name (prefill; default: the listen address).
+    #[arg(long)]
+    advertise_host: Option<String>,
 }
 
 impl Common {
     fn config(&self, name: &str) -> Result<AgentConfig, String> {
-        AgentConfig::new(name)
+        let mut c = AgentConfig::new(name)
             .io_timeout(Duration::from_millis(self.io_timeout_ms))
             .transport(self.transport)
             .ucx_options(self.ucx_tls.clone(), self.ucx_peer_failure)
             .and_then(AgentConfig::cluster_key_from_env)
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        if let Some(id) = &self.engine_id {
+            c = c.engine_id(id);
+        }
+        c.advertise_host.clone_from(&self.advertise_host);
+        self.cluster(c)
+    }
+
+    #[cfg(feature = "cluster")]
+    fn cluster(&self, mut c: AgentConfig) -> Result<AgentConfig, String> {
+        if !self.etcd.is_empty() {
+            let d = kvxfer::cluster::DiscoveryConfig::new(self.etcd.clone(), self.namespace.clone())
+                .registration_ttl(Duration::from_secs(self.registration_ttl_s));
+            c = c.discovery(d);
+        }
+        if let Some(addr) = &self.metrics {
+            c = c.metrics_listen(addr);
+        }
+        Ok(c)
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    fn cluster(&self, c: AgentConfig) -> Result<AgentConfig, String> {
+        if self.etcd.is_empty() && self.metrics.is_none() {
+            Ok(c)
+        } else {
+            Err("--etcd and --metrics need kvxfer-node built with the `cluster` feature".into())
+        }
     }
     fn layout(&self) -> Result<BlockLayout, String> {
         BlockLayout::single(self.blocks, self.block_bytes).map_err(|e| e.to_string())
@@ -114,9 +166,26 @@ fn commands() -> impl Iterator<Item = Value> {
 
 fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
     let mem = pattern::alloc_filled(common.layout()?).map_err(|e| e.to_string())?;
-    let agent = PrefillAgent::start(common.config("node-prefill")?.lease_ttl(ttl), listen, mem)
-        .map_err(|e| e.to_string())?;
-    emit(json!({"event": "listening", "addr": agent.local_addr().to_string()}));
+    let config = common.config("node-prefill")?.lease_ttl(ttl);
+    let engine_id = config.engine_id.clone();
+    let agent = PrefillAgent::start(config, listen, mem).map_err(|e| e.to_string())?;
+    emit(json!({
+        "event": "listening", "addr": agent.local_addr().to_string(),
+        "incarnation": format!("{:016x}", agent.incarnation()),
+        "engine_id": engine_id,
+    }));
+    #[cfg(feature = "cluster")]
+    {
+        if let Some(addr) = agent.metrics_addr() {
+            emit(json!({"event": "metrics", "addr": addr.to_string()}));
+        }
+        if agent.registration_status().is_some() {
+            match agent.wait_registered(Duration::from_secs(15)) {
+                Ok(_) => emit(json!({"event": "registered", "ok": true})),
+                Err(s) => emit(json!({"event": "registered", "ok": false, "status": format!("{s:?}")})),
+            }
+        }
+    }
     let events = agent.events().clone();
     std::thread::spawn(move || {
         for e in events.iter() {
@@ -145,6 +214,11 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
                     })
                     .collect();
                 match agent.lease_parent(parent, blocks, 1, None) {
+                    // Hand-offs naming only the engine id (decode nodes resolve it in etcd).
+                    Ok(r) if cmd["engine_only"].as_bool() == Some(true) => emit(json!({
+                        "event": "result", "parent": parent,
+                        "result": hex::encode(r.engine_only().to_wire().encode_to_vec()),
+                    })),
                     Ok(r) => emit(json!({
                         "event": "result", "parent": parent, "result": hex::encode(r.to_wire().encode_to_vec()),
                     })),
@@ -158,6 +232,8 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
                     "released": s.leases.released, "expired": s.leases.expired, "live": s.leases.live,
                     "unrecognized": s.leases.unrecognized, "pins_open": s.server.pins_open,
                     "bytes_served": s.server.bytes_served, "auth_required": s.server.auth_required,
+                    "bytes_served_one_sided": s.server.bytes_served_one_sided,
+                    "connections_open": s.connections_open,
                     "auth_failed": s.server.auth_failed,
                 }));
             }
@@ -171,6 +247,26 @@ fn decode(common: &Common) -> Result<(), String> {
     let mem = KvMemory::alloc(common.layout()?).map_err(|e| e.to_string())?;
     let agent = DecodeAgent::start(common.config("node-decode")?, mem).map_err(|e| e.to_string())?;
     emit(json!({"event": "ready"}));
+    #[cfg(feature = "cluster")]
+    {
+        if let Some(addr) = agent.metrics_addr() {
+            emit(json!({"event": "metrics", "addr": addr.to_string()}));
+        }
+        if let Some(dir) = agent.directory() {
+            let mut events = dir.subscribe();
+            // What the directory listed before this subscription (its events went unseen).
+            for e in dir.entries() {
+                let mut line = directory_event(&kvxfer::cluster::DirectoryEvent::Added(e));
+                line["kind"] = json!("present");
+                emit(line);
+            }
+            std::thread::spawn(move || {
+                while let Some(e) = events.blocking_recv() {
+                    emit(directory_event(&e));
+                }
+            });
+        }
+    }
     let reclaimed = agent.reclaimed().clone();
     std::thread::spawn(move || {
         for r in reclaimed.iter() {
@@ -181,6 +277,17 @@ fn decode(common: &Common) -> Result<(), String> {
         }
     });
     for cmd in commands() {
+        if cmd["cmd"].as_str() == Some("stats") {
+            let s = agent.stats();
+            emit(json!({
+                "event": "stats", "pulls": s.pulls, "children_done": s.children_done,
+                "children_failed": s.children_failed, "bytes_pulled": s.bytes_pulled,
+                "bytes_pulled_ucx": s.bytes_pulled_ucx, "connections_opened": s.connections_opened,
+                "peers": s.peers, "peers_invalidated": s.peers_invalidated,
+                "integrity_failures": s.integrity_failures,
+            }));
+            continue;
+        }
         if cmd["cmd"].as_str() != Some("pull") {
             emit(json!({"event": "error", "message": format!("unknown command {cmd}")}));
             continue;
@@ -262,6 +369,23 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// A directory change as a JSON line.
+#[cfg(feature = "cluster")]
+fn directory_event(e: &kvxfer::cluster::DirectoryEvent) -> Value {
+    use kvxfer::cluster::DirectoryEvent;
+    let (kind, entry, old) = match e {
+        DirectoryEvent::Added(n) => ("added", n, None),
+        DirectoryEvent::Updated { old, new } => ("updated", new, Some(old)),
+        DirectoryEvent::Removed(o) => ("removed", o, None),
+    };
+    json!({
+        "event": "directory", "kind": kind, "engine": entry.key.engine_id.as_str(), "rank": entry.key.rank,
+        "addr": entry.record.addr.to_string(), "incarnation": format!("{:016x}", entry.record.incarnation),
+        "old_incarnation": old.map(|o| format!("{:016x}", o.record.incarnation)),
+        "transports": entry.record.transports.iter().map(|t| t.as_str()).collect::<Vec<_>>(),
+    })
 }
 
 /// The name of the `PullError` variant at the root of `e` (a sibling's failure: its cause).

@@ -135,6 +135,22 @@ impl PeerEp {
         Ok(peer)
     }
 
+    /// Starts the endpoint's wire-up check: a flush, which UCX completes only once the
+    /// endpoint is connected both ways (the target's reply to our wire-up request has
+    /// arrived, so the target no longer holds it queued). `None`: already wired up.
+    pub(super) fn start_wireup(&self) -> Result<Option<Wireup>, UcxError> {
+        let param = sys::ucp_request_param_t::default();
+        // SAFETY: live endpoint; no callback, so UCX keeps no pointer of ours.
+        let req = unsafe { sys::ucp_ep_flush_nbx(self.ep, &param) };
+        if req.is_null() {
+            Ok(None)
+        } else if sys::UCS_PTR_IS_ERR(req) {
+            Err(UcxError::status("ucp_ep_flush_nbx", sys::UCS_PTR_STATUS(req)))
+        } else {
+            Ok(Some(Wireup(req)))
+        }
+    }
+
     /// Destroys the rkeys, then closes the endpoint once: gracefully (flush, and tell the
     /// peer so its side is removed cleanly — UCX 1.13 can abort in wire-up when a peer's
     /// endpoint just vanishes), or forcefully when the peer has already failed. A graceful
@@ -176,5 +192,27 @@ impl PeerEp {
         // SAFETY: live endpoint, closed exactly once: its only callers consume the PeerEp.
         let req = unsafe { sys::ucp_ep_close_nbx(self.ep, &param) };
         worker.wait_request(req, Instant::now() + Duration::from_secs(2))
+    }
+}
+
+/// An endpoint's wire-up under way: the flush request of [`PeerEp::start_wireup`]. Dropping
+/// it releases the request (UCX frees one still in flight when it completes; it has no
+/// callback). Dropped before its worker (thread loop order).
+pub(super) struct Wireup(sys::ucs_status_ptr_t);
+
+impl Wireup {
+    /// `None` while the wire-up runs; then whether it succeeded.
+    pub(super) fn poll(&self) -> Option<Result<(), UcxError>> {
+        // SAFETY: a live request of ours (released only in Drop).
+        let status = unsafe { sys::ucp_request_check_status(self.0) };
+        (status != sys::UCS_INPROGRESS).then(|| check("wire-up", status))
+    }
+}
+
+impl Drop for Wireup {
+    fn drop(&mut self) {
+        // SAFETY: a request of ours, released once; UCX allows releasing one still in
+        // flight (it is freed when it completes, and runs no callback).
+        unsafe { sys::ucp_request_free(self.0) };
     }
 }

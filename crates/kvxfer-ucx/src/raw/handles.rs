@@ -124,7 +124,10 @@ impl Worker {
         Ok(bytes)
     }
 
-    /// Runs a non-blocking request to completion.
+    /// Runs a non-blocking request (one without a callback) to completion, or until
+    /// `deadline`: then it is released unfinished (UCX frees it when it completes; a
+    /// request still unreleased when its worker is destroyed trips UCX 1.13's assertion
+    /// `ucp_ep.c:382 ... UCP_REQUEST_FLAG_RELEASED` and aborts the process).
     pub(super) fn wait_request(&self, req: sys::ucs_status_ptr_t, deadline: Instant) -> Result<(), UcxError> {
         if req.is_null() {
             return Ok(());
@@ -142,6 +145,9 @@ impl Worker {
                 return check("request", st);
             }
             if Instant::now() > deadline {
+                // SAFETY: a live request of ours without a callback, released once; UCX
+                // allows releasing one still in flight.
+                unsafe { sys::ucp_request_free(req) };
                 return Err(UcxError::other("request", "did not complete in time"));
             }
             self.wait(Duration::from_millis(1));

@@ -12,7 +12,7 @@ use crossbeam_channel::{Receiver, Sender};
 use tracing::warn;
 use ucx_sys as sys;
 
-use super::endpoint::PeerEp;
+use super::endpoint::{PeerEp, Wireup};
 use super::error::UcxError;
 use super::handles::{setup, Signal};
 use crate::{Command, Done, GetPiece, Span, UcxConfig};
@@ -39,9 +39,12 @@ fn check_pieces(peer: &PeerEp, pieces: &[GetPiece]) -> Result<(), UcxError> {
     Ok(())
 }
 
-/// A get under way: pieces outstanding, first error, and who to tell.
+/// A get under way: the endpoint it was issued on, pieces outstanding, first error, and
+/// who to tell.
 struct Job {
-    peer: String,
+    /// The generation of the endpoint (not the peer's name: a read that never completes must
+    /// not hold up a new endpoint to the same peer).
+    ep: u64,
     outstanding: usize,
     error: Option<UcxError>,
     bytes: u64,
@@ -108,6 +111,35 @@ fn issue(peer: &PeerEp, job: &mut Box<Job>, pieces: &[GetPiece]) -> Result<(), U
     Ok(())
 }
 
+/// An endpoint whose wire-up is under way. Its connect's `done` runs when the wire-up
+/// finishes (or fails, or takes longer than [`WIREUP_TIMEOUT`]); `done` is `None` once the
+/// connect was answered without the endpoint (timed out, disconnected, aborted, stopping),
+/// and the endpoint is then closed when its wire-up finishes, not before.
+///
+/// Why wait: until the target's reply to our wire-up request has gone out, UCX 1.13's
+/// target holds it queued on a transport endpoint to us (over tcp: until we accept and
+/// acknowledge its connection, which needs our worker progressed). If our endpoint is
+/// closed or this process dies in that window, the target fails that endpoint, purges the
+/// queued reply, and aborts on an assertion (`ucp_request.c:684 ... got REP message`; see
+/// ARCHITECTURE.md, UCX notes).
+struct Wiring {
+    peer: String,
+    ep: PeerEp,
+    wireup: Wireup,
+    deadline: Instant,
+    done: Option<Done<()>>,
+}
+
+impl Wiring {
+    /// Answers the connect (if not answered yet) with `error`; the endpoint is kept until
+    /// its wire-up finishes.
+    fn give_up(&mut self, error: impl FnOnce() -> UcxError) {
+        if let Some(done) = self.done.take() {
+            done(Err(error()));
+        }
+    }
+}
+
 type InitiatorReady = Sender<Result<Signal, UcxError>>;
 
 /// The decode side's thread: endpoints, rkeys and gets, all on one worker.
@@ -128,12 +160,17 @@ pub(crate) fn run_initiator(
         }
     };
     let signal = Signal::new(&worker);
-    let mut peers: std::collections::HashMap<String, PeerEp> = std::collections::HashMap::new();
+    // The live endpoint of each peer, with its generation (counted from 1 per initiator).
+    let mut peers: std::collections::HashMap<String, (u64, PeerEp)> = std::collections::HashMap::new();
+    let mut generation = 0u64;
     let mut jobs: Vec<Box<Job>> = Vec::new();
-    // Endpoints a Disconnect took out of `peers`, closed once no read uses them. Held by
-    // value (not by peer name), so a Connect to the same peer in the same batch keeps its
-    // new endpoint.
-    let mut closing: Vec<(String, PeerEp)> = Vec::new();
+    // Endpoints a Disconnect (or a Connect replacing them) took out of `peers`, closed once no
+    // read uses them. Held by value with their generation, so a Connect to the same peer keeps
+    // its new endpoint, and reads still in flight on an old one (even one that never
+    // completes) hold up only that one.
+    let mut closing: Vec<(String, u64, PeerEp)> = Vec::new();
+    // Endpoints made by a Connect whose wire-up has not finished.
+    let mut wiring: Vec<Wiring> = Vec::new();
     let mut stop_since: Option<Instant> = None;
     let mut leak = false;
     if ready.send(Ok(signal.clone())).is_ok() {
@@ -141,28 +178,48 @@ pub(crate) fn run_initiator(
             while let Ok(cmd) = commands.try_recv() {
                 match cmd {
                     Command::Connect { peer, info, done } => {
-                        if jobs.iter().any(|j| j.peer == peer) {
-                            done(Err(UcxError::other("connect", "reads to this peer are still in flight")));
+                        if wiring.iter().any(|w| w.peer == peer && w.done.is_some()) {
+                            done(Err(UcxError::other("connect", "a connect to this peer is under way")));
                             continue;
                         }
-                        if let Some(old) = peers.remove(&peer) {
-                            old.close(&worker);
+                        // The old endpoint is closed once its reads finish (at once if none).
+                        if let Some((g, old)) = peers.remove(&peer) {
+                            closing.push((peer.clone(), g, old));
                         }
-                        match PeerEp::connect(&worker, &info, config.peer_failure_handling) {
-                            Ok(ep) => {
-                                peers.insert(peer, ep);
+                        let ep = match PeerEp::connect(&worker, &info, config.peer_failure_handling) {
+                            Ok(ep) => ep,
+                            Err(e) => {
+                                done(Err(e));
+                                continue;
+                            }
+                        };
+                        // Answered once the endpoint is wired up both ways (see `Wiring`).
+                        match ep.start_wireup() {
+                            Ok(None) => {
+                                generation += 1;
+                                peers.insert(peer, (generation, ep));
                                 done(Ok(()));
                             }
-                            Err(e) => done(Err(e)),
+                            Ok(Some(wireup)) => wiring.push(Wiring {
+                                peer,
+                                ep,
+                                wireup,
+                                deadline: Instant::now() + WIREUP_TIMEOUT,
+                                done: Some(done),
+                            }),
+                            Err(e) => {
+                                ep.close(&worker);
+                                done(Err(e));
+                            }
                         }
                     }
                     Command::Get { peer, pieces, done } => {
-                        let Some(ep) = peers.get(&peer) else {
+                        let Some((g, ep)) = peers.get(&peer) else {
                             done(Err(UcxError::other("get", format!("no endpoint to {peer}"))));
                             continue;
                         };
                         let mut job =
-                            Box::new(Job { peer, outstanding: 0, error: None, bytes: 0, done: Some(done) });
+                            Box::new(Job { ep: *g, outstanding: 0, error: None, bytes: 0, done: Some(done) });
                         if let Err(e) = issue(ep, &mut job, &pieces) {
                             // Pieces already issued still complete into this job: keep it
                             // until they do, and report this error then.
@@ -172,24 +229,75 @@ pub(crate) fn run_initiator(
                         jobs.push(job);
                     }
                     Command::Disconnect { peer } => {
-                        if let Some(ep) = peers.remove(&peer) {
-                            closing.push((peer, ep));
+                        for w in wiring.iter_mut().filter(|w| w.peer == peer) {
+                            w.give_up(|| {
+                                UcxError::other("connect", "disconnected before the wire-up finished")
+                            });
+                        }
+                        if let Some((g, ep)) = peers.remove(&peer) {
+                            closing.push((peer, g, ep));
                         }
                     }
                     Command::Abort { peer } => {
                         // The live endpoint and any disconnected one still finishing reads.
                         let (doomed, rest): (Vec<_>, Vec<_>) =
-                            closing.drain(..).partition(|(p, _)| *p == peer);
+                            closing.drain(..).partition(|(p, _, _)| *p == peer);
                         closing = rest;
-                        let eps = peers.remove(&peer).into_iter().chain(doomed.into_iter().map(|(_, ep)| ep));
+                        let eps = peers
+                            .remove(&peer)
+                            .map(|(_, ep)| ep)
+                            .into_iter()
+                            .chain(doomed.into_iter().map(|(_, _, ep)| ep));
                         for ep in eps {
                             warn!(%peer, "aborting the UCX endpoint: reads in flight are cancelled");
                             ep.abort(&worker);
+                        }
+                        // No read uses an endpoint still wiring up: it is closed (not forced)
+                        // once its wire-up finishes.
+                        for w in wiring.iter_mut().filter(|w| w.peer == peer) {
+                            w.give_up(|| UcxError::other("connect", "aborted before the wire-up finished"));
                         }
                     }
                 }
             }
             worker.progress_all();
+            // Answer connects whose wire-up finished; close given-up endpoints once theirs did.
+            let now = Instant::now();
+            let mut still_wiring = Vec::with_capacity(wiring.len());
+            for mut w in wiring.drain(..) {
+                match w.wireup.poll() {
+                    None => {
+                        if now > w.deadline {
+                            w.give_up(|| {
+                                UcxError::other(
+                                    "connect",
+                                    format!("the peer did not finish the wire-up in {WIREUP_TIMEOUT:?}"),
+                                )
+                            });
+                        }
+                        still_wiring.push(w);
+                    }
+                    Some(result) => {
+                        let Wiring { peer, ep, wireup, done, .. } = w;
+                        drop(wireup);
+                        match (done, result) {
+                            (Some(done), Ok(())) => {
+                                generation += 1;
+                                if let Some((g, old)) = peers.insert(peer.clone(), (generation, ep)) {
+                                    closing.push((peer, g, old));
+                                }
+                                done(Ok(()));
+                            }
+                            (Some(done), Err(e)) => {
+                                ep.close(&worker);
+                                done(Err(e));
+                            }
+                            (None, _) => ep.close(&worker),
+                        }
+                    }
+                }
+            }
+            wiring = still_wiring;
             // Finish jobs whose pieces all completed.
             jobs.retain_mut(|job| {
                 if job.outstanding > 0 {
@@ -205,19 +313,27 @@ pub(crate) fn run_initiator(
             });
             // Close endpoints nobody reads from any more.
             let mut still_closing = Vec::with_capacity(closing.len());
-            for (peer, ep) in closing.drain(..) {
-                if jobs.iter().any(|j| j.peer == peer) {
-                    still_closing.push((peer, ep));
+            for (peer, g, ep) in closing.drain(..) {
+                if jobs.iter().any(|j| j.ep == g) {
+                    still_closing.push((peer, g, ep));
                 } else {
                     ep.close(&worker);
                 }
             }
             closing = still_closing;
             if stop.load(Ordering::Acquire) {
-                if jobs.is_empty() {
+                for w in &mut wiring {
+                    w.give_up(|| UcxError::other("connect", "the UCX initiator is stopping"));
+                }
+                if jobs.is_empty() && wiring.is_empty() {
                     break;
                 }
                 let since = *stop_since.get_or_insert_with(Instant::now);
+                if jobs.is_empty() && since.elapsed() > WIREUP_GRACE_AT_STOP {
+                    // Wire-ups that did not finish in time: their endpoints are closed below
+                    // anyway (the peer is gone or stuck).
+                    break;
+                }
                 if since.elapsed() > STUCK_READ_GRACE {
                     // UCX still owns reads that will not finish. Destroying the worker or
                     // unmapping could let UCX write into (or call back into) freed memory,
@@ -230,20 +346,28 @@ pub(crate) fn run_initiator(
                     break;
                 }
             }
-            if jobs.is_empty() {
+            if jobs.is_empty() && wiring.iter().all(|w| w.done.is_none()) {
                 worker.wait(Duration::from_millis(100));
             } else {
-                // Transfers in flight: wait briefly on the event fd (tcp) without spinning.
+                // Transfers or connects under way: wait briefly on the event fd without
+                // spinning. (A wire-up needs the target's new tcp connection to us accepted,
+                // and a waiting UCX 1.13 initiator was not seen woken for it here.)
                 worker.wait(Duration::from_millis(1));
             }
         }
     }
     signal.disarm();
     if leak {
-        std::mem::forget((jobs, peers, closing, maps, worker, ctx, keep_alive));
+        std::mem::forget((jobs, peers, closing, wiring, maps, worker, ctx, keep_alive));
         return;
     }
-    for (_, ep) in peers.drain().chain(closing.drain(..)) {
+    let unwired = wiring.drain(..).map(|w| {
+        drop(w.wireup);
+        w.ep
+    });
+    for ep in
+        peers.drain().map(|(_, (_, ep))| ep).chain(closing.drain(..).map(|(_, _, ep)| ep)).chain(unwired)
+    {
         ep.close(&worker);
     }
     drop(maps);
@@ -254,3 +378,11 @@ pub(crate) fn run_initiator(
 
 /// How long a stopping initiator waits for reads in flight before leaking instead.
 const STUCK_READ_GRACE: Duration = Duration::from_secs(5);
+
+/// How long a stopping initiator (with no reads in flight) waits for wire-ups under way
+/// before closing their endpoints anyway.
+const WIREUP_GRACE_AT_STOP: Duration = Duration::from_secs(1);
+
+/// How long a connect waits for its endpoint's wire-up before it fails (the endpoint is
+/// still kept until the wire-up finishes).
+const WIREUP_TIMEOUT: Duration = Duration::from_secs(5);

@@ -16,18 +16,19 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvxfer_core::plan::ResultPlan;
 use kvxfer_core::pull::{PullChild, PullConfig, PullMachine};
-use kvxfer_core::{BlockId, PrefillResult};
+use kvxfer_core::{BlockId, ChildHandoff, PrefillResult};
 use kvxfer_mem::KvMemory;
-use kvxfer_proto::v1;
+use kvxfer_proto::v1::{self, LeaseOutcome};
 use kvxfer_tcp::{ClientError, Connection};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::warn;
+use tracing::{info, warn};
 
 #[cfg(feature = "ucx")]
 pub(crate) use peer::read_error;
 pub(crate) use peer::Peer;
+use peer::{ControlOp, ControlReply};
 use report::{add, Counters};
 pub use report::{ChildReport, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
 
@@ -44,16 +45,62 @@ pub(crate) struct Inner {
     pub(crate) busy: Arc<Mutex<HashSet<BlockId>>>,
     #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     pub(crate) reclaimed_tx: Sender<Reclaimed>,
-    pub(crate) counters: Counters,
+    /// Shared with the metrics source, which may outlive the agent by a scrape.
+    pub(crate) counters: Arc<Counters>,
     /// Set by `shutdown`: pulls stop starting reads.
     stop: CancellationToken,
     /// Set when the shutdown grace is over: pulls abort their reads.
     abort: CancellationToken,
     #[cfg(feature = "ucx")]
     pub(crate) ucx: Option<crate::runtime::DropOffRuntime<kvxfer_ucx::UcxInitiator>>,
+    /// The engine directory and the metrics, when configured.
+    #[cfg(feature = "cluster")]
+    pub(crate) cluster: Option<crate::cluster::DecodeCluster>,
 }
 
 impl Inner {
+    /// Where to pull `engine`'s hand-offs from: their own address, checked against
+    /// discovery when it runs (which also resolves hand-offs naming only the engine id).
+    pub(crate) fn resolve(
+        &self,
+        engine: &kvxfer_core::EngineInfo,
+    ) -> Result<String, kvxfer_core::pull::PullError> {
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.cluster {
+            return c.resolve(engine, self.config.rank);
+        }
+        Ok(engine.addr())
+    }
+
+    /// Whether a hand-off naming only the engine id can be resolved here.
+    fn resolves_engine_ids(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.cluster {
+            return c.directory().is_some();
+        }
+        false
+    }
+
+    /// Prefill peers this agent keeps connections (or a pool) for.
+    pub(crate) fn peer_count(&self) -> u64 {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner()).len() as u64
+    }
+
+    /// Forgets the peer at `addr` (its engine left or changed): new pulls get fresh
+    /// connections at once, and its pooled ones are closed. Returns whether there was one.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn invalidate_peer(&self, addr: &str) -> bool {
+        let peer = self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(addr);
+        match peer {
+            // A pull may hold its control connection: close them from a task of their own.
+            Some(peer) => {
+                tokio::spawn(async move { peer.reset().await });
+                true
+            }
+            None => false,
+        }
+    }
+
     pub(crate) fn peer(&self, addr: &str) -> Arc<Peer> {
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
         if !peers.contains_key(addr) {
@@ -63,7 +110,9 @@ impl Inner {
         }
         peers
             .entry(addr.to_owned())
-            .or_insert_with(|| Arc::new(Peer::new(addr, self.config.connections_per_peer)))
+            .or_insert_with(|| {
+                Arc::new(Peer::new(addr, self.config.connections_per_peer, self.config.limits.idle_timeout))
+            })
             .clone()
     }
 
@@ -175,6 +224,8 @@ impl DecodeAgent {
             transports.insert(0, crate::hello::ucx_reader_offer());
         }
         let hello = crate::hello::hello(&config, memory.layout(), transports);
+        #[cfg(feature = "cluster")]
+        let cluster = crate::cluster::DecodeCluster::start(&handle, &config, memory.layout().compat_hash())?;
         if config.cluster_key.is_none() {
             crate::hello::warn_unauthenticated("decode", &config.agent_name);
         }
@@ -189,10 +240,16 @@ impl DecodeAgent {
             peers: Mutex::new(HashMap::new()),
             busy: Arc::new(Mutex::new(HashSet::new())),
             reclaimed_tx,
-            counters: Counters::default(),
+            counters: Arc::new(Counters::default()),
             stop: CancellationToken::new(),
             abort: CancellationToken::new(),
+            #[cfg(feature = "cluster")]
+            cluster,
         });
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &inner.cluster {
+            c.attach(&handle, &inner);
+        }
         Ok(DecodeAgent {
             inner,
             handle,
@@ -264,6 +321,11 @@ impl DecodeAgent {
         if children.is_empty() {
             return Err(SubmitError::NothingSelected { parent }.into());
         }
+        if let Some(c) = children.iter().find(|c| !c.engine().names_address()) {
+            if !self.inner.resolves_engine_ids() {
+                return Err(SubmitError::NoAddress { parent, engine: c.engine().engine_id.clone() }.into());
+            }
+        }
         let engines: HashSet<(&str, String, u64)> = children
             .iter()
             .map(|c| (c.engine().engine_id.as_str(), c.engine().addr(), c.engine().incarnation))
@@ -290,8 +352,7 @@ impl DecodeAgent {
         }
         add(&self.inner.counters.pulls, 1);
         let min_ttl = children.iter().map(|c| c.ttl()).min().unwrap_or(Duration::from_secs(30));
-        let heartbeat_every =
-            self.inner.config.heartbeat_interval.unwrap_or(min_ttl / 6).max(Duration::from_millis(10));
+        let heartbeat_every = heartbeat_interval(self.inner.config.heartbeat_interval, min_ttl);
         let machine = PullMachine::new(
             plan,
             children
@@ -307,6 +368,40 @@ impl DecodeAgent {
         Ok(handle)
     }
 
+    /// Releases the lease of a child this agent will not pull — a request aborted while it
+    /// still waited in the decode queue (vLLM aborts those), or a child of a result this
+    /// worker takes only part of — without reading anything: a cancel goes over the peer's
+    /// control connection (retried on a fresh connection like a pull's, bounded by the io
+    /// timeout), so the prefill side frees the blocks now rather than at the lease's expiry.
+    ///
+    /// Returns whether the prefill side released the lease (also when an earlier release had,
+    /// and its answer was lost); false when the lease had been pulled or had expired, was
+    /// unknown there (wrong token, or a restarted prefill process), or the peer could not be
+    /// reached — then it ends by expiry, if it has not ended. Counted in
+    /// `DecodeStats::leases_released` / `releases_refused`.
+    ///
+    /// Unlike [`PullHandle::cancel_child`], nothing races: the child is not being pulled. Do
+    /// not release a child a pull of this agent is reading (its read then fails as a lease
+    /// that ended); cancel it through its handle.
+    pub async fn release(&self, child: &ChildHandoff) -> bool {
+        let peer = self.inner.peer(&child.engine().addr());
+        let id = child.remote_request_id().to_owned();
+        let op = ControlOp::Cancel { id, token: child.token().as_bytes().to_vec() };
+        let answer = peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await;
+        let released = matches!(
+            answer,
+            Some((Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)), _))
+        );
+        if released {
+            add(&self.inner.counters.leases_released, 1);
+            info!(remote_request_id = %child.remote_request_id(), "lease released without pulling it");
+        } else {
+            add(&self.inner.counters.releases_refused, 1);
+            info!(remote_request_id = %child.remote_request_id(), answer = ?answer, "release not applied");
+        }
+        released
+    }
+
     /// Parses a wire prefill result (refusing incomplete ones, naming the missing children)
     /// and submits it.
     pub fn submit_wire(
@@ -320,8 +415,26 @@ impl DecodeAgent {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> DecodeStats {
-        let peers = self.inner.peers.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
-        self.inner.counters.snapshot(peers)
+        self.inner.counters.snapshot(self.inner.peer_count())
+    }
+
+    /// The engine directory pulls resolve through, when discovery is configured: its
+    /// [`subscribe`](crate::cluster::EngineDirectory::subscribe) sees what the agent reacts to.
+    #[cfg(feature = "cluster")]
+    pub fn directory(&self) -> Option<&Arc<crate::cluster::EngineDirectory>> {
+        self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::directory)
+    }
+
+    /// The address `/metrics` is served on, when configured.
+    #[cfg(feature = "cluster")]
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics_addr)
+    }
+
+    /// The metrics registry the agent feeds, when configured.
+    #[cfg(feature = "cluster")]
+    pub fn metrics(&self) -> Option<&Arc<crate::cluster::Metrics>> {
+        self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics)
     }
 
     /// Shuts the agent down gracefully: takes no new pulls, lets pulls under way read for up
@@ -336,6 +449,10 @@ impl DecodeAgent {
             self.inner.abort.cancel();
             self.tasks.wait().await;
         }
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.inner.cluster {
+            c.stop().await;
+        }
     }
 
     /// Stops taking pulls and tells the pulls under way to stop starting reads.
@@ -344,6 +461,18 @@ impl DecodeAgent {
         self.tasks.close();
         self.inner.stop.cancel();
     }
+}
+
+/// The decode side never heartbeats a pull's leases more often than this, whatever the
+/// hand-offs' ttls (a prefill peer, or a `kv_transfer_params` from a request body, may state
+/// a ttl of 1 ms) or `AgentConfig::heartbeat_interval` say: a lease whose ttl is below about
+/// twice this cannot be kept alive by heartbeats, and is not worth spinning for.
+pub(crate) const MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How often a pull heartbeats: the configured interval, else a sixth of the shortest ttl of
+/// its hand-offs; never more often than [`MIN_HEARTBEAT_INTERVAL`].
+fn heartbeat_interval(configured: Option<Duration>, min_ttl: Duration) -> Duration {
+    configured.unwrap_or(min_ttl / 6).max(MIN_HEARTBEAT_INTERVAL)
 }
 
 impl DecodeAgent {

@@ -2,20 +2,50 @@
 //! connection per peer (notify / heartbeat / cancel never wait behind a large read), and the
 //! mapping of connection errors to typed [`PullError`]s.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
+use super::report::add;
 use super::Inner;
 use kvxfer_core::pull::{MismatchField, PullError};
 use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
 use kvxfer_tcp::{ClientError, Connection, FrameError};
 use tokio::sync::Semaphore;
+use tracing::debug;
+
+/// Attempts a control exchange (notify, cancel, heartbeat) makes at most: the first, and
+/// retries on fresh connections after one failed midway.
+const CONTROL_ATTEMPTS: u32 = 3;
+
+/// A connection waiting in a pool, and since when.
+struct Pooled {
+    conn: Connection,
+    since: Instant,
+}
+
+impl Pooled {
+    fn new(conn: Connection) -> Self {
+        Pooled { conn, since: Instant::now() }
+    }
+
+    /// Whether it may be reused: the peer did not close it, and it has been idle for less
+    /// than `max_idle` (the prefill side closes connections idle for its `idle_timeout`; a
+    /// request racing that close would fail).
+    fn reusable(&self, max_idle: Duration) -> bool {
+        self.since.elapsed() < max_idle && !self.conn.closed_by_peer()
+    }
+}
 
 /// A prefill agent this decode agent talks to.
 pub(crate) struct Peer {
     pub(crate) addr: String,
-    idle: Mutex<Vec<Connection>>,
+    idle: Mutex<Vec<Pooled>>,
     permits: Semaphore,
-    control: tokio::sync::Mutex<Option<Connection>>,
+    control: tokio::sync::Mutex<Option<Pooled>>,
+    /// Longest a pooled connection may have been idle to be reused: half the agent's
+    /// `Limits::idle_timeout`.
+    max_idle: Duration,
     /// The engine id and incarnation our UCX endpoint to this address was made for (a
     /// restarted prefill at the same address gets a new endpoint).
     #[cfg(feature = "ucx")]
@@ -23,36 +53,44 @@ pub(crate) struct Peer {
 }
 
 impl Peer {
-    /// A peer at `addr` with `connections` data connections at most.
-    pub(crate) fn new(addr: &str, connections: usize) -> Self {
+    /// A peer at `addr` with `connections` data connections at most, whose pooled connections
+    /// are reused while idle for less than half of `idle_timeout`.
+    pub(crate) fn new(addr: &str, connections: usize, idle_timeout: Duration) -> Self {
         Peer {
             addr: addr.to_owned(),
             idle: Mutex::new(Vec::new()),
             permits: Semaphore::new(connections.max(1)),
             control: tokio::sync::Mutex::new(None),
+            max_idle: idle_timeout / 2,
             #[cfg(feature = "ucx")]
             ucx_engine: tokio::sync::Mutex::new(None),
         }
     }
 
     /// A data connection for one request: waits for one of the peer's permits, then reuses an
-    /// idle connection or opens a new one.
+    /// idle connection or opens a new one. The flag says whether it was reused.
     pub(crate) async fn checkout(
         &self,
         inner: &Inner,
-    ) -> Result<(tokio::sync::SemaphorePermit<'_>, Connection), PullError> {
+    ) -> Result<(tokio::sync::SemaphorePermit<'_>, Connection, bool), PullError> {
         // The semaphore is never closed.
         let permit = self.permits.acquire().await.map_err(|_| PullError::Shutdown)?;
-        // Skip pooled connections the peer closed meanwhile (it restarted, or timed them out).
+        // Skip pooled connections the peer closed meanwhile (it restarted, or timed them out)
+        // or that sat idle long enough for the peer to be about to.
         let idle = {
             let mut pool = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-            std::iter::from_fn(|| pool.pop()).find(|c| !c.closed_by_peer())
+            std::iter::from_fn(|| pool.pop()).find(|p| p.reusable(self.max_idle))
         };
-        let conn = match idle {
-            Some(c) => c,
-            None => inner.connect(&self.addr).await.map_err(|e| pull_error(&e, inner))?,
+        let (conn, reused) = match idle {
+            Some(p) => (p.conn, true),
+            None => (self.connect(inner).await?, false),
         };
-        Ok((permit, conn))
+        Ok((permit, conn, reused))
+    }
+
+    /// A new data connection (for a read retried after its pooled connection broke).
+    pub(crate) async fn connect(&self, inner: &Inner) -> Result<Connection, PullError> {
+        inner.connect(&self.addr).await.map_err(|e| pull_error(&e, inner))
     }
 
     /// Forgets every connection to the peer (it is no longer the engine they were made to).
@@ -66,56 +104,129 @@ impl Peer {
     pub(crate) fn is_gone(&self) -> bool {
         let Ok(control) = self.control.try_lock() else { return false };
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        control.as_ref().is_none_or(Connection::closed_by_peer) && idle.iter().all(Connection::closed_by_peer)
+        control.as_ref().is_none_or(|p| p.conn.closed_by_peer())
+            && idle.iter().all(|p| p.conn.closed_by_peer())
     }
 
     /// Returns a connection to the pool after a request ended with `r`, unless the error
     /// left it unusable (it is dropped then).
     pub(crate) fn checkin<T>(&self, conn: Connection, r: &Result<T, ClientError>) {
         if r.as_ref().err().is_none_or(ClientError::connection_usable) {
-            self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(conn);
+            self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(Pooled::new(conn));
         }
     }
 
-    /// Runs `op` on the control connection, connecting (again) if needed. The connection
-    /// is out of its slot while `op` runs and goes back only when `op` finished with it
-    /// usable: an exchange cut short (its future dropped, e.g. a heartbeat when the pull
-    /// ends) or failed drops the connection, so no later exchange reads its stale reply.
-    pub(crate) async fn control(&self, inner: &Inner, op: &ControlOp) -> Result<ControlReply, ClientError> {
+    /// The peer's handshake answer, from the control connection (connecting if needed).
+    pub(crate) async fn hello(&self, inner: &Inner) -> Result<v1::HelloAck, ClientError> {
         let mut slot = self.control.lock().await;
-        let mut conn = match slot.take().filter(|c| !c.closed_by_peer()) {
-            Some(c) => c,
+        let conn = match slot.take().filter(|p| p.reusable(self.max_idle)) {
+            Some(p) => p.conn,
             None => inner.connect(&self.addr).await?,
         };
-        let r = op.run(&mut conn).await;
-        if r.as_ref().err().is_none_or(ClientError::connection_usable) {
-            *slot = Some(conn);
+        let ack = conn.peer_hello().clone();
+        *slot = Some(Pooled::new(conn));
+        Ok(ack)
+    }
+
+    /// Runs `op` on the peer's control connection, unless `reachable` is cleared (`None`):
+    /// waits for exchanges ahead of it, then connects (again) if needed.
+    ///
+    /// The connection is out of its slot while `op` runs and goes back only when `op`
+    /// finished with it usable: an exchange cut short (its future dropped, e.g. a heartbeat
+    /// when a notify needs the connection) or failed drops the connection, so no later
+    /// exchange reads its stale reply.
+    ///
+    /// An attempt that fails midway (reset, closed, garbled) is retried on a fresh connection
+    /// (at most [`CONTROL_ATTEMPTS`] in all, counted in `DecodeStats::control_retries`; the
+    /// second value returned is the number of attempts, since a retried notify may find its
+    /// first attempt counted). Each attempt has `Limits::io_timeout`, and all of them twice
+    /// that. A peer that cannot be reached — refused or failed handshakes, a fresh connection
+    /// (or a retry) unanswered within its time, the whole budget spent — clears `reachable`
+    /// (`None`): the pull's later exchanges are skipped rather than each waiting out the
+    /// timeouts again (a partitioned or frozen prefill host).
+    pub(crate) async fn exchange(
+        &self,
+        inner: &Inner,
+        op: &ControlOp,
+        reachable: &AtomicBool,
+    ) -> Option<(Result<ControlReply, ClientError>, u32)> {
+        let mut slot = self.control.lock().await;
+        if !reachable.load(Ordering::Relaxed) {
+            return None;
         }
-        r
+        let io = inner.config.limits.io_timeout;
+        let started = tokio::time::Instant::now();
+        let budget = started + io.saturating_mul(2);
+        let mut attempt = 1;
+        loop {
+            let pooled = slot.take().filter(|p| p.reusable(self.max_idle)).map(|p| p.conn);
+            let reused = pooled.is_some();
+            let deadline = (tokio::time::Instant::now() + io).min(budget);
+            let once = async {
+                let mut conn = match pooled {
+                    Some(c) => c,
+                    None => inner.connect(&self.addr).await?,
+                };
+                let r = op.run(&mut conn).await;
+                if r.as_ref().err().is_none_or(ClientError::connection_usable) {
+                    *slot = Some(Pooled::new(conn));
+                }
+                r
+            };
+            let r = tokio::time::timeout_at(deadline, once).await;
+            let timed_out = match &r {
+                Err(_) => true,
+                Ok(Err(e)) => is_timeout(e),
+                Ok(Ok(_)) => false,
+            };
+            // Unanswered on a fresh connection, or out of time: the peer cannot answer.
+            // (A pooled connection may just have gone stale: one fresh attempt is made.)
+            let out_of_time = tokio::time::Instant::now() >= budget;
+            if timed_out && (!reused || attempt >= CONTROL_ATTEMPTS || out_of_time) {
+                debug!(peer = %self.addr, attempt, "control exchange unanswered; the peer counts as unreachable");
+                reachable.store(false, Ordering::Relaxed);
+                return None;
+            }
+            let r = match r {
+                Ok(r) => r,
+                Err(_) => Err(ClientError::Frame { peer: self.addr.clone(), source: FrameError::Timeout }),
+            };
+            match &r {
+                Err(e) if unreachable_peer(e) => {
+                    reachable.store(false, Ordering::Relaxed);
+                    return None;
+                }
+                Err(e) if !e.connection_usable() && attempt < CONTROL_ATTEMPTS && !out_of_time => {
+                    debug!(peer = %self.addr, error = %e, attempt, "control exchange failed; retrying on a fresh connection");
+                    add(&inner.counters.control_retries, 1);
+                    attempt += 1;
+                }
+                _ => return Some((r, attempt)),
+            }
+        }
+    }
+}
+
+/// Whether a connection error is a timeout: no answer (or no progress) within the io timeout.
+fn is_timeout(e: &ClientError) -> bool {
+    match e {
+        ClientError::Frame { source: FrameError::Timeout, .. } => true,
+        ClientError::Connect { source, .. } => source.kind() == std::io::ErrorKind::TimedOut,
+        _ => false,
     }
 }
 
 /// One exchange on a peer's control connection.
 #[derive(Debug)]
 pub(crate) enum ControlOp {
-    /// The handshake answer the connection got (no exchange: connects if needed).
-    Hello,
-    Notify {
-        id: String,
-        token: Vec<u8>,
-        consumer: String,
-    },
-    Cancel {
-        id: String,
-        token: Vec<u8>,
-    },
+    Notify { id: String, token: Vec<u8>, consumer: String },
+    Cancel { id: String, token: Vec<u8> },
     Heartbeat(Vec<v1::LeaseRef>),
 }
 
 /// The answer to a [`ControlOp`], variant for variant.
 #[derive(Debug)]
 pub(crate) enum ControlReply {
-    Hello(Box<v1::HelloAck>),
     Notify(v1::NotifyAck),
     Cancel(LeaseOutcome),
     Heartbeat(Vec<LeaseOutcome>),
@@ -124,7 +235,6 @@ pub(crate) enum ControlReply {
 impl ControlOp {
     async fn run(&self, c: &mut Connection) -> Result<ControlReply, ClientError> {
         Ok(match self {
-            ControlOp::Hello => ControlReply::Hello(Box::new(c.peer_hello().clone())),
             ControlOp::Notify { id, token, consumer } => {
                 ControlReply::Notify(c.notify(id, token, consumer).await?)
             }

@@ -22,7 +22,7 @@ use kvxfer_tcp::ClientError;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::peer::{pull_error, read_error, unreachable_peer, ControlOp, ControlReply, Peer};
+use super::peer::{pull_error, read_error, ControlOp, ControlReply, Peer};
 use super::report::{add, ChildReport, PullChannels, Totals};
 use super::Inner;
 use crate::TransportChoice;
@@ -34,10 +34,6 @@ pub(crate) enum Path {
     #[cfg(feature = "ucx")]
     Ucx,
 }
-
-/// How long, at most, a failed control exchange (notify, cancel, heartbeat) is retried on
-/// fresh connections: the io timeout, and at most this many attempts.
-const CONTROL_ATTEMPTS: u32 = 3;
 
 /// What one of the pull's concurrent I/O futures reports.
 enum Event {
@@ -57,8 +53,9 @@ pub(crate) struct Pull {
     wire: Vec<Vec<BlockRun>>,
     channels: PullChannels,
     started: Instant,
-    /// Cleared when the peer cannot be reached at all (connect or handshake refused): later
-    /// notifies and cancels of this pull are skipped instead of each waiting out a timeout.
+    /// Cleared when the peer cannot be reached at all (connect or handshake refused, or no
+    /// answer within the io timeout): later notifies and cancels of this pull are skipped
+    /// instead of each waiting out a timeout.
     reachable: AtomicBool,
     /// One-sided reads the transport could not stop, and the blocks they hold.
     #[cfg(feature = "ucx")]
@@ -87,14 +84,29 @@ impl Pull {
     }
 
     pub(crate) async fn run(mut self, mut machine: PullMachine) {
-        let addr = self.children[0].engine().addr();
-        let peer = self.inner.peer(&addr);
+        // The hand-off's address, or discovery's verdict: a gone engine fails every child
+        // at once, before any I/O.
+        let resolved = self.inner.resolve(self.children[0].engine());
+        let peer = match &resolved {
+            Ok(addr) => self.inner.peer(addr),
+            // Not pooled, and never connected to: the pull fails before any I/O.
+            Err(_) => Arc::new(Peer::new(
+                &self.children[0].engine().engine_id,
+                1,
+                self.inner.config.limits.idle_timeout,
+            )),
+        };
         let (stop, abort) = (self.inner.stop.clone(), self.inner.abort.clone());
         let mut cancels =
             std::mem::replace(&mut self.channels.cancels, tokio::sync::mpsc::unbounded_channel().1);
         let done = std::mem::replace(&mut self.channels.done, tokio::sync::oneshot::channel().0);
         self.wire = machine.plan().children.iter().map(|c| c.wire.clone()).collect();
-        let path = tokio::select! {
+        let path = if let Err(e) = resolved {
+            self.reachable.store(false, Ordering::Relaxed);
+            machine.connect_failed(Instant::now(), e, false);
+            None
+        } else {
+            tokio::select! {
             r = self.connect(&peer) => match r {
                 Ok((layout, path)) => {
                     machine.connected(Instant::now(), path == Path::Tcp);
@@ -111,7 +123,9 @@ impl Pull {
                 machine.connect_failed(Instant::now(), PullError::Shutdown, false);
                 None
             }
+            }
         };
+        let used = path.as_ref().map(|(_, p)| *p);
         let this = &self;
         let mut io: FuturesUnordered<IoFuture<'_>> = FuturesUnordered::new();
         let mut heartbeat: Option<IoFuture<'_>> = None;
@@ -147,9 +161,9 @@ impl Pull {
                         io.push(f);
                     }
                     Action::Heartbeat(leases) => heartbeat = Some(Box::pin(this.heartbeat(&peer, leases))),
-                    Action::Report { child, outcome } => this.report(child, outcome),
+                    Action::Report { child, outcome } => this.report(child, outcome, used),
                     Action::Finished(summary) => {
-                        let _ = done.send(this.finish(summary));
+                        let _ = done.send(this.finish(summary, used));
                         return;
                     }
                 }
@@ -213,13 +227,7 @@ impl Pull {
     /// hand-offs name (engine id, and incarnation when stated), and picks the data path: the
     /// best one both sides offer, unless the config forces one.
     async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), PullError> {
-        let hello = async || match peer.control(&self.inner, &ControlOp::Hello).await {
-            Ok(ControlReply::Hello(ack)) => Ok(*ack),
-            Ok(other) => {
-                Err(PullError::Protocol { peer: peer.addr.clone(), detail: format!("unexpected {other:?}") })
-            }
-            Err(e) => Err(pull_error(&e, &self.inner)),
-        };
+        let hello = async || peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner));
         let want = self.children[0].engine();
         let stale = |ack: &v1::HelloAck| {
             ack.engine_id != want.engine_id || (want.incarnation != 0 && ack.incarnation != want.incarnation)
@@ -292,22 +300,38 @@ impl Pull {
         }
         let _ = (remote, path);
         let read = async {
-            let (_permit, mut conn) = match peer.checkout(&self.inner).await {
+            let (_permit, mut conn, mut reused) = match peer.checkout(&self.inner).await {
                 Ok(c) => c,
                 Err(e) => return ReadResult::Failed(e),
             };
             let id = child.remote_request_id();
-            // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
-            // other pull writes them; the caller does not touch them until their report,
-            // which the machine sends only after this read ended), and `ResultPlan::build`
-            // checked them against the local layout.
-            #[allow(unsafe_code)]
-            let r = unsafe { conn.read_into(id, child.token().as_bytes(), runs, &self.inner.memory) }.await;
-            peer.checkin(conn, &r);
-            debug!(remote_request_id = %id, result = ?r, "child read");
-            match r {
-                Ok(bytes) => ReadResult::Ok { bytes },
-                Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+            loop {
+                // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
+                // other pull writes them; the caller does not touch them until their report,
+                // which the machine sends only after this read ended), and `ResultPlan::build`
+                // checked them against the local layout.
+                #[allow(unsafe_code)]
+                let r =
+                    unsafe { conn.read_into(id, child.token().as_bytes(), runs, &self.inner.memory) }.await;
+                // A pooled connection the peer closed before answering (its idle close racing
+                // our request): nothing reached the blocks, so the read is made once more on a
+                // fresh connection.
+                if r.as_ref().is_err_and(closed_before_answer) && reused && !conn.payload_started() {
+                    debug!(remote_request_id = %id, result = ?r, "pooled connection closed before the answer; retrying the read");
+                    add(&self.inner.counters.read_retries, 1);
+                    conn = match peer.connect(&self.inner).await {
+                        Ok(c) => c,
+                        Err(e) => return ReadResult::Failed(e),
+                    };
+                    reused = false;
+                    continue;
+                }
+                peer.checkin(conn, &r);
+                debug!(remote_request_id = %id, result = ?r, "child read");
+                return match r {
+                    Ok(bytes) => ReadResult::Ok { bytes },
+                    Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+                };
             }
         };
         tokio::select! {
@@ -330,9 +354,29 @@ impl Pull {
         }
     }
 
-    fn report(&self, i: usize, outcome: ChildOutcome) {
+    fn report(&self, i: usize, outcome: ChildOutcome, path: Option<Path>) {
         let c = &self.inner.counters;
         let id = self.children[i].remote_request_id();
+        if let ChildOutcome::Failed { error: PullError::Integrity { .. }, .. }
+        | ChildOutcome::FailedBlocksHeld { error: PullError::Integrity { .. }, .. } = &outcome
+        {
+            // A sibling failing for this read is `SiblingFailed`: each failed read counts once.
+            add(&c.integrity_failures, 1);
+            #[cfg(feature = "ucx")]
+            if path == Some(Path::Ucx) {
+                add(&c.integrity_failures_ucx, 1);
+            }
+        }
+        let _ = path;
+        #[cfg(feature = "cluster")]
+        if let Some(m) = self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics) {
+            let kind = match &outcome {
+                ChildOutcome::Done { .. } => crate::cluster::ChildPullOutcome::Done,
+                ChildOutcome::Cancelled { .. } => crate::cluster::ChildPullOutcome::Cancelled,
+                _ => crate::cluster::ChildPullOutcome::Failed,
+            };
+            m.observe_child_pull(kind, self.started.elapsed());
+        }
         match &outcome {
             ChildOutcome::Done { bytes_delivered, acknowledged } => {
                 add(&c.children_done, 1);
@@ -362,8 +406,17 @@ impl Pull {
 
     /// Counts the pull's bytes, releases its destination blocks (except those held by a
     /// read that could not be stopped: released when it completes) and returns the totals.
-    fn finish(&self, summary: PullSummary) -> Totals {
+    fn finish(&self, summary: PullSummary, path: Option<Path>) -> Totals {
         add(&self.inner.counters.bytes_pulled, summary.wire_bytes);
+        #[cfg(feature = "ucx")]
+        if path == Some(Path::Ucx) {
+            add(&self.inner.counters.bytes_pulled_ucx, summary.wire_bytes);
+        }
+        let _ = path;
+        #[cfg(feature = "cluster")]
+        if let Some(m) = self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics) {
+            m.observe_pull(self.started.elapsed());
+        }
         let held: HashSet<BlockId> = summary.held_blocks.iter().copied().collect();
         {
             let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
@@ -395,36 +448,11 @@ impl Pull {
         (summary.wire_bytes, summary.delivered_bytes, self.started.elapsed())
     }
 
-    /// Runs `op` on the peer's control connection unless the peer was found unreachable
-    /// (`None`). An exchange that fails midway (connection reset, lost or garbled reply) is
-    /// retried on a fresh connection while the io timeout allows; the second value is the
-    /// number of attempts made (a retried notify may find its first attempt counted).
+    /// Runs `op` on the peer's control connection ([`Peer::exchange`]: retried, bounded)
+    /// unless the peer was found unreachable (`None`; this pull's later exchanges are then
+    /// skipped).
     async fn control(&self, peer: &Peer, op: ControlOp) -> Option<(Result<ControlReply, ClientError>, u32)> {
-        if !self.reachable.load(Ordering::Relaxed) {
-            return None;
-        }
-        let mut attempt = 1;
-        let mut r = peer.control(&self.inner, &op).await;
-        let deadline = tokio::time::Instant::now() + self.inner.config.limits.io_timeout;
-        loop {
-            match &r {
-                Err(e) if unreachable_peer(e) => {
-                    self.reachable.store(false, Ordering::Relaxed);
-                    return None;
-                }
-                Err(e) if !e.connection_usable() && attempt < CONTROL_ATTEMPTS => {
-                    debug!(peer = %peer.addr, error = %e, attempt, "control exchange failed; retrying on a fresh connection");
-                    add(&self.inner.counters.control_retries, 1);
-                    attempt += 1;
-                    match tokio::time::timeout_at(deadline, peer.control(&self.inner, &op)).await {
-                        Ok(next) => r = next,
-                        Err(_) => break,
-                    }
-                }
-                _ => break,
-            }
-        }
-        Some((r, attempt))
+        peer.exchange(&self.inner, &op, &self.reachable).await
     }
 
     async fn heartbeat(&self, peer: &Peer, leases: Vec<usize>) -> Event {
@@ -499,6 +527,15 @@ impl Pull {
         };
         Event::Control(i, answer)
     }
+}
+
+/// Whether a read failed because its connection closed or broke before the answer: the
+/// peer's idle close racing a request on a pooled connection looks like this.
+fn closed_before_answer(e: &ClientError) -> bool {
+    matches!(
+        e,
+        ClientError::Frame { source: kvxfer_tcp::FrameError::Closed | kvxfer_tcp::FrameError::Io(_), .. }
+    )
 }
 
 /// Sleeps until `t` (for ever when `None`; the branch is disabled then).

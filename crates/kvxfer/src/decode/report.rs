@@ -87,6 +87,25 @@ pub struct DecodeStats {
     pub control_retries: u64,
     /// Children reported [`ChildOutcome::FailedBlocksHeld`].
     pub children_blocks_held: u64,
+    /// The part of `bytes_pulled` read one-sided over UCX (the rest went over TCP).
+    pub bytes_pulled_ucx: u64,
+    /// Reads whose payload failed its integrity check (CRC-32C, length, or an answer to
+    /// another read); nothing of them was used.
+    pub integrity_failures: u64,
+    /// The part of `integrity_failures` of one-sided (UCX) reads.
+    pub integrity_failures_ucx: u64,
+    /// Peers whose pooled connections were dropped because discovery saw their engine leave
+    /// etcd or change (the `cluster` feature).
+    pub peers_invalidated: u64,
+    /// TCP reads made again on a fresh connection because their pooled connection was closed
+    /// by the peer before any answer arrived (its idle close racing the request).
+    pub read_retries: u64,
+    /// Leases `DecodeAgent::release` released (the prefill side said released, or already
+    /// released by an earlier attempt whose answer was lost).
+    pub leases_released: u64,
+    /// Releases the prefill side did not apply: the lease had already been pulled or had
+    /// expired, it did not know the lease (or token), or it could not be reached.
+    pub releases_refused: u64,
 }
 
 /// The live counters behind [`DecodeStats`].
@@ -103,6 +122,13 @@ pub(crate) struct Counters {
     pub(crate) bytes_delivered: AtomicU64,
     pub(crate) notifications_unacknowledged: AtomicU64,
     pub(crate) connections_opened: AtomicU64,
+    pub(crate) bytes_pulled_ucx: AtomicU64,
+    pub(crate) integrity_failures: AtomicU64,
+    pub(crate) integrity_failures_ucx: AtomicU64,
+    pub(crate) peers_invalidated: AtomicU64,
+    pub(crate) read_retries: AtomicU64,
+    pub(crate) leases_released: AtomicU64,
+    pub(crate) releases_refused: AtomicU64,
 }
 
 impl Counters {
@@ -120,6 +146,13 @@ impl Counters {
             auth_failures: l(&self.auth_failures),
             control_retries: l(&self.control_retries),
             children_blocks_held: l(&self.children_blocks_held),
+            bytes_pulled_ucx: l(&self.bytes_pulled_ucx),
+            integrity_failures: l(&self.integrity_failures),
+            integrity_failures_ucx: l(&self.integrity_failures_ucx),
+            peers_invalidated: l(&self.peers_invalidated),
+            read_retries: l(&self.read_retries),
+            leases_released: l(&self.leases_released),
+            releases_refused: l(&self.releases_refused),
             peers,
         }
     }
@@ -141,9 +174,17 @@ pub struct PullCanceller {
 }
 
 impl PullCanceller {
-    /// The decode side drops child `index`: its lease is released now (or as soon as reads
+    /// The decode side drops child `index` of a pull under way: its read is stopped (TCP;
+    /// a one-sided UCX read runs to its end), and its lease released now (or as soon as reads
     /// that siblings need from it finish). Its local blocks are not written after its report
-    /// arrives. Ignored once the child has reported (or the pull has finished).
+    /// arrives.
+    ///
+    /// A cancel races the pull: one that arrives after the child's blocks were all read
+    /// (its notify sent, or its report made) is ignored, and the child is reported
+    /// [`ChildOutcome::Done`] (its lease pulled) — the caller still owns valid blocks and
+    /// frees them itself. So a cancel right after `submit` may well lose to a fast pull. To
+    /// drop a child for certain, do not pull it: submit the others
+    /// (`DecodeAgent::submit_subset`) and release its lease with `DecodeAgent::release`.
     pub fn cancel_child(&self, index: u32) {
         let _ = self.cancels.send(index);
     }

@@ -1,0 +1,540 @@
+//! Running in a cluster (the `cluster` feature): etcd discovery and Prometheus metrics
+//! wired into the agents. Off unless [`AgentConfig::cluster`](crate::AgentConfig) asks for
+//! it; an agent without it never touches etcd or a metrics registry.
+//!
+//! - **Prefill agents register** `/<namespace>/v1/engines/<engine_id>/<rank>` (advertise
+//!   address, transports offered, layout compatibility hash, protocol version, incarnation)
+//!   on an etcd lease kept alive by a background task, from `start` on; `shutdown` (and the
+//!   shutdown a dropped agent runs) revokes it **first**, before it stops accepting, so
+//!   decode agents see the key go before connections close. A crashed process's key goes
+//!   when its lease runs out (the registration TTL, 2 s or more).
+//! - **Decode agents watch** the namespace ([`kvxfer_cluster::EngineDirectory`]). When a
+//!   rank's key is deleted, or put again with another record (a restarted process: a new
+//!   incarnation; or a new address), the pooled connections to the old address are dropped
+//!   at once and that incarnation is remembered as gone: a later pull of a hand-off it made
+//!   fails at once with [`PullError::EngineNotRegistered`] instead of at an I/O timeout. A
+//!   hand-off that names only the engine id (no host or port, see
+//!   [`kvxfer_core::EngineInfo`]) is pulled from the cached record of rank
+//!   `decode rank % tp_size`. Resolving reads only the cache: an unreachable etcd never
+//!   holds a pull up (the directory retries in the background and says so in logs and
+//!   metrics).
+//! - **Metrics**: both agents feed a [`Metrics`] registry (one per process, shared through
+//!   [`ClusterConfig::metrics`]; snapshot closures over the counters they keep, read at
+//!   scrape time), the pull task observes pull and per-child durations, the prefill event
+//!   task each lease's life by outcome; [`ClusterConfig::metrics_listen`] serves them at
+//!   `GET /metrics`.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use kvxfer_core::pull::PullError;
+use kvxfer_core::{EndKind, EngineInfo, LeaseTable};
+use kvxfer_tcp::ServerCounters;
+use tokio::runtime::Handle;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use kvxfer_cluster::{
+    AdvertiseAddr, AgentName, DecodeSnapshot, DirectoryOptions, EngineId, EngineKey, EngineRecord, Host,
+    Namespace, PerTransport, PrefillSnapshot, Registration, RegistrationConfig, SourceGuard, TransportName,
+};
+pub use kvxfer_cluster::{
+    ChildPullOutcome, DirectoryEvent, DirectoryEvents, EngineDirectory, EngineEntry, EtcdConfig, EtcdState,
+    EtcdStatus, HandoffOutcome, Metrics, MetricsServer, StatusWatch, OPENMETRICS_CONTENT_TYPE,
+};
+
+use crate::decode::Inner;
+use crate::{AgentConfig, Error};
+
+/// The default registration TTL: a crashed prefill process's key is gone at most this long
+/// after its last keep-alive.
+pub const DEFAULT_REGISTRATION_TTL: Duration = Duration::from_secs(10);
+
+/// An agent's cluster settings ([`AgentConfig::cluster`](crate::AgentConfig)); the default
+/// is everything off.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterConfig {
+    /// etcd discovery: prefill agents register, decode agents watch. `None`: off.
+    pub discovery: Option<DiscoveryConfig>,
+    /// The process's metrics registry the agent feeds (share one between the agents of a
+    /// process). `None`: no metrics, unless `metrics_listen` is set (then the agent makes a
+    /// registry of its own).
+    pub metrics: Option<Arc<Metrics>>,
+    /// Serve the registry at `GET /metrics` on this address (port 0 picks one; the agent's
+    /// `metrics_addr()` tells which), from start until shutdown.
+    pub metrics_listen: Option<String>,
+}
+
+/// Where and under which name agents meet in etcd.
+#[derive(Debug, Clone)]
+pub struct DiscoveryConfig {
+    /// The etcd endpoints, timeouts and retry backoff.
+    pub etcd: EtcdConfig,
+    /// The deployment's namespace (the first key segment; printable ASCII without `/`).
+    pub namespace: String,
+    /// The registration lease's TTL (whole seconds, 2 s or more): how long a crashed prefill
+    /// process stays registered at most. Keep-alives go every TTL/3. Default 10 s.
+    pub registration_ttl: Duration,
+}
+
+impl DiscoveryConfig {
+    /// Discovery through the etcd at `endpoints` (`http://host:2379`) under `namespace`,
+    /// with the default timeouts ([`EtcdConfig::new`]) and a 10 s registration TTL.
+    pub fn new<S: Into<String>>(
+        endpoints: impl IntoIterator<Item = S>,
+        namespace: impl Into<String>,
+    ) -> Self {
+        Self {
+            etcd: EtcdConfig::new(endpoints),
+            namespace: namespace.into(),
+            registration_ttl: DEFAULT_REGISTRATION_TTL,
+        }
+    }
+
+    /// Sets the registration TTL.
+    pub fn registration_ttl(mut self, ttl: Duration) -> Self {
+        self.registration_ttl = ttl;
+        self
+    }
+
+    fn namespace(&self) -> Result<Namespace, Error> {
+        Namespace::new(&self.namespace).map_err(cluster_error)
+    }
+}
+
+/// Any error of the cluster crate as an engine error.
+fn cluster_error(e: impl Into<kvxfer_cluster::Error>) -> Error {
+    Error::Cluster(e.into())
+}
+
+/// The registry an agent feeds, if any: the configured one, or its own when it only serves.
+fn registry(config: &ClusterConfig) -> Option<Arc<Metrics>> {
+    config.metrics.clone().or_else(|| config.metrics_listen.as_ref().map(|_| Arc::new(Metrics::new())))
+}
+
+/// The `/metrics` endpoint, if configured.
+fn serve(
+    handle: &Handle,
+    config: &ClusterConfig,
+    metrics: &Option<Arc<Metrics>>,
+) -> Result<Option<MetricsServer>, Error> {
+    match (&config.metrics_listen, metrics) {
+        (Some(listen), Some(m)) => {
+            MetricsServer::start(handle, listen, m.clone()).map(Some).map_err(cluster_error)
+        }
+        _ => Ok(None),
+    }
+}
+
+fn take<T>(m: &Mutex<Option<T>>) -> Option<T> {
+    m.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// What a prefill agent registers, and the counters its metrics read.
+pub(crate) struct PrefillSide<'a> {
+    pub(crate) host: &'a str,
+    pub(crate) port: u16,
+    pub(crate) incarnation: u64,
+    pub(crate) compat_hash: u64,
+    pub(crate) offers_ucx: bool,
+    pub(crate) table: Arc<LeaseTable>,
+    pub(crate) counters: Arc<ServerCounters>,
+    pub(crate) connections_open: Arc<AtomicU64>,
+}
+
+/// A prefill agent's registration, metrics sources and endpoint.
+pub(crate) struct PrefillCluster {
+    registration: Mutex<Option<Registration>>,
+    metrics: Option<Arc<Metrics>>,
+    guards: Mutex<Vec<SourceGuard>>,
+    server: Mutex<Option<MetricsServer>>,
+}
+
+impl PrefillCluster {
+    /// Starts registering (in the background: this never waits for etcd) and feeding the
+    /// metrics, when configured; `None` when the config asks for neither.
+    pub(crate) fn start(
+        handle: &Handle,
+        config: &AgentConfig,
+        side: PrefillSide<'_>,
+    ) -> Result<Option<Self>, Error> {
+        let c = &config.cluster;
+        let metrics = registry(c);
+        if c.discovery.is_none() && metrics.is_none() {
+            return Ok(None);
+        }
+        // Bound first: a start that fails leaves no registration behind.
+        let server = serve(handle, c, &metrics)?;
+        let registration = match &c.discovery {
+            Some(d) => {
+                let record = EngineRecord {
+                    addr: Host::parse(side.host)
+                        .and_then(|h| AdvertiseAddr::new(h, side.port))
+                        .map_err(cluster_error)?,
+                    transports: if side.offers_ucx {
+                        vec![TransportName::ucx(), TransportName::tcp()]
+                    } else {
+                        vec![TransportName::tcp()]
+                    },
+                    compat_hash: side.compat_hash,
+                    protocol_version: config.protocol_version,
+                    incarnation: side.incarnation,
+                    agent: AgentName::new(&config.agent_name).map_err(cluster_error)?,
+                };
+                let engine_id = EngineId::new(&config.engine_id).map_err(cluster_error)?;
+                let key = EngineKey::new(d.namespace()?, engine_id, config.rank);
+                let reg = Registration::start(
+                    handle,
+                    d.etcd.clone(),
+                    RegistrationConfig { key, record, ttl: d.registration_ttl },
+                )
+                .map_err(cluster_error)?;
+                info!(key = %reg.key(), addr = %reg.record().addr, "registering in etcd");
+                Some(reg)
+            }
+            None => None,
+        };
+        let mut guards = Vec::new();
+        if let Some(m) = &metrics {
+            let (table, counters, open) = (side.table, side.counters, side.connections_open);
+            guards.push(m.add_prefill_source(move || prefill_snapshot(&table, &counters, &open)));
+            if let Some(reg) = &registration {
+                guards.push(m.add_registration(reg));
+            }
+        }
+        Ok(Some(Self {
+            registration: Mutex::new(registration),
+            metrics,
+            guards: Mutex::new(guards),
+            server: Mutex::new(server),
+        }))
+    }
+
+    pub(crate) fn metrics(&self) -> Option<&Arc<Metrics>> {
+        self.metrics.as_ref()
+    }
+
+    /// Records one lease's life by how it ended (the event task, once per lease end).
+    pub(crate) fn observe_end(&self, end: &kvxfer_core::LeaseEnd) {
+        if let Some(m) = &self.metrics {
+            let outcome = match end.kind {
+                EndKind::Pulled => HandoffOutcome::Pulled,
+                EndKind::Released => HandoffOutcome::Released,
+                EndKind::Expired => HandoffOutcome::Expired,
+            };
+            m.observe_child_handoff(outcome, end.ended_at.saturating_duration_since(end.leased_at));
+        }
+    }
+
+    /// The registration's state with etcd (`None` without discovery, or after shutdown).
+    pub(crate) fn registration_status(&self) -> Option<EtcdStatus> {
+        self.registration.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(Registration::status)
+    }
+
+    /// A watch of the registration's state.
+    pub(crate) fn registration_watch(&self) -> Option<StatusWatch> {
+        self.registration.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(Registration::status_watch)
+    }
+
+    /// The `/metrics` address, if served.
+    pub(crate) fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.server.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(MetricsServer::local_addr)
+    }
+
+    /// Revokes the registration (the key is gone when this returns, unless etcd cannot be
+    /// reached: then it expires within its TTL). Later calls do nothing.
+    pub(crate) async fn deregister(&self) {
+        if let Some(reg) = take(&self.registration) {
+            let key = reg.key().clone();
+            if let Err(e) = reg.shutdown().await {
+                warn!(%key, error = %e, "could not deregister from etcd; the key expires with its lease");
+            }
+        }
+    }
+
+    /// Stops serving `/metrics` and retires the sources (their counts stay in the registry).
+    pub(crate) async fn stop(&self) {
+        if let Some(server) = take(&self.server) {
+            server.shutdown().await;
+        }
+        self.guards.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
+fn prefill_snapshot(table: &LeaseTable, counters: &ServerCounters, open: &AtomicU64) -> PrefillSnapshot {
+    let l = table.stats();
+    let s = counters.snapshot();
+    PrefillSnapshot {
+        leases_made: l.leased,
+        leases_pulled: l.pulled,
+        leases_released: l.released,
+        leases_expired: l.expired,
+        leases_live: l.live,
+        leases_draining: l.draining,
+        notifications_unrecognized: l.unrecognized,
+        notifications_bad_token: l.bad_token,
+        notifications_duplicate: l.duplicate,
+        bytes_served: PerTransport {
+            tcp: s.bytes_served.saturating_sub(s.bytes_served_one_sided),
+            ucx: s.bytes_served_one_sided,
+            rdma: 0,
+        },
+        reads_served: s.reads_served,
+        reads_refused: s.reads_refused,
+        connections_accepted: s.connections,
+        connections_open: open.load(Ordering::Relaxed),
+        connections_refused_limit: s.connections_refused + s.peer_connections_refused,
+        handshakes_refused: s.handshakes_refused,
+        protocol_errors: s.protocol_errors + s.stalled_frames,
+        pins_made: s.pins,
+        pins_open: s.pins_open,
+        pins_refused: s.pins_refused,
+        pins_expired: s.pins_expired,
+    }
+}
+
+/// Incarnations the directory saw deregistered or replaced, most recent last (bounded).
+#[derive(Debug, Default)]
+struct GoneIncarnations {
+    order: VecDeque<(String, u64)>,
+    set: HashSet<(String, u64)>,
+}
+
+impl GoneIncarnations {
+    /// Plenty for every engine restart between two pulls of a hand-off.
+    const CAPACITY: usize = 4096;
+
+    fn insert(&mut self, engine: &str, incarnation: u64) {
+        let key = (engine.to_owned(), incarnation);
+        if incarnation == 0 || !self.set.insert(key.clone()) {
+            return;
+        }
+        self.order.push_back(key);
+        while self.order.len() > Self::CAPACITY {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    /// The same incarnation registered again (e.g. re-put after etcd lost its data).
+    fn remove(&mut self, engine: &str, incarnation: u64) {
+        let key = (engine.to_owned(), incarnation);
+        if self.set.remove(&key) {
+            self.order.retain(|k| *k != key);
+        }
+    }
+
+    fn contains(&self, engine: &str, incarnation: u64) -> bool {
+        self.set.contains(&(engine.to_owned(), incarnation))
+    }
+}
+
+/// A decode agent's directory, metrics sources and endpoint.
+pub(crate) struct DecodeCluster {
+    directory: Option<Arc<EngineDirectory>>,
+    namespace: String,
+    gone: Mutex<GoneIncarnations>,
+    metrics: Option<Arc<Metrics>>,
+    guards: Mutex<Vec<SourceGuard>>,
+    server: Mutex<Option<MetricsServer>>,
+    watcher: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl DecodeCluster {
+    /// Starts the directory (in the background: this never waits for etcd) and the metrics
+    /// endpoint, when configured; `None` when the config asks for neither. The sources and
+    /// the invalidation task start in [`Self::attach`], once the agent exists.
+    pub(crate) fn start(
+        handle: &Handle,
+        config: &AgentConfig,
+        compat_hash: u64,
+    ) -> Result<Option<Self>, Error> {
+        let c = &config.cluster;
+        let metrics = registry(c);
+        if c.discovery.is_none() && metrics.is_none() {
+            return Ok(None);
+        }
+        let directory = match &c.discovery {
+            Some(d) => {
+                // Records of another layout are ignored (and counted): this agent could not
+                // pull from them.
+                let options = DirectoryOptions { expected_compat_hash: Some(compat_hash) };
+                let dir = EngineDirectory::start(handle, d.etcd.clone(), d.namespace()?, options);
+                Some(Arc::new(dir.map_err(cluster_error)?))
+            }
+            None => None,
+        };
+        let server = serve(handle, c, &metrics)?;
+        Ok(Some(Self {
+            directory,
+            namespace: c.discovery.as_ref().map(|d| d.namespace.clone()).unwrap_or_default(),
+            gone: Mutex::new(GoneIncarnations::default()),
+            metrics,
+            guards: Mutex::new(Vec::new()),
+            server: Mutex::new(server),
+            watcher: Mutex::new(None),
+        }))
+    }
+
+    /// Adds the agent's metrics sources and starts the task that invalidates connections on
+    /// directory events. Holds only a weak reference to the agent.
+    pub(crate) fn attach(&self, handle: &Handle, inner: &Arc<Inner>) {
+        if let Some(m) = &self.metrics {
+            let counters = inner.counters.clone();
+            let weak = Arc::downgrade(inner);
+            let source = move || {
+                let peers = weak.upgrade().map_or(0, |i| i.peer_count());
+                decode_snapshot(&counters.snapshot(peers))
+            };
+            let mut guards = self.guards.lock().unwrap_or_else(|p| p.into_inner());
+            guards.push(m.add_decode_source(source));
+            if let Some(dir) = &self.directory {
+                guards.push(m.add_directory(dir));
+            }
+        }
+        if let Some(dir) = &self.directory {
+            let events = dir.subscribe();
+            let task = handle.spawn(invalidate_on_events(events, Arc::downgrade(inner)));
+            *self.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+        }
+    }
+
+    pub(crate) fn directory(&self) -> Option<&Arc<EngineDirectory>> {
+        self.directory.as_ref()
+    }
+
+    pub(crate) fn metrics(&self) -> Option<&Arc<Metrics>> {
+        self.metrics.as_ref()
+    }
+
+    /// The `/metrics` address, if served.
+    pub(crate) fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.server.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(MetricsServer::local_addr)
+    }
+
+    /// Where to pull the hand-offs of `engine` from: the hand-off's own address, unless
+    /// discovery saw the incarnation that made it go; for a hand-off naming only the engine
+    /// id, the cached record of rank `decode_rank % tp_size`. Reads only the cache.
+    pub(crate) fn resolve(&self, engine: &EngineInfo, decode_rank: u32) -> Result<String, PullError> {
+        let rank = decode_rank % engine.tp_size.max(1);
+        let Some(dir) = &self.directory else {
+            return Ok(engine.addr());
+        };
+        let ns = &self.namespace;
+        let not_registered = |detail: String| PullError::EngineNotRegistered {
+            engine: engine.engine_id.clone(),
+            rank,
+            detail,
+        };
+        let inc = engine.incarnation;
+        // What the cache lists now wins over what the events said (they are applied by
+        // another task, a moment after the cache changed).
+        let gone = || {
+            self.gone.lock().unwrap_or_else(|p| p.into_inner()).contains(&engine.engine_id, inc)
+                && !dir.engine(&engine.engine_id).iter().any(|e| e.record.incarnation == inc)
+        };
+        if gone() {
+            return Err(not_registered(format!(
+                "incarnation {inc:#x} left etcd namespace {ns:?} (deregistered, or its lease expired after a \
+                 crash, or replaced by a restart): its leases are gone"
+            )));
+        }
+        if engine.names_address() {
+            return Ok(engine.addr());
+        }
+        // The cached record's address; the handshake checks the incarnation.
+        match dir.resolve(&engine.engine_id, rank) {
+            Some(entry) => Ok(entry.record.addr.to_string()),
+            None if dir.is_synced() => Err(not_registered(format!(
+                "not registered in etcd namespace {ns:?}, and the hand-off names no address (shut down, \
+                 crashed, or not registered yet)"
+            ))),
+            None => Err(not_registered(format!(
+                "the hand-off names no address, and this agent has not listed etcd namespace {ns:?} yet \
+                 ({:?})",
+                dir.status().last_error.as_deref().unwrap_or("no answer yet")
+            ))),
+        }
+    }
+
+    /// Stops serving `/metrics`, the invalidation task and the sources (the directory stops
+    /// watching when the agent is dropped).
+    pub(crate) async fn stop(&self) {
+        if let Some(server) = take(&self.server) {
+            server.shutdown().await;
+        }
+        if let Some(task) = take(&self.watcher) {
+            task.abort();
+        }
+        self.guards.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    fn record(&self, event: &DirectoryEvent) {
+        let mut gone = self.gone.lock().unwrap_or_else(|p| p.into_inner());
+        match event {
+            DirectoryEvent::Added(e) => gone.remove(e.key.engine_id.as_str(), e.record.incarnation),
+            DirectoryEvent::Updated { old, new } => {
+                if old.record.incarnation != new.record.incarnation {
+                    gone.insert(old.key.engine_id.as_str(), old.record.incarnation);
+                }
+                gone.remove(new.key.engine_id.as_str(), new.record.incarnation);
+            }
+            DirectoryEvent::Removed(e) => gone.insert(e.key.engine_id.as_str(), e.record.incarnation),
+        }
+    }
+}
+
+impl Drop for DecodeCluster {
+    fn drop(&mut self) {
+        if let Some(task) = take(&self.watcher) {
+            task.abort();
+        }
+    }
+}
+
+fn decode_snapshot(s: &crate::DecodeStats) -> DecodeSnapshot {
+    DecodeSnapshot {
+        pulls: s.pulls,
+        children_done: s.children_done,
+        children_failed: s.children_failed,
+        children_cancelled: s.children_cancelled,
+        bytes_pulled: PerTransport {
+            tcp: s.bytes_pulled.saturating_sub(s.bytes_pulled_ucx),
+            ucx: s.bytes_pulled_ucx,
+            rdma: 0,
+        },
+        integrity_failures: PerTransport {
+            tcp: s.integrity_failures.saturating_sub(s.integrity_failures_ucx),
+            ucx: s.integrity_failures_ucx,
+            rdma: 0,
+        },
+        notifications_unacknowledged: s.notifications_unacknowledged,
+        connections_opened: s.connections_opened,
+        peers: s.peers,
+        peers_invalidated: s.peers_invalidated,
+    }
+}
+
+/// Drops the pooled connections of every engine rank whose key was deleted or whose record
+/// changed, as soon as the directory says so, and remembers the incarnations that went.
+async fn invalidate_on_events(mut events: DirectoryEvents, inner: Weak<Inner>) {
+    while let Some(event) = events.recv().await {
+        let Some(inner) = inner.upgrade() else { return };
+        let Some(cluster) = inner.cluster.as_ref() else { return };
+        cluster.record(&event);
+        let old = match &event {
+            DirectoryEvent::Added(_) => continue,
+            DirectoryEvent::Updated { old, .. } | DirectoryEvent::Removed(old) => old,
+        };
+        let addr = old.record.addr.to_string();
+        if inner.invalidate_peer(&addr) {
+            inner.counters.peers_invalidated.fetch_add(1, Ordering::Relaxed);
+            info!(engine = %old.key, %addr, incarnation = %format_args!("{:#x}", old.record.incarnation), "engine left or changed in etcd: pooled connections dropped");
+        } else {
+            debug!(engine = %old.key, %addr, "engine left or changed in etcd (no pooled connections)");
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! Running in a cluster: hand-offs naming only the engine id; with the `cluster` feature,
+//! agents registering in and resolving through a real etcd (`kvxfer_cluster::testing`, on
+//! 127.0.0.1 free ports), invalidation of pooled connections, pulls while etcd is down, and
+//! the metrics both agents feed, scraped over HTTP.
+
+mod support;
+
+use std::time::Duration;
+
+use kvxfer::{Error, SubmitError};
+use support::*;
+
+/// A hand-off naming only the engine id cannot be pulled without discovery: refused at
+/// submit, before any I/O, naming the engine.
+#[test]
+fn an_engine_only_handoff_is_refused_without_discovery() {
+    let prefill = prefill(16, Duration::from_secs(30));
+    let decode = decode(16);
+    let result = prefill.lease_parent("P", vec![vec![1], vec![2]], 1, None).expect("lease");
+    let engine = result.children()[0].engine().engine_id.clone();
+    match decode.submit(result.engine_only(), vec![vec![1], vec![2]]) {
+        Err(Error::Submit(SubmitError::NoAddress { parent, engine: named })) => {
+            assert_eq!((parent.as_str(), named), ("P", engine));
+        }
+        other => panic!("expected NoAddress, got {other:?}"),
+    }
+    assert_eq!(decode.stats().connections_opened, 0);
+    // The same result with its addresses pulls as usual.
+    let report = decode.submit(result, vec![vec![1], vec![2]]).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+}
+
+#[cfg(feature = "cluster")]
+mod discovery {
+    use std::collections::BTreeMap;
+    use std::io::{Read, Write};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use kvxfer::blocking::{DecodeAgent, PrefillAgent};
+    use kvxfer::cluster::{DiscoveryConfig, EtcdState, Metrics};
+    use kvxfer::{AgentConfig, BlockId, ChildOutcome, PullError, PullReport, TransportChoice};
+    use kvxfer_cluster::testing::etcd_client::PutOptions;
+    use kvxfer_cluster::testing::EtcdServer;
+    use kvxfer_cluster::EngineRecord;
+
+    fn layout(blocks: u32) -> kvxfer::BlockLayout {
+        kvxfer::BlockLayout::single(blocks, BLOCK).expect("layout")
+    }
+    use super::support::*;
+
+    const NS: &str = "kvxfer-engine-test";
+
+    fn discovery(etcd: &EtcdServer, ttl_secs: u64) -> DiscoveryConfig {
+        DiscoveryConfig {
+            etcd: etcd.config(),
+            namespace: NS.into(),
+            registration_ttl: Duration::from_secs(ttl_secs),
+        }
+    }
+
+    fn prefill_in(etcd: &EtcdServer, engine: &str, ttl_secs: u64) -> PrefillAgent {
+        let config = AgentConfig::new("prefill")
+            .engine_id(engine)
+            .io_timeout(Duration::from_secs(5))
+            .discovery(discovery(etcd, ttl_secs));
+        let prefill = prefill_with(config, layout(64));
+        if let Err(status) = prefill.wait_registered(Duration::from_secs(15)) {
+            panic!("not registered: {status:?}");
+        }
+        prefill
+    }
+
+    fn decode_in(etcd: &EtcdServer) -> DecodeAgent {
+        let config =
+            AgentConfig::new("decode").io_timeout(Duration::from_secs(5)).discovery(discovery(etcd, 2));
+        decode_with(config, layout(64))
+    }
+
+    /// Waits up to 15 s for `cond` (etcd round trips, watch events).
+    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn wait_resolves(decode: &DecodeAgent, engine: &str, incarnation: u64) {
+        let dir = decode.directory().expect("a directory").clone();
+        wait_for(&format!("{engine} incarnation {incarnation:#x} in the directory"), || {
+            dir.resolve(engine, 0).is_some_and(|e| e.record.incarnation == incarnation)
+        });
+    }
+
+    fn blocks(first: u32, n: u32) -> Vec<Vec<BlockId>> {
+        (0..n).map(|i| vec![first + 2 * i, first + 2 * i + 1]).collect()
+    }
+
+    fn assert_done_and_verified(decode: &DecodeAgent, report: &PullReport, remote: &[Vec<BlockId>]) {
+        assert!(report.all_done(), "{report:?}");
+        for (c, blocks) in report.children.iter().zip(remote) {
+            assert!(matches!(c.outcome, ChildOutcome::Done { acknowledged: true, .. }), "{c:?}");
+            assert!(verify(decode, blocks, blocks), "child {} bytes", c.child_index);
+        }
+    }
+
+    /// Every child failed because discovery says the engine is gone; returns the messages.
+    fn assert_engine_gone(report: &PullReport) -> Vec<String> {
+        report
+            .children
+            .iter()
+            .map(|c| match &c.outcome {
+                ChildOutcome::Failed { error: e @ PullError::EngineNotRegistered { .. }, .. } => {
+                    assert!(e.is_retryable(), "{e}");
+                    e.to_string()
+                }
+                other => panic!("child {}: expected EngineNotRegistered, got {other:?}", c.child_index),
+            })
+            .collect()
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+    }
+
+    #[test]
+    fn a_prefill_agent_registers_at_start_and_its_key_is_gone_when_shutdown_returns() {
+        let etcd = EtcdServer::start();
+        let prefill = prefill_in(&etcd, "engine-a", 2);
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-a", prefill.incarnation());
+        let entry = decode.directory().and_then(|d| d.resolve("engine-a", 0)).expect("registered");
+        let r = &entry.record;
+        assert_eq!(r.addr.to_string(), prefill.local_addr().to_string());
+        assert_eq!(r.compat_hash, layout(64).compat_hash());
+        assert_eq!(r.protocol_version, kvxfer_proto::PROTOCOL_VERSION);
+        let offered: &[&str] = if prefill.offers_ucx() { &["ucx", "tcp"] } else { &["tcp"] };
+        assert_eq!(r.transports.iter().map(|t| t.as_str()).collect::<Vec<_>>(), offered);
+        assert_eq!(r.agent.as_str(), "prefill");
+        assert_ne!(entry.lease, 0, "the key is on a lease");
+        let status = prefill.registration_status().expect("status");
+        assert_eq!(status.state, EtcdState::Connected);
+
+        prefill.shutdown();
+        // Revoked, not left to expire: the key is gone when shutdown returns.
+        let key = format!("/{NS}/v1/engines/engine-a/0");
+        let stored = runtime().block_on(async { etcd.client().await.get(key, None).await.expect("get") });
+        assert!(stored.kvs().is_empty(), "{stored:?}");
+        assert!(prefill.registration_status().is_none());
+        drop(prefill);
+        drop(decode);
+    }
+
+    #[test]
+    fn pulls_of_a_gone_engine_fail_at_once_and_engine_only_handoffs_resolve_through_etcd() {
+        let etcd = EtcdServer::start();
+        let prefill = prefill_in(&etcd, "engine-b", 2);
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-b", prefill.incarnation());
+
+        // Only the engine id: the address comes from the directory's cache.
+        let remote = blocks(0, 4);
+        let result = prefill.lease_parent("P1", remote.clone(), 1, None).expect("lease").engine_only();
+        assert!(!result.children()[0].engine().names_address());
+        let report = decode.submit(result, remote.clone()).expect("submit").wait();
+        assert_done_and_verified(&decode, &report, &remote);
+        let with_address = prefill.lease_parent("P2", blocks(16, 2), 1, None).expect("lease");
+        let engine_only = prefill.lease_parent("P3", blocks(24, 2), 1, None).expect("lease").engine_only();
+        let before = decode.stats();
+        assert_eq!(before.peers, 1);
+
+        // Deregistered first thing at shutdown: the decode agent drops its pooled
+        // connections to the engine as soon as the watch tells it.
+        prefill.shutdown();
+        wait_for("the peer invalidated", || decode.stats().peers_invalidated == 1);
+        assert_eq!(decode.stats().peers, 0, "the peer is forgotten");
+
+        let report = decode.submit(with_address, blocks(16, 2)).expect("submit").wait();
+        let messages = assert_engine_gone(&report);
+        let incarnation = format!("{:#x}", prefill.incarnation());
+        assert!(messages[0].contains(&incarnation) && messages[0].contains("engine-b"), "{messages:?}");
+        let report = decode.submit(engine_only, blocks(24, 2)).expect("submit").wait();
+        assert_engine_gone(&report);
+        // Neither pull tried to connect.
+        assert_eq!(decode.stats().connections_opened, before.connections_opened);
+        drop(decode);
+    }
+
+    #[test]
+    fn a_new_incarnation_put_in_etcd_drops_pooled_connections_at_once() {
+        let etcd = EtcdServer::start();
+        let prefill = prefill_in(&etcd, "engine-c", 10);
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-c", prefill.incarnation());
+        let report =
+            decode.submit(prefill.lease_parent("P1", blocks(0, 2), 1, None).expect("lease"), blocks(0, 2));
+        assert_done_and_verified(&decode, &report.expect("submit").wait(), &blocks(0, 2));
+        let opened = decode.stats().connections_opened;
+
+        // Another process takes the key over (what a restart that beats the old lease's
+        // expiry looks like): same address, a new incarnation, same lease.
+        let rt = runtime();
+        let key = format!("/{NS}/v1/engines/engine-c/0");
+        let (original, lease) = rt.block_on(async {
+            let got = etcd.client().await.get(key.as_str(), None).await.expect("get");
+            let kv = got.kvs().first().expect("registered").clone();
+            (kv.value().to_vec(), kv.lease())
+        });
+        let mut record = EngineRecord::from_json(&original).expect("our record");
+        record.incarnation = prefill.incarnation() ^ 0x5a5a;
+        let put = |value: Vec<u8>| {
+            rt.block_on(async {
+                let options = PutOptions::new().with_lease(lease);
+                etcd.client().await.put(key.as_str(), value, Some(options)).await.expect("put");
+            })
+        };
+        put(record.to_json());
+        wait_for("the peer invalidated", || decode.stats().peers_invalidated == 1);
+        assert_eq!(decode.stats().peers, 0);
+        // The live agent's hand-offs now name an incarnation etcd says is gone.
+        let report =
+            decode.submit(prefill.lease_parent("P2", blocks(8, 2), 1, None).expect("lease"), blocks(8, 2));
+        assert_engine_gone(&report.expect("submit").wait());
+        assert_eq!(decode.stats().connections_opened, opened, "failed before any I/O");
+
+        // The original record back: its incarnation is live again, and the pull opens fresh
+        // connections (the pooled ones were dropped).
+        put(original);
+        wait_resolves(&decode, "engine-c", prefill.incarnation());
+        let report =
+            decode.submit(prefill.lease_parent("P3", blocks(16, 2), 1, None).expect("lease"), blocks(16, 2));
+        assert_done_and_verified(&decode, &report.expect("submit").wait(), &blocks(16, 2));
+        assert!(decode.stats().connections_opened > opened);
+        drop(decode);
+        drop(prefill);
+    }
+
+    #[test]
+    fn pulls_resolve_from_the_cache_while_etcd_is_unreachable() {
+        let mut etcd = EtcdServer::start();
+        let prefill = prefill_in(&etcd, "engine-d", 10);
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-d", prefill.incarnation());
+        let dir = decode.directory().expect("directory").clone();
+
+        etcd.pause();
+        wait_for("the directory degraded", || dir.status().state == EtcdState::Degraded);
+        let remote = blocks(0, 3);
+        let result = prefill.lease_parent("P1", remote.clone(), 1, None).expect("lease");
+        // Both forms pull from what is cached; nothing waits for etcd.
+        let report = decode.submit(result.engine_only(), remote.clone()).expect("submit").wait();
+        assert_done_and_verified(&decode, &report, &remote);
+        let result = prefill.lease_parent("P2", blocks(8, 2), 1, None).expect("lease");
+        assert_done_and_verified(
+            &decode,
+            &decode.submit(result, blocks(8, 2)).expect("submit").wait(),
+            &blocks(8, 2),
+        );
+        assert_eq!(dir.status().state, EtcdState::Degraded);
+
+        etcd.resume();
+        wait_for("the directory back", || dir.status().state == EtcdState::Connected);
+        drop(decode);
+        drop(prefill);
+        etcd.kill();
+    }
+
+    /// `GET /metrics` over HTTP/1.0: the samples by series.
+    fn scrape(addr: std::net::SocketAddr) -> BTreeMap<String, f64> {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+        s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: test\r\n\r\n").expect("request");
+        let mut text = String::new();
+        s.read_to_string(&mut text).expect("response");
+        assert!(text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"), "{text}");
+        let body = text.split("\r\n\r\n").nth(1).expect("body");
+        assert!(body.ends_with("# EOF\n"), "{body}");
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.rsplit_once(' '))
+            .map(|(series, value)| (series.to_owned(), value.parse().expect("a number")))
+            .collect()
+    }
+
+    /// Both agents of a process feed one registry (no etcd: metrics alone), the prefill agent
+    /// serves it; pull and per-child latencies, lease lives by outcome, bytes per transport
+    /// and the open connections show up.
+    #[test]
+    fn both_agents_feed_one_registry_served_at_metrics() {
+        let metrics = Arc::new(Metrics::new());
+        let prefill = prefill_with(
+            AgentConfig::new("prefill")
+                .transport(TransportChoice::Tcp)
+                .lease_ttl(Duration::from_millis(300))
+                .metrics(metrics.clone())
+                .metrics_listen("127.0.0.1:0"),
+            layout(64),
+        );
+        let decode = decode_with(
+            AgentConfig::new("decode").transport(TransportChoice::Tcp).metrics(metrics.clone()),
+            layout(64),
+        );
+        let addr = prefill.metrics_addr().expect("served");
+        assert!(addr.ip().is_loopback());
+        assert!(decode.metrics_addr().is_none());
+
+        // Children 0 and 1 are pulled; child 2 is nobody's and expires.
+        let result = prefill.lease_parent("M", blocks(0, 3), 1, None).expect("lease");
+        let report = decode.submit_subset(&result, vec![(0, blocks(0, 1)[0].clone()), (1, vec![2, 3])]);
+        let report = report.expect("submit").wait();
+        assert!(report.all_done(), "{report:?}");
+        wait_ends(&prefill, 3, Duration::from_secs(10));
+
+        let m = scrape(addr);
+        let get = |series: &str| m.get(series).copied().unwrap_or_else(|| panic!("{series} missing: {m:#?}"));
+        let bytes = (4 * BLOCK) as f64;
+        assert_eq!(get("kvxfer_leases_made_total"), 3.0);
+        assert_eq!(get(r#"kvxfer_leases_ended_total{outcome="pulled"}"#), 2.0);
+        assert_eq!(get(r#"kvxfer_leases_ended_total{outcome="expired"}"#), 1.0);
+        assert_eq!(get(r#"kvxfer_child_handoff_duration_seconds_count{outcome="pulled"}"#), 2.0);
+        assert_eq!(get(r#"kvxfer_child_handoff_duration_seconds_count{outcome="expired"}"#), 1.0);
+        // The expired lease lived at least its ttl.
+        assert!(get(r#"kvxfer_child_handoff_duration_seconds_sum{outcome="expired"}"#) >= 0.3);
+        assert_eq!(get("kvxfer_pulls_total"), 1.0);
+        assert_eq!(get("kvxfer_pull_duration_seconds_count"), 1.0);
+        assert_eq!(get(r#"kvxfer_child_pull_duration_seconds_count{outcome="done"}"#), 2.0);
+        assert_eq!(get(r#"kvxfer_pulled_bytes_total{transport="tcp"}"#), bytes);
+        assert_eq!(get(r#"kvxfer_pulled_bytes_total{transport="ucx"}"#), 0.0);
+        assert_eq!(get(r#"kvxfer_served_bytes_total{transport="tcp"}"#), bytes);
+        assert_eq!(get(r#"kvxfer_integrity_failures_total{transport="tcp"}"#), 0.0);
+        assert_eq!(get("kvxfer_peers"), 1.0);
+        // The decode side's pooled connections are still open.
+        let open = prefill.stats().connections_open;
+        assert!(open >= 1);
+        assert_eq!(get("kvxfer_connections_open"), open as f64);
+        assert_eq!(get(r#"kvxfer_connections_opened_total{side="decode"}"#), open as f64);
+
+        // The decode agent gone: its connections close, its counters stay.
+        drop(decode);
+        wait_for("connections closed", || prefill.stats().connections_open == 0);
+        let m = scrape(addr);
+        assert_eq!(m.get("kvxfer_connections_open"), Some(&0.0));
+        assert_eq!(m.get(r#"kvxfer_pulled_bytes_total{transport="tcp"}"#), Some(&bytes));
+        assert_eq!(m.get("kvxfer_peers"), Some(&0.0));
+        prefill.shutdown();
+        assert!(std::net::TcpStream::connect(addr).is_err(), "/metrics stops with the agent");
+    }
+}
