@@ -33,9 +33,9 @@ How it maps onto vLLM:
   requests still waiting in the decode queue are heartbeated every ``lease_ttl / 6``.
 - **Aborts.** A decode request aborted while its pull runs is cancelled (its lease ends
   released) and its blocks are freed when the pull reports. One aborted before its pull
-  started is released through ``DecodeAgent.release`` when the binding has it (the engine's
-  API for dropping children without pulling); until then its lease expires (counted in
-  ``stats()["releases_unavailable"]``).
+  started, or whose blocks all hit the local prefix cache, is released without pulling
+  (``DecodeAgent.release``: the prefill side frees its blocks now, not at the lease's
+  expiry; counted in the decode agent's ``leases_released`` / ``releases_refused``).
 
 Configuration (``kv_connector_extra_config``): ``kvxfer_host`` (the host hand-offs name;
 default ``$VLLM_HOST_IP`` or 127.0.0.1), ``kvxfer_port`` (base port; TP rank r of data-parallel
@@ -217,7 +217,7 @@ class KvxferConnector(_Base):
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
         self._extra = extra
-        self._counters = {"releases_unavailable": 0, "arm_failures": 0, "submit_failures": 0}
+        self._counters = {"arm_failures": 0, "submit_failures": 0, "bad_params": 0}
 
         # Scheduler side.
         self._step = 0
@@ -558,7 +558,22 @@ class KvxferConnector(_Base):
             if meta.heartbeats:
                 beats = [p for p in (self._for_rank_or_none(p, rank) for p in meta.heartbeats) if p is not None]
                 if beats:
-                    self._decode.heartbeat(beats)
+                    self._each_or_alone(self._decode.heartbeat, beats, "heartbeating")
+
+    def _each_or_alone(self, call: Any, params: list[dict[str, Any]], what: str) -> None:
+        """``call(params)``; when a dict is malformed (a router's bad params must not stop
+        the worker), each dict alone, logging the ones refused."""
+        try:
+            call(params)
+            return
+        except kvxfer.KvxferError:
+            pass
+        for p in params:
+            try:
+                call([p])
+            except kvxfer.KvxferError as e:
+                self._counters["bad_params"] += 1
+                logger.error("kvxfer: %s the lease of %s failed: %s", what, p.get("remote_request_id"), e)
 
     def _for_rank_or_none(self, params: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
         try:
@@ -568,21 +583,12 @@ class KvxferConnector(_Base):
             return None
 
     def _release(self, params: list[Optional[dict[str, Any]]]) -> None:
-        """Leases to give up without pulling (aborted requests, full local prefix hits)."""
-        params = [p for p in params if p is not None]
-        if not params or self._decode is None:
-            return
-        release = getattr(self._decode, "release", None)
-        if release is not None:
-            release(params)
-            return
-        self._counters["releases_unavailable"] += len(params)
-        logger.warning(
-            "kvxfer: %d lease(s) of requests that will not be pulled (%s) are left to expire: this build's "
-            "DecodeAgent has no release()",
-            len(params),
-            ", ".join(str(p.get("remote_request_id")) for p in params),
-        )
+        """Leases given up without pulling (aborted requests, full local prefix hits):
+        released now (``DecodeAgent.release``, not waited for) so the prefill side frees the
+        blocks at once instead of at the lease's expiry."""
+        given = [p for p in params if p is not None]
+        if given and self._decode is not None:
+            self._each_or_alone(self._decode.release, given, "releasing")
 
     def _submit(self, to_recv: dict[str, tuple[dict[str, Any], list[int]]], rank: int) -> None:
         """Submits the step's pulls, children of one parent on one prefill agent together."""

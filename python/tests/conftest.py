@@ -3,6 +3,9 @@ after each test."""
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import numpy as np
 import pytest
 
@@ -19,6 +22,19 @@ def random_cache(seed: int, shape=SHAPE) -> np.ndarray:
 
 def blocks_equal(src: np.ndarray, remote: list[int], dst: np.ndarray, local: list[int]) -> bool:
     return all(np.array_equal(dst[kv, local].view(np.uint16), src[kv, remote].view(np.uint16)) for kv in range(2))
+
+
+def eventually(what: str, cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Waits until ``cond()`` holds (a guard against a hang, not a timed assertion)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def arm_waits(prefill: kvxfer.PrefillAgent) -> int:
+    """Requests that waited for a lease to be armed (reads, cancels, notifies, heartbeats)."""
+    return prefill.stats()["server"]["arm_waits"]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvxfer
-from conftest import SHAPE, blocks_equal, random_cache
+from conftest import SHAPE, arm_waits, blocks_equal, eventually, random_cache
 
 
 def test_a_parent_with_four_children_is_pulled_and_every_lease_ends_pulled(prefill, decode, src, dst):
@@ -103,7 +103,11 @@ def test_a_pull_waiting_for_its_arm_can_be_cancelled(prefill, decode):
         "kvxfer_lease_token": secrets.token_hex(16),
     }
     pull = decode.submit([minted], [[5]])
+    eventually("the read waits for the arm", lambda: arm_waits(prefill) == 1)
     pull.cancel_child(0)
+    # The cancel reaches the pull task asynchronously: arm once it waits for the arm too
+    # (else the read could finish first and the child be pulled).
+    eventually("the cancel waits for the arm", lambda: arm_waits(prefill) == 2)
     prefill.arm(minted)
     report = pull.wait(timeout=30)[0]
     assert report["outcome"] == "cancelled" and report["released"] is True

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-import kvxfer
 from vllm_base_mirror import Request
 from vllm_sim import BLOCK_SIZE, Instance, same_blocks
 
@@ -156,28 +155,64 @@ def test_an_aborted_prefill_request_leases_nothing(prefill):
     assert prefill.stats()["prefill"]["leases"]["leased"] == 0
 
 
-@pytest.mark.skipif(not hasattr(kvxfer.DecodeAgent, "release"), reason="DecodeAgent.release is not in this build")
 def test_a_request_aborted_in_the_queue_releases_its_lease(prefill, decode):
     _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
     prefill.step()
     req = Request("D", list(PROMPT), kv_transfer_params=params)
     decode.add_decode(req, allocate=False)
     decode.abort(req)
-    decode.step()
+    decode.step()  # the worker releases the lease without pulling
     prefill.run_until("R released", lambda: "R" in prefill.sending, others=(decode,))
-    assert ends_by_kind(prefill)["released"] == 1
+    assert ends_by_kind(prefill) == {"pulled": 0, "released": 1, "expired": 0, "unrecognized": 0, "live": 0}
+    decode.run_until("the release answered", lambda: decode.stats()["decode"]["leases_released"] == 1)
+    stats = decode.stats()["decode"]
+    assert (stats["pulls"], stats["releases_refused"]) == (0, 0), stats
 
 
-def test_without_release_a_request_aborted_in_the_queue_is_counted(prefill, decode):
-    if hasattr(kvxfer.DecodeAgent, "release"):
-        pytest.skip("DecodeAgent.release exists: covered by the test above")
+def test_a_request_allocated_but_aborted_before_its_pull_was_sent_releases_its_lease(prefill, decode):
     _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
     prefill.step()
     req = Request("D", list(PROMPT), kv_transfer_params=params)
-    decode.add_decode(req, allocate=False)
-    decode.abort(req)
-    decode.step()
-    assert decode.stats()["releases_unavailable"] == 1
+    decode.add_decode(req)  # blocks allocated; the pull goes to the worker at the next step
+    assert decode.abort(req) is False, "nothing was sent: the blocks are freed at once"
+    prefill.run_until("R released", lambda: "R" in prefill.sending, others=(decode,))
+    assert ends_by_kind(prefill) == {"pulled": 0, "released": 1, "expired": 0, "unrecognized": 0, "live": 0}
+    assert decode.stats()["decode"]["pulls"] == 0
+
+
+def test_a_prompt_wholly_in_the_local_prefix_cache_releases_its_lease(prefill, decode):
+    _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+    prefill.step()
+    req = Request("D", list(PROMPT), kv_transfer_params=params)
+    decode.sched.on_new_request(req)
+    assert decode.sched.get_num_new_matched_tokens(req, len(PROMPT)) == (0, False)
+    decode.allocate(req, 0, load_async=False)
+    prefill.run_until("R released", lambda: "R" in prefill.sending, others=(decode,))
+    assert ends_by_kind(prefill) == {"pulled": 0, "released": 1, "expired": 0, "unrecognized": 0, "live": 0}
+    decode.run_until("the release answered", lambda: decode.stats()["decode"]["leases_released"] == 1)
+
+
+def test_a_malformed_params_dict_from_the_router_does_not_stop_the_worker(prefill):
+    """A queued request's bad params are logged and counted; its good neighbour still
+    pulls, and the bad request's heartbeat and release fail alone."""
+    decode = Instance("kv_consumer", "decode-engine-hb", extra={"kvxfer_heartbeat_interval": 0})
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+        prefill.step()
+        bad = dict(params, remote_request_id="X", kvxfer_lease_token="not hex")
+        queued = Request("Q", list(PROMPT), kv_transfer_params=bad)
+        decode.add_decode(queued, allocate=False)  # heartbeated while it waits: refused alone
+        good = Request("D", list(PROMPT), kv_transfer_params=params)
+        decode.add_decode(good, allocate=False)
+        decode.run_until("the good lease heartbeated", lambda: decode.stats()["decode"]["keeper_extended"] >= 1)
+        assert decode.stats()["bad_params"] >= 1
+        decode.abort(queued)  # released without pulling: refused alone too
+        local = decode.allocate(good, len(PROMPT))
+        decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+        assert same_blocks(prefill.caches, [3, 4, 5], decode.caches, local)
+        assert "Q" not in decode.recving and not decode.load_errors
+    finally:
+        decode.shutdown()
 
 
 def test_a_failed_pull_reports_its_blocks_as_load_errors(decode):

@@ -15,7 +15,7 @@ use kvxfer_proto::v1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{pull_error, raise, s, to_py, ConfigError, SubmitError};
+use crate::errors::{pull_error, raise, s, to_py, ConfigError, SubmitError, TransportError};
 use crate::host::{runtime, Hosted};
 use crate::keeper::Keeper;
 use crate::memory::Memory;
@@ -405,6 +405,44 @@ impl DecodeAgent {
         Ok(Some(outcomes))
     }
 
+    /// Releases the leases of `children` (`kv_transfer_params` dicts) this agent will not
+    /// pull — requests aborted while they waited in the decode queue, or whose blocks all
+    /// hit the local prefix cache — so the prefill side frees their blocks now instead of at
+    /// expiry. Do not release a child a pull of this agent is reading (cancel it instead).
+    /// Returns at once unless `wait` is true; then waits (GIL released, at most `timeout` s)
+    /// and returns per child whether the prefill side released the lease (False: it had
+    /// been pulled or had expired, was unknown there, or the prefill agent could not be
+    /// reached — it then ends by expiry if it has not ended). Raises `TimeoutError` when
+    /// not every answer came within `timeout` (the releases still go on). Counted in
+    /// `stats()` as `leases_released` / `releases_refused`.
+    #[pyo3(signature = (children, *, wait = false, timeout = 10.0))]
+    fn release(
+        &self,
+        py: Python<'_>,
+        children: Vec<Bound<'_, PyAny>>,
+        wait: bool,
+        timeout: f64,
+    ) -> PyResult<Option<Vec<bool>>> {
+        let timeout = seconds(py, "timeout", timeout)?;
+        let mut handoffs = Vec::with_capacity(children.len());
+        for (i, c) in children.iter().enumerate() {
+            handoffs.push(handoff_from_py(c, &format!("children[{i}]: "))?);
+        }
+        let (agent, rt) = self.agent(py)?;
+        let task = rt.spawn(async move { futures::future::join_all(handoffs.iter().map(|h| agent.release(h))).await });
+        if !wait {
+            return Ok(None);
+        }
+        let released = py.detach(move || rt.block_on(async { tokio::time::timeout(timeout, task).await }));
+        match released {
+            Ok(Ok(released)) => Ok(Some(released)),
+            Ok(Err(e)) => Err(raise::<TransportError>(py, format!("release: the task stopped: {e}"), &[])),
+            Err(_) => Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
+                "release: not every prefill agent answered within {timeout:?}"
+            ))),
+        }
+    }
+
     /// Blocks of failed-and-held children (a one-sided read that could not be stopped) that
     /// are free again, without waiting: dicts with `parent_request_id`, `children`,
     /// `local_blocks`. (The TCP data path of this wheel never holds blocks.)
@@ -423,26 +461,56 @@ impl DecodeAgent {
             .collect()
     }
 
-    /// Counters: pulls, children done / failed / cancelled, bytes pulled and delivered,
-    /// unacknowledged notifications, connections, control retries, and the queued-lease
-    /// heartbeats (`keeper_*`).
+    /// Counters (every field of the engine's `DecodeStats`): pulls, children done / failed /
+    /// cancelled, bytes pulled and delivered, unacknowledged notifications, connections,
+    /// control and read retries, integrity failures, leases released without pulling
+    /// (`leases_released`, `releases_refused`), and the queued-lease heartbeats (`keeper_*`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (agent, _) = self.agent(py)?;
-        let s = agent.stats();
+        // Destructured in full: a counter added to the engine fails to compile here until
+        // it is exposed.
+        let kvxfer::DecodeStats {
+            pulls,
+            children_done,
+            children_failed,
+            children_cancelled,
+            bytes_pulled,
+            bytes_delivered,
+            notifications_unacknowledged,
+            connections_opened,
+            peers,
+            auth_failures,
+            control_retries,
+            children_blocks_held,
+            bytes_pulled_ucx,
+            integrity_failures,
+            integrity_failures_ucx,
+            peers_invalidated,
+            read_retries,
+            leases_released,
+            releases_refused,
+        } = agent.stats();
         let d = PyDict::new(py);
         for (k, v) in [
-            ("pulls", s.pulls),
-            ("children_done", s.children_done),
-            ("children_failed", s.children_failed),
-            ("children_cancelled", s.children_cancelled),
-            ("children_blocks_held", s.children_blocks_held),
-            ("bytes_pulled", s.bytes_pulled),
-            ("bytes_delivered", s.bytes_delivered),
-            ("notifications_unacknowledged", s.notifications_unacknowledged),
-            ("connections_opened", s.connections_opened),
-            ("peers", s.peers),
-            ("auth_failures", s.auth_failures),
-            ("control_retries", s.control_retries),
+            ("pulls", pulls),
+            ("children_done", children_done),
+            ("children_failed", children_failed),
+            ("children_cancelled", children_cancelled),
+            ("children_blocks_held", children_blocks_held),
+            ("bytes_pulled", bytes_pulled),
+            ("bytes_pulled_ucx", bytes_pulled_ucx),
+            ("bytes_delivered", bytes_delivered),
+            ("notifications_unacknowledged", notifications_unacknowledged),
+            ("connections_opened", connections_opened),
+            ("peers", peers),
+            ("peers_invalidated", peers_invalidated),
+            ("auth_failures", auth_failures),
+            ("control_retries", control_retries),
+            ("read_retries", read_retries),
+            ("integrity_failures", integrity_failures),
+            ("integrity_failures_ucx", integrity_failures_ucx),
+            ("leases_released", leases_released),
+            ("releases_refused", releases_refused),
         ] {
             d.set_item(k, v)?;
         }

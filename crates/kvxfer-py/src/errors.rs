@@ -124,6 +124,7 @@ fn submit_kind(e: &kvxfer::SubmitError) -> &'static str {
         S::MixedEngines { .. } => "mixed_engines",
         S::ShuttingDown { .. } => "shutting_down",
         S::LocalBlocksBusy { .. } => "local_blocks_busy",
+        S::NoAddress { .. } => "no_address",
         _ => "other",
     }
 }
@@ -187,6 +188,7 @@ pub(crate) fn pull_kind(e: &RustPullError) -> &'static str {
         P::TransportUnavailable { .. } => "transport_unavailable",
         P::UcxRead { .. } => "ucx_read",
         P::PinNotHeld { .. } => "pin_not_held",
+        P::EngineNotRegistered { .. } => "engine_not_registered",
         P::SiblingFailed { .. } => "sibling_failed",
         P::Shutdown => "shutdown",
         _ => "other",

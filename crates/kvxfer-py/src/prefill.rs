@@ -73,6 +73,7 @@ fn end_dict<'py>(py: Python<'py>, e: &LeaseEnd) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("consumers_seen", e.consumers_seen)?;
     d.set_item("expected_consumers", e.expected_consumers)?;
     d.set_item("generation", e.generation)?;
+    d.set_item("life_seconds", e.ended_at.saturating_duration_since(e.leased_at).as_secs_f64())?;
     Ok(d)
 }
 
@@ -277,8 +278,8 @@ impl PrefillAgent {
     /// Lease ends not yet taken, without waiting (at most `max`): dicts with
     /// `remote_request_id`, `parent_request_id`, `child_index`, `n`, `kind` ("pulled",
     /// "released", "expired"), `blocks` (free again), `consumers_seen`,
-    /// `expected_consumers`, `generation`. Each end is delivered once — also after
-    /// `shutdown()`, which ends every live lease as released.
+    /// `expected_consumers`, `generation`, `life_seconds` (from lease to end). Each end is
+    /// delivered once — also after `shutdown()`, which ends every live lease as released.
     #[pyo3(signature = (max = None))]
     fn poll_ends<'py>(&self, py: Python<'py>, max: Option<usize>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         self.ends.try_iter().take(max.unwrap_or(usize::MAX)).map(|e| end_dict(py, &e)).collect()
@@ -312,44 +313,89 @@ impl PrefillAgent {
     /// Counters: `{"leases": {...}, "server": {...}}` (leased, pulled, released, expired,
     /// live, unrecognized, ...; bytes and reads served, arm waits, refusals, ...).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.agent(py)?.stats();
-        let l = s.leases;
+        // Destructured in full: a counter added to the engine fails to compile here until
+        // it is exposed.
+        let kvxfer::PrefillStats { leases: l, server: v, connections_open } = self.agent(py)?.stats();
+        let kvxfer_core::LeaseStats {
+            leased,
+            pulled,
+            released,
+            expired,
+            retracted,
+            live,
+            draining,
+            unrecognized,
+            bad_token,
+            duplicate,
+            reads_refused,
+            already_ended,
+            ended_records_evicted,
+        } = l;
         let leases = PyDict::new(py);
-        for (k, v) in [
-            ("leased", l.leased),
-            ("pulled", l.pulled),
-            ("released", l.released),
-            ("expired", l.expired),
-            ("retracted", l.retracted),
-            ("live", l.live),
-            ("draining", l.draining),
-            ("unrecognized", l.unrecognized),
-            ("bad_token", l.bad_token),
-            ("duplicate", l.duplicate),
-            ("reads_refused", l.reads_refused),
-            ("already_ended", l.already_ended),
-            ("ended_records_evicted", l.ended_records_evicted),
+        for (k, n) in [
+            ("leased", leased),
+            ("pulled", pulled),
+            ("released", released),
+            ("expired", expired),
+            ("retracted", retracted),
+            ("live", live),
+            ("draining", draining),
+            ("unrecognized", unrecognized),
+            ("bad_token", bad_token),
+            ("duplicate", duplicate),
+            ("reads_refused", reads_refused),
+            ("already_ended", already_ended),
+            ("ended_records_evicted", ended_records_evicted),
         ] {
-            leases.set_item(k, v)?;
+            leases.set_item(k, n)?;
         }
-        let v = s.server;
+        let kvxfer_tcp::ServerStats {
+            bytes_served,
+            bytes_served_one_sided,
+            reads_served,
+            reads_refused,
+            connections,
+            handshakes_refused,
+            handshakes_abandoned,
+            protocol_errors,
+            pins,
+            pins_open,
+            connections_refused,
+            pins_refused,
+            pins_expired,
+            stalled_frames,
+            auth_required,
+            auth_failed,
+            peer_connections_refused,
+            idle_closed,
+            slow_transfers,
+            arm_waits,
+            arm_wait_expired,
+        } = v;
         let server = PyDict::new(py);
         for (k, n) in [
-            ("bytes_served", v.bytes_served),
-            ("reads_served", v.reads_served),
-            ("reads_refused", v.reads_refused),
-            ("connections", v.connections),
-            ("handshakes_refused", v.handshakes_refused),
-            ("handshakes_abandoned", v.handshakes_abandoned),
-            ("protocol_errors", v.protocol_errors),
-            ("connections_refused", v.connections_refused),
-            ("stalled_frames", v.stalled_frames),
-            ("auth_required", v.auth_required),
-            ("auth_failed", v.auth_failed),
-            ("idle_closed", v.idle_closed),
-            ("slow_transfers", v.slow_transfers),
-            ("arm_waits", v.arm_waits),
-            ("arm_wait_expired", v.arm_wait_expired),
+            ("bytes_served", bytes_served),
+            ("bytes_served_one_sided", bytes_served_one_sided),
+            ("reads_served", reads_served),
+            ("reads_refused", reads_refused),
+            ("connections", connections),
+            ("connections_open", connections_open),
+            ("handshakes_refused", handshakes_refused),
+            ("handshakes_abandoned", handshakes_abandoned),
+            ("protocol_errors", protocol_errors),
+            ("pins", pins),
+            ("pins_open", pins_open),
+            ("pins_refused", pins_refused),
+            ("pins_expired", pins_expired),
+            ("connections_refused", connections_refused),
+            ("peer_connections_refused", peer_connections_refused),
+            ("stalled_frames", stalled_frames),
+            ("auth_required", auth_required),
+            ("auth_failed", auth_failed),
+            ("idle_closed", idle_closed),
+            ("slow_transfers", slow_transfers),
+            ("arm_waits", arm_waits),
+            ("arm_wait_expired", arm_wait_expired),
         ] {
             server.set_item(k, n)?;
         }
