@@ -39,9 +39,16 @@ def _dtype(t: Any) -> str:
 
 
 def _address(t: Any) -> int:
+    """The start address of a layer's tensor; a clear error for anything else."""
+    iface = getattr(t, "__array_interface__", None)
+    if not (hasattr(t, "data_ptr") or isinstance(iface, dict)) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
+        raise RegistrationError(
+            f"cannot register a {type(t).__name__} as a KV-cache layer: expected a numpy array or a tensor "
+            "(data_ptr(), shape, dtype)"
+        )
     if hasattr(t, "data_ptr"):
         return int(t.data_ptr())
-    return int(t.__array_interface__["data"][0])
+    return int(iface["data"][0])
 
 
 def _layout_of(shape: tuple[int, ...], kv_layout: str) -> str:
@@ -63,6 +70,10 @@ def kv_cache_segments(
     a sequence of them; every layer must have the same shape and dtype. Tensors that are the
     same memory (layers sharing a KV cache) are registered once.
     """
+    if isinstance(kv_caches, (str, bytes)) or not isinstance(kv_caches, (Mapping, Iterable)):
+        raise RegistrationError(
+            f"kv_caches must map layer names to tensors or be a sequence of them, got {type(kv_caches).__name__}"
+        )
     tensors: Iterable[Any] = kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches
     distinct: list[Any] = []
     seen: set[int] = set()

@@ -14,6 +14,7 @@ use kvxfer_core::{BlockId, ChildHandoff, PrefillResult};
 use kvxfer_proto::v1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use tokio_util::task::TaskTracker;
 
 use crate::errors::{pull_error, raise, s, to_py, ConfigError, SubmitError, TransportError};
 use crate::host::{runtime, Hosted};
@@ -120,6 +121,9 @@ struct Shared {
     queue: Option<Queue>,
     pulls: Mutex<Vec<Weak<PullState>>>,
     next_id: AtomicU64,
+    /// The pulls' forwarder tasks: a shutdown waits for them after the agent's own, so
+    /// every report reached its `Pull` before the runtime (and any task on it) is dropped.
+    forwarders: TaskTracker,
 }
 
 /// Moves a pull's reports into its state (and the agent's queue) as children finish.
@@ -273,6 +277,7 @@ impl DecodeAgent {
             queue: queue_reports.then(Queue::default),
             pulls: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
+            forwarders: TaskTracker::new(),
         });
         Ok(DecodeAgent { host: Hosted::new(agent, rt, "decode agent"), shared, keeper, consumer_id })
     }
@@ -322,7 +327,7 @@ impl DecodeAgent {
             changed: Condvar::new(),
         });
         self.shared.pulls.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(&state));
-        rt.spawn(forward(handle, state.clone(), self.shared.clone()));
+        self.shared.forwarders.spawn_on(forward(handle, state.clone(), self.shared.clone()), &rt);
         Ok(Pull { state })
     }
 
@@ -521,16 +526,12 @@ impl DecodeAgent {
     }
 
     /// Shuts the agent down (GIL released): takes no new pulls, lets pulls finish (up to
-    /// `shutdown_grace`), then aborts their reads; every child is reported and every lease
-    /// notified or cancelled. Later calls return at once.
+    /// `shutdown_grace`), then aborts their reads; every lease is notified or cancelled
+    /// (each exchange bounded by `io_timeout`), and every child of every pull has reported
+    /// when it returns. Later calls return at once.
     fn shutdown(&self, py: Python<'_>) {
-        let keeper = self.keeper.clone();
-        py.detach(|| {
-            self.host.shutdown(|a| async move {
-                a.shutdown().await;
-                keeper.close().await;
-            })
-        });
+        let (keeper, shared) = (self.keeper.clone(), self.shared.clone());
+        py.detach(|| self.host.shutdown(|a| close(a, keeper, shared)));
     }
 
     /// Whether the agent was shut down.
@@ -563,12 +564,18 @@ impl DecodeAgent {
 
 impl Drop for DecodeAgent {
     fn drop(&mut self) {
-        let keeper = self.keeper.clone();
-        self.host.shutdown_detached(|a| async move {
-            a.shutdown().await;
-            keeper.close().await;
-        });
+        let (keeper, shared) = (self.keeper.clone(), self.shared.clone());
+        self.host.shutdown_detached(|a| close(a, keeper, shared));
     }
+}
+
+/// The agent's graceful shutdown, then its pulls' forwarders (every report delivered to its
+/// `Pull`), then the keeper's connections.
+async fn close(agent: Arc<kvxfer::DecodeAgent>, keeper: Arc<Keeper>, shared: Arc<Shared>) {
+    agent.shutdown().await;
+    shared.forwarders.close();
+    shared.forwarders.wait().await;
+    keeper.close().await;
 }
 
 /// A pull under way: its children's reports, and cancelling children. Dropping it does not
