@@ -434,7 +434,8 @@ impl DecodeAgent {
             handoffs.push(handoff_from_py(c, &format!("children[{i}]: "))?);
         }
         let (agent, rt) = self.agent(py)?;
-        let task = rt.spawn(async move { futures::future::join_all(handoffs.iter().map(|h| agent.release(h))).await });
+        let task = rt
+            .spawn(async move { futures::future::join_all(handoffs.iter().map(|h| agent.release(h))).await });
         if !wait {
             return Ok(None);
         }
