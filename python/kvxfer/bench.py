@@ -10,6 +10,9 @@ verified. Memory is numpy: one segment of ``blocks * block`` bytes per side. Als
 ``api_us_per_parent``, the median time of the calls through the binding for one parent
 (``lease_parent``, ``to_params``, ``poll_ends``, ``submit``).
 
+numpy's huge-page advice is turned off (``--numpy-hugepages`` keeps it): kvxfer-bench's
+memory has none, and a paired run should compare the binding, not page sizes.
+
 ``--pair-with PATH`` runs the Rust binary (``cargo build --release -p kvxfer-bench``;
 ``target/release/kvxfer-bench``) and this benchmark alternately, ``--rounds`` times each, on
 the same machine, and prints both medians and their ratio per block size.
@@ -64,6 +67,13 @@ def run_block_size(args: argparse.Namespace, block: int) -> dict[str, Any]:
     if bpc == 0:
         raise SystemExit(f"--total-bytes {args.total_bytes} is too small for {n * parents} children of {block}-byte blocks")
     blocks = bpc * n * parents
+    # numpy asks for transparent huge pages on large arrays (madvise); kvxfer-bench's memory
+    # (KvMemory::alloc) does not, so a paired run would compare page sizes, not the binding.
+    # Off unless --numpy-hugepages.
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    set_hugepage = getattr(core.multiarray, "_set_madvise_hugepage", None)
+    if set_hugepage is not None:
+        set_hugepage(args.numpy_hugepages)
     src = np.random.default_rng(block).integers(0, 256, size=blocks * block, dtype=np.uint8)
     dst = np.zeros_like(src)
     common = dict(worker_threads=args.worker_threads)
@@ -196,7 +206,7 @@ def paired(args: argparse.Namespace) -> int:
     """Rust and Python runs alternated, ``--rounds`` each; medians and the ratio."""
     flags = workload_flags(args)
     rust_cmd = [args.pair_with, "--transport", "tcp"] + flags
-    py_cmd = [sys.executable, "-m", "kvxfer.bench"] + flags
+    py_cmd = [sys.executable, "-m", "kvxfer.bench"] + flags + (["--numpy-hugepages"] if args.numpy_hugepages else [])
     samples: dict[str, dict[int, list[dict[str, Any]]]] = {"rust": {}, "python": {}}
     for r in range(args.rounds):
         order = [("rust", rust_cmd), ("python", py_cmd)] if r % 2 == 0 else [("python", py_cmd), ("rust", rust_cmd)]
@@ -253,6 +263,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--connections", type=int, default=2)
     ap.add_argument("--worker-threads", type=int, default=2)
     ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument(
+        "--numpy-hugepages",
+        action="store_true",
+        help="let numpy madvise huge pages for its arrays (kvxfer-bench's memory does not: off for paired runs)",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object per block size")
     ap.add_argument("--pair-with", metavar="KVXFER_BENCH", help="alternate runs with this kvxfer-bench binary")
     ap.add_argument("--rounds", type=int, default=5, help="paired runs of each (with --pair-with)")
