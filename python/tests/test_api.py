@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import secrets
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -132,7 +133,9 @@ def test_waits_release_the_gil(prefill, decode):
     armed = threading.Event()
 
     def other_thread():
-        # Runs only if the waiting thread released the GIL.
+        # Runs only if the waiting thread released the GIL (the pause lets it start waiting
+        # first; were the arm to come first, the wait would just return at once).
+        time.sleep(0.2)
         ticks.append(1)
         prefill.arm(minted)
         armed.set()

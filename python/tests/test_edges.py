@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import secrets
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,7 +38,16 @@ def patient_prefill(src):
 
 
 def in_thread(fn) -> threading.Thread:
-    t = threading.Thread(target=fn)
+    """Runs ``fn`` on another thread a moment from now — by then the calling thread is
+    (almost always) blocked in the call under test, so ``fn`` runs only if that call
+    released the GIL. Were it to run first, the call would return at once: the pause can
+    weaken such a test, never make it fail wrongly."""
+
+    def later() -> None:
+        time.sleep(0.2)
+        fn()
+
+    t = threading.Thread(target=later)
     t.start()
     return t
 
@@ -267,14 +277,7 @@ def test_shutdown_releases_the_gil_while_pulls_finish(patient_prefill, src):
     decode = kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), shutdown_grace=30.0)
     minted = unarmed(patient_prefill, "S", [3])
     pull = decode.submit([minted], [[4]])
-    started = threading.Event()
-
-    def arm_once_shutdown_began():
-        started.wait(30)
-        patient_prefill.arm(minted)
-
-    t = in_thread(arm_once_shutdown_began)
-    started.set()
+    t = in_thread(lambda: patient_prefill.arm(minted))
     decode.shutdown()  # waits for the pull, which needs the other thread's arm
     t.join()
     assert pull.wait(timeout=1)[0]["outcome"] == "done"
