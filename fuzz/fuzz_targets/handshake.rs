@@ -103,6 +103,7 @@ fuzz_target!(|data: &[u8]| {
         cluster_key: keyed.then(key),
         limits: Limits::default(),
         counters: Arc::new(ServerCounters::default()),
+        leases_made: Arc::new(tokio::sync::Notify::new()),
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("runtime");

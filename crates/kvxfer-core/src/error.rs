@@ -100,6 +100,22 @@ pub enum LeaseError {
     /// shutting down); no lease is made after that, so none is left without an end.
     #[error("lease for request {0}: the prefill agent is shutting down")]
     Closed(String),
+    /// [`crate::LeaseTable::arm`]: the request id given is not the one the parent, child
+    /// index and `n` name (`"{index}_{parent}"` for `n > 1`, the parent's own id for `n == 1`).
+    #[error("arming lease {given}: parent, child index and n name request {expected}")]
+    IdMismatch {
+        /// The id the lease was to be armed under.
+        given: String,
+        /// The id the parent, child index and `n` name.
+        expected: String,
+    },
+    /// [`crate::LeaseTable::arm`]: a token of all zeros (never minted).
+    #[error("arming lease {0}: the lease token is all zeros (not minted)")]
+    ZeroToken(String),
+    /// [`crate::LeaseTable::arm`]: this token is the token of an ended lease of the same id
+    /// still on record; arming it again would bring an ended lease back.
+    #[error("arming lease {0}: this token belongs to a lease of the same id that already ended")]
+    TokenReused(String),
 }
 
 /// Why a hand-off or prefill result was refused.

@@ -543,6 +543,8 @@ pub struct LeaseTable {
     ended_rx: Receiver<LeaseEnd>,
     /// Called after every end is sent on `ended_tx` (the driver's wake-up).
     end_hook: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Called after every new lease (made or armed), outside the shard lock.
+    lease_hook: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     counters: Counters,
     /// Each shard's share of `LeaseConfig::max_ended_records` (at least 1).
     records_per_shard: usize,
@@ -600,6 +602,7 @@ impl LeaseTable {
             ended_tx,
             ended_rx,
             end_hook: std::sync::OnceLock::new(),
+            lease_hook: std::sync::OnceLock::new(),
             counters: Counters::default(),
             closed: std::sync::atomic::AtomicBool::new(false),
         }
@@ -677,6 +680,43 @@ impl LeaseTable {
         now: Instant,
     ) -> Result<(ChildHandoff, u64), LeaseError> {
         let id = self.validate(&req)?;
+        self.insert(id, req, None, now)
+    }
+
+    /// Registers a lease whose request id and token were chosen elsewhere, and returns its
+    /// hand-off and generation: the two-phase lease of an engine whose scheduler process
+    /// hands the id and token out (vLLM's `request_finished`) before the worker that holds
+    /// the KV memory makes the lease (its next step). Checks everything [`Self::lease`]
+    /// checks, and also that `id` is the request id `req` names
+    /// ([`crate::child_request_id`]), that the token is not all zeros, and that it is not
+    /// the token of an ended lease of the same id still on record (arming that again would
+    /// bring an ended lease back: its decode side may already have been told it ended).
+    /// Wakes the lease hook ([`Self::set_lease_hook`]), like every new lease.
+    pub fn arm(
+        &self,
+        id: &str,
+        req: LeaseRequest,
+        token: LeaseToken,
+        now: Instant,
+    ) -> Result<(ChildHandoff, u64), LeaseError> {
+        let expected = self.validate(&req)?;
+        if expected != id {
+            return Err(LeaseError::IdMismatch { given: id.to_owned(), expected });
+        }
+        if token.as_bytes().iter().all(|&b| b == 0) {
+            return Err(LeaseError::ZeroToken(expected));
+        }
+        self.insert(expected, req, Some(token), now)
+    }
+
+    /// Inserts a lease (a fresh token, or the one given) and only then builds its hand-off.
+    fn insert(
+        &self,
+        id: String,
+        req: LeaseRequest,
+        given: Option<LeaseToken>,
+        now: Instant,
+    ) -> Result<(ChildHandoff, u64), LeaseError> {
         let ttl = req.ttl.unwrap_or(self.config.default_ttl).min(self.config.max_lifetime);
         let deadline = deadline_after(now, ttl);
         let max_deadline = now.checked_add(self.config.max_lifetime);
@@ -696,6 +736,7 @@ impl LeaseTable {
             }
             Arc::from(flat)
         };
+        let given_hash = given.as_ref().map(|t| token_hash(t.as_bytes()));
 
         let mut shard = self.lock(self.shard_of(&key));
         // Checked under the shard lock: `release_all` sets the flag before it visits any
@@ -706,17 +747,28 @@ impl LeaseTable {
         if shard.leases.contains_key(&key) {
             return Err(LeaseError::AlreadyLeased(key.to_string()));
         }
+        if let (Some(hash), Some(record)) = (&given_hash, shard.recent.get(&key)) {
+            if hashes_match(&record.token_hash, hash) {
+                return Err(LeaseError::TokenReused(key.to_string()));
+            }
+        }
         if let Some(old) = shard.recent.remove(&key) {
             shard.recent_order.remove(&old.order);
         }
-        let token = LeaseToken::generate(&mut shard.rng);
+        let (token, hash) = match (given, given_hash) {
+            (Some(t), Some(h)) => (t, h),
+            _ => {
+                let t = LeaseToken::generate(&mut shard.rng);
+                (t, token_hash(t.as_bytes()))
+            }
+        };
         let seq = shard.next_seq;
         shard.next_seq += 1;
         shard.deadlines.insert((deadline, seq), key.clone());
         shard.leases.insert(
             key.clone(),
             Lease {
-                token_hash: token_hash(token.as_bytes()),
+                token_hash: hash,
                 parent: parent.clone(),
                 child_index: req.child_index,
                 n: req.n,
@@ -738,6 +790,9 @@ impl LeaseTable {
         );
         drop(shard);
         bump(&self.counters.leased);
+        if let Some(hook) = self.lease_hook.get() {
+            hook();
+        }
         let handoff = ChildHandoff::issued(
             parent,
             req.child_index,
@@ -751,6 +806,19 @@ impl LeaseTable {
             ttl,
         );
         Ok((handoff, seq))
+    }
+
+    /// Whether a live, draining or recently ended lease of `id` holds `token` — false for an
+    /// id nobody leased (yet) and for a wrong token alike. For a server that lets a request
+    /// for a lease not armed yet wait until it is ([`Self::arm`]); it changes and counts
+    /// nothing, and hashes the presented token once, whatever the id.
+    pub fn knows(&self, id: &str, token: &[u8]) -> bool {
+        let presented = token_hash(token);
+        let shard = self.lock(self.shard_of(id));
+        match shard.leases.get(id) {
+            Some(l) => hashes_match(&l.token_hash, &presented),
+            None => shard.recent.get(id).is_some_and(|t| hashes_match(&t.token_hash, &presented)),
+        }
     }
 
     /// Looks up `id` with `token`, expiring it first when its deadline is at or before
@@ -1058,6 +1126,14 @@ impl LeaseTable {
     /// must not call into the table. Only the first hook set is kept (returns false after).
     pub fn set_end_hook(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
         self.end_hook.set(Box::new(hook)).is_ok()
+    }
+
+    /// Sets a function called right after each new lease is in the table ([`Self::lease`]
+    /// or [`Self::arm`]), on the thread that made it, outside any lock: a server's wake-up
+    /// for requests waiting for a lease to be armed. It must be quick. Only the first hook
+    /// set is kept (returns false after).
+    pub fn set_lease_hook(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
+        self.lease_hook.set(Box::new(hook)).is_ok()
     }
 
     /// Ends every live lease as released (the owner shuts down): each end is delivered on

@@ -791,6 +791,7 @@ mod tests {
             cluster_key: key,
             limits: Limits::default(),
             counters: Arc::new(ServerCounters::default()),
+            leases_made: Arc::new(tokio::sync::Notify::new()),
         }
     }
 

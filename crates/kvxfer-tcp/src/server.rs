@@ -38,6 +38,10 @@ pub struct ServeContext {
     pub limits: Limits,
     /// Counters.
     pub counters: Arc<ServerCounters>,
+    /// Notified (`notify_waiters`) whenever the lease table makes a lease: wakes frames
+    /// waiting for their lease to be armed (`Limits::arm_wait`). The owner of the table
+    /// connects it with [`LeaseTable::set_lease_hook`].
+    pub leases_made: Arc<tokio::sync::Notify>,
 }
 
 /// Why [`refuse_connection`] turns a connection away.
@@ -173,6 +177,8 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             }
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
+        // A frame naming a lease that is not armed yet waits (bounded) for it.
+        crate::arm::wait_for_arm(ctx, &f).await;
         let now = Instant::now();
         last_frame = now;
         match dispatch(ctx, &mut pins, f, now) {

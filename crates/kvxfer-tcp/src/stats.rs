@@ -59,6 +59,11 @@ pub struct ServerCounters {
     /// `Limits::io_timeout`), or because the peer did not take a reply within
     /// `Limits::io_timeout` (it sends but never reads).
     pub slow_transfers: AtomicU64,
+    /// Frames that named a lease not armed yet and waited for it (`Limits::arm_wait`).
+    pub arm_waits: AtomicU64,
+    /// Of those, frames whose lease was still unknown when `Limits::arm_wait` ran out (then
+    /// answered as unknown).
+    pub arm_wait_expired: AtomicU64,
     /// Rate limit of the warnings peers can trigger at will.
     pub warnings: WarnBudget,
 }
@@ -119,6 +124,8 @@ pub struct ServerStats {
     pub peer_connections_refused: u64,
     pub idle_closed: u64,
     pub slow_transfers: u64,
+    pub arm_waits: u64,
+    pub arm_wait_expired: u64,
 }
 
 impl ServerCounters {
@@ -146,6 +153,8 @@ impl ServerCounters {
             peer_connections_refused: l(&self.peer_connections_refused),
             idle_closed: l(&self.idle_closed),
             slow_transfers: l(&self.slow_transfers),
+            arm_waits: l(&self.arm_waits),
+            arm_wait_expired: l(&self.arm_wait_expired),
         }
     }
 }

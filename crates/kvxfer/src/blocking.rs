@@ -91,6 +91,16 @@ impl PrefillAgent {
         self.as_async().lease(req)
     }
 
+    /// See [`crate::PrefillAgent::arm`].
+    pub fn arm(
+        &self,
+        remote_request_id: &str,
+        req: LeaseRequest,
+        token: kvxfer_core::LeaseToken,
+    ) -> Result<ChildHandoff, Error> {
+        self.as_async().arm(remote_request_id, req, token)
+    }
+
     /// See [`crate::PrefillAgent::lease_parent`].
     pub fn lease_parent(
         &self,

@@ -316,4 +316,11 @@ impl AgentConfig {
         self.max_children = n;
         self
     }
+
+    /// Sets how long a frame naming a lease not armed yet waits for it (prefill side;
+    /// `Limits::arm_wait`, default 5 s; see [`crate::PrefillAgent::arm`]).
+    pub fn arm_wait(mut self, wait: Duration) -> Self {
+        self.limits.arm_wait = wait;
+        self
+    }
 }

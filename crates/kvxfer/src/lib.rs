@@ -69,7 +69,7 @@ pub use prefill::{LeaseEnds, PrefillAgent, PrefillStats};
 
 pub use kvxfer_core::{
     BlockId, BlockLayout, ChildHandoff, ChildState, EndKind, KvTransferParams, LeaseEnd, LeaseRequest,
-    ParentStatus, PrefillResult, Segment,
+    LeaseToken, ParentStatus, PrefillResult, Segment,
 };
 pub use kvxfer_mem::{KvMemory, Region};
 pub use kvxfer_tcp::handshake::{CLUSTER_KEY_ENV, CLUSTER_KEY_FILE_ENV};

@@ -190,6 +190,12 @@ impl PrefillAgent {
             let ended = ended.clone();
             table.set_end_hook(move || ended.notify_one());
         }
+        // Frames naming a lease not armed yet wait for the next lease (`Limits::arm_wait`).
+        let leases_made = Arc::new(Notify::new());
+        {
+            let made = leases_made.clone();
+            table.set_lease_hook(move || made.notify_waiters());
+        }
         let counters = Arc::new(ServerCounters::default());
         #[cfg_attr(not(feature = "ucx"), allow(unused_mut))]
         let mut transports = vec![crate::hello::tcp_offer()];
@@ -208,6 +214,7 @@ impl PrefillAgent {
             cluster_key: config.cluster_key.clone(),
             limits: config.limits,
             counters: counters.clone(),
+            leases_made,
         });
         let connections_open = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cluster")]
@@ -341,6 +348,33 @@ impl PrefillAgent {
         drop(tracker);
         debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "leased");
         // The expiry task sleeps until the earliest deadline; this one may be earlier.
+        self.shared.wake.notify_one();
+        Ok(h)
+    }
+
+    /// Arms a lease whose request id and token were minted elsewhere — the second phase of
+    /// a two-phase lease: a scheduler process that does not hold the KV memory (vLLM's)
+    /// chooses `remote_request_id` and the token and publishes them in `kv_transfer_params`,
+    /// and the worker holding the memory arms the lease with exactly those at its next
+    /// step. Refused as [`Self::lease`] refuses, and when `remote_request_id` is not the id
+    /// `req` names, the token is all zeros, or it is the token of an ended lease of the same
+    /// id (see [`LeaseTable::arm`]). Reads and notifications that reached the agent before
+    /// the arm waited for it (`Limits::arm_wait`) and are answered now.
+    pub fn arm(
+        &self,
+        remote_request_id: &str,
+        req: LeaseRequest,
+        token: kvxfer_core::LeaseToken,
+    ) -> Result<ChildHandoff, Error> {
+        let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
+        // As in `lease`: recorded in the tracker under its lock, after the table made it.
+        let mut tracker = self.lock_tracker();
+        let now = Instant::now();
+        tracker.admit(&parent, n, now)?;
+        let (h, generation) = self.shared.table.arm(remote_request_id, req, token, now)?;
+        tracker.leased(&parent, n, child, generation, now);
+        drop(tracker);
+        debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "armed");
         self.shared.wake.notify_one();
         Ok(h)
     }

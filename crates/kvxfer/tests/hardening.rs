@@ -469,7 +469,10 @@ fn small_window_socket(addr: std::net::SocketAddr) -> std::net::TcpStream {
 fn a_peer_that_never_reads_its_replies_loses_its_pins_and_connection() {
     use std::io::Write;
     for refused_reads in [false, true] {
-        let mut config = AgentConfig::new("prefill").io_timeout(Duration::from_millis(500));
+        // No arm wait: the reads of an unknown id must be refused (and their replies pile up)
+        // at once, not after waiting for an arm.
+        let mut config =
+            AgentConfig::new("prefill").io_timeout(Duration::from_millis(500)).arm_wait(Duration::ZERO);
         config.limits.max_inflight_reads = 1;
         config.limits.pin_timeout = Duration::from_millis(200);
         let layout = BlockLayout::single(16, BLOCK).expect("layout");

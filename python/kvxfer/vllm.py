@@ -1,0 +1,691 @@
+"""kvxfer's KV connector for vLLM v1 (``KVConnectorBase_V1``).
+
+Switch with one flag on both the prefill and the decode instance::
+
+    --kv-transfer-config '{"kv_connector":"KvxferConnector","kv_connector_module_path":"kvxfer.vllm","kv_role":"kv_both"}'
+
+How it maps onto vLLM:
+
+- **Two-phase lease.** ``request_finished`` runs in the scheduler process, the KV memory
+  lives in the worker processes. The scheduler side mints ``remote_request_id`` (the
+  request's own id) and a random 128-bit lease token into the request's
+  ``kv_transfer_params`` and returns ``delay_free=True``; every worker arms its lease with
+  exactly that id and token at its next step (``PrefillAgent.arm``, from the connector
+  metadata). A decode peer faster than the arm waits (bounded, ``kvxfer_arm_wait``) instead
+  of being told the lease is unknown, so vLLM's early-notification race cannot happen. When
+  the lease ends (pulled, released or expired) the worker reports the request in
+  ``get_finished``'s sending set and vLLM frees its blocks.
+- **n > 1.** vLLM forks a parallel-sampling parent ``R`` into children ``f"{i}_{R}"``. Each
+  child's ``request_finished`` gets its own hand-off (``kvxfer_parent_request_id``,
+  ``kvxfer_child_index``, ``kvxfer_n``) when the prefill request's ``kv_transfer_params``
+  carry ``kvxfer_n`` (set by the router; without it every child is leased as a parent of its
+  own, which still gives each its own hand-off). Each child's params also list the hand-offs
+  of every sibling finished so far (``kvxfer_children``), so whichever child's params vLLM's
+  output path keeps (the last one to finish), they carry all n. On the decode side a request
+  ``f"{i}_{D}"`` forked from a request holding ``kvxfer_children`` pulls child i; a request
+  carrying one child's params pulls that child alone (subset pulls), so children on
+  different decode workers work.
+- **Decode.** ``get_num_new_matched_tokens`` asks for the prompt's tokens asynchronously;
+  ``update_state_after_alloc`` records the local blocks; the worker submits the pull at its
+  next step, grouping children of one parent (blocks siblings share cross the wire once).
+  Reports arrive in ``get_finished`` (receiving set); a failed child's blocks are reported by
+  ``get_block_ids_with_load_errors`` (vLLM's recompute-or-fail policy applies). Leases of
+  requests still waiting in the decode queue are heartbeated every ``lease_ttl / 6``.
+- **Aborts.** A decode request aborted while its pull runs is cancelled (its lease ends
+  released) and its blocks are freed when the pull reports. One aborted before its pull
+  started, or whose blocks all hit the local prefix cache, is released without pulling
+  (``DecodeAgent.release``: the prefill side frees its blocks now, not at the lease's
+  expiry; counted in the decode agent's ``leases_released`` / ``releases_refused``).
+
+Configuration (``kv_connector_extra_config``): ``kvxfer_host`` (the host hand-offs name;
+default ``$VLLM_HOST_IP`` or 127.0.0.1), ``kvxfer_port`` (base port; TP rank r of data-parallel
+rank d listens on ``port + d * tp_size + r``; default 5600), ``kvxfer_listen_host`` (default
+``kvxfer_host``), ``kvxfer_lease_ttl`` (s, 30), ``kvxfer_arm_wait`` (s, 5),
+``kvxfer_heartbeat_interval`` (s, ``lease_ttl / 6``), ``kvxfer_io_timeout`` (s, 10),
+``kvxfer_worker_threads`` (2), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``).
+Tensor parallelism: prefill and decode must have the same TP size (rank r pulls from rank r).
+
+vLLM is imported lazily: without it this module still imports (the base classes fall back
+to plain stand-ins), which is what the tests use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Optional
+
+import kvxfer
+
+try:  # pragma: no cover - exercised only where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1 as _Base,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata as _Metadata,
+    )
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorHandshakeMetadata as _HandshakeMetadata,
+        )
+    except ImportError:  # vLLM before out-of-band handshake metadata
+
+        class _HandshakeMetadata:  # type: ignore[no-redef]
+            """Stand-in for vLLM's ``KVConnectorHandshakeMetadata``."""
+
+    HAVE_VLLM = True
+    logger = logging.getLogger("vllm.kv_connector.kvxfer")
+except ImportError:
+    HAVE_VLLM = False
+    logger = logging.getLogger("kvxfer.vllm")
+
+    class _Metadata:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorMetadata`` when vLLM is not installed."""
+
+    class _HandshakeMetadata:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorHandshakeMetadata`` when vLLM is not installed."""
+
+    class _Base:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorBase_V1`` when vLLM is not installed."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self) -> Any:
+            return self._role
+
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request  # noqa: F401
+
+# A child of a parallel-sampling parent: vLLM names it f"{index}_{parent}".
+_CHILD_ID = re.compile(r"^(\d+)_(.+)$", re.DOTALL)
+_SENDING_STATES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+# How long the scheduler remembers minted siblings of a parent whose other children never
+# finished, and the worker the ids vLLM said finished before their leases ended.
+_FORGET_AFTER = 600.0
+
+
+def _status_name(request: Any) -> str:
+    status = getattr(request, "status", None)
+    return getattr(status, "name", str(status))
+
+
+def _num_prompt_tokens(request: Any) -> int:
+    n = getattr(request, "num_prompt_tokens", None)
+    if n is None:
+        n = len(getattr(request, "prompt_token_ids", None) or ())
+    return int(n)
+
+
+def _flat_blocks(block_ids: Any) -> list[int]:
+    """``block_ids`` of ``request_finished``: a list, or one list per KV-cache group."""
+    if isinstance(block_ids, (tuple, list)) and block_ids and isinstance(block_ids[0], (list, tuple)):
+        if len(block_ids) > 1 and any(len(g) for g in block_ids[1:]):
+            raise ValueError("kvxfer pulls a single KV-cache group (hybrid models are not supported yet)")
+        return [int(b) for b in block_ids[0]]
+    return [int(b) for b in (block_ids or ())]
+
+
+def _local_blocks(blocks: Any) -> list[int]:
+    """The newly allocated (not prefix-cached) local blocks of ``KVCacheBlocks``."""
+    if hasattr(blocks, "get_unhashed_block_ids_all_groups"):
+        groups = blocks.get_unhashed_block_ids_all_groups()
+        return [int(b) for b in groups[0]] if groups else []
+    if hasattr(blocks, "get_unhashed_block_ids"):
+        return [int(b) for b in blocks.get_unhashed_block_ids()]
+    return [int(b) for b in blocks.get_block_ids()[0]]
+
+
+class KvxferConnectorMetadata(_Metadata):
+    """What the scheduler side tells the workers at one step (pickled to them)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        # Prefill: request id -> minted params (rank 0's address), to arm.
+        self.to_arm: dict[str, dict[str, Any]] = {}
+        # Decode: request id -> (the child's params, local block ids), to pull.
+        self.to_recv: dict[str, tuple[dict[str, Any], list[int]]] = {}
+        # Decode: request ids whose pull is to be cancelled (the request was aborted).
+        self.to_cancel: list[str] = []
+        # Decode: params of leases to release without pulling (aborted before the pull).
+        self.to_release: list[dict[str, Any]] = []
+        # Decode: params of leases of requests waiting in the queue, to heartbeat.
+        self.heartbeats: list[dict[str, Any]] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"KvxferConnectorMetadata(step={self.step}, arm={list(self.to_arm)}, recv={list(self.to_recv)}, "
+            f"cancel={self.to_cancel}, release={len(self.to_release)}, heartbeats={len(self.heartbeats)})"
+        )
+
+
+class KvxferHandshakeMetadata(_HandshakeMetadata):
+    """What a worker rank tells the scheduler side at start-up (vLLM's out-of-band handshake
+    metadata): where its prefill agent listens and which process it is, so hand-offs name
+    the real port (``kvxfer_port`` 0 lets the OS pick) and state the incarnation."""
+
+    def __init__(self, rank: int, host: str, port: int, incarnation: int) -> None:
+        self.rank = rank
+        self.host = host
+        self.port = port
+        self.incarnation = incarnation
+
+    def __repr__(self) -> str:
+        return f"KvxferHandshakeMetadata(rank={self.rank}, {self.host}:{self.port}, incarnation={self.incarnation})"
+
+
+class KvxferConnector(_Base):
+    """vLLM v1 KV connector over kvxfer (see the module docs)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if HAVE_VLLM:  # pragma: no cover - needs vLLM
+            import inspect
+
+            if len(inspect.signature(_Base.__init__).parameters) > 3:
+                super().__init__(vllm_config, role, kv_cache_config)
+            else:
+                super().__init__(vllm_config, role)  # type: ignore[call-arg]
+        else:
+            super().__init__(vllm_config, role, kv_cache_config)
+        self._connector_metadata = None
+        config = vllm_config.kv_transfer_config
+        extra = dict(getattr(config, "kv_connector_extra_config", None) or {})
+        self._role_name = getattr(role, "name", str(role))
+        self._kv_role = getattr(config, "kv_role", "kv_both") or "kv_both"
+        self.engine_id = str(extra.get("kvxfer_engine_id") or getattr(config, "engine_id", None) or "kvxfer")
+        self.host = str(extra.get("kvxfer_host") or os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
+        self.listen_host = str(extra.get("kvxfer_listen_host") or self.host)
+        self.base_port = int(extra.get("kvxfer_port", 5600))
+        self.lease_ttl = float(extra.get("kvxfer_lease_ttl", 30.0))
+        self.arm_wait = float(extra.get("kvxfer_arm_wait", 5.0))
+        self.heartbeat_interval = float(extra.get("kvxfer_heartbeat_interval", self.lease_ttl / 6))
+        self.io_timeout = float(extra.get("kvxfer_io_timeout", 10.0))
+        self.worker_threads = int(extra.get("kvxfer_worker_threads", 2))
+        self.cluster_key = extra.get("kvxfer_cluster_key")
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        self._extra = extra
+        self._counters = {"arm_failures": 0, "submit_failures": 0, "bad_params": 0}
+
+        # Scheduler side.
+        self._step = 0
+        self._to_arm: dict[str, dict[str, Any]] = {}
+        self._to_recv: dict[str, tuple[dict[str, Any], list[int]]] = {}
+        self._recv_inflight: set[str] = set()
+        self._handled: set[str] = set()
+        self._to_cancel: list[str] = []
+        self._to_release: list[dict[str, Any]] = []
+        self._queued: dict[str, dict[str, Any]] = {}
+        self._selected: dict[str, Optional[dict[str, Any]]] = {}
+        self._last_heartbeat = 0.0
+        # Prefill ranks' agents as their workers reported them (handshake metadata).
+        self._ranks: dict[int, KvxferHandshakeMetadata] = {}
+        # parent -> (first minted at, {child index: params}) for kvxfer_children.
+        self._minted: OrderedDict[str, tuple[float, dict[int, dict[str, Any]]]] = OrderedDict()
+
+        # Worker side.
+        self._prefill: Optional[kvxfer.PrefillAgent] = None
+        self._decode: Optional[kvxfer.DecodeAgent] = None
+        self._last_step = -1
+        self._armed: set[str] = set()
+        self._ended: set[str] = set()
+        self._finished_seen: OrderedDict[str, float] = OrderedDict()
+        self._pulls: dict[str, tuple[kvxfer.Pull, int]] = {}
+        self._by_remote: dict[str, str] = {}
+        self._load_errors: set[int] = set()
+        self._done_recving: set[str] = set()
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def is_producer(self) -> bool:
+        return self._kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self._kv_role in ("kv_consumer", "kv_both")
+
+    def _port_of(self, rank: int) -> int:
+        known = self._ranks.get(rank)
+        if known is not None:
+            return known.port
+        if self.base_port == 0:
+            return 0
+        return self.base_port + self.dp_rank * self.tp_size + rank
+
+    def _tp_rank(self) -> int:
+        if "kvxfer_tp_rank" in self._extra:
+            return int(self._extra["kvxfer_tp_rank"])
+        try:  # pragma: no cover - needs vLLM's parallel state
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank())
+        except Exception:  # noqa: BLE001 - no vLLM, or its groups are not initialized
+            return 0
+
+    def _for_rank(self, params: dict[str, Any], rank: int) -> dict[str, Any]:
+        """A hand-off's params with the address of prefill rank ``rank``."""
+        prefill_tp = int(params.get("tp_size") or 1)
+        if prefill_tp != self.tp_size:
+            raise ValueError(
+                f"prefill TP size {prefill_tp} and decode TP size {self.tp_size} differ: kvxfer pulls rank r "
+                "from rank r (heterogeneous tensor parallelism is not wired into the engine yet)"
+            )
+        return self._rank_view(params, rank)
+
+    @staticmethod
+    def _rank_view(params: dict[str, Any], rank: int) -> dict[str, Any]:
+        """A hand-off's params as prefill rank ``rank`` serves it (its address and
+        incarnation, from the ``kvxfer_rank_*`` lists)."""
+        if rank == 0:
+            return params
+        out = dict(params)
+        for key, field in (
+            ("kvxfer_rank_hosts", "remote_host"),
+            ("kvxfer_rank_ports", "remote_port"),
+            ("kvxfer_rank_incarnations", "kvxfer_incarnation"),
+        ):
+            values = params.get(key)
+            if isinstance(values, list) and rank < len(values):
+                out[field] = values[rank]
+        return out
+
+    def _decode_params(self, request: Any) -> Optional[dict[str, Any]]:
+        """The hand-off this decode request pulls: its own child's params (picked from
+        ``kvxfer_children`` by its child index when vLLM forked it), or None."""
+        rid = request.request_id
+        if rid in self._selected:
+            return self._selected[rid]
+        params = getattr(request, "kv_transfer_params", None)
+        chosen: Optional[dict[str, Any]] = None
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            children = params.get("kvxfer_children")
+            m = _CHILD_ID.match(rid)
+            if isinstance(children, list) and len(children) > 1 and m and int(m.group(1)) < len(children):
+                chosen = dict(children[int(m.group(1))])
+            elif params.get("kvxfer_lease_token"):
+                chosen = {k: v for k, v in params.items() if k != "kvxfer_children"}
+        self._selected[rid] = chosen
+        return chosen
+
+    def _child_of(self, request: Any) -> tuple[str, int, int]:
+        """(parent, child index, n) of a prefill request."""
+        rid = request.request_id
+        params = getattr(request, "kv_transfer_params", None) or {}
+        n = params.get("kvxfer_n")
+        if isinstance(n, int) and n > 1:
+            m = _CHILD_ID.match(rid)
+            if m and int(m.group(1)) < n:
+                return m.group(2), int(m.group(1)), n
+            logger.warning("kvxfer: request %s has kvxfer_n=%s but is not named like a child; leased alone", rid, n)
+        return rid, 0, 1
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def on_new_request(self, request: Any) -> None:
+        """Starts heartbeating the lease of a decode request waiting in the queue."""
+        params = self._decode_params(request)
+        if params is not None and request.request_id not in self._handled:
+            self._queued[request.request_id] = params
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._decode_params(request)
+        if params is None or request.request_id in self._handled:
+            return 0, False
+        self._queued.setdefault(request.request_id, params)
+        count = _num_prompt_tokens(request) - num_computed_tokens
+        if count > 0:
+            return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        params = self._decode_params(request)
+        if params is None or rid in self._handled:
+            return
+        self._handled.add(rid)
+        self._queued.pop(rid, None)
+        if num_external_tokens > 0:
+            self._to_recv[rid] = (params, _local_blocks(blocks))
+            self._recv_inflight.add(rid)
+        else:
+            # Everything is in the local prefix cache: nothing to pull, release the lease.
+            self._to_release.append(params)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
+        self._step += 1
+        meta = KvxferConnectorMetadata(self._step)
+        meta.to_arm, self._to_arm = self._to_arm, {}
+        meta.to_recv, self._to_recv = self._to_recv, {}
+        meta.to_cancel, self._to_cancel = self._to_cancel, []
+        meta.to_release, self._to_release = self._to_release, []
+        now = time.monotonic()
+        if self._queued and now - self._last_heartbeat >= self.heartbeat_interval:
+            self._last_heartbeat = now
+            meta.heartbeats = list(self._queued.values())
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._recv_inflight.discard(rid)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
+        rid = request.request_id
+        self._queued.pop(rid, None)
+        decode = self._decode_params(request)
+        self._selected.pop(rid, None)
+        if decode is not None:
+            handled = rid in self._handled
+            self._handled.discard(rid)
+            if rid in self._to_recv:  # allocated, the pull not sent to the worker yet
+                self._to_release.append(self._to_recv.pop(rid)[0])
+                self._recv_inflight.discard(rid)
+                return False, None
+            if rid in self._recv_inflight:  # the pull runs: cancel, free when it reports
+                self._to_cancel.append(rid)
+                return True, None
+            if not handled:
+                self._to_release.append(decode)  # finished (aborted) in the queue, never pulled
+            return False, None
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        if _status_name(request) not in _SENDING_STATES:
+            return False, None  # aborted: nothing is leased, the blocks are freed now
+        blocks = _flat_blocks(block_ids)
+        if not blocks:
+            return False, None
+        return True, self._mint(request, blocks)
+
+    def _mint(self, request: Any, blocks: list[int]) -> dict[str, Any]:
+        """The child's hand-off (minted id and token), queued for the workers to arm."""
+        rid = request.request_id
+        parent, index, n = self._child_of(request)
+        out: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": blocks,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.host,
+            "remote_port": self._port_of(0),
+            "tp_size": self.tp_size,
+            "kvxfer_lease_token": secrets.token_hex(16),
+            "kvxfer_parent_request_id": parent,
+            "kvxfer_child_index": index,
+            "kvxfer_n": n,
+            "kvxfer_expected_consumers": 1,
+            "kvxfer_lease_ttl_ms": int(self.lease_ttl * 1000),
+        }
+        rank0 = self._ranks.get(0)
+        if rank0 is not None:
+            out["remote_host"] = rank0.host
+            out["kvxfer_incarnation"] = rank0.incarnation
+        if self.tp_size > 1:
+            out["kvxfer_rank_ports"] = [self._port_of(r) for r in range(self.tp_size)]
+            if all(r in self._ranks for r in range(self.tp_size)):
+                out["kvxfer_rank_hosts"] = [self._ranks[r].host for r in range(self.tp_size)]
+                out["kvxfer_rank_incarnations"] = [self._ranks[r].incarnation for r in range(self.tp_size)]
+        self._to_arm[rid] = out
+        if n == 1:
+            return dict(out)
+        now = time.monotonic()
+        while self._minted:
+            oldest, (since, _) = next(iter(self._minted.items()))
+            if now - since < _FORGET_AFTER:
+                break
+            del self._minted[oldest]
+        _, siblings = self._minted.setdefault(parent, (now, {}))
+        siblings[index] = out
+        result = dict(out)
+        result["kvxfer_children"] = [dict(siblings[i]) for i in sorted(siblings)]
+        if len(siblings) == n:
+            del self._minted[parent]
+        return result
+
+    def get_finished_count(self) -> Optional[int]:
+        return None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Learns every prefill rank's agent address and incarnation from its worker."""
+        for rank, meta in (metadata or {}).items():
+            if isinstance(meta, KvxferHandshakeMetadata):
+                self._ranks[int(rank)] = meta
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Registers the KV cache (host memory) and starts the agents of this rank."""
+        rank = self._tp_rank()
+        common = dict(
+            engine_id=self.engine_id,
+            rank=rank,
+            cluster_key=self.cluster_key,
+            io_timeout=self.io_timeout,
+            worker_threads=self.worker_threads,
+        )
+        if self.is_producer:
+            self._prefill = kvxfer.PrefillAgent(
+                kvxfer.kv_cache_memory(kv_caches),
+                f"{self.listen_host}:{self._port_of(rank)}",
+                agent_name=f"vllm-prefill-{rank}",
+                tp_size=self.tp_size,
+                advertise_host=self.host,
+                lease_ttl=self.lease_ttl,
+                arm_wait=self.arm_wait,
+                **common,
+            )
+        if self.is_consumer:
+            self._decode = kvxfer.DecodeAgent(
+                kvxfer.kv_cache_memory(kv_caches),
+                agent_name=f"vllm-decode-{rank}",
+                queue_reports=True,
+                **common,
+            )
+
+    def get_handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
+        """This rank's prefill agent (address, incarnation), for the scheduler side."""
+        if self._prefill is None:
+            return None
+        host, port = self._prefill.address
+        return KvxferHandshakeMetadata(self._tp_rank(), host, port, self._prefill.incarnation)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        self._connector_metadata = connector_metadata
+        self._process(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+    def _get_connector_metadata(self) -> Any:
+        assert self._connector_metadata is not None
+        return self._connector_metadata
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._connector_metadata is not None:
+            self._process(self._connector_metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: pulls land between steps (asynchronous loading)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing to save: the decode side pulls straight from the registered KV cache."""
+
+    def wait_for_save(self) -> None:
+        if self._connector_metadata is not None:
+            self._process(self._connector_metadata)
+
+    def _process(self, meta: Any) -> None:
+        """Applies one step's metadata once: arms, pulls, cancels, releases, heartbeats."""
+        step = getattr(meta, "step", None)
+        if not isinstance(meta, KvxferConnectorMetadata) or step is None or step <= self._last_step:
+            return
+        self._last_step = step
+        rank = self._tp_rank()
+        if self._prefill is not None:
+            for rid, params in meta.to_arm.items():
+                try:
+                    self._prefill.arm(self._rank_view(params, rank))
+                    self._armed.add(rid)
+                except kvxfer.KvxferError as e:
+                    # The blocks were kept for this lease: hand them back at once.
+                    self._counters["arm_failures"] += 1
+                    logger.error("kvxfer: arming the lease of %s failed: %s", rid, e)
+                    self._ended.add(rid)
+        if self._decode is not None:
+            self._submit(meta.to_recv, rank)
+            for rid in meta.to_cancel:
+                pull = self._pulls.get(rid)
+                if pull is not None:
+                    pull[0].cancel_child(pull[1])
+            if meta.to_release:
+                self._release([self._for_rank_or_none(p, rank) for p in meta.to_release])
+            if meta.heartbeats:
+                beats = [p for p in (self._for_rank_or_none(p, rank) for p in meta.heartbeats) if p is not None]
+                if beats:
+                    self._each_or_alone(self._decode.heartbeat, beats, "heartbeating")
+
+    def _each_or_alone(self, call: Any, params: list[dict[str, Any]], what: str) -> None:
+        """``call(params)``; when a dict is malformed (a router's bad params must not stop
+        the worker), each dict alone, logging the ones refused."""
+        try:
+            call(params)
+            return
+        except kvxfer.KvxferError:
+            pass
+        for p in params:
+            try:
+                call([p])
+            except kvxfer.KvxferError as e:
+                self._counters["bad_params"] += 1
+                logger.error("kvxfer: %s the lease of %s failed: %s", what, p.get("remote_request_id"), e)
+
+    def _for_rank_or_none(self, params: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
+        try:
+            return self._for_rank(params, rank)
+        except ValueError as e:
+            logger.error("kvxfer: %s", e)
+            return None
+
+    def _release(self, params: list[Optional[dict[str, Any]]]) -> None:
+        """Leases given up without pulling (aborted requests, full local prefix hits):
+        released now (``DecodeAgent.release``, not waited for) so the prefill side frees the
+        blocks at once instead of at the lease's expiry."""
+        given = [p for p in params if p is not None]
+        if given and self._decode is not None:
+            self._each_or_alone(self._decode.release, given, "releasing")
+
+    def _submit(self, to_recv: dict[str, tuple[dict[str, Any], list[int]]], rank: int) -> None:
+        """Submits the step's pulls, children of one parent on one prefill agent together."""
+        assert self._decode is not None
+        groups: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], list[int]]]] = {}
+        for rid, (params, local) in to_recv.items():
+            if not local:
+                # Every block was found in the local prefix cache: nothing to pull.
+                self._release([self._for_rank_or_none(params, rank)])
+                self._done_recving.add(rid)
+                continue
+            try:
+                p = self._for_rank(params, rank)
+                remote = list(p.get("remote_block_ids") or [])
+                if remote and isinstance(remote[0], list):
+                    remote = remote[0]
+                if len(local) < len(remote):
+                    # The head of the prompt is in the local prefix cache: pull the tail.
+                    p = dict(p, remote_block_ids=remote[len(remote) - len(local) :])
+                elif len(local) > len(remote):
+                    raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks")
+            except (ValueError, TypeError) as e:
+                self._fail(rid, local, f"cannot pull {rid}: {e}")
+                continue
+            key = (p.get("kvxfer_parent_request_id") or p.get("remote_request_id"), p.get("remote_host"), p.get("remote_port"))
+            groups.setdefault(key, []).append((rid, p, local))
+        for members in groups.values():
+            try:
+                pull = self._decode.submit([p for _, p, _ in members], [local for _, _, local in members])
+            except kvxfer.KvxferError as e:
+                for rid, _, local in members:
+                    self._fail(rid, local, f"cannot pull {rid}: {e}")
+                continue
+            for rid, p, _ in members:
+                self._pulls[rid] = (pull, int(p.get("kvxfer_child_index") or 0))
+                self._by_remote[str(p.get("remote_request_id"))] = rid
+
+    def _fail(self, rid: str, local: list[int], why: str) -> None:
+        self._counters["submit_failures"] += 1
+        logger.error("kvxfer: %s", why)
+        self._load_errors.update(local)
+        self._done_recving.add(rid)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        if self._connector_metadata is not None:
+            self._process(self._connector_metadata)
+        sending: set[str] = set()
+        if self._prefill is not None:
+            now = time.monotonic()
+            for rid in finished_req_ids or ():
+                if rid in self._armed or rid in self._ended:
+                    self._finished_seen[rid] = now
+            for end in self._prefill.poll_ends():
+                rid = end["remote_request_id"]
+                if end["kind"] == "expired":
+                    logger.warning("kvxfer: the lease of %s expired", rid)
+                self._armed.discard(rid)
+                self._ended.add(rid)
+            for rid in list(self._ended):
+                if rid in self._finished_seen:
+                    sending.add(rid)
+                    self._ended.discard(rid)
+                    del self._finished_seen[rid]
+            while self._finished_seen:
+                oldest, since = next(iter(self._finished_seen.items()))
+                if now - since < _FORGET_AFTER:
+                    break
+                del self._finished_seen[oldest]
+        if self._decode is not None:
+            for r in self._decode.poll_reports():
+                rid = self._by_remote.pop(r["remote_request_id"], None)
+                if rid is None:
+                    continue
+                self._pulls.pop(rid, None)
+                if r["outcome"] in ("failed", "failed_blocks_held"):
+                    logger.warning("kvxfer: pulling %s failed (%s): %s", rid, r["error"].advice, r["error"])
+                    self._load_errors.update(r["local_blocks"])
+                self._done_recving.add(rid)
+        recving, self._done_recving = self._done_recving, set()
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for agent in (self._decode, self._prefill):
+            if agent is not None:
+                agent.shutdown()
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict[str, Any]:
+        """The agents' counters and the connector's own (for tests and monitoring)."""
+        out: dict[str, Any] = dict(self._counters)
+        if self._prefill is not None:
+            out["prefill"] = self._prefill.stats()
+        if self._decode is not None:
+            out["decode"] = self._decode.stats()
+        return out

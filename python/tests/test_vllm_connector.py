@@ -1,0 +1,264 @@
+"""The vLLM connector driven through scripted scheduler/worker steps (see vllm_sim.py): a
+prefill and one or two decode instances in this process, talking over TCP on 127.0.0.1
+(free ports: the workers tell the schedulers their ports through vLLM's handshake
+metadata)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vllm_base_mirror import Request
+from vllm_sim import BLOCK_SIZE, Instance, same_blocks
+
+PROMPT = list(range(10))  # 10 tokens: 3 blocks of 4
+
+
+@pytest.fixture
+def prefill():
+    inst = Instance("kv_producer", "prefill-engine", seed=7, extra={"kvxfer_lease_ttl": 30})
+    yield inst
+    inst.shutdown()
+
+
+@pytest.fixture
+def decode():
+    inst = Instance("kv_consumer", "decode-engine")
+    yield inst
+    inst.shutdown()
+
+
+def prefill_request(rid: str, n: int = 1) -> Request:
+    params = {"do_remote_decode": True}
+    if n > 1:
+        params["kvxfer_n"] = n
+    return Request(rid, list(PROMPT), kv_transfer_params=params)
+
+
+def ends_by_kind(inst: Instance) -> dict[str, int]:
+    leases = inst.stats()["prefill"]["leases"]
+    return {k: leases[k] for k in ("pulled", "released", "expired", "unrecognized", "live")}
+
+
+def test_n1_one_child_pulled_and_its_blocks_freed(prefill, decode):
+    delay, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+    assert delay is True, "the blocks stay allocated until the lease ends"
+    assert params["remote_request_id"] == "R" and params["kvxfer_n"] == 1
+    assert params["kvxfer_incarnation"] == prefill.worker._prefill.incarnation
+    prefill.step()  # the worker arms the lease
+    req = Request("D", list(PROMPT), kv_transfer_params=params)
+    local = decode.add_decode(req)
+    assert len(local) == 3
+    decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+    assert not decode.load_errors
+    assert same_blocks(prefill.caches, [5, 6, 7], decode.caches, local)
+    prefill.run_until("R's blocks handed back", lambda: "R" in prefill.sending)
+    assert ends_by_kind(prefill) == {"pulled": 1, "released": 0, "expired": 0, "unrecognized": 0, "live": 0}
+
+
+def test_n4_every_child_has_its_own_handoff_and_is_pulled(prefill, decode):
+    # Children share the prompt's first two blocks (prefix caching) and own the third.
+    blocks = {i: [1, 2, 10 + i] for i in range(4)}
+    minted = [prefill.finish_prefill(prefill_request(f"{i}_R", n=4), blocks[i])[1] for i in range(4)]
+    for i, p in enumerate(minted):
+        assert (p["remote_request_id"], p["kvxfer_parent_request_id"], p["kvxfer_child_index"], p["kvxfer_n"]) == (
+            f"{i}_R",
+            "R",
+            i,
+            4,
+        )
+        assert len({p["kvxfer_lease_token"] for p in minted}) == 4
+    # vLLM's output path keeps the last child's params: they list every sibling.
+    last = minted[-1]
+    assert [c["remote_request_id"] for c in last["kvxfer_children"]] == ["0_R", "1_R", "2_R", "3_R"]
+    prefill.step()
+    # The decode instance forks the parent D into children i_D, all holding `last`.
+    children = [Request(f"{i}_D", list(PROMPT), kv_transfer_params=last) for i in range(4)]
+    local = [decode.add_decode(c) for c in children]
+    decode.run_until("every child received", lambda: len(decode.recving) == 4, others=(prefill,))
+    assert not decode.load_errors
+    for i in range(4):
+        assert same_blocks(prefill.caches, blocks[i], decode.caches, local[i]), f"child {i}"
+    stats = decode.stats()["decode"]
+    assert stats["pulls"] == 1, "children of one parent arriving together are one pull"
+    assert stats["bytes_pulled"] < stats["bytes_delivered"], "shared prompt blocks crossed the wire once"
+    prefill.run_until("every child's blocks handed back", lambda: len(prefill.sending) == 4)
+    assert ends_by_kind(prefill) == {"pulled": 4, "released": 0, "expired": 0, "unrecognized": 0, "live": 0}
+
+
+def test_n4_children_on_two_decode_workers_are_pulled_as_subsets(prefill, decode):
+    other = Instance("kv_consumer", "decode-engine-b")
+    try:
+        blocks = {i: [1, 2, 10 + i] for i in range(4)}
+        minted = [prefill.finish_prefill(prefill_request(f"{i}_R", n=4), blocks[i])[1] for i in range(4)]
+        prefill.step()
+        # The router sends each child on its own (n = 1): 0 and 1 to one worker, 2 and 3 to the other.
+        where = {0: decode, 1: decode, 2: other, 3: other}
+        local = {}
+        for i, inst in where.items():
+            child = {k: v for k, v in minted[i].items() if k != "kvxfer_children"}
+            local[i] = inst.add_decode(Request(f"D{i}", list(PROMPT), kv_transfer_params=child))
+        decode.run_until(
+            "all four received", lambda: len(decode.recving) + len(other.recving) == 4, others=(other, prefill)
+        )
+        for i, inst in where.items():
+            assert same_blocks(prefill.caches, blocks[i], inst.caches, local[i]), f"child {i}"
+        prefill.run_until("all handed back", lambda: len(prefill.sending) == 4)
+        assert ends_by_kind(prefill) == {"pulled": 4, "released": 0, "expired": 0, "unrecognized": 0, "live": 0}
+    finally:
+        other.shutdown()
+
+
+def test_a_notification_before_the_lease_is_armed_waits_for_it(prefill, decode):
+    """vLLM #43509: the decode side can be faster than the prefill worker's next step."""
+    _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+    # The prefill worker has not stepped: nothing is armed yet. The decode side pulls anyway.
+    req = Request("D", list(PROMPT), kv_transfer_params=params)
+    local = decode.add_decode(req)
+    decode.step()
+    server = lambda: prefill.stats()["prefill"]["server"]  # noqa: E731
+    deadline = time.monotonic() + 10
+    while server()["arm_waits"] == 0:
+        assert time.monotonic() < deadline, "the pull's read never reached the prefill agent"
+        time.sleep(0.005)
+    prefill.step()  # now the lease is armed
+    decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+    assert same_blocks(prefill.caches, [3, 4, 5], decode.caches, local)
+    prefill.run_until("R handed back", lambda: "R" in prefill.sending)
+    assert ends_by_kind(prefill)["pulled"] == 1
+    assert server()["arm_wait_expired"] == 0
+    assert prefill.stats()["prefill"]["leases"]["unrecognized"] == 0
+
+
+def test_an_aborted_request_releases_its_lease_rather_than_letting_it_expire(prefill, decode):
+    _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+    req = Request("D", list(PROMPT), kv_transfer_params=params)
+    decode.add_decode(req)
+    decode.step()  # the pull starts; its read waits for the arm
+    assert decode.abort(req) is True, "blocks of a pull under way are freed only once it reports"
+    decode.step()  # the worker cancels the child
+    prefill.step()  # arm: the waiting cancel is answered
+    decode.run_until("D reported", lambda: "D" in decode.recving, others=(prefill,))
+    assert not decode.load_errors, "an aborted request's blocks are not load errors"
+    prefill.run_until("R handed back", lambda: "R" in prefill.sending)
+    ends = ends_by_kind(prefill)
+    assert (ends["released"], ends["expired"], ends["pulled"]) == (1, 0, 0), ends
+    assert decode.stats()["decode"]["children_cancelled"] == 1
+
+
+def test_an_aborted_prefill_request_leases_nothing(prefill):
+    req = prefill_request("R")
+    req.status = type(req.status).FINISHED_ABORTED
+    assert prefill.sched.request_finished(req, [1, 2]) == (False, None)
+    prefill.step()
+    assert prefill.stats()["prefill"]["leases"]["leased"] == 0
+
+
+def test_a_request_aborted_in_the_queue_releases_its_lease(prefill, decode):
+    _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+    prefill.step()
+    req = Request("D", list(PROMPT), kv_transfer_params=params)
+    decode.add_decode(req, allocate=False)
+    decode.abort(req)
+    decode.step()  # the worker releases the lease without pulling
+    prefill.run_until("R released", lambda: "R" in prefill.sending, others=(decode,))
+    assert ends_by_kind(prefill) == {"pulled": 0, "released": 1, "expired": 0, "unrecognized": 0, "live": 0}
+    decode.run_until("the release answered", lambda: decode.stats()["decode"]["leases_released"] == 1)
+    stats = decode.stats()["decode"]
+    assert (stats["pulls"], stats["releases_refused"]) == (0, 0), stats
+
+
+def test_a_request_allocated_but_aborted_before_its_pull_was_sent_releases_its_lease(prefill, decode):
+    _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+    prefill.step()
+    req = Request("D", list(PROMPT), kv_transfer_params=params)
+    decode.add_decode(req)  # blocks allocated; the pull goes to the worker at the next step
+    assert decode.abort(req) is False, "nothing was sent: the blocks are freed at once"
+    prefill.run_until("R released", lambda: "R" in prefill.sending, others=(decode,))
+    assert ends_by_kind(prefill) == {"pulled": 0, "released": 1, "expired": 0, "unrecognized": 0, "live": 0}
+    assert decode.stats()["decode"]["pulls"] == 0
+
+
+def test_a_prompt_wholly_in_the_local_prefix_cache_releases_its_lease(prefill, decode):
+    _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+    prefill.step()
+    req = Request("D", list(PROMPT), kv_transfer_params=params)
+    decode.sched.on_new_request(req)
+    assert decode.sched.get_num_new_matched_tokens(req, len(PROMPT)) == (0, False)
+    decode.allocate(req, 0, load_async=False)
+    prefill.run_until("R released", lambda: "R" in prefill.sending, others=(decode,))
+    assert ends_by_kind(prefill) == {"pulled": 0, "released": 1, "expired": 0, "unrecognized": 0, "live": 0}
+    decode.run_until("the release answered", lambda: decode.stats()["decode"]["leases_released"] == 1)
+
+
+def test_a_malformed_params_dict_from_the_router_does_not_stop_the_worker(prefill):
+    """A queued request's bad params are logged and counted; its good neighbour still
+    pulls, and the bad request's heartbeat and release fail alone."""
+    decode = Instance("kv_consumer", "decode-engine-hb", extra={"kvxfer_heartbeat_interval": 0})
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+        prefill.step()
+        bad = dict(params, remote_request_id="X", kvxfer_lease_token="not hex")
+        queued = Request("Q", list(PROMPT), kv_transfer_params=bad)
+        decode.add_decode(queued, allocate=False)  # heartbeated while it waits: refused alone
+        good = Request("D", list(PROMPT), kv_transfer_params=params)
+        decode.add_decode(good, allocate=False)
+        decode.run_until("the good lease heartbeated", lambda: decode.stats()["decode"]["keeper_extended"] >= 1)
+        assert decode.stats()["bad_params"] >= 1
+        decode.abort(queued)  # released without pulling: refused alone too
+        local = decode.allocate(good, len(PROMPT))
+        decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+        assert same_blocks(prefill.caches, [3, 4, 5], decode.caches, local)
+        assert "Q" not in decode.recving and not decode.load_errors
+    finally:
+        decode.shutdown()
+
+
+def test_a_failed_pull_reports_its_blocks_as_load_errors(decode):
+    prefill = Instance("kv_producer", "prefill-engine", seed=3, extra={"kvxfer_arm_wait": 0.2})
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+        prefill.step()
+        forged = dict(params, kvxfer_lease_token="0" * 31 + "1")  # not the lease's token
+        req = Request("D", list(PROMPT), kv_transfer_params=forged)
+        local = decode.add_decode(req)
+        decode.run_until("D reported", lambda: "D" in decode.recving, others=(prefill,))
+        assert decode.load_errors == set(local), "vLLM's recompute-or-fail policy applies to these blocks"
+        assert decode.stats()["decode"]["children_failed"] == 1
+        assert prefill.stats()["prefill"]["server"]["arm_wait_expired"] >= 1
+    finally:
+        prefill.shutdown()
+
+
+def test_leases_of_requests_waiting_in_the_decode_queue_are_heartbeated(prefill):
+    decode = Instance("kv_consumer", "decode-engine", extra={"kvxfer_heartbeat_interval": 0})
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+        prefill.step()
+        req = Request("D", list(PROMPT), kv_transfer_params=params)
+        decode.add_decode(req, allocate=False)  # no free blocks yet: it waits in the queue
+        decode.run_until("a queued-lease heartbeat", lambda: decode.stats()["decode"]["keeper_extended"] >= 1)
+        local = decode.allocate(req, len(PROMPT))
+        decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+        assert same_blocks(prefill.caches, [3, 4, 5], decode.caches, local)
+        before = decode.stats()["decode"]["keeper_heartbeats"]
+        decode.step()
+        decode.step()
+        assert decode.stats()["decode"]["keeper_heartbeats"] == before, "a pulled request is not heartbeated"
+    finally:
+        decode.shutdown()
+
+
+def test_a_local_prefix_hit_pulls_only_the_tail(prefill, decode):
+    _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+    prefill.step()
+    req = Request("D", list(PROMPT), kv_transfer_params=params)
+    decode.sched.on_new_request(req)
+    # The first block is in the local prefix cache: 4 tokens computed, 6 to load (2 blocks).
+    count, _ = decode.sched.get_num_new_matched_tokens(req, BLOCK_SIZE)
+    assert count == len(PROMPT) - BLOCK_SIZE
+    local = decode.allocate(req, count)
+    assert len(local) == 2
+    decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+    assert same_blocks(prefill.caches, [6, 7], decode.caches, local)
