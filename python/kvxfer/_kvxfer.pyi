@@ -63,13 +63,16 @@ class AgentClosedError(KvxferError):
 
 class Segment:
     """One segment of every block, over memory Python owns: block ``b`` is ``block_bytes``
-    bytes at ``offset + b * stride`` of the buffer. The buffer (and, for buffer-protocol
-    objects, a buffer export) is kept while registered."""
+    bytes at ``offset + b * stride`` of the buffer. The buffer is kept while registered: for
+    buffer-protocol objects with a buffer export (no resize or free possible), for torch
+    tensors with their storage (``untyped_storage()``; but resizing that storage itself
+    frees the memory: do not while registered)."""
 
     def __init__(self, buffer: Any, *, block_bytes: int, stride: Optional[int] = None, offset: int = 0) -> None:
         """``buffer``: a writable, C-contiguous buffer-protocol object (numpy array,
         bytearray) or an object with ``data_ptr()`` and ``nbytes`` (a contiguous CPU torch
-        tensor)."""
+        tensor; with ``untyped_storage()`` its bytes must lie inside that storage, without it
+        its ``data_ptr()`` is trusted as given)."""
     @staticmethod
     def from_address(
         address: int, length: int, owner: Any, *, block_bytes: int, stride: Optional[int] = None, offset: int = 0
