@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import secrets
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -132,14 +133,16 @@ def test_waits_release_the_gil(prefill, decode):
     armed = threading.Event()
 
     def other_thread():
-        # Runs only if the waiting thread released the GIL.
+        # Runs once the main thread blocks in Pull.wait (the pause), and only if that wait
+        # released the GIL: else the wait gives up first (TimeoutError) and the test fails.
+        time.sleep(0.2)
         ticks.append(1)
         prefill.arm(minted)
         armed.set()
 
     t = threading.Thread(target=other_thread)
     t.start()
-    assert pull.wait(timeout=30)[0]["outcome"] == "done"
+    assert pull.wait(timeout=10)[0]["outcome"] == "done"
     t.join()
     assert armed.is_set() and ticks == [1]
 
