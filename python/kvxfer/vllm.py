@@ -403,12 +403,10 @@ class KvxferConnector(_Base):
             entries = [p for p in params if isinstance(p, dict) and p.get("do_remote_prefill")]
             if len(entries) != len(params):
                 raise TypeError("a list of kv_transfer_params holds entries that are not hand-off dicts")
+            if len(entries) == 1 and (index is None or _int_or_none(entries[0].get("kvxfer_n")) in (None, 1)):
+                return self._select(rid, entries[0])  # one hand-off: as if given alone
             if index is None:
-                if len(entries) == 1:
-                    return self._own(entries[0])
-                if entries:
-                    raise ValueError(f"{len(entries)} hand-offs for a request that is not a forked child")
-                return None
+                raise ValueError(f"{len(entries)} hand-offs for a request that is not a forked child")
             if all(_int_or_none(e.get("kvxfer_n")) in (None, 1) for e in entries):
                 # Per-child leases of their own (the prefill side had no kvxfer_n): vLLM's
                 # list form, child i takes entry i.

@@ -486,3 +486,15 @@ def test_an_arm_refused_because_the_lease_exists_keeps_the_blocks_until_it_ends(
     decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
     assert same_blocks(prefill.caches, [5, 6, 7], decode.caches, local)
     prefill.run_until("R handed back once pulled", lambda: "R" in prefill.sending)
+
+
+def test_a_list_of_one_n1_handoff_is_pulled_whatever_the_request_is_named(prefill, decode):
+    """vLLM passes a list through unindexed for n = 1; an id that looks like a child's
+    (here "7_X") still pulls the one lease it holds."""
+    _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+    prefill.step()
+    req = Request("7_X", list(PROMPT), kv_transfer_params=[params])
+    local = decode.add_decode(req)
+    decode.run_until("7_X received", lambda: "7_X" in decode.recving, others=(prefill,))
+    assert not decode.load_errors
+    assert same_blocks(prefill.caches, [5, 6, 7], decode.caches, local)
