@@ -739,8 +739,9 @@ class KvxferConnector(_Base):
     def _for_rank_or_none(self, params: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
         try:
             return self._for_rank(params, rank)
-        except ValueError as e:
-            logger.error("kvxfer: %s", e)
+        except (ValueError, TypeError) as e:
+            self._counters["bad_params"] += 1
+            logger.error("kvxfer: the params of %s cannot be used: %s", params.get("remote_request_id"), e)
             return None
 
     def _release(self, params: list[Optional[dict[str, Any]]]) -> None:

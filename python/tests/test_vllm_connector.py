@@ -498,3 +498,18 @@ def test_a_list_of_one_n1_handoff_is_pulled_whatever_the_request_is_named(prefil
     decode.run_until("7_X received", lambda: "7_X" in decode.recving, others=(prefill,))
     assert not decode.load_errors
     assert same_blocks(prefill.caches, [5, 6, 7], decode.caches, local)
+
+
+def test_a_queued_request_with_an_unusable_tp_size_never_stops_the_worker(prefill):
+    decode = Instance("kv_consumer", "decode-engine-tp", extra={"kvxfer_heartbeat_interval": 0})
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [3, 4, 5])
+        prefill.step()
+        req = Request("Q", list(PROMPT), kv_transfer_params=dict(params, tp_size=[1]))
+        decode.add_decode(req, allocate=False)
+        decode.step()  # heartbeats the queued lease: its params are refused, logged, counted
+        decode.abort(req)
+        decode.step()  # releases it: refused the same way
+        assert decode.stats()["bad_params"] == 2
+    finally:
+        decode.shutdown()
