@@ -416,8 +416,9 @@ impl DecodeAgent {
     /// and returns per child whether the prefill side released the lease (False: it had
     /// been pulled or had expired, was unknown there, or the prefill agent could not be
     /// reached — it then ends by expiry if it has not ended). Raises `TimeoutError` when
-    /// not every answer came within `timeout` (the releases still go on). Counted in
-    /// `stats()` as `leases_released` / `releases_refused`.
+    /// not every answer came within `timeout` (the releases still go on), `AgentClosedError`
+    /// when the agent was shut down before they came. Counted in `stats()` as
+    /// `leases_released` / `releases_refused`.
     #[pyo3(signature = (children, *, wait = false, timeout = 10.0))]
     fn release(
         &self,
