@@ -63,13 +63,16 @@ class AgentClosedError(KvxferError):
 
 class Segment:
     """One segment of every block, over memory Python owns: block ``b`` is ``block_bytes``
-    bytes at ``offset + b * stride`` of the buffer. The buffer (and, for buffer-protocol
-    objects, a buffer export) is kept while registered."""
+    bytes at ``offset + b * stride`` of the buffer. The buffer is kept while registered: for
+    buffer-protocol objects with a buffer export (no resize or free possible), for torch
+    tensors with their storage (``untyped_storage()``; but resizing that storage itself
+    frees the memory: do not while registered)."""
 
     def __init__(self, buffer: Any, *, block_bytes: int, stride: Optional[int] = None, offset: int = 0) -> None:
         """``buffer``: a writable, C-contiguous buffer-protocol object (numpy array,
         bytearray) or an object with ``data_ptr()`` and ``nbytes`` (a contiguous CPU torch
-        tensor)."""
+        tensor; with ``untyped_storage()`` its bytes must lie inside that storage, without it
+        its ``data_ptr()`` is trusted as given)."""
     @staticmethod
     def from_address(
         address: int, length: int, owner: Any, *, block_bytes: int, stride: Optional[int] = None, offset: int = 0
@@ -247,10 +250,13 @@ class DecodeAgent:
     def wait_reports(self, timeout: float = 10.0) -> list[dict[str, Any]]: ...
     def cancel(self, remote_request_id: str) -> bool: ...
     def heartbeat(self, children: Sequence[Params], *, wait: bool = False, timeout: float = 10.0) -> Optional[list[str]]:
-        """Keeps leases of pulls not started yet alive (requests waiting in the queue)."""
+        """Keeps leases of pulls not started yet alive (requests waiting in the queue); with
+        ``wait``, one outcome per child (an empty list when no answer came within ``timeout``
+        or the agent was shut down meanwhile)."""
     def release(self, children: Sequence[Params], *, wait: bool = False, timeout: float = 10.0) -> Optional[list[bool]]:
         """Releases leases this agent will not pull (aborted in the queue, full prefix hits);
-        with ``wait``, whether the prefill side released each."""
+        with ``wait``, whether the prefill side released each (``TimeoutError`` after
+        ``timeout``, ``AgentClosedError`` if the agent was shut down meanwhile)."""
     def poll_reclaimed(self) -> list[dict[str, Any]]: ...
     def stats(self) -> dict[str, int]: ...
     def shutdown(self) -> None: ...

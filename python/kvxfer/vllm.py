@@ -18,19 +18,29 @@ How it maps onto vLLM:
 - **n > 1.** vLLM forks a parallel-sampling parent ``R`` into children ``f"{i}_{R}"``. Each
   child's ``request_finished`` gets its own hand-off (``kvxfer_parent_request_id``,
   ``kvxfer_child_index``, ``kvxfer_n``) when the prefill request's ``kv_transfer_params``
-  carry ``kvxfer_n`` (set by the router; without it every child is leased as a parent of its
-  own, which still gives each its own hand-off). Each child's params also list the hand-offs
-  of every sibling finished so far (``kvxfer_children``), so whichever child's params vLLM's
-  output path keeps (the last one to finish), they carry all n. On the decode side a request
-  ``f"{i}_{D}"`` forked from a request holding ``kvxfer_children`` pulls child i; a request
-  carrying one child's params pulls that child alone (subset pulls), so children on
-  different decode workers work.
+  carry ``kvxfer_n`` (set by the router), and each child's params also list the hand-offs
+  of every sibling finished so far (``kvxfer_children``), so the params vLLM's output path
+  keeps (the last child's) carry all n. Without ``kvxfer_n`` every child is leased as a
+  parent of its own, and vLLM returns only the last one's params: the decode side then pulls
+  that one lease once and computes the other children's prompts locally (the other leases
+  end by expiry). On the decode side a request ``f"{i}_{D}"`` pulls only child i's
+  hand-off: the ``kvxfer_children`` entry (or the entry of a list of per-child params,
+  vLLM's own form; current vLLM already hands child i entry i) whose ``kvxfer_child_index``
+  is i, or params that are child i's. It never takes a sibling's (a child without a
+  hand-off of its own computes locally, counted as ``no_own_handoff``), and one lease is
+  pulled by one local request at most (a second is computed locally, ``handoff_taken``; a
+  second pull reaching the worker is refused as a load error, ``duplicate_pulls``). A request that is not a forked child pulls the one child's
+  params it carries (subset pulls), so children on different decode workers work.
 - **Decode.** ``get_num_new_matched_tokens`` asks for the prompt's tokens asynchronously;
   ``update_state_after_alloc`` records the local blocks; the worker submits the pull at its
   next step, grouping children of one parent (blocks siblings share cross the wire once).
   Reports arrive in ``get_finished`` (receiving set); a failed child's blocks are reported by
   ``get_block_ids_with_load_errors`` (vLLM's recompute-or-fail policy applies). Leases of
   requests still waiting in the decode queue are heartbeated every ``lease_ttl / 6``.
+- **Bad input.** Malformed params from the router are logged and counted (``bad_params``),
+  never raised out of the scheduler or the worker; pull params sent to a ``kv_producer``
+  instance are computed locally (``misrouted``). A hybrid model (several KV-cache groups) is
+  refused when the connector starts.
 - **Aborts.** A decode request aborted while its pull runs is cancelled (its lease ends
   released) and its blocks are freed when the pull reports. One aborted before its pull
   started, or whose blocks all hit the local prefix cache, is released without pulling
@@ -112,13 +122,18 @@ if TYPE_CHECKING:
 _CHILD_ID = re.compile(r"^(\d+)_(.+)$", re.DOTALL)
 _SENDING_STATES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 # How long the scheduler remembers minted siblings of a parent whose other children never
-# finished, and the worker the ids vLLM said finished before their leases ended.
+# finished, and the worker leases that ended without vLLM saying their request finished.
 _FORGET_AFTER = 600.0
 
 
 def _status_name(request: Any) -> str:
     status = getattr(request, "status", None)
     return getattr(status, "name", str(status))
+
+
+def _int_or_none(value: Any) -> Optional[int]:
+    """``value`` if it is an int (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _num_prompt_tokens(request: Any) -> int:
@@ -217,7 +232,25 @@ class KvxferConnector(_Base):
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
         self._extra = extra
-        self._counters = {"arm_failures": 0, "submit_failures": 0, "bad_params": 0}
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) > 1:
+            raise ValueError(
+                f"kvxfer pulls a single KV-cache group; this model has {len(groups)} (hybrid models are not "
+                "supported yet)"
+            )
+        # bad_params: malformed params (logged, never raised); no_own_handoff: forked decode
+        # children without a hand-off of their own; handoff_taken: a lease another local
+        # request already pulls; duplicate_pulls: the worker's refusals of a second pull of
+        # one lease (load errors); misrouted: pull params sent to a kv_producer instance.
+        self._counters = {
+            "arm_failures": 0,
+            "submit_failures": 0,
+            "bad_params": 0,
+            "no_own_handoff": 0,
+            "handoff_taken": 0,
+            "duplicate_pulls": 0,
+            "misrouted": 0,
+        }
 
         # Scheduler side.
         self._step = 0
@@ -229,6 +262,8 @@ class KvxferConnector(_Base):
         self._to_release: list[dict[str, Any]] = []
         self._queued: dict[str, dict[str, Any]] = {}
         self._selected: dict[str, Optional[dict[str, Any]]] = {}
+        # remote_request_id -> the local request that pulls it (one at most).
+        self._claimed: dict[str, str] = {}
         self._last_heartbeat = 0.0
         # Prefill ranks' agents as their workers reported them (handshake metadata).
         self._ranks: dict[int, KvxferHandshakeMetadata] = {}
@@ -240,10 +275,19 @@ class KvxferConnector(_Base):
         self._decode: Optional[kvxfer.DecodeAgent] = None
         self._last_step = -1
         self._armed: set[str] = set()
-        self._ended: set[str] = set()
-        self._finished_seen: OrderedDict[str, float] = OrderedDict()
+        # Leases that ended before vLLM said their request finished (id -> ended at): kept
+        # until it does, forgotten after _FORGET_AFTER (vLLM reports a finished request in
+        # the step that arms its lease, so a later report does not come).
+        self._ended: OrderedDict[str, float] = OrderedDict()
+        # Requests vLLM said finished whose leases are still armed: kept until the lease
+        # ends, however late (every armed lease ends, by expiry at the latest).
+        self._finished_seen: set[str] = set()
+        # Local request id -> (its pull, its child index there), for cancels.
         self._pulls: dict[str, tuple[kvxfer.Pull, int]] = {}
-        self._by_remote: dict[str, str] = {}
+        # (pull id, child index) -> local request id: where a report goes.
+        self._by_child: dict[tuple[int, int], str] = {}
+        # remote_request_id -> the local request whose pull reads it (one at most).
+        self._pulling: dict[str, str] = {}
         self._load_errors: set[int] = set()
         self._done_recving: set[str] = set()
 
@@ -303,29 +347,114 @@ class KvxferConnector(_Base):
         return out
 
     def _decode_params(self, request: Any) -> Optional[dict[str, Any]]:
-        """The hand-off this decode request pulls: its own child's params (picked from
-        ``kvxfer_children`` by its child index when vLLM forked it), or None."""
+        """The hand-off this decode request pulls, or None (the prompt is computed locally).
+
+        Each lease is pulled by one local request at most, and a forked child ``f"{i}_{D}"``
+        never takes a sibling's: it picks the entry with ``kvxfer_child_index == i`` from
+        ``kvxfer_children`` (or from a list of per-child params, vLLM's own form), and takes
+        a single child's params only if they are child i's. A request that is not a forked
+        child pulls the params it holds (a subset pull of one child)."""
         rid = request.request_id
         if rid in self._selected:
             return self._selected[rid]
-        params = getattr(request, "kv_transfer_params", None)
         chosen: Optional[dict[str, Any]] = None
-        if isinstance(params, dict) and params.get("do_remote_prefill"):
-            children = params.get("kvxfer_children")
-            m = _CHILD_ID.match(rid)
-            if isinstance(children, list) and len(children) > 1 and m and int(m.group(1)) < len(children):
-                chosen = dict(children[int(m.group(1))])
-            elif params.get("kvxfer_lease_token"):
-                chosen = {k: v for k, v in params.items() if k != "kvxfer_children"}
+        try:
+            chosen = self._select(rid, getattr(request, "kv_transfer_params", None))
+        except (TypeError, ValueError, AttributeError) as e:
+            self._counters["bad_params"] += 1
+            logger.error("kvxfer: the kv_transfer_params of %s are malformed (%s); computed locally", rid, e)
+        if chosen is not None:
+            remote = str(chosen.get("remote_request_id"))
+            holder = self._claimed.get(remote)
+            if holder is not None and holder != rid:
+                self._counters["handoff_taken"] += 1
+                logger.warning(
+                    "kvxfer: the lease of %s is already pulled by local request %s; %s is computed locally",
+                    remote,
+                    holder,
+                    rid,
+                )
+                chosen = None
+            else:
+                self._claimed[remote] = rid
         self._selected[rid] = chosen
         return chosen
 
-    def _child_of(self, request: Any) -> tuple[str, int, int]:
+    def _select(self, rid: str, params: Any) -> Optional[dict[str, Any]]:
+        """The entry of ``params`` (a dict, or a list of per-child dicts) request ``rid``
+        pulls; raises TypeError / ValueError on malformed params."""
+        m = _CHILD_ID.match(rid)
+        index = int(m.group(1)) if m else None
+        wants_pull = (isinstance(params, dict) and bool(params.get("do_remote_prefill"))) or (
+            isinstance(params, list) and any(isinstance(p, dict) and p.get("do_remote_prefill") for p in params)
+        )
+        if not wants_pull:
+            return None
+        if not self.is_consumer:
+            # A router's mistake: nothing here would ever pull or report it.
+            self._counters["misrouted"] += 1
+            logger.error(
+                "kvxfer: %s asks to pull (do_remote_prefill) but this instance is kv_role=%s; computed locally",
+                rid,
+                self._kv_role,
+            )
+            return None
+        if isinstance(params, list):
+            entries = [p for p in params if isinstance(p, dict) and p.get("do_remote_prefill")]
+            if len(entries) != len(params):
+                raise TypeError("a list of kv_transfer_params holds entries that are not hand-off dicts")
+            if len(entries) == 1 and (index is None or _int_or_none(entries[0].get("kvxfer_n")) in (None, 1)):
+                return self._select(rid, entries[0])  # one hand-off: as if given alone
+            if index is None:
+                raise ValueError(f"{len(entries)} hand-offs for a request that is not a forked child")
+            if all(_int_or_none(e.get("kvxfer_n")) in (None, 1) for e in entries):
+                # Per-child leases of their own (the prefill side had no kvxfer_n): vLLM's
+                # list form, child i takes entry i.
+                return self._own(entries[index]) if index < len(entries) else self._none_of_its_own(rid)
+            return self._by_index(rid, index, entries)
+        assert isinstance(params, dict)
+        children = params.get("kvxfer_children")
+        if children is not None and not isinstance(children, list):
+            raise TypeError(f"kvxfer_children is a {type(children).__name__}, not a list")
+        if index is not None and children:
+            if not all(isinstance(c, dict) for c in children):
+                raise TypeError("kvxfer_children holds entries that are not dicts")
+            return self._by_index(rid, index, children)
+        if not params.get("kvxfer_lease_token"):
+            return None
+        own = self._own(params)
+        n = _int_or_none(own.get("kvxfer_n"))
+        if index is not None and n is not None and n > 1 and _int_or_none(own.get("kvxfer_child_index")) != index:
+            # Another child's hand-off (e.g. the last child's params, which vLLM's output path
+            # keeps, forwarded to every child of the decode parent): never pulled by child i.
+            return self._none_of_its_own(rid)
+        return own
+
+    def _by_index(self, rid: str, index: int, entries: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        for e in entries:
+            if _int_or_none(e.get("kvxfer_child_index")) == index:
+                return self._own(e)
+        return self._none_of_its_own(rid)
+
+    @staticmethod
+    def _own(params: dict[str, Any]) -> dict[str, Any]:
+        """One child's params (without the sibling list); TypeError if its child index or
+        n is not an int."""
+        for key in ("kvxfer_child_index", "kvxfer_n"):
+            if params.get(key) is not None and _int_or_none(params[key]) is None:
+                raise TypeError(f"{key} is {params[key]!r}, not an int")
+        return {k: v for k, v in params.items() if k != "kvxfer_children"}
+
+    def _none_of_its_own(self, rid: str) -> None:
+        self._counters["no_own_handoff"] += 1
+        logger.warning("kvxfer: no hand-off of its own for %s (a sibling's is never taken); computed locally", rid)
+        return None
+
+    @staticmethod
+    def _child_of(rid: str, params: dict[str, Any]) -> tuple[str, int, int]:
         """(parent, child index, n) of a prefill request."""
-        rid = request.request_id
-        params = getattr(request, "kv_transfer_params", None) or {}
-        n = params.get("kvxfer_n")
-        if isinstance(n, int) and n > 1:
+        n = _int_or_none(params.get("kvxfer_n"))
+        if n is not None and n > 1:
             m = _CHILD_ID.match(rid)
             if m and int(m.group(1)) < n:
                 return m.group(2), int(m.group(1)), n
@@ -387,6 +516,9 @@ class KvxferConnector(_Base):
         decode = self._decode_params(request)
         self._selected.pop(rid, None)
         if decode is not None:
+            remote = str(decode.get("remote_request_id"))
+            if self._claimed.get(remote) == rid:
+                del self._claimed[remote]
             handled = rid in self._handled
             self._handled.discard(rid)
             if rid in self._to_recv:  # allocated, the pull not sent to the worker yet
@@ -399,20 +531,42 @@ class KvxferConnector(_Base):
             if not handled:
                 self._to_release.append(decode)  # finished (aborted) in the queue, never pulled
             return False, None
-        params = getattr(request, "kv_transfer_params", None) or {}
-        if not (self.is_producer and params.get("do_remote_decode")):
+        params = self._prefill_params(rid, getattr(request, "kv_transfer_params", None))
+        if params is None or not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         if _status_name(request) not in _SENDING_STATES:
             return False, None  # aborted: nothing is leased, the blocks are freed now
-        blocks = _flat_blocks(block_ids)
+        try:
+            blocks = _flat_blocks(block_ids)
+        except (TypeError, ValueError) as e:
+            self._counters["bad_params"] += 1
+            logger.error("kvxfer: cannot lease the blocks of %s (%s); freed now, the decode side computes", rid, e)
+            return False, None
         if not blocks:
             return False, None
-        return True, self._mint(request, blocks)
+        return True, self._mint(rid, params, blocks)
 
-    def _mint(self, request: Any, blocks: list[int]) -> dict[str, Any]:
+    def _prefill_params(self, rid: str, params: Any) -> Optional[dict[str, Any]]:
+        """A prefill request's own ``kv_transfer_params`` dict (vLLM's per-child list form:
+        the child's entry), or None; malformed params are logged and counted, never raised."""
+        if params is None:
+            return None
+        if isinstance(params, list):
+            if not any(isinstance(p, dict) and p.get("do_remote_decode") for p in params):
+                return None  # a decode request's params (or nothing for kvxfer)
+            m = _CHILD_ID.match(rid)
+            index = int(m.group(1)) if m and len(params) > 1 else 0
+            params = params[index] if index < len(params) else None
+        if not isinstance(params, dict):
+            self._counters["bad_params"] += 1
+            kind = type(params).__name__
+            logger.error("kvxfer: the kv_transfer_params of %s are not a dict (%s); nothing leased", rid, kind)
+            return None
+        return params
+
+    def _mint(self, rid: str, params: dict[str, Any], blocks: list[int]) -> dict[str, Any]:
         """The child's hand-off (minted id and token), queued for the workers to arm."""
-        rid = request.request_id
-        parent, index, n = self._child_of(request)
+        parent, index, n = self._child_of(rid, params)
         out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -543,10 +697,17 @@ class KvxferConnector(_Base):
                     self._prefill.arm(self._rank_view(params, rank))
                     self._armed.add(rid)
                 except kvxfer.KvxferError as e:
-                    # The blocks were kept for this lease: hand them back at once.
                     self._counters["arm_failures"] += 1
                     logger.error("kvxfer: arming the lease of %s failed: %s", rid, e)
-                    self._ended.add(rid)
+                    kind = getattr(e, "kind", None)
+                    if kind == "already_leased":
+                        # A lease of this id exists and may be read: the blocks go back
+                        # when it ends (its end carries this id).
+                        self._armed.add(rid)
+                    elif kind != "token_reused":
+                        # No lease holds the blocks: hand them back at once. (token_reused:
+                        # this very lease was armed and has ended already, and reported.)
+                        self._ended[rid] = time.monotonic()
         if self._decode is not None:
             self._submit(meta.to_recv, rank)
             for rid in meta.to_cancel:
@@ -578,8 +739,9 @@ class KvxferConnector(_Base):
     def _for_rank_or_none(self, params: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
         try:
             return self._for_rank(params, rank)
-        except ValueError as e:
-            logger.error("kvxfer: %s", e)
+        except (ValueError, TypeError) as e:
+            self._counters["bad_params"] += 1
+            logger.error("kvxfer: the params of %s cannot be used: %s", params.get("remote_request_id"), e)
             return None
 
     def _release(self, params: list[Optional[dict[str, Any]]]) -> None:
@@ -602,6 +764,17 @@ class KvxferConnector(_Base):
                 continue
             try:
                 p = self._for_rank(params, rank)
+                remote_id = str(p.get("remote_request_id"))
+                holder = self._pulling.get(remote_id)
+                if holder is not None:
+                    # Two local requests would pull one lease: only one can, the other's
+                    # blocks would never be written. vLLM recomputes (or fails) this one.
+                    self._counters["duplicate_pulls"] += 1
+                    self._fail(rid, local, f"cannot pull {rid}: local request {holder} already pulls {remote_id}")
+                    continue
+                child_index = _int_or_none(p.get("kvxfer_child_index") or 0)
+                if child_index is None:
+                    raise TypeError(f"kvxfer_child_index is {p.get('kvxfer_child_index')!r}, not an int")
                 remote = list(p.get("remote_block_ids") or [])
                 if remote and isinstance(remote[0], list):
                     remote = remote[0]
@@ -613,18 +786,20 @@ class KvxferConnector(_Base):
             except (ValueError, TypeError) as e:
                 self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
+            self._pulling[remote_id] = rid
             key = (p.get("kvxfer_parent_request_id") or p.get("remote_request_id"), p.get("remote_host"), p.get("remote_port"))
-            groups.setdefault(key, []).append((rid, p, local))
+            groups.setdefault(key, []).append((rid, p, local, child_index))
         for members in groups.values():
             try:
-                pull = self._decode.submit([p for _, p, _ in members], [local for _, _, local in members])
+                pull = self._decode.submit([m[1] for m in members], [m[2] for m in members])
             except kvxfer.KvxferError as e:
-                for rid, _, local in members:
+                for rid, p, local, _ in members:
+                    self._pulling.pop(str(p.get("remote_request_id")), None)
                     self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
-            for rid, p, _ in members:
-                self._pulls[rid] = (pull, int(p.get("kvxfer_child_index") or 0))
-                self._by_remote[str(p.get("remote_request_id"))] = rid
+            for rid, _, _, child_index in members:
+                self._pulls[rid] = (pull, child_index)
+                self._by_child[(pull.id, child_index)] = rid
 
     def _fail(self, rid: str, local: list[int], why: str) -> None:
         self._counters["submit_failures"] += 1
@@ -640,29 +815,31 @@ class KvxferConnector(_Base):
             now = time.monotonic()
             for rid in finished_req_ids or ():
                 if rid in self._armed or rid in self._ended:
-                    self._finished_seen[rid] = now
+                    self._finished_seen.add(rid)
             for end in self._prefill.poll_ends():
                 rid = end["remote_request_id"]
                 if end["kind"] == "expired":
                     logger.warning("kvxfer: the lease of %s expired", rid)
                 self._armed.discard(rid)
-                self._ended.add(rid)
+                self._ended[rid] = now
             for rid in list(self._ended):
                 if rid in self._finished_seen:
                     sending.add(rid)
-                    self._ended.discard(rid)
-                    del self._finished_seen[rid]
-            while self._finished_seen:
-                oldest, since = next(iter(self._finished_seen.items()))
+                    del self._ended[rid]
+                    self._finished_seen.discard(rid)
+            while self._ended:
+                oldest, since = next(iter(self._ended.items()))
                 if now - since < _FORGET_AFTER:
                     break
-                del self._finished_seen[oldest]
+                del self._ended[oldest]
         if self._decode is not None:
             for r in self._decode.poll_reports():
-                rid = self._by_remote.pop(r["remote_request_id"], None)
+                rid = self._by_child.pop((r["pull"], r["child_index"]), None)
                 if rid is None:
                     continue
                 self._pulls.pop(rid, None)
+                if self._pulling.get(r["remote_request_id"]) == rid:
+                    del self._pulling[r["remote_request_id"]]
                 if r["outcome"] in ("failed", "failed_blocks_held"):
                     logger.warning("kvxfer: pulling %s failed (%s): %s", rid, r["error"].advice, r["error"])
                     self._load_errors.update(r["local_blocks"])

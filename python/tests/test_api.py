@@ -133,8 +133,8 @@ def test_waits_release_the_gil(prefill, decode):
     armed = threading.Event()
 
     def other_thread():
-        # Runs only if the waiting thread released the GIL (the pause lets it start waiting
-        # first; were the arm to come first, the wait would just return at once).
+        # Runs once the main thread blocks in Pull.wait (the pause), and only if that wait
+        # released the GIL: else the wait gives up first (TimeoutError) and the test fails.
         time.sleep(0.2)
         ticks.append(1)
         prefill.arm(minted)
@@ -142,7 +142,7 @@ def test_waits_release_the_gil(prefill, decode):
 
     t = threading.Thread(target=other_thread)
     t.start()
-    assert pull.wait(timeout=30)[0]["outcome"] == "done"
+    assert pull.wait(timeout=10)[0]["outcome"] == "done"
     t.join()
     assert armed.is_set() and ticks == [1]
 

@@ -169,6 +169,58 @@ def test_unsuitable_buffers_are_refused_with_a_clear_message(buffer, message):
         kvxfer.Segment(buffer, block_bytes=8)
 
 
+class NumpyStorage:
+    """What the binding reads of torch's ``UntypedStorage`` (data_ptr(), nbytes()), over a
+    numpy array's memory."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.zeros(nbytes, dtype=np.uint8)
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
+class StorageTensor(FakeTensor):
+    """A tensor view into a storage it can swap (``set_``), like a CPU torch tensor."""
+
+    def __init__(self, storage: NumpyStorage, offset: int, nbytes: int) -> None:
+        super().__init__(storage.data_ptr() + offset, nbytes)
+        self.storage = storage
+
+    def untyped_storage(self) -> NumpyStorage:
+        return self.storage
+
+    def set_(self, storage: NumpyStorage) -> None:
+        self.storage = storage
+        self._ptr = storage.data_ptr()
+
+
+@pytest.mark.parametrize("offset, nbytes", [(-64, 1024), (64, 4096), (4096, 64)])
+def test_a_tensor_outside_its_storage_is_refused(offset, nbytes):
+    tensor = StorageTensor(NumpyStorage(4096), offset, nbytes)
+    with pytest.raises(kvxfer.RegistrationError, match="outside its storage"):
+        kvxfer.Segment(tensor, block_bytes=64)
+
+
+def test_a_registered_tensor_keeps_its_storage_when_the_tensor_swaps_it():
+    """``t.set_(other)`` (or dropping ``t``) must not free the memory a registration names:
+    the registration holds the storage, not only the tensor."""
+    tensor = StorageTensor(NumpyStorage(4096), 0, 4096)
+    seg = kvxfer.Segment(tensor, block_bytes=1024)
+    registered = weakref.ref(tensor.storage)
+    tensor.set_(NumpyStorage(4096))
+    del tensor
+    gc.collect()
+    assert registered() is not None, "the storage under the registration was freed"
+    assert seg.address == registered().data_ptr()
+    del seg
+    gc.collect()
+    assert registered() is None
+
+
 def test_a_null_address_is_refused():
     with pytest.raises(kvxfer.RegistrationError):
         kvxfer.Segment.from_address(0, 4096, None, block_bytes=1024)

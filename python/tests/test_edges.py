@@ -52,6 +52,19 @@ def in_thread(fn) -> threading.Thread:
     return t
 
 
+def once_blocked(fn) -> threading.Thread:
+    """Runs ``fn`` on another thread after a pause, so the calling thread is already blocked
+    in the call it makes next. If that call held the GIL, ``fn`` could not run before the
+    call gave up (its timeout) and the test fails; a helper that ran first would pass it
+    whatever the call did with the GIL."""
+
+    def later() -> None:
+        time.sleep(0.2)
+        fn()
+
+    return in_thread(later)
+
+
 # ---- DecodeAgent.release
 
 
@@ -248,37 +261,67 @@ def test_a_prefill_agent_gone_mid_pull_fails_the_child_with_advice(decode):
 
 def test_wait_ends_releases_the_gil(prefill):
     h = prefill.lease("W", 0, 1, [1])
-    t = in_thread(lambda: prefill.cancel(h))
-    assert [e["kind"] for e in prefill.wait_ends(1, timeout=30)] == ["released"]
+    t = once_blocked(lambda: prefill.cancel(h))
+    assert [e["kind"] for e in prefill.wait_ends(1, timeout=10)] == ["released"]
     t.join()
 
 
 def test_wait_reports_releases_the_gil(patient_prefill, decode):
     minted = unarmed(patient_prefill, "R", [1])
     decode.submit([minted], [[2]])
-    t = in_thread(lambda: patient_prefill.arm(minted))
-    reports = decode.wait_reports(timeout=30)
+    t = once_blocked(lambda: patient_prefill.arm(minted))
+    reports = decode.wait_reports(timeout=10)
     t.join()
     assert [r["outcome"] for r in reports] == ["done"]
 
 
 def test_waiting_heartbeats_and_releases_release_the_gil(patient_prefill, decode):
     beat, freed = unarmed(patient_prefill, "H", [1]), unarmed(patient_prefill, "F", [2])
-    t = in_thread(lambda: patient_prefill.arm(beat))
-    assert decode.heartbeat([beat], wait=True, timeout=30) == ["extended"]
+    t = once_blocked(lambda: patient_prefill.arm(beat))
+    assert decode.heartbeat([beat], wait=True, timeout=10) == ["extended"]
     t.join()
-    t = in_thread(lambda: patient_prefill.arm(freed))
-    assert decode.release([freed], wait=True, timeout=30) == [True]
+    t = once_blocked(lambda: patient_prefill.arm(freed))
+    assert decode.release([freed], wait=True, timeout=10) == [True]
     t.join()
 
 
 def test_shutdown_releases_the_gil_while_pulls_finish(patient_prefill, src):
     dst = np.zeros(SHAPE, dtype=np.float16)
-    decode = kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), shutdown_grace=30.0)
+    decode = kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), shutdown_grace=10.0)
     minted = unarmed(patient_prefill, "S", [3])
     pull = decode.submit([minted], [[4]])
-    t = in_thread(lambda: patient_prefill.arm(minted))
+    t = once_blocked(lambda: patient_prefill.arm(minted))
     decode.shutdown()  # waits for the pull, which needs the other thread's arm
     t.join()
     assert pull.wait(timeout=1)[0]["outcome"] == "done"
     assert blocks_equal(src, [3], dst, [4])
+
+
+# ---- a shutdown racing a wait on another thread (review of issue 12, finding 7)
+
+
+@pytest.mark.parametrize("call", ["heartbeat", "release"])
+def test_a_shutdown_racing_a_waiting_call_ends_it_without_a_panic(patient_prefill, dst, call):
+    """heartbeat(wait=True) / release(wait=True) blocked on a lease nobody arms while another
+    thread shuts the agent down: the wait ends (no answer, or AgentClosedError), never a
+    PanicException from a runtime that stopped under it."""
+    decode = kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), engine_id="decode-engine", shutdown_grace=0.1)
+    minted = unarmed(patient_prefill, "Z", [1])
+    outcome: list = []
+
+    def waiting() -> None:
+        try:
+            outcome.append(getattr(decode, call)([minted], wait=True, timeout=30))
+        except BaseException as e:  # noqa: BLE001 - a PanicException is a BaseException
+            outcome.append(e)
+
+    t = in_thread(waiting)
+    eventually("the wait reached the prefill agent", lambda: arm_waits(patient_prefill) >= 1)
+    decode.shutdown()
+    t.join(60)
+    assert not t.is_alive(), "the waiting call never returned"
+    (got,) = outcome
+    if call == "heartbeat":
+        assert got in ([], ["error"]), got
+    else:
+        assert isinstance(got, kvxfer.AgentClosedError) or got == [False], repr(got)

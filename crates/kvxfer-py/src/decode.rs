@@ -5,6 +5,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -16,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio_util::task::TaskTracker;
 
-use crate::errors::{pull_error, raise, s, to_py, ConfigError, SubmitError, TransportError};
+use crate::errors::{pull_error, raise, s, to_py, AgentClosedError, ConfigError, SubmitError};
 use crate::host::{runtime, Hosted};
 use crate::keeper::Keeper;
 use crate::memory::Memory;
@@ -316,7 +317,8 @@ impl DecodeAgent {
         let result = PrefillResult::new(parent.clone(), k, handoffs).map_err(|e| to_py(py, e.into()))?;
         let (agent, rt) = self.agent(py)?;
         let submitted = Instant::now();
-        let handle = agent.submit(result, local).map_err(|e| to_py(py, e))?;
+        // Planning a parent's reads takes milliseconds at thousands of blocks: without the GIL.
+        let handle = py.detach(|| agent.submit(result, local)).map_err(|e| to_py(py, e))?;
         let state = Arc::new(PullState {
             id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
             parent,
@@ -380,7 +382,8 @@ impl DecodeAgent {
     /// agent, extending each lease as a pull's own heartbeats do. Returns at once unless
     /// `wait` is true; then waits (GIL released, at most `timeout` s) and returns one outcome
     /// per child: "extended", "unrecognized", "already_pulled", "already_released",
-    /// "already_expired", or "error" (the prefill agent could not be reached).
+    /// "already_expired", or "error" (the prefill agent could not be reached); an empty list
+    /// when the answer did not come within `timeout` or the agent was shut down meanwhile.
     #[pyo3(signature = (children, *, wait = false, timeout = 10.0))]
     fn heartbeat(
         &self,
@@ -396,17 +399,12 @@ impl DecodeAgent {
         }
         let (_, rt) = self.agent(py)?;
         let keeper = self.keeper.clone();
-        let task = rt.spawn(async move { keeper.heartbeat(&handoffs).await });
+        let answer = spawn_answering(&rt, async move { keeper.heartbeat(&handoffs).await });
         if !wait {
             return Ok(None);
         }
-        let outcomes = py.detach(move || {
-            let waited = rt.block_on(async { tokio::time::timeout(timeout, task).await });
-            match waited {
-                Ok(Ok(outcomes)) => outcomes,
-                _ => Vec::new(),
-            }
-        });
+        // Empty when the answer did not come in time or the agent was shut down meanwhile.
+        let outcomes = py.detach(move || answer.recv_timeout(timeout).unwrap_or_default());
         Ok(Some(outcomes))
     }
 
@@ -418,8 +416,9 @@ impl DecodeAgent {
     /// and returns per child whether the prefill side released the lease (False: it had
     /// been pulled or had expired, was unknown there, or the prefill agent could not be
     /// reached — it then ends by expiry if it has not ended). Raises `TimeoutError` when
-    /// not every answer came within `timeout` (the releases still go on). Counted in
-    /// `stats()` as `leases_released` / `releases_refused`.
+    /// not every answer came within `timeout` (the releases still go on), `AgentClosedError`
+    /// when the agent was shut down before they came. Counted in `stats()` as
+    /// `leases_released` / `releases_refused`.
     #[pyo3(signature = (children, *, wait = false, timeout = 10.0))]
     fn release(
         &self,
@@ -434,16 +433,20 @@ impl DecodeAgent {
             handoffs.push(handoff_from_py(c, &format!("children[{i}]: "))?);
         }
         let (agent, rt) = self.agent(py)?;
-        let task = rt
-            .spawn(async move { futures::future::join_all(handoffs.iter().map(|h| agent.release(h))).await });
+        let answer = spawn_answering(&rt, async move {
+            futures::future::join_all(handoffs.iter().map(|h| agent.release(h))).await
+        });
         if !wait {
             return Ok(None);
         }
-        let released = py.detach(move || rt.block_on(async { tokio::time::timeout(timeout, task).await }));
-        match released {
-            Ok(Ok(released)) => Ok(Some(released)),
-            Ok(Err(e)) => Err(raise::<TransportError>(py, format!("release: the task stopped: {e}"), &[])),
-            Err(_) => Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
+        match py.detach(move || answer.recv_timeout(timeout)) {
+            Ok(released) => Ok(Some(released)),
+            Err(RecvTimeoutError::Disconnected) => Err(raise::<AgentClosedError>(
+                py,
+                "release: the decode agent was shut down before every answer came".into(),
+                &[],
+            )),
+            Err(RecvTimeoutError::Timeout) => Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
                 "release: not every prefill agent answered within {timeout:?}"
             ))),
         }
@@ -714,6 +717,20 @@ impl Pull {
             self.state.children.len()
         )
     }
+}
+
+/// Runs `work` on the agent's runtime and returns a channel its output arrives on. A caller
+/// waits on the channel, never on the runtime: a shutdown racing the wait (the runtime
+/// stops, the task is dropped) ends the wait with `Disconnected` instead of a panic.
+fn spawn_answering<T: Send + 'static>(
+    rt: &tokio::runtime::Handle,
+    work: impl std::future::Future<Output = T> + Send + 'static,
+) -> Receiver<T> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    rt.spawn(async move {
+        let _ = tx.send(work.await);
+    });
+    rx
 }
 
 /// Counters as a map (for `stats`).

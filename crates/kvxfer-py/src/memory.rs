@@ -5,8 +5,13 @@
 //!
 //! The pointer comes from the object itself, never from a number Python code typed in
 //! (except `Segment.from_address`, whose caller vouches for it). Every region keeps a
-//! reference to its owner — and, for buffer-protocol objects, a buffer export — for as long
-//! as the agent may read or write it, so the memory cannot be freed or resized under a read.
+//! reference to its owner for as long as the agent may read or write it. For buffer-protocol
+//! objects that includes a buffer export, so the memory cannot be freed or resized under a
+//! read. For torch tensors it includes the tensor's storage (`untyped_storage()`, checked to
+//! hold the tensor's bytes), so swapping the tensor's storage (`t.set_()`) or dropping the
+//! tensor frees nothing; but torch has no export lock: resizing the storage itself
+//! (`t.untyped_storage().resize_(0)`) frees the memory while registered — do not. Any other
+//! object with `data_ptr()` and `nbytes` is trusted for its pointer, as `from_address` is.
 
 use std::ptr::NonNull;
 use std::sync::Mutex;
@@ -39,7 +44,8 @@ struct Resolved {
 }
 
 /// An object with `data_ptr()` and `nbytes` (a torch tensor, duck-typed): host memory,
-/// contiguous, a non-null pointer.
+/// contiguous, a non-null pointer; with `untyped_storage()` (torch), inside that storage,
+/// which is kept too. Without it the object's `data_ptr()` is trusted as given.
 fn resolve_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Resolved> {
     let py = obj.py();
     let name = type_name(obj);
@@ -80,7 +86,36 @@ fn resolve_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Resolved> {
             format!("{name}: data_ptr() is 0 (its storage is freed or was never allocated)"),
         ));
     }
-    Ok(Resolved { addr, len, owner: obj.clone().unbind(), kind: "tensor" })
+    // A torch tensor's memory belongs to its storage: keep the storage too (`t.set_()` can
+    // swap the tensor's storage, freeing the old one unless something else holds it), and
+    // check the tensor's bytes lie inside it.
+    if !obj.hasattr("untyped_storage")? {
+        return Ok(Resolved { addr, len, owner: obj.clone().unbind(), kind: "tensor" });
+    }
+    let storage = obj.call_method0("untyped_storage")?;
+    let start: i128 = storage.call_method0("data_ptr")?.extract()?;
+    let size = storage.getattr("nbytes")?;
+    let size: i128 = if size.is_callable() { size.call0()? } else { size }.extract()?;
+    let (Ok(start), Ok(size)) = (usize::try_from(start), usize::try_from(size)) else {
+        return Err(reg_err(
+            py,
+            format!("{name}: its storage's data_ptr() = {start} and nbytes = {size} are not a buffer"),
+        ));
+    };
+    let inside = match (addr.checked_add(len), start.checked_add(size)) {
+        (Some(end), Some(limit)) => addr >= start && end <= limit,
+        _ => false,
+    };
+    if !inside {
+        return Err(reg_err(
+            py,
+            format!(
+                "{name}: data_ptr() {addr:#x} + nbytes {len} lies outside its storage ({start:#x} + {size} bytes)"
+            ),
+        ));
+    }
+    let owner = PyTuple::new(py, [obj.clone(), storage])?.into_any().unbind();
+    Ok(Resolved { addr, len, owner, kind: "tensor" })
 }
 
 /// A buffer-protocol object (numpy array, bytearray, ...): writable, C-contiguous,
