@@ -772,6 +772,10 @@ impl Watcher {
         };
         self.shared.counters.listings.fetch_add(1, Ordering::Relaxed);
         self.shared.update(|cache| cache.replace_all(listing));
+        // Listed: the cache is a whole snapshot from here on, so what it lacks (or lists
+        // under another incarnation) can be judged — also in the window before the watch
+        // below is set up (a check made then saw a filled cache but called it unlisted).
+        self.shared.synced.store(true, Ordering::Release);
         // Fragments: etcd splits a response larger than its request limit (1.5 MiB by
         // default) instead of sending one that could exceed the client's.
         let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1).with_fragment();
@@ -781,7 +785,6 @@ impl Watcher {
                 Ok(s) => s,
                 Err(e) => return e,
             };
-        self.shared.synced.store(true, Ordering::Release);
         backoff.reset();
         if self.shared.status.connected() {
             tracing::info!(prefix = %self.prefix, revision, "engine directory reconnected to etcd and re-listed");
