@@ -213,9 +213,16 @@ fn spec(tp_size: u32, tp_rank: u32, heads: KvHeads, block_tokens: u32, blocks: &
 fn shaped_prefill(t: Transport, spec: KvShapeSpec) -> PrefillAgent {
     init_tracing();
     let shape = KvShape::new(spec.clone()).expect("shape");
-    let config =
-        keyed(t.config(AgentConfig::new("prefill").lease_ttl(TTL).io_timeout(Duration::from_secs(5))))
-            .kv_shape(spec);
+    // The ranks of one prefill engine share its engine id.
+    let config = keyed(
+        t.config(
+            AgentConfig::new("prefill")
+                .engine_id("shaped-prefill")
+                .lease_ttl(TTL)
+                .io_timeout(Duration::from_secs(5)),
+        ),
+    )
+    .kv_shape(spec);
     PrefillAgent::start(config, "127.0.0.1:0", pattern::alloc_filled_shape(&shape).expect("memory"))
         .expect("prefill agent")
 }
@@ -395,9 +402,17 @@ fn tcp_shapes_no_plan_can_serve_are_refused_naming_the_field() {
         let decode = shaped_decode(t, decode_spec);
         let h = prefill.lease(LeaseRequest::new("C", 0, 1, vec![1])).expect("lease");
         let result = PrefillResult::new("C", 1, vec![h.clone()]).expect("result");
-        // One prefill rank's result stands for both here (the pull fails at the handshake).
-        let report =
-            decode.submit_ranks(vec![result.clone(), result], vec![vec![vec![1]]]).expect("submit").wait();
+        // One prefill rank's result stands for both here (the pull fails at the handshake;
+        // TP sizes that do not divide are refused at once, as no lease can be counted).
+        let report = match decode.submit_ranks(vec![result.clone(), result], vec![vec![vec![1]]]) {
+            Ok(handle) => handle.wait(),
+            Err(Error::Submit(SubmitError::Unfit { detail, .. })) if names == "tp_size" => {
+                assert!(detail.contains(names), "{detail}");
+                let _ = prefill.cancel(&h);
+                continue;
+            }
+            Err(e) => panic!("{names}: {e}"),
+        };
         match &report.children[0].outcome {
             ChildOutcome::Failed { error, .. } => {
                 let msg = error.to_string();
@@ -561,6 +576,81 @@ fn tcp_submit_ranks_refuses_results_that_do_not_fit() {
     // Nothing was claimed by the refusals: the same blocks pull fine.
     let report = decode.submit_ranks(results, vec![vec![vec![3, 4]]]).expect("submit").wait();
     assert!(report.all_done(), "{report:?}");
+}
+
+/// `submit_ranks` refuses before any I/O leases counted for the wrong number of decode
+/// ranks (prefill TP 1 to decode TP 2 needs 2: with 1, the first decode rank's notify would
+/// end the lease under the second), results of different engines, and a result whose
+/// children name different agents.
+#[test]
+fn tcp_submit_ranks_refuses_wrong_consumer_counts_and_mixed_engines() {
+    let heads = KvHeads::Split { total: 4 };
+    let unfit = |r: Result<kvxfer::blocking::PullHandle, Error>, what: &str| match r {
+        Err(Error::Submit(SubmitError::Unfit { detail, .. })) => assert!(detail.contains(what), "{detail}"),
+        Err(other) => panic!("{what}: {other}"),
+        Ok(_) => panic!("{what}: accepted"),
+    };
+    let prefill = shaped_prefill(Transport::Tcp, spec(1, 0, heads, 16, &[32]));
+    let decode = shaped_decode(Transport::Tcp, spec(2, 0, heads, 16, &[32]));
+    for consumers in [1, 3] {
+        let id = format!("W{consumers}");
+        let h = prefill.lease(LeaseRequest::new(&id, 0, 1, vec![1, 2]).consumers(consumers)).expect("lease");
+        let result = PrefillResult::new(&id, 1, vec![h]).expect("result");
+        unfit(decode.submit_ranks(vec![result], vec![vec![vec![1, 2]]]), "needs 2");
+    }
+    // Prefill TP 2 (two ranks of engine "shaped-prefill") and a rank of another engine.
+    let ranks: Vec<PrefillAgent> =
+        (0..2).map(|r| shaped_prefill(Transport::Tcp, spec(2, r, heads, 16, &[32]))).collect();
+    let stranger = PrefillAgent::start(
+        keyed(AgentConfig::new("stranger").engine_id("other-engine").kv_shape(spec(2, 1, heads, 16, &[32]))),
+        "127.0.0.1:0",
+        pattern::alloc_filled_shape(&KvShape::new(spec(2, 1, heads, 16, &[32])).expect("shape"))
+            .expect("memory"),
+    )
+    .expect("prefill");
+    let tp1 = shaped_decode(Transport::Tcp, spec(1, 0, heads, 16, &[32]));
+    let lease = |p: &PrefillAgent, i: u32| p.lease(LeaseRequest::new("M", i, 2, vec![i + 1])).expect("lease");
+    let result = |hs: Vec<kvxfer::ChildHandoff>| PrefillResult::new("M", 2, hs).expect("result");
+    let r0 = result(vec![lease(&ranks[0], 0), lease(&ranks[0], 1)]);
+    let other = result(vec![lease(&stranger, 0), lease(&stranger, 1)]);
+    unfit(tp1.submit_ranks(vec![r0.clone(), other], vec![vec![vec![1]], vec![vec![2]]]), "of engine");
+    // Rank 1's children: one from rank 1, one from another agent of the same engine id.
+    let twin = shaped_prefill(Transport::Tcp, spec(2, 1, heads, 16, &[32]));
+    let mixed = result(vec![lease(&ranks[1], 0), lease(&twin, 1)]);
+    unfit(tp1.submit_ranks(vec![r0, mixed], vec![vec![vec![1]], vec![vec![2]]]), "different agents");
+}
+
+/// Local lists that cannot fit any block ratio are refused before any I/O; ones that fit
+/// another ratio than the prefill rank's fail that decode rank's child as the caller's
+/// error ([`PullError::LocalBlocks`]) without releasing the shared lease: the other decode
+/// rank of a prefill TP 1 to decode TP 2 pull still reads it.
+#[test]
+fn tcp_local_lists_that_do_not_fit_fail_only_the_caller() {
+    let heads = KvHeads::Split { total: 4 };
+    let prefill = shaped_prefill(Transport::Tcp, spec(1, 0, heads, 16, &[32]));
+    let decodes: Vec<DecodeAgent> =
+        (0..2).map(|r| shaped_decode(Transport::Tcp, spec(2, r, heads, 16, &[32]))).collect();
+    let h = prefill.lease(LeaseRequest::new("L", 0, 1, vec![1, 2, 3, 4]).consumers(2)).expect("lease");
+    let results = vec![PrefillResult::new("L", 1, vec![h]).expect("result")];
+    match decodes[0].submit_ranks(results.clone(), vec![vec![vec![0, 1, 2, 3, 4]]]) {
+        Err(Error::Submit(SubmitError::Unfit { detail, .. })) => {
+            assert!(detail.contains("5 local"), "{detail}")
+        }
+        other => panic!("more local than remote blocks: {other:?}"),
+    }
+    // Block ratio 1: 4 local blocks are needed, 2 (ratio 2's count) are given.
+    let report = decodes[0].submit_ranks(results.clone(), vec![vec![vec![5, 6]]]).expect("submit").wait();
+    match &report.children[0].outcome {
+        ChildOutcome::Failed { error: kvxfer::PullError::LocalBlocks { detail }, .. } => {
+            assert!(detail.contains("block ratio 1"), "{detail}")
+        }
+        o => panic!("expected the caller's error, got {o:?}"),
+    }
+    let report = decodes[1].submit_ranks(results, vec![vec![vec![5, 6, 7, 8]]]).expect("submit").wait();
+    assert!(report.all_done(), "the sibling decode rank: {report:?}");
+    // The lease was neither released nor ended: one of its two consumers notified.
+    assert_no_more_ends(&prefill, Duration::from_millis(100));
+    assert_eq!(prefill.stats().leases.live, 1);
 }
 
 /// Hand-offs naming only the engine id, from a prefill engine of TP 2 whose layout differs
