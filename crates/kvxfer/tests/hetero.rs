@@ -431,6 +431,54 @@ fn tcp_shapes_no_plan_can_serve_are_refused_naming_the_field() {
         .expect("submit")
         .wait();
     assert!(report.all_done(), "{report:?}");
+    // Rank 1 of the same TP holds other heads: plain `submit` refuses it, naming tp_rank.
+    let other_rank = shaped_decode(t, spec(2, 1, heads, 16, &[16]));
+    let h = prefill.lease(LeaseRequest::new("R", 0, 1, vec![5, 6])).expect("lease");
+    let report = other_rank
+        .submit(PrefillResult::new("R", 1, vec![h]).expect("result"), vec![vec![7, 8]])
+        .expect("submit")
+        .wait();
+    match &report.children[0].outcome {
+        ChildOutcome::Failed { error, .. } => assert!(error.to_string().contains("tp_rank"), "{error}"),
+        o => panic!("another rank's heads: expected a refusal, got {o:?}"),
+    }
+}
+
+/// Every source rank's shape must be rank 0's but for its rank (the plan, and over UCX
+/// every rank's strides, come from rank 0's): a rank 1 of other block strides is refused
+/// before anything is read, and its lease released.
+#[test]
+fn tcp_source_ranks_of_different_shapes_are_refused() {
+    let heads = KvHeads::Split { total: 4 };
+    let strided = {
+        let mut s = spec(2, 1, heads, 16, &[16]);
+        s.groups[0].segments[1].stride = Some(8192);
+        s
+    };
+    let prefills = [
+        shaped_prefill(Transport::Tcp, spec(2, 0, heads, 16, &[16])),
+        shaped_prefill(Transport::Tcp, strided),
+    ];
+    let decode = shaped_decode(Transport::Tcp, spec(1, 0, heads, 16, &[16]));
+    let results: Vec<PrefillResult> = prefills
+        .iter()
+        .map(|p| {
+            let h = p.lease(LeaseRequest::new("D", 0, 1, vec![1, 2])).expect("lease");
+            PrefillResult::new("D", 1, vec![h]).expect("result")
+        })
+        .collect();
+    let report = decode.submit_ranks(results, vec![vec![vec![3, 4]]]).expect("submit").wait();
+    match &report.children[0].outcome {
+        ChildOutcome::Failed { error, .. } => {
+            assert!(error.to_string().contains("differs from rank 0"), "{error}")
+        }
+        o => panic!("expected a refusal, got {o:?}"),
+    }
+    for p in &prefills {
+        let ends = wait_ends(p, 1, Duration::from_secs(10));
+        assert_eq!(ends[0].kind, EndKind::Released, "{ends:?}");
+        assert_eq!(p.stats().server.bytes_served, 0);
+    }
 }
 
 /// A head slice past the serving rank's heads (or overflowing) is refused before anything
