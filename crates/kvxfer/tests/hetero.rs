@@ -531,6 +531,25 @@ fn tcp_head_slices_are_checked_by_the_server() {
                     other => panic!("{slice:?}: expected a refusal, got {other:?}"),
                 }
             }
+            // A bad slice with a wrong token is refused for the token (checked first).
+            let chunks = [kvxfer_mem::Chunk { region: 0, offset: 0, len: 64 }];
+            // SAFETY: as above.
+            let r = unsafe {
+                c.read_scatter(
+                    h.remote_request_id(),
+                    &[0; 16],
+                    kvxfer_tcp::SliceSpec { group: 0, head_slice: Some((9, 9)), ranges: &ranges },
+                    &dest,
+                    &chunks,
+                )
+            }
+            .await;
+            match r {
+                Err(kvxfer_tcp::ClientError::Refused { code, .. }) => {
+                    assert!(matches!(code, ErrorCode::UnknownLease | ErrorCode::BadToken), "{code:?}")
+                }
+                other => panic!("wrong token: expected a refusal, got {other:?}"),
+            }
             // A slice in range reads its heads: 2 heads x 2 segments x 2 KiB.
             if agent.local_addr() == prefill.local_addr() {
                 let chunks = [kvxfer_mem::Chunk { region: 0, offset: 0, len: 2 * 2 * 2048 }];
@@ -551,6 +570,9 @@ fn tcp_head_slices_are_checked_by_the_server() {
         });
         let served = if agent.local_addr() == prefill.local_addr() { 8192 } else { 0 };
         eventually("served bytes counted", || agent.stats().server.bytes_served == served);
+        // Every refusal is counted, head slices' included.
+        let refusals = if agent.local_addr() == prefill.local_addr() { 4 } else { 2 };
+        assert_eq!(agent.stats().server.reads_refused, refusals);
         let _ = agent.cancel(&h);
     }
 }
