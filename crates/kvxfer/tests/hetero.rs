@@ -246,7 +246,53 @@ fn shaped_decode(t: Transport, spec: KvShapeSpec) -> DecodeAgent {
 /// `expected_consumers` decode ranks, every decode rank pulls with all the results, checks
 /// its heads of every block against the pattern, and every lease ends pulled exactly once
 /// after exactly its expected consumers.
-fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), heads: KvHeads, groups: usize) {
+fn tp_pull(t: Transport, p: (u32, u32), d: (u32, u32), heads: KvHeads, groups: usize) {
+    tp_pull_with(t, p, d, heads, groups, false);
+}
+
+/// Whether every byte of `memory` that none of `plans`' pieces writes is still zero: a pull
+/// writes nothing it was not asked for (the unfilled token slots of a last local block at
+/// a block ratio above 1, other ranks' heads, blocks of no child).
+fn unwritten_bytes_zero(memory: &KvMemory, plans: &[kvxfer_core::xfer::RankPlan]) -> bool {
+    for g in 0..memory.num_groups() {
+        let mem = memory.group(g).expect("group");
+        for (seg, region) in mem.regions().iter().enumerate() {
+            let stride = mem.layout().segments()[seg].stride;
+            let mut written: Vec<(usize, usize)> = plans
+                .iter()
+                .flat_map(|p| p.pieces())
+                .filter(|p| p.group == g && p.segment == seg)
+                .flat_map(|p| {
+                    (0..u64::from(p.blocks)).map(move |b| {
+                        (((u64::from(p.local_block) + b) * stride + p.local_offset) as usize, p.len as usize)
+                    })
+                })
+                .collect();
+            written.sort_unstable();
+            // SAFETY: called only once every pull into this memory has reported.
+            let bytes = unsafe { region.slice(0, region.len()) };
+            let mut at = 0;
+            for (offset, len) in written.into_iter().chain(std::iter::once((bytes.len(), 0))) {
+                if bytes[at.min(offset)..offset].iter().any(|&b| b != 0) {
+                    return false;
+                }
+                at = at.max(offset + len);
+            }
+        }
+    }
+    true
+}
+
+/// [`tp_pull`], with `contiguous` remote ids and ascending local ids (runs of several
+/// blocks, merged reads and gets) instead of shuffled, gapped ones.
+fn tp_pull_with(
+    t: Transport,
+    (tp_p, bt_p): (u32, u32),
+    (tp_d, bt_d): (u32, u32),
+    heads: KvHeads,
+    groups: usize,
+    contiguous: bool,
+) {
     let k = bt_d / bt_p;
     let n = 2u32;
     let prefill_blocks = vec![40u32; groups];
@@ -260,6 +306,9 @@ fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), hea
         .map(|i| {
             (0..groups as u32)
                 .map(|g| {
+                    if contiguous {
+                        return (0..5).map(|b| 3 + i * 11 + g * 2 + b).collect();
+                    }
                     let mut v: Vec<BlockId> = (0..5).map(|b| 3 + i * 11 + g * 2 + b * 2).collect();
                     shuffle(&mut v, u64::from(i * 7 + g + 1));
                     v
@@ -269,7 +318,17 @@ fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), hea
         .collect();
     let per_local = 5usize.div_ceil(k as usize) as u32;
     let local: Vec<Vec<Vec<BlockId>>> = (0..n)
-        .map(|i| (0..groups as u32).map(|g| (0..per_local).map(|b| 20 - i * 8 - b - g).collect()).collect())
+        .map(|i| {
+            (0..groups as u32)
+                .map(|g| {
+                    if contiguous {
+                        (0..per_local).map(|b| 1 + i * 8 + b).collect()
+                    } else {
+                        (0..per_local).map(|b| 20 - i * 8 - b - g).collect()
+                    }
+                })
+                .collect()
+        })
         .collect();
     let results: Vec<PrefillResult> = prefills
         .iter()
@@ -306,6 +365,14 @@ fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), hea
                 assert_eq!(bad, None, "decode rank {r}, child {i}, group {g}");
             }
         }
+        let plans: Vec<_> = (0..n as usize)
+            .map(|i| {
+                let lists: Vec<(&[BlockId], &[BlockId])> =
+                    (0..groups).map(|g| (remote[i][g].as_slice(), local[i][g].as_slice())).collect();
+                pair.plan(&lists).expect("plan")
+            })
+            .collect();
+        assert!(unwritten_bytes_zero(d.memory(), &plans), "decode rank {r}: bytes written unasked");
         // Every destination byte once: the bytes pulled are the decode rank's heads of
         // every remote block.
         let per_block: u64 = (0..groups)
@@ -362,6 +429,12 @@ fn block_ratio_4(t: Transport) {
 fn block_ratio_2_with_tp1_to_tp2_and_two_groups(t: Transport) {
     tp_pull(t, (1, 16), (2, 32), KvHeads::Split { total: 4 }, 2);
 }
+fn tp2_to_tp1_in_contiguous_runs(t: Transport) {
+    tp_pull_with(t, (2, 16), (1, 16), KvHeads::Split { total: 4 }, 2, true);
+}
+fn block_ratio_4_with_tp1_to_tp2_in_contiguous_runs(t: Transport) {
+    tp_pull_with(t, (1, 16), (2, 64), KvHeads::Split { total: 4 }, 1, true);
+}
 
 /// The TP and block-ratio pulls once per data path (TCP; UCX over tcp and over shared
 /// memory with the `ucx` feature).
@@ -376,6 +449,8 @@ mod tp {
         block_ratio_2,
         block_ratio_4,
         block_ratio_2_with_tp1_to_tp2_and_two_groups,
+        tp2_to_tp1_in_contiguous_runs,
+        block_ratio_4_with_tp1_to_tp2_in_contiguous_runs,
     );
 }
 
