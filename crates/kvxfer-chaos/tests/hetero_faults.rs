@@ -186,3 +186,58 @@ fn a_frozen_notify_only_rank_holds_up_no_read() {
     assert_eq!(end.kind, EndKind::Pulled, "{end:?}");
     decode.shutdown();
 }
+
+/// Prefill TP 1 → decode TP 2: decode rank 0's reads break (every data connection through
+/// its proxy is cut after the handshake) while rank 1 reads directly. Rank 0's child fails
+/// and releases the shared lease (the request cannot complete without its heads); rank 1
+/// either read first (done; its notify acknowledged or not) or finds the lease ended —
+/// never a hang, and the lease ends exactly once, released.
+#[test]
+fn one_failing_decode_rank_of_two_releases_the_shared_lease_once() {
+    let prefill_spec = spec(16, 32);
+    let prefill_shape = KvShape::new(prefill_spec.clone()).expect("shape");
+    let prefill = PrefillAgent::start(
+        AgentConfig::new("prefill").transport(kvxfer::TransportChoice::Tcp).kv_shape(prefill_spec),
+        "127.0.0.1:0",
+        pattern::alloc_filled_shape(&prefill_shape).expect("memory"),
+    )
+    .expect("prefill");
+    // Connection 0 is rank 0's handshake (control); every later one is a data connection
+    // (or a control retry) and is cut once the prefill side has sent 64 bytes.
+    let cuts = (1..16)
+        .map(|c| Fault { connection: Some(c), ..Fault::new(Direction::ToDecode, 64, FaultKind::Cut) })
+        .collect();
+    let proxy = FaultProxy::start(prefill.local_addr(), cuts).expect("proxy");
+    let decodes: Vec<DecodeAgent> = (0..2)
+        .map(|r| {
+            let s = KvShapeSpec { tp_size: 2, tp_rank: r, ..spec(16, 16) };
+            let layout = KvShape::new(s.clone()).expect("shape").block_layout(0).expect("layout").clone();
+            DecodeAgent::start(
+                AgentConfig::new("decode").transport(kvxfer::TransportChoice::Tcp).rank(r).kv_shape(s),
+                KvMemory::alloc(layout).expect("memory"),
+            )
+            .expect("decode")
+        })
+        .collect();
+    let h = prefill.lease(LeaseRequest::new("F", 0, 1, (4..12).collect()).consumers(2)).expect("lease");
+    let direct = PrefillResult::new("F", 1, vec![h.clone()]).expect("result");
+    let proxied = PrefillResult::new("F", 1, vec![via(&h, proxy.addr().port())]).expect("result");
+    let local: Vec<u32> = (0..8).collect();
+    let h0 = decodes[0].submit_ranks(vec![proxied], vec![vec![local.clone()]]).expect("submit");
+    let h1 = decodes[1].submit_ranks(vec![direct], vec![vec![local]]).expect("submit");
+    let (r0, r1) = (h0.wait(), h1.wait());
+    assert!(matches!(r0.children[0].outcome, ChildOutcome::Failed { .. }), "rank 0: {r0:?}");
+    match &r1.children[0].outcome {
+        // Read before the release (its notify acknowledged, or finding the lease released).
+        ChildOutcome::Done { .. } => {}
+        ChildOutcome::Failed {
+            error: kvxfer::PullError::LeaseEnded { .. } | kvxfer::PullError::LeaseUnknown { .. },
+            ..
+        } => {}
+        o => panic!("rank 1: {o:?}"),
+    }
+    assert!(proxy.stats().faults_fired >= 1, "rank 0's read was cut");
+    let end = prefill.events().recv_timeout(Duration::from_secs(10)).expect("lease end");
+    assert_eq!(end.kind, EndKind::Released, "{end:?}");
+    assert!(prefill.events().recv_timeout(Duration::from_millis(100)).is_err(), "one end only");
+}
