@@ -17,11 +17,14 @@
 //! get per contiguous copy, merged where contiguous on both sides. Its decisions are simple
 //! enough to live here: every child's
 //! reads run concurrently; a child whose reads all succeeded notifies every rank of its
-//! plan; one with a failed read releases every rank's lease. Undecided children's leases
-//! are heartbeated on every source rank (as `submit` does); a child cancelled through the
-//! handle stops its TCP reads and releases every source rank's lease (a UCX get cannot be
-//! stopped: that child finishes and reports what became of it). Siblings' shared blocks are
-//! not deduplicated.
+//! plan; one with a failed read releases every rank's lease (one whose local lists do not
+//! fit the block ratio fails as the caller's error and leaves the shared leases alone).
+//! Reading children's leases are heartbeated on every source rank (as `submit` does); a
+//! child cancelled through the handle stops its TCP reads and releases every source rank's
+//! lease (a UCX get cannot be stopped: that child finishes and reports what became of it).
+//! Reads, notifies, cancels and heartbeats are futures polled side by side, so a frozen rank
+//! holds up only its own exchanges; each rank has one reachable flag for the whole pull.
+//! Siblings' shared blocks are not deduplicated.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
