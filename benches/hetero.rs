@@ -97,7 +97,9 @@ fn measure(
         .map(|s| {
             let mem = pattern::alloc_filled_shape(s).map_err(|e| e.to_string())?;
             PrefillAgent::start(
-                config(run, format!("bench-prefill-{}", s.tp_rank()), s.spec().clone())?,
+                // One prefill engine: its ranks share the engine id (submit_ranks checks).
+                config(run, format!("bench-prefill-{}", s.tp_rank()), s.spec().clone())?
+                    .engine_id("bench-prefill"),
                 "127.0.0.1:0",
                 mem,
             )

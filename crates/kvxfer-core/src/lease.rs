@@ -140,6 +140,14 @@ impl LeaseConfig {
         BlockId::try_from(before).ok()
     }
 
+    /// Whether every group's blocks together fit the flat id space (every flat id, and one
+    /// past the last, is a block id). A table whose groups do not fit refuses every lease
+    /// and grouped read; `PrefillAgent::start` refuses such memory.
+    pub fn flat_ids_fit(&self) -> bool {
+        let all: u64 = (0..self.num_groups()).filter_map(|g| self.group_blocks(g)).map(u64::from).sum();
+        all <= u64::from(BlockId::MAX)
+    }
+
     /// Blocks of every group together: the flat id space (saturating at `u32::MAX`).
     pub fn flat_blocks(&self) -> u32 {
         let all: u64 = (0..self.num_groups()).filter_map(|g| self.group_blocks(g)).map(u64::from).sum();
@@ -648,7 +656,7 @@ impl LeaseTable {
                 got: groups,
             });
         }
-        if self.config.num_groups() > 1 && self.config.group_base(groups - 1).is_none() {
+        if self.config.num_groups() > 1 && !self.config.flat_ids_fit() {
             return Err(LeaseError::GroupCount {
                 request: id,
                 expected: self.config.num_groups(),
@@ -727,8 +735,8 @@ impl LeaseTable {
         let flat = if other_groups.is_empty() {
             blocks.clone()
         } else {
-            // Bases fit a block id (checked in `validate`), and every id is below its
-            // group's count, so no flat id overflows.
+            // Every group's blocks together fit block ids (checked in `validate`), and
+            // every id is below its group's count, so no flat id overflows.
             let mut flat = blocks.to_vec();
             for (g, ids) in other_groups.iter().enumerate() {
                 let base = self.config.group_base(g + 1).unwrap_or(0);
@@ -1181,7 +1189,11 @@ impl LeaseTable {
             Err(r)
         };
         let g = group as usize;
-        let (Some(num_blocks), Some(base)) = (self.config.group_blocks(g), self.config.group_base(g)) else {
+        // Groups whose flat ids do not fit have no leases: no group is read.
+        let fits = self.config.flat_ids_fit();
+        let (Some(num_blocks), Some(base), true) =
+            (self.config.group_blocks(g), self.config.group_base(g), fits)
+        else {
             let groups = self.config.num_groups();
             return refused(ReadRefused::NoSuchGroup { request: id.to_owned(), group, groups });
         };

@@ -261,6 +261,14 @@ pub enum PullError {
     /// request (or retry on another decode worker).
     #[error("the decode agent shut down before the pull finished")]
     Shutdown,
+    /// The caller's local block lists do not fit the plan made with the prefill ranks'
+    /// shapes (not `ceil(remote / block_ratio)` blocks per group): nothing was read and no
+    /// lease was touched (other decode ranks may still read it). Advice: fail the request.
+    #[error("{detail}")]
+    LocalBlocks {
+        /// What does not fit.
+        detail: String,
+    },
 }
 
 fn fmt_incarnation(i: u64) -> String {
@@ -292,7 +300,7 @@ impl PullError {
             | PullError::Protocol { .. }
             | PullError::RemoteBlocksOutOfRange { .. }
             | PullError::TransportUnavailable { .. } => Advice::Recompute,
-            PullError::Shutdown => Advice::FailRequest,
+            PullError::Shutdown | PullError::LocalBlocks { .. } => Advice::FailRequest,
             PullError::SiblingFailed { cause, .. } => cause.advice(),
         }
     }

@@ -361,3 +361,30 @@ fn grouped_leases_check_and_read_each_group_on_its_own() {
     assert_eq!(e.len(), 1);
     assert_eq!((&*e[0].blocks, &*e[0].other_groups), (&[3, 4][..], &[vec![1, 2]][..]));
 }
+
+/// Groups whose blocks together do not fit block ids (the last group's base fits, its
+/// blocks do not): every lease and grouped read is refused, none wraps its flat ids.
+#[test]
+fn groups_whose_flat_ids_overflow_are_refused() {
+    let engine = EngineInfo {
+        engine_id: "prefill-0".into(),
+        host: "127.0.0.1".into(),
+        port: 5559,
+        tp_size: 1,
+        incarnation: 0,
+    };
+    let mut config = LeaseConfig::new(engine, u32::MAX - 10);
+    config.other_group_blocks = vec![100];
+    assert_eq!(config.group_base(1), Some(u32::MAX - 10));
+    assert!(!config.flat_ids_fit());
+    let t = Arc::new(LeaseTable::new(config, [7; 32]));
+    let t0 = Instant::now();
+    match t.lease(LeaseRequest::grouped("O", 0, 1, vec![vec![1], vec![50]]), t0) {
+        Err(LeaseError::GroupCount { .. }) => {}
+        other => panic!("flat id past u32::MAX: {other:?}"),
+    }
+    assert!(matches!(
+        t.begin_group_read("O", &[0; 16], 1, &[BlockRange { start: 50, count: 1 }], t0),
+        Err(ReadRefused::NoSuchGroup { group: 1, .. })
+    ));
+}

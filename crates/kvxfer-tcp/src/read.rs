@@ -117,17 +117,24 @@ pub(crate) fn payload_chunks<'m>(
 }
 
 /// Takes a read guard for a read or pin request: the guard, the payload bytes and what is
-/// sent of every block, or the error to answer with. The head slice and the ranges are
-/// checked (against this rank's heads and the named KV-cache group) before anything else.
+/// sent of every block, or the error to answer with. The lease table checks the ranges
+/// (against the named KV-cache group) and the token; the head slice (against this rank's
+/// heads) is checked next, its guard dropped if refused. Every refusal is counted in
+/// `reads_refused`.
 pub(crate) fn begin(
     ctx: &ServeContext,
     req: &v1::ReadRequest,
 ) -> Result<(ReadGuard, u64, BlockSlices), v1::Error> {
-    let slices = block_slices(ctx, req)?;
     let ranges = ranges_of(req);
     let now = Instant::now();
     match ctx.table.begin_group_read(&req.remote_request_id, &req.lease_token, req.group, &ranges, now) {
         Ok(g) => {
+            let slices = block_slices(ctx, req).inspect_err(|e| {
+                bump(&ctx.counters.reads_refused);
+                if let Some(suppressed) = ctx.counters.warnings.allow() {
+                    warn!(remote_request_id = %req.remote_request_id, suppressed, "read refused: {}", e.message);
+                }
+            })?;
             let per_block = match &slices {
                 None => group_memory(ctx, req)?.layout().block_bytes(),
                 Some(s) => s.iter().map(|&(_, len)| len).sum(),

@@ -179,6 +179,12 @@ impl PrefillAgent {
         let mut lease_config = LeaseConfig::new(engine, layout.num_blocks());
         // Every further KV-cache group's blocks; leases then name one list per group.
         lease_config.other_group_blocks = memory.group_layouts().skip(1).map(|l| l.num_blocks()).collect();
+        if !lease_config.flat_ids_fit() {
+            return Err(Error::Unsupported(format!(
+                "the KV-cache groups hold {} blocks together: more than block ids can number",
+                memory.group_layouts().map(|l| u64::from(l.num_blocks())).sum::<u64>()
+            )));
+        }
         lease_config.default_ttl = config.lease_ttl;
         lease_config.max_lifetime = config.max_lease_lifetime;
         lease_config.max_children = config.max_children;

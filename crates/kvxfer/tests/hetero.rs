@@ -213,9 +213,16 @@ fn spec(tp_size: u32, tp_rank: u32, heads: KvHeads, block_tokens: u32, blocks: &
 fn shaped_prefill(t: Transport, spec: KvShapeSpec) -> PrefillAgent {
     init_tracing();
     let shape = KvShape::new(spec.clone()).expect("shape");
-    let config =
-        keyed(t.config(AgentConfig::new("prefill").lease_ttl(TTL).io_timeout(Duration::from_secs(5))))
-            .kv_shape(spec);
+    // The ranks of one prefill engine share its engine id.
+    let config = keyed(
+        t.config(
+            AgentConfig::new("prefill")
+                .engine_id("shaped-prefill")
+                .lease_ttl(TTL)
+                .io_timeout(Duration::from_secs(5)),
+        ),
+    )
+    .kv_shape(spec);
     PrefillAgent::start(config, "127.0.0.1:0", pattern::alloc_filled_shape(&shape).expect("memory"))
         .expect("prefill agent")
 }
@@ -239,7 +246,53 @@ fn shaped_decode(t: Transport, spec: KvShapeSpec) -> DecodeAgent {
 /// `expected_consumers` decode ranks, every decode rank pulls with all the results, checks
 /// its heads of every block against the pattern, and every lease ends pulled exactly once
 /// after exactly its expected consumers.
-fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), heads: KvHeads, groups: usize) {
+fn tp_pull(t: Transport, p: (u32, u32), d: (u32, u32), heads: KvHeads, groups: usize) {
+    tp_pull_with(t, p, d, heads, groups, false);
+}
+
+/// Whether every byte of `memory` that none of `plans`' pieces writes is still zero: a pull
+/// writes nothing it was not asked for (the unfilled token slots of a last local block at
+/// a block ratio above 1, other ranks' heads, blocks of no child).
+fn unwritten_bytes_zero(memory: &KvMemory, plans: &[kvxfer_core::xfer::RankPlan]) -> bool {
+    for g in 0..memory.num_groups() {
+        let mem = memory.group(g).expect("group");
+        for (seg, region) in mem.regions().iter().enumerate() {
+            let stride = mem.layout().segments()[seg].stride;
+            let mut written: Vec<(usize, usize)> = plans
+                .iter()
+                .flat_map(|p| p.pieces())
+                .filter(|p| p.group == g && p.segment == seg)
+                .flat_map(|p| {
+                    (0..u64::from(p.blocks)).map(move |b| {
+                        (((u64::from(p.local_block) + b) * stride + p.local_offset) as usize, p.len as usize)
+                    })
+                })
+                .collect();
+            written.sort_unstable();
+            // SAFETY: called only once every pull into this memory has reported.
+            let bytes = unsafe { region.slice(0, region.len()) };
+            let mut at = 0;
+            for (offset, len) in written.into_iter().chain(std::iter::once((bytes.len(), 0))) {
+                if bytes[at.min(offset)..offset].iter().any(|&b| b != 0) {
+                    return false;
+                }
+                at = at.max(offset + len);
+            }
+        }
+    }
+    true
+}
+
+/// [`tp_pull`], with `contiguous` remote ids and ascending local ids (runs of several
+/// blocks, merged reads and gets) instead of shuffled, gapped ones.
+fn tp_pull_with(
+    t: Transport,
+    (tp_p, bt_p): (u32, u32),
+    (tp_d, bt_d): (u32, u32),
+    heads: KvHeads,
+    groups: usize,
+    contiguous: bool,
+) {
     let k = bt_d / bt_p;
     let n = 2u32;
     let prefill_blocks = vec![40u32; groups];
@@ -253,6 +306,9 @@ fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), hea
         .map(|i| {
             (0..groups as u32)
                 .map(|g| {
+                    if contiguous {
+                        return (0..5).map(|b| 3 + i * 11 + g * 2 + b).collect();
+                    }
                     let mut v: Vec<BlockId> = (0..5).map(|b| 3 + i * 11 + g * 2 + b * 2).collect();
                     shuffle(&mut v, u64::from(i * 7 + g + 1));
                     v
@@ -262,7 +318,17 @@ fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), hea
         .collect();
     let per_local = 5usize.div_ceil(k as usize) as u32;
     let local: Vec<Vec<Vec<BlockId>>> = (0..n)
-        .map(|i| (0..groups as u32).map(|g| (0..per_local).map(|b| 20 - i * 8 - b - g).collect()).collect())
+        .map(|i| {
+            (0..groups as u32)
+                .map(|g| {
+                    if contiguous {
+                        (0..per_local).map(|b| 1 + i * 8 + b).collect()
+                    } else {
+                        (0..per_local).map(|b| 20 - i * 8 - b - g).collect()
+                    }
+                })
+                .collect()
+        })
         .collect();
     let results: Vec<PrefillResult> = prefills
         .iter()
@@ -299,6 +365,14 @@ fn tp_pull(t: Transport, (tp_p, bt_p): (u32, u32), (tp_d, bt_d): (u32, u32), hea
                 assert_eq!(bad, None, "decode rank {r}, child {i}, group {g}");
             }
         }
+        let plans: Vec<_> = (0..n as usize)
+            .map(|i| {
+                let lists: Vec<(&[BlockId], &[BlockId])> =
+                    (0..groups).map(|g| (remote[i][g].as_slice(), local[i][g].as_slice())).collect();
+                pair.plan(&lists).expect("plan")
+            })
+            .collect();
+        assert!(unwritten_bytes_zero(d.memory(), &plans), "decode rank {r}: bytes written unasked");
         // Every destination byte once: the bytes pulled are the decode rank's heads of
         // every remote block.
         let per_block: u64 = (0..groups)
@@ -355,6 +429,12 @@ fn block_ratio_4(t: Transport) {
 fn block_ratio_2_with_tp1_to_tp2_and_two_groups(t: Transport) {
     tp_pull(t, (1, 16), (2, 32), KvHeads::Split { total: 4 }, 2);
 }
+fn tp2_to_tp1_in_contiguous_runs(t: Transport) {
+    tp_pull_with(t, (2, 16), (1, 16), KvHeads::Split { total: 4 }, 2, true);
+}
+fn block_ratio_4_with_tp1_to_tp2_in_contiguous_runs(t: Transport) {
+    tp_pull_with(t, (1, 16), (2, 64), KvHeads::Split { total: 4 }, 1, true);
+}
 
 /// The TP and block-ratio pulls once per data path (TCP; UCX over tcp and over shared
 /// memory with the `ucx` feature).
@@ -369,6 +449,8 @@ mod tp {
         block_ratio_2,
         block_ratio_4,
         block_ratio_2_with_tp1_to_tp2_and_two_groups,
+        tp2_to_tp1_in_contiguous_runs,
+        block_ratio_4_with_tp1_to_tp2_in_contiguous_runs,
     );
 }
 
@@ -395,9 +477,17 @@ fn tcp_shapes_no_plan_can_serve_are_refused_naming_the_field() {
         let decode = shaped_decode(t, decode_spec);
         let h = prefill.lease(LeaseRequest::new("C", 0, 1, vec![1])).expect("lease");
         let result = PrefillResult::new("C", 1, vec![h.clone()]).expect("result");
-        // One prefill rank's result stands for both here (the pull fails at the handshake).
-        let report =
-            decode.submit_ranks(vec![result.clone(), result], vec![vec![vec![1]]]).expect("submit").wait();
+        // One prefill rank's result stands for both here (the pull fails at the handshake;
+        // TP sizes that do not divide are refused at once, as no lease can be counted).
+        let report = match decode.submit_ranks(vec![result.clone(), result], vec![vec![vec![1]]]) {
+            Ok(handle) => handle.wait(),
+            Err(Error::Submit(SubmitError::Unfit { detail, .. })) if names == "tp_size" => {
+                assert!(detail.contains(names), "{detail}");
+                let _ = prefill.cancel(&h);
+                continue;
+            }
+            Err(e) => panic!("{names}: {e}"),
+        };
         match &report.children[0].outcome {
             ChildOutcome::Failed { error, .. } => {
                 let msg = error.to_string();
@@ -416,6 +506,54 @@ fn tcp_shapes_no_plan_can_serve_are_refused_naming_the_field() {
         .expect("submit")
         .wait();
     assert!(report.all_done(), "{report:?}");
+    // Rank 1 of the same TP holds other heads: plain `submit` refuses it, naming tp_rank.
+    let other_rank = shaped_decode(t, spec(2, 1, heads, 16, &[16]));
+    let h = prefill.lease(LeaseRequest::new("R", 0, 1, vec![5, 6])).expect("lease");
+    let report = other_rank
+        .submit(PrefillResult::new("R", 1, vec![h]).expect("result"), vec![vec![7, 8]])
+        .expect("submit")
+        .wait();
+    match &report.children[0].outcome {
+        ChildOutcome::Failed { error, .. } => assert!(error.to_string().contains("tp_rank"), "{error}"),
+        o => panic!("another rank's heads: expected a refusal, got {o:?}"),
+    }
+}
+
+/// Every source rank's shape must be rank 0's but for its rank (the plan, and over UCX
+/// every rank's strides, come from rank 0's): a rank 1 of other block strides is refused
+/// before anything is read, and its lease released.
+#[test]
+fn tcp_source_ranks_of_different_shapes_are_refused() {
+    let heads = KvHeads::Split { total: 4 };
+    let strided = {
+        let mut s = spec(2, 1, heads, 16, &[16]);
+        s.groups[0].segments[1].stride = Some(8192);
+        s
+    };
+    let prefills = [
+        shaped_prefill(Transport::Tcp, spec(2, 0, heads, 16, &[16])),
+        shaped_prefill(Transport::Tcp, strided),
+    ];
+    let decode = shaped_decode(Transport::Tcp, spec(1, 0, heads, 16, &[16]));
+    let results: Vec<PrefillResult> = prefills
+        .iter()
+        .map(|p| {
+            let h = p.lease(LeaseRequest::new("D", 0, 1, vec![1, 2])).expect("lease");
+            PrefillResult::new("D", 1, vec![h]).expect("result")
+        })
+        .collect();
+    let report = decode.submit_ranks(results, vec![vec![vec![3, 4]]]).expect("submit").wait();
+    match &report.children[0].outcome {
+        ChildOutcome::Failed { error, .. } => {
+            assert!(error.to_string().contains("differs from rank 0"), "{error}")
+        }
+        o => panic!("expected a refusal, got {o:?}"),
+    }
+    for p in &prefills {
+        let ends = wait_ends(p, 1, Duration::from_secs(10));
+        assert_eq!(ends[0].kind, EndKind::Released, "{ends:?}");
+        assert_eq!(p.stats().server.bytes_served, 0);
+    }
 }
 
 /// A head slice past the serving rank's heads (or overflowing) is refused before anything
@@ -468,6 +606,25 @@ fn tcp_head_slices_are_checked_by_the_server() {
                     other => panic!("{slice:?}: expected a refusal, got {other:?}"),
                 }
             }
+            // A bad slice with a wrong token is refused for the token (checked first).
+            let chunks = [kvxfer_mem::Chunk { region: 0, offset: 0, len: 64 }];
+            // SAFETY: as above.
+            let r = unsafe {
+                c.read_scatter(
+                    h.remote_request_id(),
+                    &[0; 16],
+                    kvxfer_tcp::SliceSpec { group: 0, head_slice: Some((9, 9)), ranges: &ranges },
+                    &dest,
+                    &chunks,
+                )
+            }
+            .await;
+            match r {
+                Err(kvxfer_tcp::ClientError::Refused { code, .. }) => {
+                    assert!(matches!(code, ErrorCode::UnknownLease | ErrorCode::BadToken), "{code:?}")
+                }
+                other => panic!("wrong token: expected a refusal, got {other:?}"),
+            }
             // A slice in range reads its heads: 2 heads x 2 segments x 2 KiB.
             if agent.local_addr() == prefill.local_addr() {
                 let chunks = [kvxfer_mem::Chunk { region: 0, offset: 0, len: 2 * 2 * 2048 }];
@@ -488,6 +645,9 @@ fn tcp_head_slices_are_checked_by_the_server() {
         });
         let served = if agent.local_addr() == prefill.local_addr() { 8192 } else { 0 };
         eventually("served bytes counted", || agent.stats().server.bytes_served == served);
+        // Every refusal is counted, head slices' included.
+        let refusals = if agent.local_addr() == prefill.local_addr() { 4 } else { 2 };
+        assert_eq!(agent.stats().server.reads_refused, refusals);
         let _ = agent.cancel(&h);
     }
 }
@@ -561,6 +721,81 @@ fn tcp_submit_ranks_refuses_results_that_do_not_fit() {
     // Nothing was claimed by the refusals: the same blocks pull fine.
     let report = decode.submit_ranks(results, vec![vec![vec![3, 4]]]).expect("submit").wait();
     assert!(report.all_done(), "{report:?}");
+}
+
+/// `submit_ranks` refuses before any I/O leases counted for the wrong number of decode
+/// ranks (prefill TP 1 to decode TP 2 needs 2: with 1, the first decode rank's notify would
+/// end the lease under the second), results of different engines, and a result whose
+/// children name different agents.
+#[test]
+fn tcp_submit_ranks_refuses_wrong_consumer_counts_and_mixed_engines() {
+    let heads = KvHeads::Split { total: 4 };
+    let unfit = |r: Result<kvxfer::blocking::PullHandle, Error>, what: &str| match r {
+        Err(Error::Submit(SubmitError::Unfit { detail, .. })) => assert!(detail.contains(what), "{detail}"),
+        Err(other) => panic!("{what}: {other}"),
+        Ok(_) => panic!("{what}: accepted"),
+    };
+    let prefill = shaped_prefill(Transport::Tcp, spec(1, 0, heads, 16, &[32]));
+    let decode = shaped_decode(Transport::Tcp, spec(2, 0, heads, 16, &[32]));
+    for consumers in [1, 3] {
+        let id = format!("W{consumers}");
+        let h = prefill.lease(LeaseRequest::new(&id, 0, 1, vec![1, 2]).consumers(consumers)).expect("lease");
+        let result = PrefillResult::new(&id, 1, vec![h]).expect("result");
+        unfit(decode.submit_ranks(vec![result], vec![vec![vec![1, 2]]]), "needs 2");
+    }
+    // Prefill TP 2 (two ranks of engine "shaped-prefill") and a rank of another engine.
+    let ranks: Vec<PrefillAgent> =
+        (0..2).map(|r| shaped_prefill(Transport::Tcp, spec(2, r, heads, 16, &[32]))).collect();
+    let stranger = PrefillAgent::start(
+        keyed(AgentConfig::new("stranger").engine_id("other-engine").kv_shape(spec(2, 1, heads, 16, &[32]))),
+        "127.0.0.1:0",
+        pattern::alloc_filled_shape(&KvShape::new(spec(2, 1, heads, 16, &[32])).expect("shape"))
+            .expect("memory"),
+    )
+    .expect("prefill");
+    let tp1 = shaped_decode(Transport::Tcp, spec(1, 0, heads, 16, &[32]));
+    let lease = |p: &PrefillAgent, i: u32| p.lease(LeaseRequest::new("M", i, 2, vec![i + 1])).expect("lease");
+    let result = |hs: Vec<kvxfer::ChildHandoff>| PrefillResult::new("M", 2, hs).expect("result");
+    let r0 = result(vec![lease(&ranks[0], 0), lease(&ranks[0], 1)]);
+    let other = result(vec![lease(&stranger, 0), lease(&stranger, 1)]);
+    unfit(tp1.submit_ranks(vec![r0.clone(), other], vec![vec![vec![1]], vec![vec![2]]]), "of engine");
+    // Rank 1's children: one from rank 1, one from another agent of the same engine id.
+    let twin = shaped_prefill(Transport::Tcp, spec(2, 1, heads, 16, &[32]));
+    let mixed = result(vec![lease(&ranks[1], 0), lease(&twin, 1)]);
+    unfit(tp1.submit_ranks(vec![r0, mixed], vec![vec![vec![1]], vec![vec![2]]]), "different agents");
+}
+
+/// Local lists that cannot fit any block ratio are refused before any I/O; ones that fit
+/// another ratio than the prefill rank's fail that decode rank's child as the caller's
+/// error ([`PullError::LocalBlocks`]) without releasing the shared lease: the other decode
+/// rank of a prefill TP 1 to decode TP 2 pull still reads it.
+#[test]
+fn tcp_local_lists_that_do_not_fit_fail_only_the_caller() {
+    let heads = KvHeads::Split { total: 4 };
+    let prefill = shaped_prefill(Transport::Tcp, spec(1, 0, heads, 16, &[32]));
+    let decodes: Vec<DecodeAgent> =
+        (0..2).map(|r| shaped_decode(Transport::Tcp, spec(2, r, heads, 16, &[32]))).collect();
+    let h = prefill.lease(LeaseRequest::new("L", 0, 1, vec![1, 2, 3, 4]).consumers(2)).expect("lease");
+    let results = vec![PrefillResult::new("L", 1, vec![h]).expect("result")];
+    match decodes[0].submit_ranks(results.clone(), vec![vec![vec![0, 1, 2, 3, 4]]]) {
+        Err(Error::Submit(SubmitError::Unfit { detail, .. })) => {
+            assert!(detail.contains("5 local"), "{detail}")
+        }
+        other => panic!("more local than remote blocks: {other:?}"),
+    }
+    // Block ratio 1: 4 local blocks are needed, 2 (ratio 2's count) are given.
+    let report = decodes[0].submit_ranks(results.clone(), vec![vec![vec![5, 6]]]).expect("submit").wait();
+    match &report.children[0].outcome {
+        ChildOutcome::Failed { error: kvxfer::PullError::LocalBlocks { detail }, .. } => {
+            assert!(detail.contains("block ratio 1"), "{detail}")
+        }
+        o => panic!("expected the caller's error, got {o:?}"),
+    }
+    let report = decodes[1].submit_ranks(results, vec![vec![vec![5, 6, 7, 8]]]).expect("submit").wait();
+    assert!(report.all_done(), "the sibling decode rank: {report:?}");
+    // The lease was neither released nor ended: one of its two consumers notified.
+    assert_no_more_ends(&prefill, Duration::from_millis(100));
+    assert_eq!(prefill.stats().leases.live, 1);
 }
 
 /// Hand-offs naming only the engine id, from a prefill engine of TP 2 whose layout differs

@@ -283,6 +283,21 @@ impl Pull {
                     .into(),
             ));
         }
+        // The hash leaves the rank out: a prefill rank of another tp_rank whose blocks hold
+        // other heads than this rank's would be copied in silently.
+        if let (Some(ours), Some(theirs)) = (&self.inner.shape, &ack.kv_shape) {
+            let theirs = kvxfer_core::KvShape::new(kvxfer_core::KvShapeSpec::from_wire(theirs))
+                .map_err(|e| protocol(format!("the prefill agent's KV-cache shape is malformed: {e}")))?;
+            let (h_p, h_d) = (theirs.heads_of_rank(theirs.tp_rank()), ours.heads_of_rank(ours.tp_rank()));
+            if h_p != h_d {
+                return Err(protocol(format!(
+                    "tp_rank: the prefill agent is rank {} (heads {h_p:?}), this agent rank {} (heads \
+                     {h_d:?}): pull the result of the prefill rank holding this rank's heads",
+                    theirs.tp_rank(),
+                    ours.tp_rank()
+                )));
+            }
+        }
         let wire =
             ack.layout.as_ref().ok_or_else(|| protocol("the prefill agent sent no block layout".into()))?;
         let layouts = std::iter::once(wire)

@@ -17,14 +17,17 @@
 //! get per contiguous copy, merged where contiguous on both sides. Its decisions are simple
 //! enough to live here: every child's
 //! reads run concurrently; a child whose reads all succeeded notifies every rank of its
-//! plan; one with a failed read releases every rank's lease. Undecided children's leases
-//! are heartbeated on every source rank (as `submit` does); a child cancelled through the
-//! handle stops its TCP reads and releases every source rank's lease (a UCX get cannot be
-//! stopped: that child finishes and reports what became of it). Siblings' shared blocks are
-//! not deduplicated.
+//! plan; one with a failed read releases every rank's lease (one whose local lists do not
+//! fit the block ratio fails as the caller's error and leaves the shared leases alone).
+//! Reading children's leases are heartbeated on every source rank (as `submit` does); a
+//! child cancelled through the handle stops its TCP reads and releases every source rank's
+//! lease (a UCX get cannot be stopped: that child finishes and reports what became of it).
+//! Reads, notifies, cancels and heartbeats are futures polled side by side, so a frozen rank
+//! holds up only its own exchanges; each rank has one reachable flag for the whole pull.
+//! Siblings' shared blocks are not deduplicated.
 
 use std::collections::HashSet;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -32,7 +35,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::pull::{ChildOutcome, PullError};
 use kvxfer_core::xfer::{Piece, RankPlan};
-use kvxfer_core::{BlockId, ChildHandoff, KvShape, KvShapeSpec, PrefillResult, TransferPair};
+use kvxfer_core::{BlockId, ChildHandoff, KvShape, KvShapeSpec, PrefillResult, RankPlanError, TransferPair};
 use kvxfer_mem::{Chunk, KvMemory};
 use kvxfer_proto::v1::LeaseOutcome;
 use kvxfer_tcp::SliceSpec;
@@ -76,12 +79,37 @@ impl DecodeAgent {
         if results.len() != tp as usize {
             return Err(bad(format!("{} results given, the prefill engine has tp_size {tp}", results.len())));
         }
+        let decode_tp = self.inner.shape.as_ref().map_or(1, KvShape::tp_size);
+        let consumers = kvxfer_core::expected_consumers(tp, decode_tp).map_err(|e| bad(e.to_string()))?;
+        let engine_id = &first.children()[0].engine().engine_id;
         for (r, res) in results.iter().enumerate() {
             if res.parent_request_id() != parent || res.n() != n {
                 return Err(bad(format!("result {r} is of another parent or n")));
             }
             if res.children().iter().any(|c| c.engine().tp_size != tp) {
                 return Err(bad(format!("result {r} states another tp_size")));
+            }
+            // One prefill engine: every rank states its id; each rank's result is one agent
+            // (its address and incarnation), which `connect` reaches through child 0's.
+            let engine = res.children()[0].engine();
+            if engine.engine_id != *engine_id {
+                return Err(bad(format!(
+                    "result {r} is of engine {}, result 0 of engine {engine_id}",
+                    engine.engine_id
+                )));
+            }
+            if res.children().iter().any(|c| c.engine() != engine) {
+                return Err(bad(format!("result {r}'s children name different agents")));
+            }
+            // A lease ends after its expected consumers: too few and a sibling decode rank
+            // finds it ended, too many and it never ends pulled.
+            if let Some(c) = res.children().iter().find(|c| c.expected_consumers() != consumers) {
+                return Err(bad(format!(
+                    "result {r}, child {}: leased for {} consumer(s), prefill TP {tp} to decode TP \
+                     {decode_tp} needs {consumers}",
+                    c.child_index(),
+                    c.expected_consumers()
+                )));
             }
         }
         if let Some(c) = results.iter().flat_map(|r| r.children()).find(|c| !c.engine().names_address()) {
@@ -106,9 +134,19 @@ impl DecodeAgent {
         // Claim the destination blocks (flat ids): no other pull, and no two children of
         // this one, write the same local block.
         let mut claimed: HashSet<BlockId> = HashSet::new();
-        for l in &local_blocks {
+        for (i, l) in local_blocks.iter().enumerate() {
             for (g, list) in l.iter().enumerate() {
                 let num_blocks = memory.group(g).map_or(0, |m| m.layout().num_blocks());
+                // ceil(remote / k) for a block ratio k >= 1: at most as many as the remote
+                // blocks, and none only for none (the exact count needs the prefill rank's
+                // block size, known after the handshake).
+                let remote = first.children()[i].group_block_ids(g).map_or(0, <[BlockId]>::len);
+                if list.len() > remote || (list.is_empty() != (remote == 0)) {
+                    return Err(bad(format!(
+                        "child {i}, group {g}: {} local block(s) for {remote} remote block(s)",
+                        list.len()
+                    )));
+                }
                 if let Some(&b) = list.iter().find(|&&b| b >= num_blocks) {
                     return Err(bad(format!(
                         "local block {b} of group {g} is outside its {num_blocks} blocks"
@@ -147,6 +185,7 @@ impl DecodeAgent {
                 self.inner.reclaimed_tx.clone(),
             )),
             abandoned: std::sync::Mutex::new(HashSet::new()),
+            reachable: (0..results.len()).map(|_| AtomicBool::new(true)).collect(),
             inner: self.inner.clone(),
             results,
             local: local_blocks,
@@ -181,10 +220,26 @@ struct RankPull {
     held: Arc<crate::ucx::HeldReads>,
     /// Children with such a read: their blocks stay held until it completes.
     abandoned: std::sync::Mutex<HashSet<usize>>,
+    /// Per prefill rank: cleared once it proved unreachable in this pull (its later control
+    /// exchanges are skipped).
+    reachable: Vec<AtomicBool>,
 }
 
 /// A source rank: its rank, its peer, and the data path to it.
 type Source = (u32, Arc<Peer>, Path);
+
+/// What one of a pull's futures ended with.
+enum Step {
+    /// Child `i`'s reads ended: the plan and bytes, or why not (`None`: cancelled).
+    Read(usize, Result<(RankPlan, u64), Option<PullError>>),
+    /// Child `i`'s leases were told: its outcome, to report.
+    Told(usize, ChildOutcome),
+    /// A heartbeat of this source rank was answered (or given up).
+    Beat(u32),
+}
+
+/// A future of a pull's [`Step`]s.
+type StepFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Step> + Send + 'a>>;
 
 /// The source ranks of a decode rank, from the TP sizes alone (what
 /// [`TransferPair::source_ranks`] says, known before any shape arrives).
@@ -210,30 +265,37 @@ impl RankPull {
         let tp = self.results.len() as u32;
         kvxfer_core::expected_consumers(tp, decode.tp_size())
             .map_err(|e| PullError::Protocol { peer: String::new(), detail: e.to_string() })?;
-        let mut pair: Option<TransferPair> = None;
+        let mut pair: Option<(TransferPair, KvShapeSpec)> = None;
         let mut peers = Vec::new();
         for rank in source_ranks(tp, decode) {
             let engine = self.child(rank, 0).engine();
             let addr = self.inner.resolve_rank(engine, rank)?;
             let peer = self.inner.peer(&addr);
-            let ack = peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner))?;
+            // A rank whose handshake fails (or that is another process now) is not told
+            // to release its leases afterwards.
+            let unreachable = |e: PullError| {
+                self.reachable[rank as usize].store(false, Ordering::Relaxed);
+                e
+            };
+            let ack = peer.hello(&self.inner).await.map_err(|e| unreachable(pull_error(&e, &self.inner)))?;
             let protocol = |detail: String| PullError::Protocol { peer: addr.clone(), detail };
             if ack.engine_id != engine.engine_id
                 || (engine.incarnation != 0 && ack.incarnation != engine.incarnation)
             {
-                return Err(PullError::PeerRestarted {
+                return Err(unreachable(PullError::PeerRestarted {
                     peer: addr.clone(),
                     expected_engine: engine.engine_id.clone(),
                     expected_incarnation: engine.incarnation,
                     found_engine: ack.engine_id.clone(),
                     found_incarnation: ack.incarnation,
-                });
+                }));
             }
             let wire = ack
                 .kv_shape
                 .as_ref()
                 .ok_or_else(|| protocol("the prefill rank states no KV-cache shape".into()))?;
-            let shape = KvShape::new(KvShapeSpec::from_wire(wire)).map_err(|e| protocol(e.to_string()))?;
+            let spec = KvShapeSpec::from_wire(wire);
+            let shape = KvShape::new(spec.clone()).map_err(|e| protocol(e.to_string()))?;
             if shape.tp_rank() != rank || shape.tp_size() != tp {
                 return Err(protocol(format!(
                     "result {rank} came from rank {} of {} (give the results in prefill rank order)",
@@ -241,13 +303,27 @@ impl RankPull {
                     shape.tp_size()
                 )));
             }
-            if pair.is_none() {
-                pair = Some(TransferPair::new(&shape, decode).map_err(|e| protocol(e.to_string()))?);
+            match &pair {
+                None => {
+                    let p = TransferPair::new(&shape, decode).map_err(|e| protocol(e.to_string()))?;
+                    pair = Some((p, spec));
+                }
+                // The plan (and, over UCX, every rank's strides) is made from the first
+                // source rank's shape: every other rank's must be the same but for its rank.
+                Some((_, first)) => {
+                    if (KvShapeSpec { tp_rank: first.tp_rank, ..spec }) != *first {
+                        return Err(protocol(format!(
+                            "prefill rank {rank}'s KV-cache shape differs from rank {}'s in more than \
+                             its tp_rank",
+                            first.tp_rank
+                        )));
+                    }
+                }
             }
             let path = self.choose_path(&peer, &ack).await?;
             peers.push((rank, peer, path));
         }
-        let pair =
+        let (pair, _) =
             pair.ok_or_else(|| PullError::Protocol { peer: String::new(), detail: "no source rank".into() })?;
         Ok((pair, peers))
     }
@@ -273,7 +349,8 @@ impl RankPull {
     }
 
     /// Child `i`'s plan: its groups' remote lists (the same on every source rank) and local
-    /// lists.
+    /// lists. Local lists of the wrong length are the caller's error
+    /// ([`PullError::LocalBlocks`]).
     fn plan(&self, pair: &TransferPair, peers: &[Source], i: usize) -> Result<RankPlan, PullError> {
         let (rank0, peer0, _) = &peers[0];
         let remote = self.child(*rank0, i);
@@ -287,7 +364,12 @@ impl RankPull {
         }
         let lists: Vec<(&[BlockId], &[BlockId])> =
             remote.groups().zip(&self.local[i]).map(|(r, l)| (r, l.as_slice())).collect();
-        pair.plan(&lists).map_err(|e| PullError::Protocol { peer: peer0.addr.clone(), detail: e.to_string() })
+        pair.plan(&lists).map_err(|e| match e {
+            RankPlanError::BlockCount { .. } => PullError::LocalBlocks {
+                detail: format!("child {i}: {e} (block ratio {})", pair.block_ratio()),
+            },
+            e => PullError::Protocol { peer: peer0.addr.clone(), detail: e.to_string() },
+        })
     }
 
     /// Reads everything `plan` takes from source `rank` for child `i`: one head-slice read
@@ -407,26 +489,64 @@ impl RankPull {
         }
     }
 
-    /// Heartbeats the leases of the `undecided` children on every source rank.
-    async fn heartbeat(&self, peers: &[Source], undecided: &HashSet<usize>) {
-        if undecided.is_empty() {
-            return;
+    /// Resolves once the pull should stop waiting for control exchanges: the I/O timeout
+    /// after the shutdown's abort (so a shutdown stays bounded whatever the peers do).
+    async fn give_up(&self) {
+        self.inner.abort.cancelled().await;
+        tokio::time::sleep(self.inner.config.limits.io_timeout).await;
+    }
+
+    /// Runs `op` on `rank`'s control connection unless the rank was found unreachable in
+    /// this pull (one flag per rank for the whole pull: an unreachable rank costs its
+    /// timeouts once, not once per exchange). An exchange outlasting [`Self::give_up`]
+    /// is cut short and marks the rank unreachable.
+    async fn control(
+        &self,
+        peer: &Peer,
+        rank: u32,
+        op: &ControlOp,
+    ) -> Option<(Result<ControlReply, kvxfer_tcp::ClientError>, u32)> {
+        let reachable = &self.reachable[rank as usize];
+        tokio::select! {
+            answer = peer.exchange(&self.inner, op, reachable) => answer,
+            () = self.give_up() => {
+                reachable.store(false, Ordering::Relaxed);
+                None
+            }
         }
-        for (rank, peer, _) in peers {
-            let refs = undecided
-                .iter()
-                .map(|&i| {
-                    let c = self.child(*rank, i);
-                    kvxfer_proto::v1::LeaseRef {
-                        remote_request_id: c.remote_request_id().to_owned(),
-                        lease_token: c.token().as_bytes().to_vec(),
+    }
+
+    /// Heartbeats the leases of the `reading` children on `rank`.
+    async fn heartbeat(&self, peer: &Peer, rank: u32, reading: Vec<usize>) -> Step {
+        let refs = reading
+            .iter()
+            .map(|&i| {
+                let c = self.child(rank, i);
+                kvxfer_proto::v1::LeaseRef {
+                    remote_request_id: c.remote_request_id().to_owned(),
+                    lease_token: c.token().as_bytes().to_vec(),
+                }
+            })
+            .collect();
+        // No grace after the abort: a heartbeat then serves nobody.
+        let op = ControlOp::Heartbeat(refs);
+        let answer = tokio::select! {
+            a = self.control(peer, rank, &op) => a,
+            () = self.inner.abort.cancelled() => None,
+        };
+        match &answer {
+            Some((Ok(ControlReply::Heartbeat(outcomes)), _)) => {
+                for (&i, o) in reading.iter().zip(outcomes) {
+                    if *o != LeaseOutcome::Extended {
+                        debug!(remote_request_id = %self.child(rank, i).remote_request_id(), rank, outcome = ?o, "heartbeat not extended");
                     }
-                })
-                .collect();
-            let answer =
-                peer.exchange(&self.inner, &ControlOp::Heartbeat(refs), &AtomicBool::new(true)).await;
-            debug!(rank, answer = ?answer.as_ref().map(|(r, _)| r.as_ref().map(|_| ()).map_err(ToString::to_string)), "heartbeat");
+                }
+            }
+            other => {
+                debug!(rank, answer = ?other.as_ref().map(|(r, _)| r.as_ref().map(|_| ()).map_err(ToString::to_string)), "heartbeat failed")
+            }
         }
+        Step::Beat(rank)
     }
 
     /// Notifies (or, `release`, cancels) child `i`'s lease on `rank`: whether it was
@@ -439,12 +559,14 @@ impl RankPull {
         } else {
             ControlOp::Notify { id, token, consumer: self.inner.consumer_id.clone() }
         };
-        let answer = peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await;
+        let answer = self.control(peer, rank, &op).await;
         let ok = match &answer {
-            Some((Ok(ControlReply::Notify(ack)), _)) => matches!(
-                LeaseOutcome::try_from(ack.outcome),
-                Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted | LeaseOutcome::AlreadyPulled)
-            ),
+            Some((Ok(ControlReply::Notify(ack)), attempts)) => match LeaseOutcome::try_from(ack.outcome) {
+                Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted | LeaseOutcome::AlreadyPulled) => true,
+                // Our consumer id was counted by an earlier attempt of this notify.
+                Ok(LeaseOutcome::Duplicate) => *attempts > 1,
+                _ => false,
+            },
             Some((Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)), _)) => {
                 true
             }
@@ -454,6 +576,13 @@ impl RankPull {
             warn!(remote_request_id = %child.remote_request_id(), rank, release, ?answer, "lease not acknowledged");
         }
         ok
+    }
+
+    /// Tells every rank of `ranks` about child `i` at once (each rank's exchanges queue on
+    /// its own control connection): whether all acknowledged.
+    async fn tell_all(&self, ranks: Vec<(u32, &Peer)>, i: usize, release: bool) -> bool {
+        let told = ranks.into_iter().map(|(rank, peer)| self.tell(peer, rank, i, release));
+        futures::future::join_all(told).await.into_iter().all(|ok| ok)
     }
 
     async fn run(self, channels: PullChannels, started: Instant) {
@@ -478,13 +607,18 @@ impl RankPull {
                 // read or notified) where they can be reached: nobody reads them now.
                 let tp = self.results.len() as u32;
                 let sources = decode.as_ref().map_or(0..0, |d| source_ranks(tp, d));
-                for (i, invalid) in invalid.iter().enumerate() {
-                    for rank in sources.clone().filter(|&r| r < tp) {
-                        if let Ok(addr) = self.inner.resolve_rank(self.child(rank, i).engine(), rank) {
-                            let peer = self.inner.peer(&addr);
-                            self.tell(&peer, rank, i, true).await;
-                        }
+                let mut peers: Vec<(u32, Arc<Peer>)> = Vec::new();
+                for rank in sources.filter(|&r| r < tp) {
+                    if let Ok(addr) = self.inner.resolve_rank(self.child(rank, 0).engine(), rank) {
+                        peers.push((rank, self.inner.peer(&addr)));
                     }
+                }
+                let releases = (0..n).map(|i| {
+                    let ranks = peers.iter().map(|(r, p)| (*r, &**p)).collect();
+                    self.tell_all(ranks, i, true)
+                });
+                futures::future::join_all(releases).await;
+                for (i, invalid) in invalid.iter().enumerate() {
                     self.report(
                         &reports,
                         i,
@@ -493,122 +627,8 @@ impl RankPull {
                 }
             }
             Ok((pair, peers)) => {
-                let this = &self;
-                let (pair, peers) = (&pair, &peers);
-                // A UCX get cannot be cut short (its blocks would be handed back while UCX
-                // may still write them): only all-TCP pulls stop at the shutdown's abort.
-                let abortable = peers.iter().all(|(_, _, path)| *path == Path::Tcp);
-                // Per child: cancelled through the handle (stops its TCP reads).
-                let stops: Vec<CancellationToken> = (0..n).map(|_| CancellationToken::new()).collect();
-                let stops = &stops;
-                let mut children: FuturesUnordered<_> = (0..n)
-                    .map(|i| async move {
-                        let outcome = async {
-                            let plan = this.plan(pair, peers, i)?;
-                            let mut bytes = 0;
-                            {
-                                let plan = &plan;
-                                let reads = peers.iter().map(|(rank, peer, path)| {
-                                    this.read_source((*rank, peer, *path), pair, plan, i)
-                                });
-                                for r in futures::future::join_all(reads).await {
-                                    bytes += r?;
-                                }
-                            }
-                            Ok::<_, PullError>((plan, bytes))
-                        };
-                        let abort = async {
-                            if abortable {
-                                this.inner.abort.cancelled().await;
-                            } else {
-                                std::future::pending::<()>().await;
-                            }
-                        };
-                        let cancel = async {
-                            if abortable {
-                                stops[i].cancelled().await;
-                            } else {
-                                std::future::pending::<()>().await;
-                            }
-                        };
-                        let r = tokio::select! {
-                            r = outcome => r.map_err(Some),
-                            () = abort => Err(Some(PullError::Shutdown)),
-                            () = cancel => Err(None),
-                        };
-                        (i, r)
-                    })
-                    .collect();
-                // Heartbeats keep the undecided children's leases alive while reads run.
-                let min_ttl = (0..n)
-                    .flat_map(|i| peers.iter().map(move |(rank, _, _)| this.child(*rank, i).ttl()))
-                    .min()
-                    .unwrap_or(std::time::Duration::from_secs(30));
-                let every = super::heartbeat_interval(self.inner.config.heartbeat_interval, min_ttl);
-                let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-                let mut undecided: HashSet<usize> = (0..n).collect();
-                let (mut cancels, mut cancels_open) = (cancels, true);
-                let mut cancelled: HashSet<usize> = HashSet::new();
-                loop {
-                    let (i, r) = tokio::select! {
-                        next = children.next() => match next {
-                            Some(done) => done,
-                            None => break,
-                        },
-                        index = cancels.recv(), if cancels_open => {
-                            match index.and_then(|x| self.results[0].children().iter().position(|c| c.child_index() == x)) {
-                                // A UCX child cannot stop its get: it finishes and reports
-                                // what became of it (a cancel lost to completion is Done).
-                                Some(i) if undecided.contains(&i) => {
-                                    cancelled.insert(i);
-                                    stops[i].cancel();
-                                }
-                                Some(_) => {}
-                                None => cancels_open = index.is_some(),
-                            }
-                            continue;
-                        }
-                        _ = tick.tick() => {
-                            self.heartbeat(peers, &undecided).await;
-                            continue;
-                        }
-                    };
-                    undecided.remove(&i);
-                    let outcome = match r {
-                        Ok((plan, bytes)) => {
-                            let mut acknowledged = true;
-                            for rank in plan.notify_ranks() {
-                                if let Some((_, peer, _)) = peers.iter().find(|(r, _, _)| *r == rank) {
-                                    acknowledged &= self.tell(peer, rank, i, false).await;
-                                }
-                            }
-                            wire += bytes;
-                            delivered += bytes;
-                            ChildOutcome::Done { bytes_delivered: bytes, acknowledged }
-                        }
-                        Err(None) => {
-                            let mut released = true;
-                            for (rank, peer, _) in peers {
-                                released &= self.tell(peer, *rank, i, true).await;
-                            }
-                            ChildOutcome::Cancelled { released, invalid_local_blocks: invalid[i].clone() }
-                        }
-                        Err(Some(error)) => {
-                            for (rank, peer, _) in peers {
-                                self.tell(peer, *rank, i, true).await;
-                            }
-                            if self.abandoned.lock().unwrap_or_else(|p| p.into_inner()).contains(&i) {
-                                ChildOutcome::FailedBlocksHeld {
-                                    error,
-                                    held_local_blocks: invalid[i].clone(),
-                                }
-                            } else {
-                                ChildOutcome::Failed { error, invalid_local_blocks: invalid[i].clone() }
-                            }
-                        }
-                    };
-                    self.report(&reports, i, outcome);
-                }
+                let (w, d) = self.run_connected(&pair, &peers, &invalid, &reports, cancels).await;
+                (wire, delivered) = (w, d);
             }
         }
         let c = &self.inner.counters;
@@ -634,6 +654,165 @@ impl RankPull {
             self.held.finish(held, reclaimed);
         }
         let _ = done.send((wire, delivered, started.elapsed()));
+    }
+
+    /// The connected part of [`Self::run`]: every child's reads, the notifies or cancels of
+    /// the children whose reads ended, and each source rank's heartbeats run side by side
+    /// (a control exchange waiting on a frozen rank never holds up a read or another
+    /// rank's exchange). Returns the bytes read and delivered.
+    async fn run_connected(
+        &self,
+        pair: &TransferPair,
+        peers: &[Source],
+        invalid: &[Vec<BlockId>],
+        reports: &tokio::sync::mpsc::UnboundedSender<ChildReport>,
+        mut cancels: tokio::sync::mpsc::UnboundedReceiver<u32>,
+    ) -> (u64, u64) {
+        let n = self.local.len();
+        let (mut wire, mut delivered) = (0u64, 0u64);
+        // A UCX get cannot be cut short (its blocks would be handed back while UCX may
+        // still write them): only all-TCP pulls stop at the shutdown's abort.
+        let abortable = peers.iter().all(|(_, _, path)| *path == Path::Tcp);
+        // Per child: cancelled through the handle (stops its TCP reads).
+        let stops: Vec<CancellationToken> = (0..n).map(|_| CancellationToken::new()).collect();
+        let stops = &stops;
+        // The shutdown began while connecting: no read starts (every lease is released).
+        let stopped = self.inner.stop.is_cancelled();
+        let mut steps: FuturesUnordered<StepFuture<'_>> = FuturesUnordered::new();
+        for (i, stop) in stops.iter().enumerate() {
+            steps.push(Box::pin(async move {
+                if stopped {
+                    return Step::Read(i, Err(Some(PullError::Shutdown)));
+                }
+                let outcome = async {
+                    let plan = self.plan(pair, peers, i)?;
+                    let mut bytes = 0;
+                    {
+                        let plan = &plan;
+                        let reads = peers
+                            .iter()
+                            .map(|(rank, peer, path)| self.read_source((*rank, peer, *path), pair, plan, i));
+                        for r in futures::future::join_all(reads).await {
+                            bytes += r?;
+                        }
+                    }
+                    Ok::<_, PullError>((plan, bytes))
+                };
+                let abort = async {
+                    if abortable {
+                        self.inner.abort.cancelled().await;
+                    } else {
+                        std::future::pending::<()>().await;
+                    }
+                };
+                let cancel = async {
+                    if abortable {
+                        stop.cancelled().await;
+                    } else {
+                        std::future::pending::<()>().await;
+                    }
+                };
+                let r = tokio::select! {
+                    r = outcome => r.map_err(Some),
+                    () = abort => Err(Some(PullError::Shutdown)),
+                    () = cancel => Err(None),
+                };
+                Step::Read(i, r)
+            }));
+        }
+        // Heartbeats keep the reading children's leases alive, one exchange at a time per
+        // source rank.
+        let min_ttl = (0..n)
+            .flat_map(|i| peers.iter().map(move |(rank, _, _)| self.child(*rank, i).ttl()))
+            .min()
+            .unwrap_or(std::time::Duration::from_secs(30));
+        let every = super::heartbeat_interval(self.inner.config.heartbeat_interval, min_ttl);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        let mut reading: HashSet<usize> = (0..n).collect();
+        let mut beating: HashSet<u32> = HashSet::new();
+        let mut cancels_open = true;
+        loop {
+            let step = tokio::select! {
+                next = steps.next() => match next {
+                    Some(step) => step,
+                    None => break,
+                },
+                index = cancels.recv(), if cancels_open => {
+                    match index.and_then(|x| self.results[0].children().iter().position(|c| c.child_index() == x)) {
+                        // A UCX child cannot stop its get: it finishes and reports what
+                        // became of it (a cancel lost to completion is Done).
+                        Some(i) if reading.contains(&i) => stops[i].cancel(),
+                        Some(_) => {}
+                        None => cancels_open = index.is_some(),
+                    }
+                    continue;
+                }
+                _ = tick.tick(), if !reading.is_empty() => {
+                    let mut leases: Vec<usize> = reading.iter().copied().collect();
+                    leases.sort_unstable();
+                    for (rank, peer, _) in peers {
+                        if !self.reachable[*rank as usize].load(Ordering::Relaxed) || !beating.insert(*rank) {
+                            continue;
+                        }
+                        steps.push(Box::pin(self.heartbeat(peer, *rank, leases.clone())));
+                    }
+                    continue;
+                }
+            };
+            match step {
+                Step::Beat(rank) => {
+                    beating.remove(&rank);
+                }
+                Step::Read(i, r) => {
+                    reading.remove(&i);
+                    let all: Vec<(u32, &Peer)> = peers.iter().map(|(r, p, _)| (*r, &**p)).collect();
+                    steps.push(match r {
+                        Ok((plan, bytes)) => Box::pin(async move {
+                            let notify = plan.notify_ranks();
+                            let ranks = all.into_iter().filter(|(r, _)| notify.contains(r)).collect();
+                            let acknowledged = self.tell_all(ranks, i, false).await;
+                            Step::Told(i, ChildOutcome::Done { bytes_delivered: bytes, acknowledged })
+                        }),
+                        // The caller's lists do not fit: this rank reads nothing, and the
+                        // leases stay for the other decode ranks that share them.
+                        Err(Some(error @ PullError::LocalBlocks { .. })) => {
+                            let outcome =
+                                ChildOutcome::Failed { error, invalid_local_blocks: invalid[i].clone() };
+                            Box::pin(async move { Step::Told(i, outcome) })
+                        }
+                        Err(None) => Box::pin(async move {
+                            let released = self.tell_all(all, i, true).await;
+                            let outcome = ChildOutcome::Cancelled {
+                                released,
+                                invalid_local_blocks: invalid[i].clone(),
+                            };
+                            Step::Told(i, outcome)
+                        }),
+                        Err(Some(error)) => Box::pin(async move {
+                            self.tell_all(all, i, true).await;
+                            let outcome =
+                                if self.abandoned.lock().unwrap_or_else(|p| p.into_inner()).contains(&i) {
+                                    ChildOutcome::FailedBlocksHeld {
+                                        error,
+                                        held_local_blocks: invalid[i].clone(),
+                                    }
+                                } else {
+                                    ChildOutcome::Failed { error, invalid_local_blocks: invalid[i].clone() }
+                                };
+                            Step::Told(i, outcome)
+                        }),
+                    });
+                }
+                Step::Told(i, outcome) => {
+                    if let ChildOutcome::Done { bytes_delivered, .. } = &outcome {
+                        wire += bytes_delivered;
+                        delivered += bytes_delivered;
+                    }
+                    self.report(reports, i, outcome);
+                }
+            }
+        }
+        (wire, delivered)
     }
 
     fn report(
