@@ -245,3 +245,103 @@ def test_a_peer_of_another_head_dim_is_refused_by_the_handshake_naming_it():
             assert report["outcome"] == "failed"
             assert "head_dim" in str(report["error"]), report["error"]
             assert prefill.cancel(params[0]) in ("released", "already_released")
+
+
+def rank_heads(total: int, tp: int, r: int) -> list[int]:
+    """The KV heads rank ``r`` of ``tp`` holds, as vLLM splits them (replicated when fewer
+    heads than ranks)."""
+    if total >= tp:
+        per = total // tp
+        return list(range(r * per, (r + 1) * per))
+    return [r * total // tp]
+
+
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp,total_heads,ratio",
+    [
+        (1, 2, 4, 1),  # head slices
+        (2, 1, 4, 1),  # blocks assembled from two ranks
+        (4, 2, 2, 1),  # GQA: each head replicated on two prefill ranks, read once
+        (1, 1, 4, 2),  # a decode block of two prefill blocks
+        (1, 2, 4, 2),  # both
+    ],
+)
+def test_tp_and_block_ratios_through_the_binding_every_byte_from_the_right_head(
+    prefill_tp, decode_tp, total_heads, ratio
+):
+    """The model's whole cache is built first; each prefill rank holds its heads of it, and
+    every decode rank must end up with its heads of the remote blocks, ``ratio`` remote
+    blocks per local block (token slots in order)."""
+    full = random_cache(60, (2, NUM_BLOCKS, total_heads, BLOCK, HEAD_DIM))
+    srcs = [np.ascontiguousarray(full[:, :, rank_heads(total_heads, prefill_tp, r)]) for r in range(prefill_tp)]
+    dsts = [
+        np.zeros((2, NUM_BLOCKS, len(rank_heads(total_heads, decode_tp, d)), BLOCK * ratio, HEAD_DIM), np.float16)
+        for d in range(decode_tp)
+    ]
+    prefills = [
+        kvxfer.PrefillAgent(
+            shaped_memory(srcs[r]),
+            engine_id="p",
+            kv_shape=kvxfer.KvShape(tp_size=prefill_tp, tp_rank=r, total_kv_heads=total_heads),
+        )
+        for r in range(prefill_tp)
+    ]
+    decodes = [
+        kvxfer.DecodeAgent(
+            shaped_memory(dsts[d]),
+            engine_id="d",
+            kv_shape=kvxfer.KvShape(tp_size=decode_tp, tp_rank=d, total_kv_heads=total_heads),
+        )
+        for d in range(decode_tp)
+    ]
+    try:
+        consumers = decode_tp // prefill_tp if decode_tp > prefill_tp else 1
+        remote = [[9, 2, 17, 4, 11], [9, 2, 5]]  # five and three blocks: a partly filled last local block
+        local = [list(range(1, 1 + -(-5 // ratio))), list(range(10, 10 + -(-3 // ratio)))]
+        ranks = [[h.to_params() for h in p.lease_parent("M", remote, expected_consumers=consumers)] for p in prefills]
+        pulls = [d.submit_ranks(ranks, local) for d in decodes]
+        for d, pull in enumerate(pulls):
+            assert [r["outcome"] for r in pull.wait(timeout=30)] == ["done", "done"], f"decode rank {d}"
+            heads = rank_heads(total_heads, decode_tp, d)
+            for i in range(2):
+                for j, lb in enumerate(local[i]):
+                    for q in range(ratio):
+                        if j * ratio + q >= len(remote[i]):
+                            break
+                        want = full[:, remote[i][j * ratio + q]][:, heads]
+                        got = dsts[d][:, lb, :, q * BLOCK : (q + 1) * BLOCK]
+                        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (d, i, j, q)
+        for r, p in enumerate(prefills):
+            ends = p.wait_ends(2, timeout=10)
+            assert [(e["kind"], e["consumers_seen"]) for e in ends] == [("pulled", consumers)] * 2, f"prefill rank {r}"
+            assert p.stats()["leases"]["expired"] == 0
+    finally:
+        for a in decodes + prefills:
+            a.shutdown()
+
+
+def test_mla_tp1_to_tp2_each_decode_rank_reads_the_whole_latent_once():
+    src = random_cache(70, (NUM_BLOCKS, BLOCK, 32))
+    dsts = [np.zeros_like(src), np.zeros_like(src)]
+    prefill = kvxfer.PrefillAgent(
+        kvxfer.kv_cache_memory([src], kv_layout="mla"), kv_shape=kvxfer.KvShape(attention="mla")
+    )
+    decodes = [
+        kvxfer.DecodeAgent(
+            kvxfer.kv_cache_memory([dsts[d]], kv_layout="mla"),
+            kv_shape=kvxfer.KvShape(tp_size=2, tp_rank=d, attention="mla"),
+        )
+        for d in range(2)
+    ]
+    try:
+        params = [prefill.lease("L", 0, 1, [3, 8], expected_consumers=2).to_params()]
+        for d in decodes:
+            assert d.submit_ranks([params], [[0, 1]]).wait(timeout=30)[0]["outcome"] == "done"
+        for d in range(2):
+            assert np.array_equal(dsts[d][[0, 1]].view(np.uint16), src[[3, 8]].view(np.uint16))
+        assert [d.stats()["bytes_pulled"] for d in decodes] == [2 * BLOCK * 32 * 2] * 2
+        end = prefill.wait_ends(1, timeout=10)[0]
+        assert (end["kind"], end["consumers_seen"]) == ("pulled", 2)
+    finally:
+        for a in decodes + [prefill]:
+            a.shutdown()
