@@ -73,8 +73,8 @@ slice of every block from the prefill rank holding it (decode TP larger; each pr
 ends after all its decode ranks), or its blocks assembled from several prefill ranks (prefill
 TP larger). This needs blocks that hold whole heads: HND caches or MLA; in vLLM's default NHD
 layout no shape is stated and differing TP sizes are refused (the request is recomputed).
-Block-size ratios (a decode block of k prefill blocks) work in the engine but not through the
-connector yet (its local block counts assume equal block sizes).
+A decode block size that is a multiple ``k`` of the prefill one (hand-offs state
+``kvxfer_block_size``) is pulled the same way, ``k`` remote blocks into each local block.
 
 vLLM is imported lazily: without it this module still imports (the base classes fall back
 to plain stand-ins), which is what the tests use.
@@ -296,6 +296,9 @@ class KvxferConnector(_Base):
         # kvxfer_decode_tp_size wins.
         self.decode_tp_size = int(extra.get("kvxfer_decode_tp_size", self.tp_size))
         self.kv_layout = str(extra.get("kvxfer_kv_layout", "auto"))
+        # Tokens per block (hand-offs state it; a decode block of k prefill blocks is pulled
+        # with submit_ranks, k remote blocks per local block).
+        self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
         # bad_params: malformed params (logged, never raised); no_own_handoff: forked decode
         # children without a hand-off of their own; handoff_taken: a lease another local
         # request already pulls; duplicate_pulls: the worker's refusals of a second pull of
@@ -385,21 +388,36 @@ class KvxferConnector(_Base):
             raise ValueError("the prefill and decode TP sizes differ: every prefill rank's hand-off is pulled")
         return views[0]
 
+    def _block_ratio(self, params: dict[str, Any]) -> int:
+        """Prefill blocks per local block: 1 unless the hand-off states another block size
+        (``kvxfer_block_size``) that divides this instance's."""
+        theirs = params.get("kvxfer_block_size")
+        if theirs is None or not self.block_size:
+            return 1
+        if _int_or_none(theirs) is None or theirs < 1:
+            raise TypeError(f"kvxfer_block_size is {theirs!r}, not a positive int")
+        if self.block_size < theirs or self.block_size % theirs:
+            raise ValueError(
+                f"block size: decode {self.block_size} is not a multiple of prefill {theirs} tokens per block"
+            )
+        return self.block_size // theirs
+
     def _views(self, params: dict[str, Any], rank: int) -> list[dict[str, Any]]:
         """The hand-offs decode rank ``rank`` pulls for ``params``: prefill rank ``rank``'s
-        when the TP sizes match (rank r pulls from rank r); every prefill rank's, in rank
-        order, when they differ (``DecodeAgent.submit_ranks`` reads this rank's head slices
-        from the ranks that hold them)."""
+        when the TP and block sizes match (rank r pulls from rank r); every prefill rank's,
+        in rank order, when they differ (``DecodeAgent.submit_ranks`` reads this rank's head
+        slices from the ranks that hold them, ``k`` remote blocks into each local one)."""
         prefill_tp = _int_or_none(params.get("tp_size") or 1)
         if prefill_tp is None or prefill_tp < 1:
             raise TypeError(f"tp_size is {params.get('tp_size')!r}, not a positive int")
-        if prefill_tp == self.tp_size:
+        ratio = self._block_ratio(params)
+        if prefill_tp == self.tp_size and ratio == 1:
             return [self._rank_view(params, rank)]
         if self._decode_shape is None:
             raise ValueError(
-                f"prefill TP size {prefill_tp} and decode TP size {self.tp_size} differ: pulling head slices needs "
-                "the KV shape, which is registered only for HND caches (kvxfer_kv_layout \"kv_first_hnd\" or "
-                "\"blocks_first_hnd\", VLLM_KV_CACHE_LAYOUT=HND) and MLA"
+                f"prefill TP size {prefill_tp} and decode TP size {self.tp_size} (block ratio {ratio}): pulling "
+                "head slices needs the KV shape, which is registered only for HND caches (kvxfer_kv_layout "
+                "\"kv_first_hnd\" or \"blocks_first_hnd\", VLLM_KV_CACHE_LAYOUT=HND) and MLA"
             )
         ports = params.get("kvxfer_rank_ports")
         if prefill_tp > 1 and not (isinstance(ports, list) and len(ports) >= prefill_tp):
@@ -664,6 +682,8 @@ class KvxferConnector(_Base):
             "kvxfer_expected_consumers": consumers,
             "kvxfer_lease_ttl_ms": int(self.lease_ttl * 1000),
         }
+        if self.block_size:
+            out["kvxfer_block_size"] = self.block_size
         rank0 = self._ranks.get(0)
         if rank0 is not None:
             out["remote_host"] = rank0.host
@@ -888,8 +908,10 @@ class KvxferConnector(_Base):
                 child_index = _int_or_none(p.get("kvxfer_child_index") or 0)
                 if child_index is None:
                     raise TypeError(f"kvxfer_child_index is {p.get('kvxfer_child_index')!r}, not an int")
-                remote = self._pulled_blocks(p.get("remote_block_ids"), local)
+                ratio = self._block_ratio(p)
+                remote = self._pulled_blocks(p.get("remote_block_ids"), local, ratio)
                 views = [dict(v, remote_block_ids=remote) for v in views]
+                hetero = len(views) > 1 or ratio != 1 or int(p.get("tp_size") or 1) != self.tp_size
             except (ValueError, TypeError) as e:
                 self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
@@ -899,11 +921,12 @@ class KvxferConnector(_Base):
                 p.get("remote_host"),
                 p.get("remote_port"),
                 len(views),
+                hetero,
             )
             groups.setdefault(key, []).append((rid, views, local, child_index))
-        for (_, _, _, num_ranks), members in groups.items():
+        for (_, _, _, num_ranks, hetero), members in groups.items():
             try:
-                if num_ranks == 1 and int(members[0][1][0].get("tp_size") or 1) == self.tp_size:
+                if not hetero:
                     pull = self._decode.submit([m[1][0] for m in members], [m[2] for m in members])
                 else:
                     ranks = [[m[1][r] for m in members] for r in range(num_ranks)]
@@ -917,28 +940,29 @@ class KvxferConnector(_Base):
                 self._pulls[rid] = (pull, child_index)
                 self._by_child[(pull.id, child_index)] = rid
 
-    def _pulled_blocks(self, remote: Any, local: Any) -> Any:
-        """The remote blocks to pull into ``local`` (per KV-cache group when nested): where the
-        head of the prompt is in the local prefix cache (fewer local blocks), the tail."""
+    def _pulled_blocks(self, remote: Any, local: Any, ratio: int = 1) -> Any:
+        """The remote blocks to pull into ``local`` (per KV-cache group when nested; ``ratio``
+        remote blocks per local block): where the head of the prompt is in the local prefix
+        cache (fewer local blocks), the tail."""
         if self.num_groups > 1:
             if not (_nested(remote) and _nested(local) and len(remote) == len(local) == self.num_groups):
                 raise ValueError(f"the hand-off and the local blocks must list {self.num_groups} KV-cache groups")
-            return [self._tail(list(r), list(l)) for r, l in zip(remote, local)]
+            return [self._tail(list(r), list(l), ratio) for r, l in zip(remote, local)]
         remote = list(remote or [])
         if remote and isinstance(remote[0], list):
             if len(remote) > 1 and any(remote[1:]):
                 raise ValueError(f"the hand-off lists {len(remote)} KV-cache groups, this model has one")
             remote = remote[0]
-        return self._tail(remote, list(local))
+        return self._tail(remote, list(local), ratio)
 
     @staticmethod
-    def _tail(remote: list[int], local: list[int]) -> list[int]:
-        """The remote blocks of one group to pull into ``local``: all, or the tail."""
-        if len(local) < len(remote):
-            return remote[len(remote) - len(local) :]
-        if len(local) > len(remote):
-            raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks")
-        return remote
+    def _tail(remote: list[int], local: list[int], ratio: int = 1) -> list[int]:
+        """The remote blocks of one group to pull into ``local`` (``ratio`` remote blocks per
+        local block): all, or the tail past the local blocks found in the prefix cache."""
+        needed = -(-len(remote) // ratio)
+        if len(local) > needed:
+            raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks (block ratio {ratio})")
+        return remote[(needed - len(local)) * ratio :]
 
     def _fail(self, rid: str, local: Any, why: str) -> None:
         self._counters["submit_failures"] += 1

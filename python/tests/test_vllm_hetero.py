@@ -5,10 +5,11 @@ worker per rank in this process; HND caches; ``submit_ranks``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vllm_base_mirror import Request
-from vllm_sim import Instance, full_heads, same_blocks, same_group_blocks
+from vllm_sim import BLOCK_SIZE, Instance, full_heads, same_blocks, same_group_blocks
 
 PROMPT = list(range(10))  # 10 tokens: 3 blocks of 4
 
@@ -122,6 +123,44 @@ def test_different_tp_sizes_without_hnd_caches_are_recomputed_naming_the_layout(
         decode.run_until("D reported", lambda: "D" in decode.recving, others=(prefill,))
         assert decode.load_errors == set(local)
         assert decode.stats()["submit_failures"] == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_decode_block_of_two_prefill_blocks_is_pulled_through_the_connector():
+    prefill = Instance("kv_producer", "bs4-prefill", seed=8, hnd=True)
+    decode = Instance("kv_consumer", "bs8-decode", hnd=True, block_size=2 * BLOCK_SIZE)
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+        assert params["kvxfer_block_size"] == BLOCK_SIZE
+        prefill.step()
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        assert len(local) == 2, "10 tokens: two local blocks of 8 for three remote blocks of 4"
+        decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        for name, src in prefill.caches.items():
+            dst = decode.caches[name]
+            for j, remote in enumerate([[5, 6], [7]]):
+                for q, b in enumerate(remote):
+                    got = dst[:, local[j], :, q * BLOCK_SIZE : (q + 1) * BLOCK_SIZE]
+                    assert np.array_equal(got.view(np.uint16), src[:, b].view(np.uint16)), (name, j, q)
+        prefill.run_until("R handed back", lambda: "R" in prefill.sending)
+        assert leases(prefill) == {"pulled": 1, "released": 0, "expired": 0, "live": 0}
+
+        # A prefix hit of one local block (8 tokens): the last remote block only.
+        _, params = prefill.finish_prefill(prefill_request("P"), [1, 2, 3])
+        prefill.step()
+        req = Request("DP", list(PROMPT), kv_transfer_params=params)
+        decode.sched.on_new_request(req)
+        count, _ = decode.sched.get_num_new_matched_tokens(req, 2 * BLOCK_SIZE)
+        tail = decode.allocate(req, count)
+        decode.run_until("DP received", lambda: "DP" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        for name, src in prefill.caches.items():
+            got = decode.caches[name][:, tail[0], :, :BLOCK_SIZE]
+            assert np.array_equal(got.view(np.uint16), src[:, 3].view(np.uint16)), name
+        prefill.run_until("P handed back", lambda: "P" in prefill.sending)
     finally:
         prefill.shutdown()
         decode.shutdown()

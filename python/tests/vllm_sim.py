@@ -41,7 +41,9 @@ HEAD_DIM = 8
 LAYERS = 2
 
 
-def vllm_config(kv_role: str, engine_id: str, extra: Optional[dict[str, Any]] = None, tp_size: int = 1) -> Any:
+def vllm_config(
+    kv_role: str, engine_id: str, extra: Optional[dict[str, Any]] = None, tp_size: int = 1, block_size: int = BLOCK_SIZE
+) -> Any:
     """The parts of ``VllmConfig`` the connector reads (``HEADS`` KV heads in the model)."""
     kv = SimpleNamespace(
         kv_role=kv_role,
@@ -53,7 +55,7 @@ def vllm_config(kv_role: str, engine_id: str, extra: Optional[dict[str, Any]] = 
     return SimpleNamespace(
         kv_transfer_config=kv,
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, data_parallel_rank=0),
-        cache_config=SimpleNamespace(block_size=BLOCK_SIZE),
+        cache_config=SimpleNamespace(block_size=block_size),
         model_config=SimpleNamespace(
             use_mla=False, get_total_num_kv_heads=lambda: HEADS, get_head_size=lambda: HEAD_DIM
         ),
@@ -69,10 +71,16 @@ def layer_names(groups: int) -> list[list[str]]:
 
 
 def caches(
-    num_blocks: int, seed: Optional[int], *, groups: int = 1, heads: int = HEADS, hnd: bool = False
+    num_blocks: int,
+    seed: Optional[int],
+    *,
+    groups: int = 1,
+    heads: int = HEADS,
+    hnd: bool = False,
+    block_size: int = BLOCK_SIZE,
 ) -> dict[str, np.ndarray]:
     """Per-layer KV caches: random contents from ``seed``, or zeros."""
-    shape = (2, num_blocks, heads, BLOCK_SIZE, HEAD_DIM) if hnd else (2, num_blocks, BLOCK_SIZE, heads, HEAD_DIM)
+    shape = (2, num_blocks, heads, block_size, HEAD_DIM) if hnd else (2, num_blocks, block_size, heads, HEAD_DIM)
     out = {}
     for layer, name in enumerate(n for g in layer_names(groups) for n in g):
         if seed is None:
@@ -123,27 +131,36 @@ class Instance:
         groups: int = 1,
         tp_size: int = 1,
         hnd: bool = False,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         extra = dict(extra or {})
         if hnd:
             extra.setdefault("kvxfer_kv_layout", "kv_first_hnd")
         self.groups = groups
+        self.block_size = block_size
         kv_cache_config = None
         if groups > 1:
             kv_cache_config = SimpleNamespace(
                 kv_cache_groups=[SimpleNamespace(layer_names=names) for names in layer_names(groups)]
             )
         self.sched = KvxferConnector(
-            vllm_config(kv_role, engine_id, extra, tp_size), KVConnectorRole.SCHEDULER, kv_cache_config
+            vllm_config(kv_role, engine_id, extra, tp_size, block_size), KVConnectorRole.SCHEDULER, kv_cache_config
         )
         self.rank_caches = [
-            caches(num_blocks, None if seed is None else seed + 100 * r, groups=groups, heads=HEADS // tp_size, hnd=hnd)
+            caches(
+                num_blocks,
+                None if seed is None else seed + 100 * r,
+                groups=groups,
+                heads=HEADS // tp_size,
+                hnd=hnd,
+                block_size=block_size,
+            )
             for r in range(tp_size)
         ]
         self.caches = self.rank_caches[0]
         self.workers = []
         for r in range(tp_size):
-            config = vllm_config(kv_role, engine_id, dict(extra, kvxfer_tp_rank=r), tp_size)
+            config = vllm_config(kv_role, engine_id, dict(extra, kvxfer_tp_rank=r), tp_size, block_size)
             w = KvxferConnector(config, KVConnectorRole.WORKER, kv_cache_config)
             w.register_kv_caches(self.rank_caches[r])
             self.workers.append(w)
@@ -228,7 +245,7 @@ class Instance:
     def allocate(self, request: Request, count: int, load_async: bool = True) -> Any:
         """Allocates blocks for ``count`` external tokens (in every KV-cache group) and tells
         the connector. Returns the ids: a list, or one list per group (hybrid)."""
-        n = -(-count // BLOCK_SIZE) if count else 0
+        n = -(-count // self.block_size) if count else 0
         ids = list(range(self.next_block, self.next_block + n))
         self.next_block += n
         # Group g's blocks: the same positions, their own ids (offset per group).
