@@ -154,6 +154,12 @@ def test_tp1_to_tp2_each_decode_rank_pulls_its_head_slice_and_the_lease_ends_aft
         half = 2 * len(remote) * 3 * (HEADS // 2) * BLOCK * HEAD_DIM * 2
         assert [d.stats()["bytes_pulled"] for d in decodes] == [half, half]
         assert prefill.stats()["leases"]["expired"] == 0
+        # Queued-lease heartbeats and releases reach a prefill engine of another TP size
+        # (the keeper's and the agent's handshakes carry the shape).
+        queued = [prefill.lease("W", 0, 1, [9], expected_consumers=2).to_params()]
+        assert decodes[1].heartbeat(queued, wait=True, timeout=10) == ["extended"]
+        assert decodes[0].release(queued, wait=True, timeout=10) == [True]
+        assert prefill.wait_ends(1, timeout=10)[0]["kind"] == "released"
     finally:
         for a in decodes + [prefill]:
             a.shutdown()

@@ -164,3 +164,26 @@ def test_a_decode_block_of_two_prefill_blocks_is_pulled_through_the_connector():
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_mla_prefill_tp1_to_decode_tp2_every_rank_gets_the_whole_latent():
+    """MLA's latent is replicated on every rank: each decode rank reads it whole, once, and
+    the lease ends after both decode ranks."""
+    prefill = Instance("kv_producer", "mla-prefill", seed=9, mla=True, extra={"kvxfer_decode_tp_size": 2})
+    decode = Instance("kv_consumer", "mla-decode", tp_size=2, mla=True)
+    try:
+        assert all(w._kv_shape is not None for w in decode.workers)
+        _, params = prefill.finish_prefill(prefill_request("R"), [4, 2, 9])
+        assert params["kvxfer_expected_consumers"] == 2
+        prefill.step()
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        decode.run_until("D received on both ranks", lambda: "D" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        for rank_caches in decode.rank_caches:
+            for name, src in prefill.caches.items():
+                assert np.array_equal(rank_caches[name][local].view(np.uint16), src[[4, 2, 9]].view(np.uint16)), name
+        prefill.run_until("R handed back", lambda: "R" in prefill.sending)
+        assert leases(prefill) == {"pulled": 1, "released": 0, "expired": 0, "live": 0}
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -42,7 +42,12 @@ LAYERS = 2
 
 
 def vllm_config(
-    kv_role: str, engine_id: str, extra: Optional[dict[str, Any]] = None, tp_size: int = 1, block_size: int = BLOCK_SIZE
+    kv_role: str,
+    engine_id: str,
+    extra: Optional[dict[str, Any]] = None,
+    tp_size: int = 1,
+    block_size: int = BLOCK_SIZE,
+    mla: bool = False,
 ) -> Any:
     """The parts of ``VllmConfig`` the connector reads (``HEADS`` KV heads in the model)."""
     kv = SimpleNamespace(
@@ -57,7 +62,7 @@ def vllm_config(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, data_parallel_rank=0),
         cache_config=SimpleNamespace(block_size=block_size),
         model_config=SimpleNamespace(
-            use_mla=False, get_total_num_kv_heads=lambda: HEADS, get_head_size=lambda: HEAD_DIM
+            use_mla=mla, get_total_num_kv_heads=lambda: HEADS, get_head_size=lambda: HEAD_DIM
         ),
     )
 
@@ -78,9 +83,13 @@ def caches(
     heads: int = HEADS,
     hnd: bool = False,
     block_size: int = BLOCK_SIZE,
+    mla: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Per-layer KV caches: random contents from ``seed``, or zeros."""
+    """Per-layer KV caches: random contents from ``seed``, or zeros. MLA: one latent of
+    ``4 * HEAD_DIM`` per token, ``(num_blocks, block_size, 4 * HEAD_DIM)``."""
     shape = (2, num_blocks, heads, block_size, HEAD_DIM) if hnd else (2, num_blocks, block_size, heads, HEAD_DIM)
+    if mla:
+        shape = (num_blocks, block_size, 4 * HEAD_DIM)
     out = {}
     for layer, name in enumerate(n for g in layer_names(groups) for n in g):
         if seed is None:
@@ -132,6 +141,7 @@ class Instance:
         tp_size: int = 1,
         hnd: bool = False,
         block_size: int = BLOCK_SIZE,
+        mla: bool = False,
     ) -> None:
         extra = dict(extra or {})
         if hnd:
@@ -144,7 +154,7 @@ class Instance:
                 kv_cache_groups=[SimpleNamespace(layer_names=names) for names in layer_names(groups)]
             )
         self.sched = KvxferConnector(
-            vllm_config(kv_role, engine_id, extra, tp_size, block_size), KVConnectorRole.SCHEDULER, kv_cache_config
+            vllm_config(kv_role, engine_id, extra, tp_size, block_size, mla), KVConnectorRole.SCHEDULER, kv_cache_config
         )
         self.rank_caches = [
             caches(
@@ -154,13 +164,14 @@ class Instance:
                 heads=HEADS // tp_size,
                 hnd=hnd,
                 block_size=block_size,
+                mla=mla,
             )
             for r in range(tp_size)
         ]
         self.caches = self.rank_caches[0]
         self.workers = []
         for r in range(tp_size):
-            config = vllm_config(kv_role, engine_id, dict(extra, kvxfer_tp_rank=r), tp_size, block_size)
+            config = vllm_config(kv_role, engine_id, dict(extra, kvxfer_tp_rank=r), tp_size, block_size, mla)
             w = KvxferConnector(config, KVConnectorRole.WORKER, kv_cache_config)
             w.register_kv_caches(self.rank_caches[r])
             self.workers.append(w)
