@@ -18,6 +18,7 @@ from ._kvxfer import (
     ConfigError,
     DecodeAgent,
     Handoff,
+    KvShape,
     KvxferError,
     LayoutError,
     LeaseError,
@@ -34,13 +35,14 @@ from ._kvxfer import (
     enable_logging,
     protocol_version,
 )
-from .kvcache import kv_cache_memory, kv_cache_segments
+from .kvcache import kv_cache_heads, kv_cache_memory, kv_cache_segments
 
 __all__ = [
     "AgentClosedError",
     "ConfigError",
     "DecodeAgent",
     "Handoff",
+    "KvShape",
     "KvxferError",
     "LayoutError",
     "LeaseError",
@@ -55,6 +57,7 @@ __all__ = [
     "TransportError",
     "__version__",
     "enable_logging",
+    "kv_cache_heads",
     "kv_cache_memory",
     "kv_cache_segments",
     "protocol_version",

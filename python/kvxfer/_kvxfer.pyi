@@ -7,6 +7,9 @@ __version__: str
 Params = Union[dict[str, Any], str]
 """A child's ``kv_transfer_params`` dict (or its JSON text)."""
 
+Blocks = Union[Sequence[int], Sequence[Sequence[int]]]
+"""Block ids: one list, or one list per KV-cache group (vLLM's nested form)."""
+
 class KvxferError(Exception):
     """Base class of every kvxfer error."""
 
@@ -18,7 +21,11 @@ class RegistrationError(KvxferError):
     a null or freed pointer)."""
 
 class LayoutError(KvxferError):
-    """A block layout is malformed."""
+    """A block layout is malformed, or a ``KvShape`` does not describe the memory."""
+
+    field: Optional[str]
+    """For a shape refusal: the ``KvShape`` field that differs ('head_dim', 'dtype',
+    'block_tokens', 'total_kv_heads', 'tp_rank', ...); otherwise absent."""
 
 class LeaseError(KvxferError):
     """A lease could not be made or armed."""
@@ -39,7 +46,8 @@ class SubmitError(KvxferError):
 
     kind: str
     """'incomplete_result', 'local_block_lists', 'bad_child', 'nothing_selected', 'plan',
-    'mixed_engines', 'mixed_parents', 'shutting_down', 'local_blocks_busy' or 'other'."""
+    'unfit', 'group_count', 'mixed_engines', 'mixed_parents', 'shutting_down',
+    'local_blocks_busy' or 'other'."""
 
 class PullError(KvxferError):
     """A child's pull failed; carried (not raised) in failed reports as ``report['error']``."""
@@ -108,6 +116,45 @@ class Memory:
     def compat_hash(self) -> int: ...
     @property
     def taken(self) -> bool: ...
+    @staticmethod
+    def grouped(groups: Sequence[Memory]) -> Memory:
+        """A KV cache of several KV-cache groups (hybrid models), ``groups[g]`` being group
+        g's memory (each its own segments, block count and ids); takes them over."""
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def group_num_blocks(self) -> list[int]: ...
+
+class KvShape:
+    """One tensor-parallel rank's KV-cache shape, for pairing engines of different TP or
+    block sizes. Blocks hold whole heads in order (HND). ``dtype`` and ``block_tokens``
+    default to the memory's, ``head_dim`` is derived from each segment's block size,
+    ``dtype_bytes`` from the dtype name. Refusals are ``LayoutError`` with ``field``."""
+
+    def __init__(
+        self,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        total_kv_heads: Optional[int] = None,
+        attention: str = "mha",
+        head_dim: Optional[int] = None,
+        dtype: Optional[str] = None,
+        dtype_bytes: Optional[int] = None,
+        block_tokens: Optional[int] = None,
+    ) -> None:
+        """``attention``: 'mha' / 'gqa' / 'mqa' (needs ``total_kv_heads``, the model's KV
+        heads over all ranks) or 'mla' (one latent, replicated on every rank)."""
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def total_kv_heads(self) -> Optional[int]: ...
+    @property
+    def attention(self) -> str: ...
+    @property
+    def head_dim(self) -> Optional[int]: ...
 
 class Handoff:
     """One child's hand-off (what a decode worker needs to pull it and notify)."""
@@ -127,7 +174,15 @@ class Handoff:
     @property
     def token(self) -> str: ...
     @property
-    def remote_block_ids(self) -> list[int]: ...
+    def remote_block_ids(self) -> list[int]:
+        """Group 0's blocks."""
+    @property
+    def group_block_ids(self) -> list[list[int]]:
+        """Every KV-cache group's blocks, group 0 first."""
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
     @property
     def engine_id(self) -> str: ...
     @property
@@ -154,6 +209,7 @@ class PrefillAgent:
         engine_id: Optional[str] = None,
         rank: int = 0,
         tp_size: int = 1,
+        kv_shape: Optional[KvShape] = None,
         advertise_host: Optional[str] = None,
         cluster_key: Optional[str] = None,
         lease_ttl: float = 30.0,
@@ -179,14 +235,16 @@ class PrefillAgent:
         parent: str,
         child_index: int,
         n: int,
-        blocks: Sequence[int],
+        blocks: Blocks,
         *,
         expected_consumers: int = 1,
         ttl: Optional[float] = None,
-    ) -> Handoff: ...
+    ) -> Handoff:
+        """``blocks``: a list, or one list per KV-cache group of the memory."""
     def lease_parent(
-        self, parent: str, blocks: Sequence[Sequence[int]], *, expected_consumers: int = 1, ttl: Optional[float] = None
-    ) -> list[Handoff]: ...
+        self, parent: str, blocks: Sequence[Blocks], *, expected_consumers: int = 1, ttl: Optional[float] = None
+    ) -> list[Handoff]:
+        """``blocks[i]``: child i's blocks (a list, or one list per KV-cache group)."""
     def arm(self, params: Params) -> Handoff:
         """Arms the lease a scheduler process minted into ``params`` (two-phase lease)."""
     def cancel(self, handoff: Union[Handoff, Params]) -> str:
@@ -230,6 +288,7 @@ class DecodeAgent:
         agent_name: str = "decode",
         engine_id: Optional[str] = None,
         rank: int = 0,
+        kv_shape: Optional[KvShape] = None,
         consumer_id: Optional[str] = None,
         cluster_key: Optional[str] = None,
         io_timeout: float = 10.0,
@@ -244,8 +303,13 @@ class DecodeAgent:
     def consumer_id(self) -> str: ...
     @property
     def closed(self) -> bool: ...
-    def submit(self, children: Sequence[Params], local_blocks: Sequence[Sequence[int]]) -> Pull:
-        """Pulls children of one parent (all, or any subset); returns at once."""
+    def submit(self, children: Sequence[Params], local_blocks: Sequence[Blocks]) -> Pull:
+        """Pulls children of one parent (all, or any subset); returns at once.
+        ``local_blocks[i]``: a list, or one list per KV-cache group."""
+    def submit_ranks(self, ranks: Sequence[Sequence[Params]], local_blocks: Sequence[Blocks]) -> Pull:
+        """Pulls children of one parent from a prefill engine of another TP size (or block
+        size): ``ranks[r]`` the children's params from prefill rank r (every rank, in rank
+        order); ``local_blocks[i]`` for the i-th child of ``ranks[0]``. Needs ``kv_shape``."""
     def poll_reports(self) -> list[dict[str, Any]]: ...
     def wait_reports(self, timeout: float = 10.0) -> list[dict[str, Any]]: ...
     def cancel(self, remote_request_id: str) -> bool: ...

@@ -9,15 +9,22 @@ Layouts understood (``kv_layout``):
   K and V interleave per block: K at offset 0, V at ``block_bytes``, both at stride
   ``2 * block_bytes``.
 - ``"mla"``: ``(num_blocks, block_size, head_size)`` — one latent segment.
+- ``"kv_first_hnd"`` / ``"blocks_first_hnd"``: as ``kv_first`` / ``blocks_first`` with the
+  heads before the tokens inside a block (``(2, num_blocks, heads, block_size, head_dim)``,
+  ``(num_blocks, 2, heads, block_size, head_dim)``): vLLM's HND cache layout
+  (``VLLM_KV_CACHE_LAYOUT=HND``). A block then holds whole heads contiguously, which is
+  what a decode engine of another tensor-parallel size needs to read its head slice.
 
 ``"auto"`` picks from the shape (a 3-dimensional tensor is MLA; a 5-dimensional one is
-``kv_first`` unless only its second dimension is 2). Layers that share a tensor are
-registered once.
+``kv_first`` unless only its second dimension is 2; the HND layouts are never guessed).
+Layers that share a tensor are registered once. A hybrid model's KV-cache groups (e.g.
+full attention and sliding window layers) are registered with ``groups``: one list of layer
+names per group (vLLM's ``kv_cache_config.kv_cache_groups[g].layer_names``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from ._kvxfer import Memory, RegistrationError, Segment
 
@@ -91,6 +98,10 @@ def kv_cache_segments(
                 f"every layer must have the same shape and dtype: {shape} {dtype} vs {_shape(t)} {_dtype(t)}"
             )
     layout = _layout_of(shape, kv_layout)
+    if layout in ("kv_first_hnd", "blocks_first_hnd"):
+        # The same segments: only the order inside a block differs (heads before tokens).
+        layout = layout[: -len("_hnd")]
+        shape = shape[:2] + (shape[3], shape[2], shape[4])
     item = _itemsize(distinct[0])
     segments: list[Segment] = []
     if layout == "kv_first":
@@ -116,11 +127,60 @@ def kv_cache_segments(
         for t in distinct:
             segments.append(Segment(t, block_bytes=block_size * head_size * item))
     else:
-        raise RegistrationError(f"unknown kv_layout {kv_layout!r} (kv_first, blocks_first, mla or auto)")
+        raise RegistrationError(
+            f"unknown kv_layout {kv_layout!r} (kv_first, blocks_first, kv_first_hnd, blocks_first_hnd, mla or auto)"
+        )
     return segments, num_blocks, block_size, dtype
 
 
-def kv_cache_memory(kv_caches: KvCaches, *, kv_layout: str = "auto") -> Memory:
-    """A :class:`Memory` over a per-layer KV cache (see :func:`kv_cache_segments`)."""
+def _group_caches(kv_caches: KvCaches, groups: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
+    """``kv_caches`` split into one mapping per KV-cache group (``groups[g]``: layer names)."""
+    if not isinstance(kv_caches, Mapping):
+        raise RegistrationError("groups name layers: kv_caches must map layer names to tensors")
+    if isinstance(groups, (str, bytes)) or not all(
+        isinstance(g, Sequence) and not isinstance(g, (str, bytes)) for g in groups
+    ):
+        raise RegistrationError("groups must be a list of lists of layer names (one list per KV-cache group)")
+    out: list[dict[str, Any]] = []
+    for g, names in enumerate(groups):
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise RegistrationError(f"group {g} names layers that kv_caches does not have: {missing[:4]}")
+        if not names:
+            raise RegistrationError(f"group {g} has no layers")
+        out.append({n: kv_caches[n] for n in names})
+    if not out:
+        raise RegistrationError("groups is empty")
+    return out
+
+
+def kv_cache_memory(
+    kv_caches: KvCaches, *, kv_layout: str = "auto", groups: Optional[Sequence[Sequence[str]]] = None
+) -> Memory:
+    """A :class:`Memory` over a per-layer KV cache (see :func:`kv_cache_segments`); with
+    ``groups`` (one list of layer names per KV-cache group), one group of the memory per
+    entry (:meth:`Memory.grouped`). One group is the same as no ``groups``."""
+    if groups is not None and len(groups) != 1:
+        memories = [kv_cache_memory(c, kv_layout=kv_layout) for c in _group_caches(kv_caches, groups)]
+        return Memory.grouped(memories)
+    if groups is not None:
+        kv_caches = _group_caches(kv_caches, groups)[0]
     segments, num_blocks, block_size, dtype = kv_cache_segments(kv_caches, kv_layout=kv_layout)
     return Memory(segments, num_blocks=num_blocks, dtype=dtype, block_tokens=block_size)
+
+
+def kv_cache_heads(kv_caches: KvCaches, *, kv_layout: str = "auto") -> tuple[int, int]:
+    """``(kv_heads, head_dim)`` of one rank's per-layer KV cache (``(1, head_size)`` for
+    MLA): what a :class:`KvShape` states beside the tensor-parallel size and rank."""
+    tensors = list(kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches)
+    if not tensors:
+        raise RegistrationError("no KV-cache tensors given")
+    shape = _shape(tensors[0])
+    layout = _layout_of(shape, kv_layout)
+    if layout == "mla":
+        return 1, shape[-1]
+    if len(shape) != 5:
+        raise RegistrationError(f"{layout} expects a 5-dimensional tensor, got {shape}")
+    if layout.endswith("_hnd"):
+        return shape[2], shape[4]
+    return shape[3], shape[4]

@@ -39,8 +39,13 @@ How it maps onto vLLM:
   requests still waiting in the decode queue are heartbeated every ``lease_ttl / 6``.
 - **Bad input.** Malformed params from the router are logged and counted (``bad_params``),
   never raised out of the scheduler or the worker; pull params sent to a ``kv_producer``
-  instance are computed locally (``misrouted``). A hybrid model (several KV-cache groups) is
-  refused when the connector starts.
+  instance are computed locally (``misrouted``).
+- **Hybrid models.** With several KV-cache groups (``kv_cache_config.kv_cache_groups``, e.g.
+  full attention and sliding window) each group's layers are registered as one memory group;
+  ``request_finished``'s per-group block ids become nested ``remote_block_ids`` (one list per
+  group), and the decode side pulls every group into its per-group local blocks (a prefix
+  hit trims each group's list to its tail). Without a ``kv_cache_config`` (older vLLM) a
+  request with blocks in more than one group is computed locally (``bad_params``).
 - **Aborts.** A decode request aborted while its pull runs is cancelled (its lease ends
   released) and its blocks are freed when the pull reports. One aborted before its pull
   started, or whose blocks all hit the local prefix cache, is released without pulling
@@ -53,7 +58,23 @@ rank d listens on ``port + d * tp_size + r``; default 5600), ``kvxfer_listen_hos
 ``kvxfer_host``), ``kvxfer_lease_ttl`` (s, 30), ``kvxfer_arm_wait`` (s, 5),
 ``kvxfer_heartbeat_interval`` (s, ``lease_ttl / 6``), ``kvxfer_io_timeout`` (s, 10),
 ``kvxfer_worker_threads`` (2), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``).
-Tensor parallelism: prefill and decode must have the same TP size (rank r pulls from rank r).
+``kvxfer_kv_layout`` (the cache layout, see ``kvxfer.kvcache``: ``"kv_first_hnd"`` /
+``"blocks_first_hnd"`` for ``VLLM_KV_CACHE_LAYOUT=HND``; default ``"auto"``),
+``kvxfer_decode_tp_size`` (the decode engine's TP size, for the prefill leases' expected
+consumers; default the own TP size; a request's ``kvxfer_decode_tp_size`` param wins),
+``kvxfer_total_kv_heads`` (default ``model_config.get_total_num_kv_heads()``).
+
+Tensor parallelism: with equal TP sizes rank r pulls from rank r. With different ones, every
+worker states its KV shape (``kvxfer.KvShape``: TP size and rank from the parallel config, KV
+heads from the model config, head dim, dtype and block size from the registered cache), the
+hand-off lists every prefill rank's address (``kvxfer_rank_ports`` / ``_hosts`` /
+``_incarnations``), and each decode rank pulls with ``DecodeAgent.submit_ranks``: its head
+slice of every block from the prefill rank holding it (decode TP larger; each prefill lease
+ends after all its decode ranks), or its blocks assembled from several prefill ranks (prefill
+TP larger). This needs blocks that hold whole heads: HND caches or MLA; in vLLM's default NHD
+layout no shape is stated and differing TP sizes are refused (the request is recomputed).
+A decode block size that is a multiple ``k`` of the prefill one (hand-offs state
+``kvxfer_block_size``) is pulled the same way, ``k`` remote blocks into each local block.
 
 vLLM is imported lazily: without it this module still imports (the base classes fall back
 to plain stand-ins), which is what the tests use.
@@ -143,23 +164,48 @@ def _num_prompt_tokens(request: Any) -> int:
     return int(n)
 
 
-def _flat_blocks(block_ids: Any) -> list[int]:
-    """``block_ids`` of ``request_finished``: a list, or one list per KV-cache group."""
-    if isinstance(block_ids, (tuple, list)) and block_ids and isinstance(block_ids[0], (list, tuple)):
+def _nested(block_ids: Any) -> bool:
+    return isinstance(block_ids, (tuple, list)) and bool(block_ids) and isinstance(block_ids[0], (list, tuple))
+
+
+def _group_blocks(block_ids: Any, num_groups: int) -> Any:
+    """``block_ids`` of ``request_finished`` (a list, or one list per KV-cache group) as the
+    hand-off lists them: a flat list for one group, one list per group for several (vLLM's
+    nested ``remote_block_ids``)."""
+    if num_groups > 1:
+        if not _nested(block_ids) or len(block_ids) != num_groups:
+            given = len(block_ids) if _nested(block_ids) else 1
+            raise ValueError(f"{given} block lists for a model of {num_groups} KV-cache groups")
+        return [[int(b) for b in g] for g in block_ids]
+    if _nested(block_ids):
         if len(block_ids) > 1 and any(len(g) for g in block_ids[1:]):
-            raise ValueError("kvxfer pulls a single KV-cache group (hybrid models are not supported yet)")
+            raise ValueError(
+                "block ids of several KV-cache groups, but the connector was not given the model's "
+                "kv_cache_config (its kv_cache_groups register one memory group each)"
+            )
         return [int(b) for b in block_ids[0]]
     return [int(b) for b in (block_ids or ())]
 
 
-def _local_blocks(blocks: Any) -> list[int]:
-    """The newly allocated (not prefix-cached) local blocks of ``KVCacheBlocks``."""
+def _all_ids(blocks: Any) -> list[int]:
+    """Every block id of a flat or per-group list."""
+    if _nested(blocks):
+        return [int(b) for g in blocks for b in g]
+    return [int(b) for b in (blocks or ())]
+
+
+def _local_blocks(blocks: Any, num_groups: int = 1) -> Any:
+    """The newly allocated (not prefix-cached) local blocks of ``KVCacheBlocks``: a list,
+    or one list per KV-cache group for several."""
     if hasattr(blocks, "get_unhashed_block_ids_all_groups"):
-        groups = blocks.get_unhashed_block_ids_all_groups()
-        return [int(b) for b in groups[0]] if groups else []
-    if hasattr(blocks, "get_unhashed_block_ids"):
-        return [int(b) for b in blocks.get_unhashed_block_ids()]
-    return [int(b) for b in blocks.get_block_ids()[0]]
+        groups = [[int(b) for b in g] for g in blocks.get_unhashed_block_ids_all_groups()]
+    elif hasattr(blocks, "get_unhashed_block_ids") and num_groups == 1:
+        groups = [[int(b) for b in blocks.get_unhashed_block_ids()]]
+    else:
+        groups = [[int(b) for b in g] for g in blocks.get_block_ids()]
+    if num_groups > 1:
+        return groups
+    return groups[0] if groups else []
 
 
 class KvxferConnectorMetadata(_Metadata):
@@ -232,12 +278,27 @@ class KvxferConnector(_Base):
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
         self._extra = extra
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) > 1:
-            raise ValueError(
-                f"kvxfer pulls a single KV-cache group; this model has {len(groups)} (hybrid models are not "
-                "supported yet)"
-            )
+        self._model_config = getattr(vllm_config, "model_config", None)
+        # A hybrid model's KV-cache groups (each its own layers and block ids): one memory
+        # group each; hand-offs list one block list per group.
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+        self.num_groups = max(1, len(groups))
+        self._group_layers: Optional[list[list[str]]] = None
+        if len(groups) > 1:
+            names = [list(getattr(g, "layer_names", None) or ()) for g in groups]
+            if not all(names):
+                raise ValueError(
+                    "kvxfer needs the layer names of every KV-cache group (kv_cache_groups[g].layer_names)"
+                )
+            self._group_layers = names
+        # The decode engine's TP size, for the leases' expected consumers (a wider decode
+        # engine reads each prefill rank's lease from several ranks); the request's
+        # kvxfer_decode_tp_size wins.
+        self.decode_tp_size = int(extra.get("kvxfer_decode_tp_size", self.tp_size))
+        self.kv_layout = str(extra.get("kvxfer_kv_layout", "auto"))
+        # Tokens per block (hand-offs state it; a decode block of k prefill blocks is pulled
+        # with submit_ranks, k remote blocks per local block).
+        self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
         # bad_params: malformed params (logged, never raised); no_own_handoff: forked decode
         # children without a hand-off of their own; handoff_taken: a lease another local
         # request already pulls; duplicate_pulls: the worker's refusals of a second pull of
@@ -273,6 +334,7 @@ class KvxferConnector(_Base):
         # Worker side.
         self._prefill: Optional[kvxfer.PrefillAgent] = None
         self._decode: Optional[kvxfer.DecodeAgent] = None
+        self._decode_shape: Optional[kvxfer.KvShape] = None
         self._last_step = -1
         self._armed: set[str] = set()
         # Leases that ended before vLLM said their request finished (id -> ended at): kept
@@ -320,14 +382,47 @@ class KvxferConnector(_Base):
             return 0
 
     def _for_rank(self, params: dict[str, Any], rank: int) -> dict[str, Any]:
-        """A hand-off's params with the address of prefill rank ``rank``."""
-        prefill_tp = int(params.get("tp_size") or 1)
-        if prefill_tp != self.tp_size:
+        """A hand-off's params with the address of prefill rank ``rank`` (same TP sizes)."""
+        views = self._views(params, rank)
+        if len(views) != 1:
+            raise ValueError("the prefill and decode TP sizes differ: every prefill rank's hand-off is pulled")
+        return views[0]
+
+    def _block_ratio(self, params: dict[str, Any]) -> int:
+        """Prefill blocks per local block: 1 unless the hand-off states another block size
+        (``kvxfer_block_size``) that divides this instance's."""
+        theirs = params.get("kvxfer_block_size")
+        if theirs is None or not self.block_size:
+            return 1
+        if _int_or_none(theirs) is None or theirs < 1:
+            raise TypeError(f"kvxfer_block_size is {theirs!r}, not a positive int")
+        if self.block_size < theirs or self.block_size % theirs:
             raise ValueError(
-                f"prefill TP size {prefill_tp} and decode TP size {self.tp_size} differ: kvxfer pulls rank r "
-                "from rank r (heterogeneous tensor parallelism is not wired into the engine yet)"
+                f"block size: decode {self.block_size} is not a multiple of prefill {theirs} tokens per block"
             )
-        return self._rank_view(params, rank)
+        return self.block_size // theirs
+
+    def _views(self, params: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+        """The hand-offs decode rank ``rank`` pulls for ``params``: prefill rank ``rank``'s
+        when the TP and block sizes match (rank r pulls from rank r); every prefill rank's,
+        in rank order, when they differ (``DecodeAgent.submit_ranks`` reads this rank's head
+        slices from the ranks that hold them, ``k`` remote blocks into each local one)."""
+        prefill_tp = _int_or_none(params.get("tp_size") or 1)
+        if prefill_tp is None or prefill_tp < 1:
+            raise TypeError(f"tp_size is {params.get('tp_size')!r}, not a positive int")
+        ratio = self._block_ratio(params)
+        if prefill_tp == self.tp_size and ratio == 1:
+            return [self._rank_view(params, rank)]
+        if self._decode_shape is None:
+            raise ValueError(
+                f"prefill TP size {prefill_tp} and decode TP size {self.tp_size} (block ratio {ratio}): pulling "
+                "head slices needs the KV shape, which is registered only for HND caches (kvxfer_kv_layout "
+                "\"kv_first_hnd\" or \"blocks_first_hnd\", VLLM_KV_CACHE_LAYOUT=HND) and MLA"
+            )
+        ports = params.get("kvxfer_rank_ports")
+        if prefill_tp > 1 and not (isinstance(ports, list) and len(ports) >= prefill_tp):
+            raise ValueError(f"the params do not list the ports of all {prefill_tp} prefill ranks (kvxfer_rank_ports)")
+        return [self._rank_view(params, r) for r in range(prefill_tp)]
 
     @staticmethod
     def _rank_view(params: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -487,7 +582,7 @@ class KvxferConnector(_Base):
         self._handled.add(rid)
         self._queued.pop(rid, None)
         if num_external_tokens > 0:
-            self._to_recv[rid] = (params, _local_blocks(blocks))
+            self._to_recv[rid] = (params, _local_blocks(blocks, self.num_groups))
             self._recv_inflight.add(rid)
         else:
             # Everything is in the local prefix cache: nothing to pull, release the lease.
@@ -537,12 +632,12 @@ class KvxferConnector(_Base):
         if _status_name(request) not in _SENDING_STATES:
             return False, None  # aborted: nothing is leased, the blocks are freed now
         try:
-            blocks = _flat_blocks(block_ids)
+            blocks = _group_blocks(block_ids, self.num_groups)
         except (TypeError, ValueError) as e:
             self._counters["bad_params"] += 1
             logger.error("kvxfer: cannot lease the blocks of %s (%s); freed now, the decode side computes", rid, e)
             return False, None
-        if not blocks:
+        if not _all_ids(blocks):
             return False, None
         return True, self._mint(rid, params, blocks)
 
@@ -564,9 +659,13 @@ class KvxferConnector(_Base):
             return None
         return params
 
-    def _mint(self, rid: str, params: dict[str, Any], blocks: list[int]) -> dict[str, Any]:
+    def _mint(self, rid: str, params: dict[str, Any], blocks: Any) -> dict[str, Any]:
         """The child's hand-off (minted id and token), queued for the workers to arm."""
         parent, index, n = self._child_of(rid, params)
+        decode_tp = _int_or_none(params.get("kvxfer_decode_tp_size")) or self.decode_tp_size
+        # As kvxfer_core::expected_consumers: a wider decode engine reads every prefill
+        # rank's lease from decode_tp / prefill_tp ranks; otherwise one rank per lease.
+        consumers = decode_tp // self.tp_size if decode_tp > self.tp_size and decode_tp % self.tp_size == 0 else 1
         out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -580,9 +679,11 @@ class KvxferConnector(_Base):
             "kvxfer_parent_request_id": parent,
             "kvxfer_child_index": index,
             "kvxfer_n": n,
-            "kvxfer_expected_consumers": 1,
+            "kvxfer_expected_consumers": consumers,
             "kvxfer_lease_ttl_ms": int(self.lease_ttl * 1000),
         }
+        if self.block_size:
+            out["kvxfer_block_size"] = self.block_size
         rank0 = self._ranks.get(0)
         if rank0 is not None:
             out["remote_host"] = rank0.host
@@ -623,16 +724,22 @@ class KvxferConnector(_Base):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Registers the KV cache (host memory) and starts the agents of this rank."""
         rank = self._tp_rank()
+        shape = self._kv_shape(kv_caches, rank)
         common = dict(
             engine_id=self.engine_id,
             rank=rank,
+            kv_shape=shape,
             cluster_key=self.cluster_key,
             io_timeout=self.io_timeout,
             worker_threads=self.worker_threads,
         )
+
+        def memory() -> kvxfer.Memory:
+            return kvxfer.kv_cache_memory(kv_caches, kv_layout=self.kv_layout, groups=self._group_layers)
+
         if self.is_producer:
             self._prefill = kvxfer.PrefillAgent(
-                kvxfer.kv_cache_memory(kv_caches),
+                memory(),
                 f"{self.listen_host}:{self._port_of(rank)}",
                 agent_name=f"vllm-prefill-{rank}",
                 tp_size=self.tp_size,
@@ -642,12 +749,36 @@ class KvxferConnector(_Base):
                 **common,
             )
         if self.is_consumer:
+            self._decode_shape = shape
             self._decode = kvxfer.DecodeAgent(
-                kvxfer.kv_cache_memory(kv_caches),
+                memory(),
                 agent_name=f"vllm-decode-{rank}",
                 queue_reports=True,
                 **common,
             )
+
+    def _kv_shape(self, kv_caches: dict[str, Any], rank: int) -> Optional[kvxfer.KvShape]:
+        """This rank's KV shape (TP size and rank, KV heads; head dim, dtype and block size
+        come from the registered memory), from vLLM's parallel and model config. Only for
+        caches whose blocks hold whole heads (HND layouts, MLA): in vLLM's default NHD
+        layout a head slice of a block is not contiguous, so no shape is stated and the TP
+        sizes must match (rank r pulls from rank r)."""
+        model = self._model_config
+        mla = bool(getattr(model, "use_mla", False)) or self.kv_layout == "mla"
+        if not (mla or self.kv_layout.endswith("_hnd")):
+            return None
+        caches = kv_caches
+        if self._group_layers is not None:
+            caches = {n: kv_caches[n] for n in self._group_layers[0] if n in kv_caches}
+        heads, _ = kvxfer.kv_cache_heads(caches, kv_layout=self.kv_layout)
+        if mla:
+            return kvxfer.KvShape(tp_size=self.tp_size, tp_rank=rank, attention="mla")
+        total = self._extra.get("kvxfer_total_kv_heads")
+        if total is None and hasattr(model, "get_total_num_kv_heads"):
+            total = model.get_total_num_kv_heads()
+        if total is None:
+            total = heads * self.tp_size  # as many heads as ranks or more: an even split
+        return kvxfer.KvShape(tp_size=self.tp_size, tp_rank=rank, total_kv_heads=int(total))
 
     def get_handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
         """This rank's prefill agent (address, incarnation), for the scheduler side."""
@@ -715,9 +846,9 @@ class KvxferConnector(_Base):
                 if pull is not None:
                     pull[0].cancel_child(pull[1])
             if meta.to_release:
-                self._release([self._for_rank_or_none(p, rank) for p in meta.to_release])
+                self._release([v for p in meta.to_release for v in self._views_or_none(p, rank)])
             if meta.heartbeats:
-                beats = [p for p in (self._for_rank_or_none(p, rank) for p in meta.heartbeats) if p is not None]
+                beats = [v for p in meta.heartbeats for v in self._views_or_none(p, rank)]
                 if beats:
                     self._each_or_alone(self._decode.heartbeat, beats, "heartbeating")
 
@@ -736,34 +867,36 @@ class KvxferConnector(_Base):
                 self._counters["bad_params"] += 1
                 logger.error("kvxfer: %s the lease of %s failed: %s", what, p.get("remote_request_id"), e)
 
-    def _for_rank_or_none(self, params: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
+    def _views_or_none(self, params: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+        """``_views``, or none (logged and counted) for params that cannot be used."""
         try:
-            return self._for_rank(params, rank)
+            return self._views(params, rank)
         except (ValueError, TypeError) as e:
             self._counters["bad_params"] += 1
             logger.error("kvxfer: the params of %s cannot be used: %s", params.get("remote_request_id"), e)
-            return None
+            return []
 
-    def _release(self, params: list[Optional[dict[str, Any]]]) -> None:
+    def _release(self, params: list[dict[str, Any]]) -> None:
         """Leases given up without pulling (aborted requests, full local prefix hits):
         released now (``DecodeAgent.release``, not waited for) so the prefill side frees the
         blocks at once instead of at the lease's expiry."""
-        given = [p for p in params if p is not None]
-        if given and self._decode is not None:
-            self._each_or_alone(self._decode.release, given, "releasing")
+        if params and self._decode is not None:
+            self._each_or_alone(self._decode.release, params, "releasing")
 
-    def _submit(self, to_recv: dict[str, tuple[dict[str, Any], list[int]]], rank: int) -> None:
-        """Submits the step's pulls, children of one parent on one prefill agent together."""
+    def _submit(self, to_recv: dict[str, tuple[dict[str, Any], Any]], rank: int) -> None:
+        """Submits the step's pulls, children of one parent on one prefill agent together
+        (one ``submit_ranks`` over every prefill rank when the TP sizes differ)."""
         assert self._decode is not None
-        groups: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], list[int]]]] = {}
+        groups: dict[tuple[Any, ...], list[tuple[str, list[dict[str, Any]], Any, int]]] = {}
         for rid, (params, local) in to_recv.items():
-            if not local:
+            if not _all_ids(local):
                 # Every block was found in the local prefix cache: nothing to pull.
-                self._release([self._for_rank_or_none(params, rank)])
+                self._release(self._views_or_none(params, rank))
                 self._done_recving.add(rid)
                 continue
             try:
-                p = self._for_rank(params, rank)
+                views = self._views(params, rank)
+                p = views[0]
                 remote_id = str(p.get("remote_request_id"))
                 holder = self._pulling.get(remote_id)
                 if holder is not None:
@@ -775,36 +908,66 @@ class KvxferConnector(_Base):
                 child_index = _int_or_none(p.get("kvxfer_child_index") or 0)
                 if child_index is None:
                     raise TypeError(f"kvxfer_child_index is {p.get('kvxfer_child_index')!r}, not an int")
-                remote = list(p.get("remote_block_ids") or [])
-                if remote and isinstance(remote[0], list):
-                    remote = remote[0]
-                if len(local) < len(remote):
-                    # The head of the prompt is in the local prefix cache: pull the tail.
-                    p = dict(p, remote_block_ids=remote[len(remote) - len(local) :])
-                elif len(local) > len(remote):
-                    raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks")
+                ratio = self._block_ratio(p)
+                remote = self._pulled_blocks(p.get("remote_block_ids"), local, ratio)
+                views = [dict(v, remote_block_ids=remote) for v in views]
+                hetero = len(views) > 1 or ratio != 1 or int(p.get("tp_size") or 1) != self.tp_size
             except (ValueError, TypeError) as e:
                 self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
             self._pulling[remote_id] = rid
-            key = (p.get("kvxfer_parent_request_id") or p.get("remote_request_id"), p.get("remote_host"), p.get("remote_port"))
-            groups.setdefault(key, []).append((rid, p, local, child_index))
-        for members in groups.values():
+            key = (
+                p.get("kvxfer_parent_request_id") or p.get("remote_request_id"),
+                p.get("remote_host"),
+                p.get("remote_port"),
+                len(views),
+                hetero,
+            )
+            groups.setdefault(key, []).append((rid, views, local, child_index))
+        for (_, _, _, num_ranks, hetero), members in groups.items():
             try:
-                pull = self._decode.submit([m[1] for m in members], [m[2] for m in members])
+                if not hetero:
+                    pull = self._decode.submit([m[1][0] for m in members], [m[2] for m in members])
+                else:
+                    ranks = [[m[1][r] for m in members] for r in range(num_ranks)]
+                    pull = self._decode.submit_ranks(ranks, [m[2] for m in members])
             except kvxfer.KvxferError as e:
-                for rid, p, local, _ in members:
-                    self._pulling.pop(str(p.get("remote_request_id")), None)
+                for rid, views, local, _ in members:
+                    self._pulling.pop(str(views[0].get("remote_request_id")), None)
                     self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
             for rid, _, _, child_index in members:
                 self._pulls[rid] = (pull, child_index)
                 self._by_child[(pull.id, child_index)] = rid
 
-    def _fail(self, rid: str, local: list[int], why: str) -> None:
+    def _pulled_blocks(self, remote: Any, local: Any, ratio: int = 1) -> Any:
+        """The remote blocks to pull into ``local`` (per KV-cache group when nested; ``ratio``
+        remote blocks per local block): where the head of the prompt is in the local prefix
+        cache (fewer local blocks), the tail."""
+        if self.num_groups > 1:
+            if not (_nested(remote) and _nested(local) and len(remote) == len(local) == self.num_groups):
+                raise ValueError(f"the hand-off and the local blocks must list {self.num_groups} KV-cache groups")
+            return [self._tail(list(r), list(l), ratio) for r, l in zip(remote, local)]
+        remote = list(remote or [])
+        if remote and isinstance(remote[0], list):
+            if len(remote) > 1 and any(remote[1:]):
+                raise ValueError(f"the hand-off lists {len(remote)} KV-cache groups, this model has one")
+            remote = remote[0]
+        return self._tail(remote, list(local), ratio)
+
+    @staticmethod
+    def _tail(remote: list[int], local: list[int], ratio: int = 1) -> list[int]:
+        """The remote blocks of one group to pull into ``local`` (``ratio`` remote blocks per
+        local block): all, or the tail past the local blocks found in the prefix cache."""
+        needed = -(-len(remote) // ratio)
+        if len(local) > needed:
+            raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks (block ratio {ratio})")
+        return remote[(needed - len(local)) * ratio :]
+
+    def _fail(self, rid: str, local: Any, why: str) -> None:
         self._counters["submit_failures"] += 1
         logger.error("kvxfer: %s", why)
-        self._load_errors.update(local)
+        self._load_errors.update(_all_ids(local))
         self._done_recving.add(rid)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
@@ -842,7 +1005,7 @@ class KvxferConnector(_Base):
                     del self._pulling[r["remote_request_id"]]
                 if r["outcome"] in ("failed", "failed_blocks_held"):
                     logger.warning("kvxfer: pulling %s failed (%s): %s", rid, r["error"].advice, r["error"])
-                    self._load_errors.update(r["local_blocks"])
+                    self._load_errors.update(_all_ids(r["local_blocks"]))
                 self._done_recving.add(rid)
         recving, self._done_recving = self._done_recving, set()
         return (sending or None), (recving or None)

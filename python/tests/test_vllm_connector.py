@@ -448,10 +448,10 @@ def test_malformed_params_never_raise_out_of_the_scheduler(prefill, decode):
     assert not decode.load_errors
 
 
-def test_a_hybrid_model_is_refused_at_start_and_its_blocks_never_raise_later(prefill):
+def test_kv_cache_groups_without_layer_names_are_refused_and_without_a_config_never_raise(prefill):
     config = vllm_config("kv_producer", "prefill-engine")
     groups = SimpleNamespace(kv_cache_groups=[object(), object()])
-    with pytest.raises(ValueError, match="hybrid"):
+    with pytest.raises(ValueError, match="layer names"):
         KvxferConnector(config, KVConnectorRole.SCHEDULER, groups)
     req = prefill_request("R")
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -21,8 +21,9 @@ use crate::errors::{pull_error, raise, s, to_py, AgentClosedError, ConfigError, 
 use crate::host::{runtime, Hosted};
 use crate::keeper::Keeper;
 use crate::memory::Memory;
-use crate::params::{handoff_from_py, seconds};
-use crate::prefill::base_config;
+use crate::params::{handoff_from_py, seconds, BlockLists};
+use crate::prefill::{apply_shape, base_config};
+use crate::shape::KvShape;
 
 /// One child's report, kept until Python takes it.
 #[derive(Clone)]
@@ -32,7 +33,7 @@ struct ReportData {
     parent: String,
     /// The prefill side's child index.
     child_index: u32,
-    local_blocks: Vec<BlockId>,
+    local_blocks: LocalBlocks,
     outcome: ChildOutcome,
     /// From submit to this report.
     after: Duration,
@@ -45,7 +46,11 @@ impl ReportData {
         d.set_item("remote_request_id", &self.remote_request_id)?;
         d.set_item("parent_request_id", &self.parent)?;
         d.set_item("child_index", self.child_index)?;
-        d.set_item("local_blocks", self.local_blocks.clone())?;
+        match &self.local_blocks {
+            LocalBlocks::Empty => d.set_item("local_blocks", Vec::<BlockId>::new())?,
+            LocalBlocks::Flat(v) => d.set_item("local_blocks", v.clone())?,
+            LocalBlocks::Grouped(g) => d.set_item("local_blocks", g.clone())?,
+        }
         d.set_item("seconds", self.after.as_secs_f64())?;
         let (outcome, error) = match &self.outcome {
             ChildOutcome::Done { bytes_delivered, acknowledged } => {
@@ -69,12 +74,48 @@ impl ReportData {
     }
 }
 
+/// A child's local blocks as they were given: one list, or one per KV-cache group (its
+/// reports give them back the same way).
+#[derive(Clone, Default)]
+enum LocalBlocks {
+    #[default]
+    Empty,
+    Flat(Vec<BlockId>),
+    Grouped(Vec<Vec<BlockId>>),
+}
+
+impl LocalBlocks {
+    fn from(lists: BlockLists) -> Self {
+        match lists {
+            BlockLists::Flat(v) => LocalBlocks::Flat(v),
+            BlockLists::Grouped(g) => LocalBlocks::Grouped(g),
+        }
+    }
+
+    fn groups(&self) -> Vec<Vec<BlockId>> {
+        match self {
+            LocalBlocks::Empty => Vec::new(),
+            LocalBlocks::Flat(v) => vec![v.clone()],
+            LocalBlocks::Grouped(g) => g.clone(),
+        }
+    }
+}
+
+/// One child of a pull: the prefill side's child index, its remote request ids (one per
+/// prefill rank it was handed off by) and its local blocks.
+#[derive(Clone, Default)]
+struct PullChild {
+    child_index: u32,
+    remote_request_ids: Vec<String>,
+    local: LocalBlocks,
+}
+
 /// What a pull's forwarder task and its Python `Pull` share.
 struct PullState {
     id: u64,
     parent: String,
-    /// Per renumbered child j: the prefill child index, remote request id and local blocks.
-    children: Vec<(u32, String, Vec<BlockId>)>,
+    /// Per renumbered child j: the prefill side's child index, ids and local blocks.
+    children: Vec<PullChild>,
     canceller: PullCanceller,
     submitted: Instant,
     progress: Mutex<Progress>,
@@ -97,10 +138,12 @@ impl PullState {
 
     /// The report of renumbered child `r.child_index`, in the prefill side's terms.
     fn report(&self, r: ChildReport) -> ReportData {
-        let (child_index, _, local) = self.children.get(r.child_index as usize).cloned().unwrap_or_default();
+        let PullChild { child_index, remote_request_ids, local } =
+            self.children.get(r.child_index as usize).cloned().unwrap_or_default();
         ReportData {
             pull: self.id,
-            remote_request_id: r.remote_request_id,
+            // Prefill rank 0's id for a child handed off by several ranks.
+            remote_request_id: remote_request_ids.into_iter().next().unwrap_or(r.remote_request_id),
             parent: self.parent.clone(),
             child_index,
             local_blocks: local,
@@ -167,15 +210,15 @@ impl DecodeAgent {
 }
 
 /// Children of one parent with their local blocks.
-type Children = Vec<(ChildHandoff, Vec<BlockId>)>;
+type Children<L> = Vec<(ChildHandoff, L)>;
 
 /// The hand-offs of `children`, checked to be distinct children of one parent, sorted by
 /// child index, with their local block lists.
-fn parse_children(
+fn parse_children<L>(
     py: Python<'_>,
     children: &[Bound<'_, PyAny>],
-    local_blocks: Vec<Vec<BlockId>>,
-) -> PyResult<(String, Children)> {
+    local_blocks: Vec<L>,
+) -> PyResult<(String, Children<L>)> {
     let submit_err = |kind: &str, msg: String| raise::<SubmitError>(py, msg, &[("kind", s(py, kind))]);
     if children.is_empty() {
         return Err(submit_err("nothing_selected", "submit: no children given".into()));
@@ -217,7 +260,8 @@ impl DecodeAgent {
     /// them: they stay queued until taken). Durations are in seconds.
     #[new]
     #[pyo3(signature = (
-        memory, *, agent_name = "decode", engine_id = None, rank = 0, consumer_id = None, cluster_key = None,
+        memory, *, agent_name = "decode", engine_id = None, rank = 0, kv_shape = None, consumer_id = None,
+        cluster_key = None,
         io_timeout = 10.0, worker_threads = 2, connections_per_peer = 2, heartbeat_interval = None,
         transport = "tcp", shutdown_grace = 5.0, queue_reports = false
     ))]
@@ -228,6 +272,7 @@ impl DecodeAgent {
         agent_name: &str,
         engine_id: Option<&str>,
         rank: u32,
+        kv_shape: Option<Bound<'_, KvShape>>,
         consumer_id: Option<&str>,
         cluster_key: Option<&str>,
         io_timeout: f64,
@@ -249,6 +294,9 @@ impl DecodeAgent {
             transport,
             shutdown_grace,
         )?;
+        if let Some(shape) = kv_shape {
+            config = apply_shape(py, config, shape.get(), memory, (rank, 1))?;
+        }
         if let Some(id) = consumer_id {
             config = config.consumer_id(id);
         }
@@ -260,8 +308,10 @@ impl DecodeAgent {
             protocol_version: config.protocol_version,
             engine_id: config.engine_id.clone(),
             agent_name: format!("{agent_name}-keeper"),
-            compat_hash: memory.layout().compat_hash(),
+            compat_hash: kvxfer_core::groups_compat_hash(memory.group_layouts()),
             layout: Some(memory.layout().to_wire()),
+            other_group_layouts: memory.group_layouts().skip(1).map(|l| l.to_wire()).collect(),
+            kv_shape: config.kv_shape.as_ref().map(kvxfer_core::KvShapeSpec::to_wire),
             transports: vec![v1::TransportOffer {
                 transport: v1::Transport::Tcp as i32,
                 connection_info: vec![],
@@ -291,46 +341,81 @@ impl DecodeAgent {
 
     /// Pulls `children` — `kv_transfer_params` dicts of children of one parent: all of them,
     /// or any subset (a child that arrived alone is pulled alone) — into `local_blocks[i]`
-    /// for `children[i]` (one local block per remote block). Returns at once; the pull runs
-    /// on the agent's threads. Blocks siblings share cross the wire once.
+    /// for `children[i]` (one local block per remote block; for a cache of several KV-cache
+    /// groups one list per group). Returns at once; the pull runs on the agent's threads.
+    /// Blocks siblings share cross the wire once.
     fn submit(
         &self,
         py: Python<'_>,
         children: Vec<Bound<'_, PyAny>>,
-        local_blocks: Vec<Vec<BlockId>>,
+        local_blocks: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Pull> {
+        let local_blocks = BlockLists::extract_each(&local_blocks)?;
         let (parent, pairs) = parse_children(py, &children, local_blocks)?;
         // The pull covers exactly these children: renumbered 0..k (k = how many), their
         // reports mapped back to the prefill side's indices.
-        let k = pairs.len() as u32;
-        let mut handoffs = Vec::with_capacity(pairs.len());
-        let mut info = Vec::with_capacity(pairs.len());
-        let mut local = Vec::with_capacity(pairs.len());
-        for (j, (h, l)) in (0u32..).zip(pairs) {
-            let mut wire = h.to_wire();
-            info.push((h.child_index(), h.remote_request_id().to_owned(), l.clone()));
-            wire.child_index = j;
-            wire.n = k;
-            handoffs.push(ChildHandoff::from_wire(wire).map_err(|e| to_py(py, e.into()))?);
-            local.push(l);
-        }
-        let result = PrefillResult::new(parent.clone(), k, handoffs).map_err(|e| to_py(py, e.into()))?;
+        let (results, info) =
+            renumbered(py, &parent, pairs.into_iter().map(|(h, l)| (vec![h], l)).collect())?;
+        let Some(result) = results.into_iter().next() else {
+            return Err(raise::<SubmitError>(
+                py,
+                "submit: no children given".into(),
+                &[("kind", s(py, "nothing_selected"))],
+            ));
+        };
+        let local = info.iter().map(|c| c.local.groups()).collect();
         let (agent, rt) = self.agent(py)?;
         let submitted = Instant::now();
         // Planning a parent's reads takes milliseconds at thousands of blocks: without the GIL.
-        let handle = py.detach(|| agent.submit(result, local)).map_err(|e| to_py(py, e))?;
-        let state = Arc::new(PullState {
-            id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
-            parent,
-            children: info,
-            canceller: handle.canceller(),
-            submitted,
-            progress: Mutex::new(Progress::default()),
-            changed: Condvar::new(),
-        });
-        self.shared.pulls.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(&state));
-        self.shared.forwarders.spawn_on(forward(handle, state.clone(), self.shared.clone()), &rt);
-        Ok(Pull { state })
+        let handle = py.detach(|| agent.submit_groups(result, local)).map_err(|e| to_py(py, e))?;
+        Ok(self.track(parent, info, handle, submitted, &rt))
+    }
+
+    /// Pulls children of one parent from a prefill engine of another tensor-parallel size
+    /// (or block size): `ranks[r]` are the children's `kv_transfer_params` dicts as prefill
+    /// rank `r` handed them off (every rank, in rank order; the same children from each),
+    /// `local_blocks[i]` the local blocks of the i-th child of `ranks[0]` (one list per
+    /// KV-cache group for several groups; `ceil(remote / block_ratio)` blocks per group).
+    /// Needs the agent's `kv_shape`; each prefill rank's shape comes from its handshake, and
+    /// this rank reads its head slice of every block (or assembles its blocks from several
+    /// ranks). Returns at once; reports name each child by prefill rank 0's
+    /// `remote_request_id`.
+    fn submit_ranks(
+        &self,
+        py: Python<'_>,
+        ranks: Vec<Vec<Bound<'_, PyAny>>>,
+        local_blocks: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<Pull> {
+        let local_blocks = BlockLists::extract_each(&local_blocks)?;
+        let submit_err = |kind: &str, msg: String| raise::<SubmitError>(py, msg, &[("kind", s(py, kind))]);
+        if ranks.is_empty() {
+            return Err(submit_err("nothing_selected", "submit_ranks: no prefill ranks given".into()));
+        }
+        let (parent, first) = parse_children(py, &ranks[0], local_blocks)?;
+        let mut per_child: Vec<(Vec<ChildHandoff>, BlockLists)> =
+            first.into_iter().map(|(h, l)| (vec![h], l)).collect();
+        for (r, children) in ranks.iter().enumerate().skip(1) {
+            let units = vec![(); children.len()];
+            let (p, pairs) = parse_children(py, children, units)?;
+            let same = p == parent
+                && pairs.len() == per_child.len()
+                && pairs.iter().zip(&per_child).all(|((h, _), (f, _))| h.child_index() == f[0].child_index());
+            if !same {
+                return Err(submit_err(
+                    "mixed_parents",
+                    format!("submit_ranks: ranks[{r}] does not hand off the same children of {parent} as ranks[0]"),
+                ));
+            }
+            for ((h, _), (hs, _)) in pairs.into_iter().zip(per_child.iter_mut()) {
+                hs.push(h);
+            }
+        }
+        let (results, info) = renumbered(py, &parent, per_child)?;
+        let local = info.iter().map(|c| c.local.groups()).collect();
+        let (agent, rt) = self.agent(py)?;
+        let submitted = Instant::now();
+        let handle = py.detach(|| agent.submit_ranks(results, local)).map_err(|e| to_py(py, e))?;
+        Ok(self.track(parent, info, handle, submitted, &rt))
     }
 
     /// Reports queued since the last call, without waiting (needs `queue_reports=True`):
@@ -369,7 +454,11 @@ impl DecodeAgent {
     /// written after its report. Returns whether a pull had it.
     fn cancel(&self, remote_request_id: &str) -> bool {
         for pull in self.live_pulls() {
-            if let Some(j) = pull.children.iter().position(|(_, id, _)| id == remote_request_id) {
+            if let Some(j) = pull
+                .children
+                .iter()
+                .position(|c| c.remote_request_ids.iter().any(|id| id == remote_request_id))
+            {
                 pull.canceller.cancel_child(j as u32);
                 return true;
             }
@@ -558,7 +647,62 @@ impl DecodeAgent {
     }
 }
 
+/// The children `(hand-off per prefill rank, local blocks)` of `parent`, sorted by child
+/// index, renumbered 0..k (k = how many): one `PrefillResult` per prefill rank covering
+/// exactly these children, and what the reports map back to the prefill side's terms.
+fn renumbered(
+    py: Python<'_>,
+    parent: &str,
+    children: Vec<(Vec<ChildHandoff>, BlockLists)>,
+) -> PyResult<(Vec<PrefillResult>, Vec<PullChild>)> {
+    let k = children.len() as u32;
+    let ranks = children.first().map_or(0, |(hs, _)| hs.len());
+    let mut per_rank: Vec<Vec<ChildHandoff>> = vec![Vec::with_capacity(children.len()); ranks];
+    let mut info = Vec::with_capacity(children.len());
+    for (j, (hs, l)) in (0u32..).zip(children) {
+        info.push(PullChild {
+            child_index: hs.first().map_or(0, ChildHandoff::child_index),
+            remote_request_ids: hs.iter().map(|h| h.remote_request_id().to_owned()).collect(),
+            local: LocalBlocks::from(l),
+        });
+        for (h, rank) in hs.into_iter().zip(per_rank.iter_mut()) {
+            let mut wire = h.to_wire();
+            wire.child_index = j;
+            wire.n = k;
+            rank.push(ChildHandoff::from_wire(wire).map_err(|e| to_py(py, e.into()))?);
+        }
+    }
+    let results = per_rank
+        .into_iter()
+        .map(|hs| PrefillResult::new(parent.to_owned(), k, hs).map_err(|e| to_py(py, e.into())))
+        .collect::<PyResult<_>>()?;
+    Ok((results, info))
+}
+
 impl DecodeAgent {
+    /// Tracks a submitted pull: its state, and the task forwarding its reports.
+    fn track(
+        &self,
+        parent: String,
+        children: Vec<PullChild>,
+        handle: kvxfer::PullHandle,
+        submitted: Instant,
+        rt: &tokio::runtime::Handle,
+    ) -> Pull {
+        let state = Arc::new(PullState {
+            id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
+            parent,
+            children,
+            canceller: handle.canceller(),
+            submitted,
+            progress: Mutex::new(Progress::default()),
+            changed: Condvar::new(),
+        });
+        self.shared.pulls.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(&state));
+        self.shared.forwarders.spawn_on(forward(handle, state.clone(), self.shared.clone()), rt);
+        Pull { state }
+    }
+
     fn queue(&self, py: Python<'_>) -> PyResult<&Queue> {
         self.shared.queue.as_ref().ok_or_else(|| {
             raise::<ConfigError>(
@@ -618,7 +762,7 @@ impl Pull {
     /// The `remote_request_id`s of the children this pull covers, by child index.
     #[getter]
     fn children(&self) -> Vec<String> {
-        self.state.children.iter().map(|(_, id, _)| id.clone()).collect()
+        self.state.children.iter().filter_map(|c| c.remote_request_ids.first().cloned()).collect()
     }
 
     /// Whether every child reported.
@@ -649,7 +793,7 @@ impl Pull {
     /// (or once reads siblings need from it finish); its local blocks are not written after
     /// its report. Ignored once it reported.
     fn cancel_child(&self, py: Python<'_>, child_index: u32) -> PyResult<()> {
-        let Some(j) = self.state.children.iter().position(|(i, _, _)| *i == child_index) else {
+        let Some(j) = self.state.children.iter().position(|c| c.child_index == child_index) else {
             return Err(raise::<SubmitError>(
                 py,
                 format!("pull of {} has no child {child_index}", self.state.parent),

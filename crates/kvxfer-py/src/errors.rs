@@ -121,6 +121,8 @@ fn submit_kind(e: &kvxfer::SubmitError) -> &'static str {
         S::BadChild { .. } => "bad_child",
         S::NothingSelected { .. } => "nothing_selected",
         S::Plan { .. } => "plan",
+        S::Unfit { .. } => "unfit",
+        S::GroupCount { .. } => "group_count",
         S::MixedEngines { .. } => "mixed_engines",
         S::ShuttingDown { .. } => "shutting_down",
         S::LocalBlocksBusy { .. } => "local_blocks_busy",
@@ -160,6 +162,7 @@ pub(crate) fn to_py(py: Python<'_>, e: kvxfer::Error) -> PyErr {
         kvxfer::Error::Core(_) => raise::<KvxferError>(py, msg, &[]),
         kvxfer::Error::Mem(_) => raise::<RegistrationError>(py, msg, &[]),
         kvxfer::Error::Submit(se) => raise::<SubmitError>(py, msg, &[("kind", s(py, submit_kind(se)))]),
+        kvxfer::Error::ShapeMismatch(_) => raise::<LayoutError>(py, msg, &[("field", s(py, "shape"))]),
         kvxfer::Error::Key(_) | kvxfer::Error::Unsupported(_) | kvxfer::Error::InsideRuntime { .. } => {
             raise::<ConfigError>(py, msg, &[])
         }

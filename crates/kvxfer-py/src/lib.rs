@@ -7,6 +7,8 @@
 //! - [`decode`]: `DecodeAgent` and `Pull` — non-blocking pulls of children given as
 //!   `kv_transfer_params` dicts, per-child reports, cancels, queued-lease heartbeats.
 //! - [`params`]: `Handoff` and the dict ↔ `KvTransferParams` conversion.
+//! - [`shape`]: `KvShape` — a rank's TP size and rank, heads and head dim, for pairing
+//!   engines of different tensor-parallel or block sizes.
 //! - [`errors`]: the exception classes mirroring the Rust error enums.
 //!
 //! Each agent runs kvxfer's async agent on a tokio runtime of its own ([`host`]); every call
@@ -26,6 +28,7 @@ mod keeper;
 mod memory;
 mod params;
 mod prefill;
+mod shape;
 
 /// Logs kvxfer's tracing events to stderr, filtered by `filter` (`RUST_LOG` syntax, e.g.
 /// "info" or "kvxfer=debug"); `RUST_LOG` wins when set. Returns False if logging was
@@ -50,6 +53,7 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<memory::Segment>()?;
     m.add_class::<memory::Memory>()?;
     m.add_class::<params::Handoff>()?;
+    m.add_class::<shape::KvShape>()?;
     m.add_class::<prefill::PrefillAgent>()?;
     m.add_class::<decode::DecodeAgent>()?;
     m.add_class::<decode::Pull>()?;

@@ -277,7 +277,8 @@ impl Segment {
 #[pyclass(module = "kvxfer._kvxfer", frozen)]
 pub(crate) struct Memory {
     inner: Mutex<Option<KvMemory>>,
-    layout: BlockLayout,
+    /// Every KV-cache group's layout, group 0 first.
+    layouts: Vec<BlockLayout>,
     deduplicated: usize,
 }
 
@@ -288,10 +289,16 @@ impl Memory {
         taken.ok_or_else(|| {
             raise::<AgentClosedError>(
                 py,
-                "this Memory is already registered with an agent (make one Memory per agent)".into(),
+                "this Memory is already registered with an agent or grouped (make one Memory per agent)"
+                    .into(),
                 &[],
             )
         })
+    }
+
+    /// Every KV-cache group's block layout, group 0 first.
+    pub(crate) fn layouts(&self) -> &[BlockLayout] {
+        &self.layouts
     }
 }
 
@@ -354,25 +361,80 @@ impl Memory {
             regions.push(unsafe { Region::borrowed(start, need, Some(keep)) });
         }
         let memory = KvMemory::new(layout.clone(), regions).map_err(|e| reg_err(py, e.to_string()))?;
-        Ok(Memory { inner: Mutex::new(Some(memory)), layout, deduplicated })
+        Ok(Memory { inner: Mutex::new(Some(memory)), layouts: vec![layout], deduplicated })
     }
 
-    /// Blocks in the layout.
+    /// A KV cache of several KV-cache groups (a hybrid model: e.g. full attention and
+    /// sliding window), `groups[g]` being group `g`'s memory (each its own segments, block
+    /// count and block ids). Takes the given memories over (each can be grouped once, and
+    /// not also handed to an agent). Hand-offs of such a cache carry one block list per
+    /// group (vLLM's nested `remote_block_ids`).
+    #[staticmethod]
+    fn grouped(py: Python<'_>, groups: Vec<Py<Memory>>) -> PyResult<Self> {
+        if groups.is_empty() {
+            return Err(raise::<LayoutError>(py, "Memory.grouped: no groups given".into(), &[]));
+        }
+        for (i, g) in groups.iter().enumerate() {
+            if g.get().layouts.len() != 1 {
+                return Err(raise::<LayoutError>(
+                    py,
+                    format!(
+                        "Memory.grouped: groups[{i}] has {} groups itself (give single groups)",
+                        g.get().layouts.len()
+                    ),
+                    &[],
+                ));
+            }
+            if groups[..i].iter().any(|o| o.is(g)) {
+                return Err(raise::<LayoutError>(
+                    py,
+                    format!("Memory.grouped: groups[{i}] is given twice"),
+                    &[],
+                ));
+            }
+            if g.get().taken() {
+                return Err(g.get().take(py).err().unwrap_or_else(|| reg_err(py, "taken".into())));
+            }
+        }
+        // Checked above that every one is untaken: take them all (none is lost on error).
+        let mut taken = Vec::with_capacity(groups.len());
+        for g in &groups {
+            taken.push(g.get().take(py)?);
+        }
+        let first = taken.remove(0);
+        let layouts = groups.iter().flat_map(|g| g.get().layouts.clone()).collect();
+        let deduplicated = groups.iter().map(|g| g.get().deduplicated).sum();
+        Ok(Memory { inner: Mutex::new(Some(first.with_groups(taken))), layouts, deduplicated })
+    }
+
+    /// Number of KV-cache groups.
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.layouts.len()
+    }
+
+    /// Blocks of every group, group 0 first.
+    #[getter]
+    fn group_num_blocks(&self) -> Vec<u32> {
+        self.layouts.iter().map(BlockLayout::num_blocks).collect()
+    }
+
+    /// Blocks in the layout (of group 0).
     #[getter]
     fn num_blocks(&self) -> u32 {
-        self.layout.num_blocks()
+        self.layouts[0].num_blocks()
     }
 
-    /// Bytes of one whole block (every segment).
+    /// Bytes of one whole block (every segment; of group 0).
     #[getter]
     fn block_bytes(&self) -> u64 {
-        self.layout.block_bytes()
+        self.layouts[0].block_bytes()
     }
 
-    /// Segments registered (after deduplication).
+    /// Segments registered (after deduplication; every group).
     #[getter]
     fn num_segments(&self) -> usize {
-        self.layout.segments().len()
+        self.layouts.iter().map(|l| l.segments().len()).sum()
     }
 
     /// Segments dropped because an identical one (same memory) was already registered.
@@ -384,7 +446,7 @@ impl Memory {
     /// The layout's compatibility hash (what peers compare in their handshake).
     #[getter]
     fn compat_hash(&self) -> u64 {
-        self.layout.compat_hash()
+        kvxfer_core::groups_compat_hash(&self.layouts)
     }
 
     /// Whether an agent has taken this memory over.
@@ -394,13 +456,18 @@ impl Memory {
     }
 
     fn __repr__(&self) -> String {
+        let l = &self.layouts[0];
+        let groups = match self.layouts.len() {
+            1 => String::new(),
+            g => format!(", groups={g}"),
+        };
         format!(
-            "Memory(num_blocks={}, block_bytes={}, segments={}, dtype={:?}, block_tokens={})",
-            self.layout.num_blocks(),
-            self.layout.block_bytes(),
-            self.layout.segments().len(),
-            self.layout.dtype(),
-            self.layout.block_tokens()
+            "Memory(num_blocks={}, block_bytes={}, segments={}, dtype={:?}, block_tokens={}{groups})",
+            l.num_blocks(),
+            l.block_bytes(),
+            l.segments().len(),
+            l.dtype(),
+            l.block_tokens()
         )
     }
 }

@@ -11,6 +11,46 @@ use pyo3::types::{PyDict, PyString};
 
 use crate::errors::{params_error, raise, ParamsError};
 
+/// Block ids as Python gives them: one list (a single KV-cache group), or one list per
+/// group (vLLM's nested form for hybrid models).
+pub(crate) enum BlockLists {
+    /// One list: a single group.
+    Flat(Vec<u32>),
+    /// One list per KV-cache group.
+    Grouped(Vec<Vec<u32>>),
+}
+
+impl BlockLists {
+    /// Reads a list of ids, or of lists of ids (told apart by the first entry: a sized,
+    /// non-text object is a group's list). Python's own errors (TypeError, OverflowError
+    /// for a negative id) pass through.
+    pub(crate) fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let nested = obj.get_item(0).is_ok_and(|first| {
+            first.hasattr("__len__").unwrap_or(false)
+                && first.cast::<PyString>().is_err()
+                && first.cast::<pyo3::types::PyBytes>().is_err()
+        });
+        if nested {
+            Ok(BlockLists::Grouped(obj.extract()?))
+        } else {
+            Ok(BlockLists::Flat(obj.extract()?))
+        }
+    }
+
+    /// [`Self::extract`] of every entry of a list.
+    pub(crate) fn extract_each(objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Self>> {
+        objs.iter().map(Self::extract).collect()
+    }
+
+    /// One list per group.
+    pub(crate) fn into_groups(self) -> Vec<Vec<u32>> {
+        match self {
+            BlockLists::Flat(v) => vec![v],
+            BlockLists::Grouped(g) => g,
+        }
+    }
+}
+
 /// `kv_transfer_params` from a dict (or its JSON text). `context` prefixes error messages
 /// (e.g. `"children[2]: "`).
 pub(crate) fn from_py(obj: &Bound<'_, PyAny>, context: &str) -> PyResult<KvTransferParams> {
@@ -101,10 +141,28 @@ impl Handoff {
         self.inner.token().to_hex()
     }
 
-    /// The prefill blocks to pull.
+    /// The prefill blocks to pull (of group 0 in a cache of several KV-cache groups).
     #[getter]
     fn remote_block_ids(&self) -> Vec<u32> {
         self.inner.remote_block_ids().to_vec()
+    }
+
+    /// The prefill blocks to pull, one list per KV-cache group.
+    #[getter]
+    fn group_block_ids(&self) -> Vec<Vec<u32>> {
+        self.inner.groups().map(<[u32]>::to_vec).collect()
+    }
+
+    /// Number of KV-cache groups the hand-off lists blocks of.
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.inner.num_groups()
+    }
+
+    /// Tensor-parallel size of the prefill engine.
+    #[getter]
+    fn tp_size(&self) -> u32 {
+        self.inner.engine().tp_size
     }
 
     /// The prefill engine's id.

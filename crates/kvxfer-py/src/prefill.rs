@@ -11,7 +11,8 @@ use pyo3::types::PyDict;
 use crate::errors::{raise, to_py, ConfigError, LeaseError};
 use crate::host::{runtime, Hosted};
 use crate::memory::Memory;
-use crate::params::{handoff_from_py, seconds, Handoff};
+use crate::params::{handoff_from_py, seconds, BlockLists, Handoff};
+use crate::shape::KvShape;
 
 /// Options both agents share, from keyword arguments.
 #[allow(clippy::too_many_arguments)]
@@ -52,6 +53,31 @@ pub(crate) fn base_config(
     Ok(c)
 }
 
+/// `config` with `shape` (completed from `memory`'s layouts): its TP size and rank become
+/// the agent's. `given` is the `(rank, tp_size)` passed beside it: anything but the
+/// defaults must agree with the shape.
+pub(crate) fn apply_shape(
+    py: Python<'_>,
+    config: AgentConfig,
+    shape: &KvShape,
+    memory: &Memory,
+    given: (u32, u32),
+) -> PyResult<AgentConfig> {
+    let spec = shape.spec_for(py, memory.layouts())?;
+    for (name, value, default, want) in
+        [("rank", given.0, 0, spec.tp_rank), ("tp_size", given.1, 1, spec.tp_size)]
+    {
+        if value != default && value != want {
+            return Err(raise::<ConfigError>(
+                py,
+                format!("{name}={value} disagrees with kv_shape's {want} (give it once, in kv_shape)"),
+                &[("field", crate::errors::s(py, name))],
+            ));
+        }
+    }
+    Ok(config.kv_shape(spec))
+}
+
 /// How a lease ended, as Python sees it.
 fn end_kind(k: EndKind) -> &'static str {
     match k {
@@ -70,6 +96,9 @@ fn end_dict<'py>(py: Python<'py>, e: &LeaseEnd) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("n", e.n)?;
     d.set_item("kind", end_kind(e.kind))?;
     d.set_item("blocks", e.blocks.to_vec())?;
+    let groups: Vec<Vec<u32>> =
+        std::iter::once(e.blocks.to_vec()).chain(e.other_groups.iter().cloned()).collect();
+    d.set_item("group_blocks", groups)?;
     d.set_item("consumers_seen", e.consumers_seen)?;
     d.set_item("expected_consumers", e.expected_consumers)?;
     d.set_item("generation", e.generation)?;
@@ -115,7 +144,7 @@ impl PrefillAgent {
     #[new]
     #[pyo3(signature = (
         memory, listen = "127.0.0.1:0", *, agent_name = "prefill", engine_id = None, rank = 0, tp_size = 1,
-        advertise_host = None, cluster_key = None, lease_ttl = 30.0, arm_wait = 5.0, max_lease_lifetime = 600.0,
+        kv_shape = None, advertise_host = None, cluster_key = None, lease_ttl = 30.0, arm_wait = 5.0, max_lease_lifetime = 600.0,
         io_timeout = 10.0, worker_threads = 2, transport = "tcp", shutdown_grace = 5.0
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -127,6 +156,7 @@ impl PrefillAgent {
         engine_id: Option<&str>,
         rank: u32,
         tp_size: u32,
+        kv_shape: Option<Bound<'_, KvShape>>,
         advertise_host: Option<String>,
         cluster_key: Option<&str>,
         lease_ttl: f64,
@@ -153,6 +183,9 @@ impl PrefillAgent {
             .arm_wait(seconds(py, "arm_wait", arm_wait)?)
             .max_lease_lifetime(seconds(py, "max_lease_lifetime", max_lease_lifetime)?);
         config.tp_size = tp_size;
+        if let Some(shape) = kv_shape {
+            config = apply_shape(py, config, shape.get(), memory, (rank, tp_size))?;
+        }
         config.advertise_host = advertise_host;
         let engine_id = config.engine_id.clone();
         let memory = memory.take(py)?;
@@ -191,8 +224,9 @@ impl PrefillAgent {
         Ok(self.agent(py)?.incarnation())
     }
 
-    /// Leases child `child_index` of `parent` (`n` children) over `blocks`; the lease is
-    /// registered before the hand-off is returned. `ttl` in seconds (default: `lease_ttl`).
+    /// Leases child `child_index` of `parent` (`n` children) over `blocks` (a list, or one
+    /// list per KV-cache group); the lease is registered before the hand-off is returned.
+    /// `ttl` in seconds (default: `lease_ttl`).
     #[pyo3(signature = (parent, child_index, n, blocks, *, expected_consumers = 1, ttl = None))]
     #[allow(clippy::too_many_arguments)]
     fn lease(
@@ -201,31 +235,37 @@ impl PrefillAgent {
         parent: &str,
         child_index: u32,
         n: u32,
-        blocks: Vec<u32>,
+        blocks: Bound<'_, PyAny>,
         expected_consumers: u32,
         ttl: Option<f64>,
     ) -> PyResult<Handoff> {
-        let mut req = LeaseRequest::new(parent, child_index, n, blocks).consumers(expected_consumers);
+        let blocks = BlockLists::extract(&blocks)?;
+        let mut req =
+            LeaseRequest::grouped(parent, child_index, n, blocks.into_groups()).consumers(expected_consumers);
         req.ttl = ttl.map(|t| seconds(py, "ttl", t)).transpose()?;
         let agent = self.agent(py)?;
         let h = agent.lease(req).map_err(|e| to_py(py, e))?;
         Ok(Handoff { inner: h })
     }
 
-    /// Leases every child of `parent` (`blocks[i]` for child i, n = len(blocks)) and returns
-    /// one hand-off per child, child 0 first. On error no lease of the call remains.
+    /// Leases every child of `parent` (`blocks[i]` for child i, n = len(blocks): a list, or
+    /// one list per KV-cache group) and returns one hand-off per child, child 0 first. On
+    /// error no lease of the call remains.
     #[pyo3(signature = (parent, blocks, *, expected_consumers = 1, ttl = None))]
     fn lease_parent(
         &self,
         py: Python<'_>,
         parent: &str,
-        blocks: Vec<Vec<u32>>,
+        blocks: Vec<Bound<'_, PyAny>>,
         expected_consumers: u32,
         ttl: Option<f64>,
     ) -> PyResult<Vec<Handoff>> {
+        let blocks = BlockLists::extract_each(&blocks)?;
         let ttl: Option<Duration> = ttl.map(|t| seconds(py, "ttl", t)).transpose()?;
         let agent = self.agent(py)?;
-        let result = agent.lease_parent(parent, blocks, expected_consumers, ttl).map_err(|e| to_py(py, e))?;
+        let blocks = blocks.into_iter().map(BlockLists::into_groups).collect();
+        let result =
+            agent.lease_parent_groups(parent, blocks, expected_consumers, ttl).map_err(|e| to_py(py, e))?;
         Ok(result.children().iter().map(|h| Handoff { inner: h.clone() }).collect())
     }
 
@@ -256,9 +296,9 @@ impl PrefillAgent {
                 &[("kind", crate::errors::s(py, "wrong_engine"))],
             ));
         }
-        let mut req =
-            LeaseRequest::new(h.parent_request_id(), h.child_index(), h.n(), h.remote_block_ids().to_vec())
-                .consumers(h.expected_consumers());
+        let groups = h.groups().map(<[u32]>::to_vec).collect();
+        let mut req = LeaseRequest::grouped(h.parent_request_id(), h.child_index(), h.n(), groups)
+            .consumers(h.expected_consumers());
         req.ttl = Some(h.ttl());
         let armed = agent.arm(h.remote_request_id(), req, *h.token()).map_err(|e| to_py(py, e))?;
         Ok(Handoff { inner: armed })
@@ -277,7 +317,8 @@ impl PrefillAgent {
 
     /// Lease ends not yet taken, without waiting (at most `max`): dicts with
     /// `remote_request_id`, `parent_request_id`, `child_index`, `n`, `kind` ("pulled",
-    /// "released", "expired"), `blocks` (free again), `consumers_seen`,
+    /// "released", "expired"), `blocks` (free again; group 0's), `group_blocks` (every
+    /// KV-cache group's, group 0 first), `consumers_seen`,
     /// `expected_consumers`, `generation`, `life_seconds` (from lease to end). Each end is
     /// delivered once — also after `shutdown()`, which ends every live lease as released.
     #[pyo3(signature = (max = None))]

@@ -402,11 +402,24 @@ impl PrefillAgent {
         expected_consumers: u32,
         ttl: Option<Duration>,
     ) -> Result<PrefillResult, Error> {
+        let groups = blocks.into_iter().map(|b| vec![b]).collect();
+        self.lease_parent_groups(parent, groups, expected_consumers, ttl)
+    }
+
+    /// [`Self::lease_parent`] for a cache of several KV-cache groups: `blocks[i][g]` are
+    /// child i's blocks of group g (vLLM's nested `remote_block_ids`).
+    pub fn lease_parent_groups(
+        &self,
+        parent: &str,
+        blocks: Vec<Vec<Vec<kvxfer_core::BlockId>>>,
+        expected_consumers: u32,
+        ttl: Option<Duration>,
+    ) -> Result<PrefillResult, Error> {
         let n = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
         let reqs: Vec<LeaseRequest> = (0u32..)
             .zip(blocks)
             .map(|(i, b)| {
-                let mut req = LeaseRequest::new(parent, i, n, b).consumers(expected_consumers);
+                let mut req = LeaseRequest::grouped(parent, i, n, b).consumers(expected_consumers);
                 req.ttl = ttl;
                 req
             })

@@ -1,0 +1,189 @@
+"""The vLLM connector with heterogeneous layouts, driven through scripted scheduler/worker
+steps (vllm_sim.py): a hybrid model's KV-cache groups (nested ``remote_block_ids``, pulled
+group by group), and prefill and decode instances of different tensor-parallel sizes (one
+worker per rank in this process; HND caches; ``submit_ranks``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_base_mirror import Request
+from vllm_sim import BLOCK_SIZE, Instance, full_heads, same_blocks, same_group_blocks
+
+PROMPT = list(range(10))  # 10 tokens: 3 blocks of 4
+
+
+def prefill_request(rid: str, n: int = 1, **params) -> Request:
+    p = {"do_remote_decode": True, **params}
+    if n > 1:
+        p["kvxfer_n"] = n
+    return Request(rid, list(PROMPT), kv_transfer_params=p)
+
+
+def leases(inst: Instance, rank: int = 0) -> dict[str, int]:
+    s = inst.workers[rank].stats()["prefill"]["leases"]
+    return {k: s[k] for k in ("pulled", "released", "expired", "live")}
+
+
+def test_a_hybrid_model_hands_off_one_block_list_per_group_and_pulls_every_group():
+    prefill = Instance("kv_producer", "hybrid-prefill", seed=3, groups=2)
+    decode = Instance("kv_consumer", "hybrid-decode", groups=2)
+    try:
+        assert prefill.worker._prefill is not None
+        # Children of a parent (n = 2) sharing their first block in each group.
+        remote = {0: [[1, 2, 3], [20, 21, 22]], 1: [[1, 5, 6], [20, 24, 25]]}
+        minted = [prefill.finish_prefill(prefill_request(f"{i}_R", n=2), remote[i])[1] for i in range(2)]
+        assert minted[0]["remote_block_ids"] == remote[0], "nested remote_block_ids, one list per group"
+        prefill.step()
+        children = [Request(f"{i}_D", list(PROMPT), kv_transfer_params=minted[-1]) for i in range(2)]
+        local = [decode.add_decode(c) for c in children]
+        assert all(len(loc) == 2 for loc in local), "local blocks per group"
+        decode.run_until("both children received", lambda: len(decode.recving) == 2, others=(prefill,))
+        assert not decode.load_errors
+        for i in range(2):
+            assert same_group_blocks(prefill.caches, remote[i], decode.caches, local[i], 2), f"child {i}"
+        assert decode.stats()["decode"]["pulls"] == 1
+        prefill.run_until("blocks handed back", lambda: len(prefill.sending) == 2)
+        assert leases(prefill) == {"pulled": 2, "released": 0, "expired": 0, "live": 0}
+
+        # A prefix hit on the decode side: only the last block of each group is pulled.
+        _, params = prefill.finish_prefill(prefill_request("P"), [[7, 8, 9], [30, 31, 32]])
+        prefill.step()
+        req = Request("DP", list(PROMPT), kv_transfer_params=params)
+        decode.sched.on_new_request(req)
+        count, _ = decode.sched.get_num_new_matched_tokens(req, 8)
+        tail = decode.allocate(req, count)
+        assert [len(g) for g in tail] == [1, 1]
+        decode.run_until("DP received", lambda: "DP" in decode.recving, others=(prefill,))
+        assert same_group_blocks(prefill.caches, [[9], [32]], decode.caches, tail, 2)
+        prefill.run_until("P handed back", lambda: "P" in prefill.sending)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_hybrid_hand_off_into_a_single_group_instance_is_recomputed_not_raised():
+    prefill = Instance("kv_producer", "hybrid-prefill-b", seed=4, groups=2)
+    decode = Instance("kv_consumer", "plain-decode")
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [[1, 2, 3], [4, 5, 6]])
+        prefill.step()
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        decode.run_until("D reported", lambda: "D" in decode.recving, others=(prefill,))
+        assert decode.load_errors == set(local), "its blocks are reported for recompute"
+        assert decode.stats()["submit_failures"] == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)])
+def test_prefill_and_decode_of_different_tp_sizes_pull_through_the_connector(prefill_tp, decode_tp):
+    prefill = Instance(
+        "kv_producer",
+        f"tp{prefill_tp}-prefill",
+        seed=5,
+        tp_size=prefill_tp,
+        hnd=True,
+        extra={"kvxfer_decode_tp_size": decode_tp},
+    )
+    decode = Instance("kv_consumer", f"tp{decode_tp}-decode", tp_size=decode_tp, hnd=True)
+    try:
+        for w in prefill.workers + decode.workers:
+            assert w._kv_shape is not None
+        _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+        assert params["tp_size"] == prefill_tp
+        assert params["kvxfer_expected_consumers"] == max(1, decode_tp // prefill_tp)
+        prefill.step()  # every prefill rank arms its lease
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        decode.run_until("D received on every decode rank", lambda: "D" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        # Every decode rank's heads of every block, joined: the prefill ranks' heads, joined.
+        assert same_blocks(full_heads(prefill.rank_caches), [5, 6, 7], full_heads(decode.rank_caches), local)
+        for w in decode.workers:
+            assert w.stats()["decode"]["children_done"] == 1
+        prefill.run_until("R handed back by every prefill rank", lambda: "R" in prefill.sending)
+        for r in range(prefill_tp):
+            assert leases(prefill, r) == {"pulled": 1, "released": 0, "expired": 0, "live": 0}, f"prefill rank {r}"
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_different_tp_sizes_without_hnd_caches_are_recomputed_naming_the_layout():
+    prefill = Instance("kv_producer", "nhd-prefill", seed=6, tp_size=2)
+    decode = Instance("kv_consumer", "nhd-decode")
+    try:
+        assert decode.worker._decode_shape is None, "NHD blocks do not hold whole heads: no shape"
+        _, params = prefill.finish_prefill(prefill_request("R"), [1, 2, 3])
+        prefill.step()
+        req = Request("D", list(PROMPT), kv_transfer_params=params)
+        local = decode.add_decode(req)
+        decode.run_until("D reported", lambda: "D" in decode.recving, others=(prefill,))
+        assert decode.load_errors == set(local)
+        assert decode.stats()["submit_failures"] == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_decode_block_of_two_prefill_blocks_is_pulled_through_the_connector():
+    prefill = Instance("kv_producer", "bs4-prefill", seed=8, hnd=True)
+    decode = Instance("kv_consumer", "bs8-decode", hnd=True, block_size=2 * BLOCK_SIZE)
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+        assert params["kvxfer_block_size"] == BLOCK_SIZE
+        prefill.step()
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        assert len(local) == 2, "10 tokens: two local blocks of 8 for three remote blocks of 4"
+        decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        for name, src in prefill.caches.items():
+            dst = decode.caches[name]
+            for j, remote in enumerate([[5, 6], [7]]):
+                for q, b in enumerate(remote):
+                    got = dst[:, local[j], :, q * BLOCK_SIZE : (q + 1) * BLOCK_SIZE]
+                    assert np.array_equal(got.view(np.uint16), src[:, b].view(np.uint16)), (name, j, q)
+        prefill.run_until("R handed back", lambda: "R" in prefill.sending)
+        assert leases(prefill) == {"pulled": 1, "released": 0, "expired": 0, "live": 0}
+
+        # A prefix hit of one local block (8 tokens): the last remote block only.
+        _, params = prefill.finish_prefill(prefill_request("P"), [1, 2, 3])
+        prefill.step()
+        req = Request("DP", list(PROMPT), kv_transfer_params=params)
+        decode.sched.on_new_request(req)
+        count, _ = decode.sched.get_num_new_matched_tokens(req, 2 * BLOCK_SIZE)
+        tail = decode.allocate(req, count)
+        decode.run_until("DP received", lambda: "DP" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        for name, src in prefill.caches.items():
+            got = decode.caches[name][:, tail[0], :, :BLOCK_SIZE]
+            assert np.array_equal(got.view(np.uint16), src[:, 3].view(np.uint16)), name
+        prefill.run_until("P handed back", lambda: "P" in prefill.sending)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_mla_prefill_tp1_to_decode_tp2_every_rank_gets_the_whole_latent():
+    """MLA's latent is replicated on every rank: each decode rank reads it whole, once, and
+    the lease ends after both decode ranks."""
+    prefill = Instance("kv_producer", "mla-prefill", seed=9, mla=True, extra={"kvxfer_decode_tp_size": 2})
+    decode = Instance("kv_consumer", "mla-decode", tp_size=2, mla=True)
+    try:
+        assert all(w._kv_shape is not None for w in decode.workers)
+        _, params = prefill.finish_prefill(prefill_request("R"), [4, 2, 9])
+        assert params["kvxfer_expected_consumers"] == 2
+        prefill.step()
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        decode.run_until("D received on both ranks", lambda: "D" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        for rank_caches in decode.rank_caches:
+            for name, src in prefill.caches.items():
+                assert np.array_equal(rank_caches[name][local].view(np.uint16), src[[4, 2, 9]].view(np.uint16)), name
+        prefill.run_until("R handed back", lambda: "R" in prefill.sending)
+        assert leases(prefill) == {"pulled": 1, "released": 0, "expired": 0, "live": 0}
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
