@@ -185,9 +185,11 @@ impl Drop for PrefillAgent {
 }
 
 /// Drops a blocking agent: its graceful shutdown runs to its end (bounded by the agent's
-/// own limits), then its runtime stops. Inside a tokio runtime, where that must not block,
-/// both run on a short-lived `kvxfer-teardown` thread; only if no thread can be started is
-/// the shutdown left to the agent's runtime, which is then stopped in the background.
+/// own limits), then its runtime stops, then the teardowns it left to threads of their own
+/// (UCX objects) are waited for (bounded by 10 s), so a host that exits right after the drop
+/// does not run UCX's exit handlers under a worker still being destroyed. Inside a tokio
+/// runtime, where that must not block, all of it runs on a short-lived `kvxfer-teardown`
+/// thread.
 fn tear_down<A: Send + 'static>(agent: Option<A>, runtime: Option<Runtime>, shutdown: fn(&A, &Handle)) {
     let finish = move |agent: Option<A>, runtime: Option<Runtime>| {
         if let (Some(a), Some(rt)) = (&agent, &runtime) {
@@ -198,28 +200,11 @@ fn tear_down<A: Send + 'static>(agent: Option<A>, runtime: Option<Runtime>, shut
             crate::runtime::shutdown(rt);
         }
     };
-    if !in_runtime() {
+    if in_runtime() {
+        crate::runtime::spawn_teardown(move || finish(agent, runtime));
+    } else {
         finish(agent, runtime);
-        return;
-    }
-    let parked = Arc::new(Mutex::new(Some((agent, runtime))));
-    let theirs = parked.clone();
-    let spawned = std::thread::Builder::new().name("kvxfer-teardown".into()).spawn(move || {
-        let taken = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some((agent, runtime)) = taken {
-            finish(agent, runtime);
-        }
-    });
-    if spawned.is_err() {
-        let taken = parked.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some((agent, runtime)) = taken {
-            // The async agent's drop starts its shutdown on its runtime, which then stops
-            // without blocking.
-            drop(agent);
-            if let Some(rt) = runtime {
-                crate::runtime::shutdown(rt);
-            }
-        }
+        crate::runtime::wait_for_teardown(Duration::from_secs(10));
     }
 }
 

@@ -66,6 +66,7 @@ pub use kvxfer_core::pull::{Advice, ChildOutcome, MismatchField, PullError};
 #[cfg(feature = "ucx")]
 pub use kvxfer_ucx::UcxConfig;
 pub use prefill::{LeaseEnds, PrefillAgent, PrefillStats};
+pub use runtime::wait_for_teardown;
 
 pub use kvxfer_core::{
     BlockId, BlockLayout, ChildHandoff, ChildState, EndKind, KvTransferParams, LeaseEnd, LeaseRequest,

@@ -1,6 +1,9 @@
 //! Runtimes and threads: the small runtime of a blocking agent, and dropping values whose
 //! drop may block (a UCX object joins its thread) off the runtime's threads.
 
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
 use tokio::runtime::{Handle, Runtime};
 
 use crate::Error;
@@ -70,7 +73,73 @@ impl<T: Send + 'static> Drop for DropOffRuntime<T> {
         let Some(value) = self.0.take() else { return };
         if in_runtime() {
             // If the thread cannot start, the closure (and the value) drops here instead.
-            let _ = std::thread::Builder::new().name("kvxfer-teardown".into()).spawn(move || drop(value));
+            spawn_teardown(move || drop(value));
         }
     }
+}
+
+/// Teardown threads still running (`kvxfer-teardown`), and a condition variable signalled
+/// as each one ends.
+static TEARDOWNS: (Mutex<usize>, Condvar) = (Mutex::new(0), Condvar::new());
+
+/// Counts one teardown thread until dropped (also when its thread could not start and the
+/// closure holding it is dropped at once).
+struct TeardownTicket;
+
+impl TeardownTicket {
+    fn new() -> Self {
+        *TEARDOWNS.0.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        TeardownTicket
+    }
+}
+
+impl Drop for TeardownTicket {
+    fn drop(&mut self) {
+        let mut n = TEARDOWNS.0.lock().unwrap_or_else(PoisonError::into_inner);
+        *n = n.saturating_sub(1);
+        TEARDOWNS.1.notify_all();
+    }
+}
+
+/// Runs `f` on a short-lived `kvxfer-teardown` thread, counted until it ends (see
+/// [`wait_for_teardown`]); runs it here if no thread can be started.
+pub(crate) fn spawn_teardown(f: impl FnOnce() + Send + 'static) {
+    let ticket = TeardownTicket::new();
+    let run = move || {
+        f();
+        drop(ticket);
+    };
+    let parked = Arc::new(Mutex::new(Some(run)));
+    let theirs = parked.clone();
+    let spawned = std::thread::Builder::new().name("kvxfer-teardown".into()).spawn(move || {
+        let taken = theirs.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(run) = taken {
+            run();
+        }
+    });
+    if spawned.is_err() {
+        let taken = parked.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(run) = taken {
+            run();
+        }
+    }
+}
+
+/// Waits, up to `timeout`, until every teardown the agents left to threads of their own
+/// has finished — UCX workers destroyed and their threads joined after an agent was dropped
+/// or shut down on a runtime thread. Returns whether none is left. Call it before the
+/// process exits after dropping agents from async code: UCX's own exit handlers must not
+/// run while one of its workers is still being destroyed (that can crash the exit). The
+/// blocking agents' `Drop` calls it (bounded by 10 s).
+pub fn wait_for_teardown(timeout: Duration) -> bool {
+    let deadline = instant_after(Instant::now(), timeout);
+    let mut n = TEARDOWNS.0.lock().unwrap_or_else(PoisonError::into_inner);
+    while *n > 0 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        n = TEARDOWNS.1.wait_timeout(n, left).unwrap_or_else(|p| p.into_inner()).0;
+    }
+    true
 }
