@@ -106,6 +106,9 @@ pub(crate) struct RunArgs {
     /// measure what metrics cost; needs the `cluster` feature.
     #[arg(long)]
     pub(crate) metrics: Option<String>,
+    /// The many-requests workload (`--concurrency`).
+    #[command(flatten)]
+    pub(crate) workload: crate::workload::WorkloadArgs,
 }
 
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {

@@ -21,7 +21,9 @@ mod measure;
 mod plot;
 mod report;
 mod serve;
+mod procstat;
 mod source;
+mod workload;
 
 use std::process::ExitCode;
 
@@ -29,7 +31,7 @@ use clap::Parser;
 use kvxfer::AgentConfig;
 
 use crate::cli::{metrics_config, ucx_config, Cli, Mode};
-use crate::report::bench;
+use crate::report::bench_any as bench;
 use crate::serve::serve;
 use crate::source::{LocalSource, RemoteSource};
 

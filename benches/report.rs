@@ -19,6 +19,15 @@ pub(crate) fn human(b: u64) -> String {
     }
 }
 
+/// The many-requests workload when `--concurrency` was given, else the bulk sweep.
+pub(crate) fn bench_any(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result<bool, String> {
+    if run.workload.concurrency.is_empty() {
+        bench(run, source, processes)
+    } else {
+        crate::workload::bench_many(run, source, processes)
+    }
+}
+
 /// Measures every block size of `run` and reports each; `Ok(false)` when a check failed.
 pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result<bool, String> {
     let transport = run.transport.to_string();

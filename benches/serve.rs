@@ -26,6 +26,7 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
     for stream in listener.incoming() {
         let stream = stream.map_err(|e| e.to_string())?;
         let mut source = LocalSource { config: config.clone(), agent: None };
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
         let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
         let mut quit = false;
         for line in BufReader::new(stream).lines() {
@@ -60,7 +61,8 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                     other => json!({"error": format!("unknown op {other:?}")}),
                 },
             };
-            if writeln!(writer, "{reply}").is_err() || quit {
+            // One write per answer: a line written in pieces would wait on the delayed ACK.
+            if writer.write_all(format!("{reply}\n").as_bytes()).is_err() || quit {
                 break;
             }
         }

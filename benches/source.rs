@@ -61,7 +61,9 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
     let s = a.stats();
     json!({"leased": s.leases.leased, "pulled": s.leases.pulled, "released": s.leases.released,
            "expired": s.leases.expired, "unrecognized": s.leases.unrecognized, "bytes_served": s.server.bytes_served,
-           "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds()})
+           "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds(),
+           "rss_kib": crate::procstat::rss_kib(), "rss_peak_kib": crate::procstat::peak_rss_kib(),
+           "fds": crate::procstat::open_fds()})
 }
 
 /// A prefill agent over `blocks` blocks of `block` bytes, filled with the test pattern.
@@ -90,13 +92,16 @@ impl RemoteSource {
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
         };
+        // One request and one answer per line, each waited for: no Nagle delay.
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
         let writer = stream.try_clone().map_err(|e| e.to_string())?;
         Ok(RemoteSource { reader: BufReader::new(stream), writer })
     }
 
     /// One request, one answer (a JSON `error` becomes `Err`).
     fn call(&mut self, req: Value) -> Result<Value, String> {
-        writeln!(self.writer, "{req}").map_err(|e| format!("to serve: {e}"))?;
+        // One write per request (a line written in pieces would wait on the delayed ACK).
+        self.writer.write_all(format!("{req}\n").as_bytes()).map_err(|e| format!("to serve: {e}"))?;
         let mut line = String::new();
         self.reader.read_line(&mut line).map_err(|e| format!("from serve: {e}"))?;
         let v: Value = serde_json::from_str(&line).map_err(|e| format!("from serve: {e}: {line:?}"))?;
