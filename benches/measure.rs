@@ -9,6 +9,7 @@ use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, KvMemory};
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
+use crate::baselines::RawRtt;
 use crate::cli::{ucx_config, RunArgs};
 use crate::source::LeaseSource;
 
@@ -54,6 +55,8 @@ pub(crate) struct Measured {
     pub(crate) cpu_s_per_gib: f64,
     pub(crate) verified: Option<bool>,
     pub(crate) prefill: Value,
+    /// `--baseline`: raw TCP one-block round trips (us), taken between the iterations.
+    pub(crate) raw_rtt_us: Vec<f64>,
 }
 
 /// Measures one block size: `warmup + iters` iterations of every parent leased and
@@ -94,6 +97,10 @@ pub(crate) fn run_block_size(
     let mut latencies = Vec::new();
     let (mut seconds, mut bytes, mut cpu) = (0.0f64, 0u64, 0.0f64);
     let show_progress = std::io::stderr().is_terminal() && !run.json && !run.csv;
+    // Raw round trips interleaved with the iterations: ~200 in all, at least one per iteration.
+    let mut raw_rtt = if run.baseline { Some(RawRtt::start(block)?) } else { None };
+    let rtt_per_iter = (200 / run.iters.max(1)).max(1) as usize;
+    let mut raw_rtt_us = Vec::new();
     for iter in 0..run.warmup + run.iters {
         let measured = iter >= run.warmup;
         if show_progress {
@@ -136,6 +143,9 @@ pub(crate) fn run_block_size(
         if measured {
             seconds += t0.elapsed().as_secs_f64();
             cpu += cpu_seconds() - cpu0;
+            if let Some(r) = raw_rtt.as_mut() {
+                raw_rtt_us.extend(r.sample(rtt_per_iter)?);
+            }
         }
     }
     if show_progress {
@@ -170,5 +180,6 @@ pub(crate) fn run_block_size(
         cpu_s_per_gib: cpu / gib.max(1e-12),
         verified,
         prefill: source.stats(),
+        raw_rtt_us,
     })
 }

@@ -3,7 +3,8 @@
 
 use serde_json::json;
 
-use crate::baselines::{memcpy_gib_per_s, raw_tcp_gib_per_s, raw_tcp_rtt_p50_us};
+use crate::baselines::{memcpy_gib_per_s, raw_tcp_gib_per_s, rtt_distribution};
+use crate::measure::percentile;
 use crate::cli::RunArgs;
 use crate::measure::run_block_size;
 use crate::plot::{svg_plot, PlotRow};
@@ -52,16 +53,17 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
         );
     }
     for &block in &run.block_bytes {
-        let m = run_block_size(run, source, block)?;
-        let (raw, mem, rtt) = if run.baseline {
+        let mut m = run_block_size(run, source, block)?;
+        let (raw, mem) = if run.baseline {
             (
                 Some(raw_tcp_gib_per_s(run.total_bytes, run.connections, block)?),
                 Some(memcpy_gib_per_s(run.total_bytes)),
-                Some(raw_tcp_rtt_p50_us(block)?),
             )
         } else {
-            (None, None, None)
+            (None, None)
         };
+        let rtt_dist = rtt_distribution(&mut m.raw_rtt_us);
+        let rtt = run.baseline.then(|| percentile(&m.raw_rtt_us, 0.5));
         all_ok &= m.verified != Some(false);
         let ratio = |b: Option<f64>| b.map(|b| m.gib_per_s / b);
         plot_rows.push(PlotRow { block, kvxfer: m.gib_per_s, raw_tcp: raw, memcpy: mem });
@@ -79,6 +81,9 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 j["ratio_vs_raw_tcp"] = json!(ratio(raw));
                 j["ratio_vs_memcpy"] = json!(ratio(mem));
                 j["raw_tcp_rtt_one_block_p50_us"] = json!(rtt);
+                // Taken between kvxfer's iterations; the spread says how far to trust the ratio.
+                j["raw_tcp_rtt_one_block_us"] = rtt_dist;
+                j["p50_vs_raw_rtt_p50"] = json!(rtt.map(|r| m.p50_us / r));
             }
             println!("{j}");
         } else if run.csv {
