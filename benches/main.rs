@@ -23,6 +23,8 @@ mod report;
 mod serve;
 mod procstat;
 mod source;
+#[cfg(feature = "ucx")]
+mod ucx_baseline;
 mod workload;
 
 use std::process::ExitCode;
@@ -59,7 +61,7 @@ fn main() -> ExitCode {
             cli.run.ucx_peer_failure,
         )
         .and_then(|config| metrics_config(config, &cli.run.metrics))
-        .and_then(|config| bench(&cli.run, &mut LocalSource { config, agent: None }, "1")),
+        .and_then(|config| bench(&cli.run, &mut LocalSource { config, agent: None, raw_ucx: None }, "1")),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

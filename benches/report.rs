@@ -20,6 +20,22 @@ pub(crate) fn human(b: u64) -> String {
     }
 }
 
+/// `--baseline` over UCX: GiB/s of `--iters` raw get runs of the same bytes from the same
+/// prefill process (`None` for TCP runs or without the `ucx` feature).
+fn raw_ucx_baseline(run: &RunArgs, source: &mut dyn LeaseSource, block: u64) -> Result<Option<Vec<f64>>, String> {
+    #[cfg(feature = "ucx")]
+    if run.baseline && run.transport.to_string() == "ucx" {
+        let config = crate::ucx_baseline::raw_config(&run.ucx_tls, run.ucx_peer_failure);
+        let per_child = u64::from(crate::measure::blocks_per_child(run, block)?) * block;
+        let children = u64::from(run.n.max(1)) * u64::from(run.parents.max(1));
+        let total = per_child * children;
+        let info = source.raw_ucx_target(&config, total)?;
+        return crate::ucx_baseline::raw_ucx_get_gib_per_s(&config, info, total, per_child, run.iters).map(Some);
+    }
+    let _ = (run, source, block);
+    Ok(None)
+}
+
 /// The many-requests workload when `--concurrency` was given, else the bulk sweep.
 pub(crate) fn bench_any(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result<bool, String> {
     if run.workload.concurrency.is_empty() {
@@ -63,6 +79,7 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
             (None, None)
         };
         let rtt_dist = rtt_distribution(&mut m.raw_rtt_us);
+        let raw_ucx = raw_ucx_baseline(run, source, block)?;
         let rtt = run.baseline.then(|| percentile(&m.raw_rtt_us, 0.5));
         all_ok &= m.verified != Some(false);
         let ratio = |b: Option<f64>| b.map(|b| m.gib_per_s / b);
@@ -84,6 +101,13 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 // Taken between kvxfer's iterations; the spread says how far to trust the ratio.
                 j["raw_tcp_rtt_one_block_us"] = rtt_dist;
                 j["p50_vs_raw_rtt_p50"] = json!(rtt.map(|r| m.p50_us / r));
+                if let Some(mut rates) = raw_ucx {
+                    rates.sort_by(f64::total_cmp);
+                    let median = percentile(&rates, 0.5);
+                    j["raw_ucx_get_gib_per_s"] = json!(median);
+                    j["raw_ucx_get_runs"] = json!(rates);
+                    j["ratio_vs_raw_ucx_get"] = json!(m.gib_per_s / median);
+                }
             }
             println!("{j}");
         } else if run.csv {

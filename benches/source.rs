@@ -26,16 +26,23 @@ pub(crate) trait LeaseSource {
     ) -> Result<PrefillResult, String>;
     /// Prefill-side stats (bytes served, leases) as JSON.
     fn stats(&mut self) -> Value;
+    /// Registers `bytes` of filled memory as a bare UCX target on the prefill side (kept
+    /// until the next call or the next `setup`), for the raw get baseline.
+    #[cfg(feature = "ucx")]
+    fn raw_ucx_target(&mut self, config: &kvxfer_ucx::UcxConfig, bytes: u64) -> Result<kvxfer_ucx::TargetInfo, String>;
 }
 
 /// A prefill agent in this process, started anew for each block size.
 pub(crate) struct LocalSource {
     pub(crate) config: AgentConfig,
     pub(crate) agent: Option<PrefillAgent>,
+    /// The raw UCX baseline's target, while it is read.
+    pub(crate) raw_ucx: Option<Box<dyn std::any::Any>>,
 }
 
 impl LeaseSource for LocalSource {
     fn setup(&mut self, block: u64, blocks: u32) -> Result<(), String> {
+        self.raw_ucx = None;
         self.agent = None;
         self.agent = Some(start_prefill(self.config.clone(), block, blocks)?);
         Ok(())
@@ -53,6 +60,13 @@ impl LeaseSource for LocalSource {
     }
     fn stats(&mut self) -> Value {
         self.agent.as_ref().map(prefill_stats).unwrap_or(Value::Null)
+    }
+    #[cfg(feature = "ucx")]
+    fn raw_ucx_target(&mut self, config: &kvxfer_ucx::UcxConfig, bytes: u64) -> Result<kvxfer_ucx::TargetInfo, String> {
+        self.raw_ucx = None;
+        let (target, info) = crate::ucx_baseline::start_target(config, bytes)?;
+        self.raw_ucx = Some(Box::new(target));
+        Ok(info)
     }
 }
 
@@ -136,5 +150,11 @@ impl LeaseSource for RemoteSource {
     }
     fn stats(&mut self) -> Value {
         self.call(json!({"op": "stats"})).unwrap_or(Value::Null)
+    }
+    #[cfg(feature = "ucx")]
+    fn raw_ucx_target(&mut self, config: &kvxfer_ucx::UcxConfig, bytes: u64) -> Result<kvxfer_ucx::TargetInfo, String> {
+        let v = self.call(json!({"op": "raw_ucx_target", "bytes": bytes, "tls": config.tls,
+                                 "peer_failure": config.peer_failure_handling}))?;
+        crate::ucx_baseline::info_from_json(&v["info"])
     }
 }
