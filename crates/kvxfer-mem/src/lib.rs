@@ -24,6 +24,9 @@ use std::sync::Arc;
 
 use kvxfer_core::{BlockId, BlockLayout};
 
+mod crc;
+pub use crc::crc32c_append;
+
 /// Errors of registered memory.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -296,7 +299,7 @@ impl KvMemory {
         for (start, count) in runs {
             for c in self.run_chunks(start, count) {
                 // SAFETY: forwarded contract.
-                crc = crc32c::crc32c_append(crc, unsafe { self.chunk(c) });
+                crc = crc32c_append(crc, unsafe { self.chunk(c) });
             }
         }
         crc

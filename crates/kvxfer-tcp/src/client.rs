@@ -446,7 +446,7 @@ async fn read_exact_with_progress(
             return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
         }
         if let Some(c) = crc.as_deref_mut() {
-            *c = crc32c::crc32c_append(*c, &buf[pos..pos + n]);
+            *c = kvxfer_mem::crc32c_append(*c, &buf[pos..pos + n]);
         }
         pos += n;
     }
