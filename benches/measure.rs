@@ -9,7 +9,7 @@ use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, KvMemory};
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
-use crate::baselines::RawRtt;
+use crate::baselines::{raw_tcp_gib_per_s, RawRtt};
 use crate::cli::{ucx_config, RunArgs};
 use crate::source::LeaseSource;
 
@@ -57,6 +57,10 @@ pub(crate) struct Measured {
     pub(crate) prefill: Value,
     /// `--baseline`: raw TCP one-block round trips (us), taken between the iterations.
     pub(crate) raw_rtt_us: Vec<f64>,
+    /// kvxfer's GiB/s in each measured iteration.
+    pub(crate) iter_gib_per_s: Vec<f64>,
+    /// `--baseline`: raw TCP GiB/s right after each measured iteration (same bytes).
+    pub(crate) raw_tcp_runs: Vec<f64>,
 }
 
 /// Measures one block size: `warmup + iters` iterations of every parent leased and
@@ -101,12 +105,14 @@ pub(crate) fn run_block_size(
     let mut raw_rtt = if run.baseline { Some(RawRtt::start(block)?) } else { None };
     let rtt_per_iter = (200 / run.iters.max(1)).max(1) as usize;
     let mut raw_rtt_us = Vec::new();
+    let (mut iter_gib_per_s, mut raw_tcp_runs) = (Vec::new(), Vec::new());
     for iter in 0..run.warmup + run.iters {
         let measured = iter >= run.warmup;
         if show_progress {
             eprint!("\r{block:>9} B blocks: iteration {}/{}   ", iter + 1, run.warmup + run.iters);
         }
         let cpu0 = cpu_seconds();
+        let bytes_before = bytes;
         let t0 = Instant::now();
         let mut handles = Vec::new();
         for p in 0..parents {
@@ -141,10 +147,14 @@ pub(crate) fn run_block_size(
             }
         }
         if measured {
-            seconds += t0.elapsed().as_secs_f64();
+            let (secs, iter_bytes) = (t0.elapsed().as_secs_f64(), bytes - bytes_before);
+            seconds += secs;
             cpu += cpu_seconds() - cpu0;
+            iter_gib_per_s.push(iter_bytes as f64 / f64::from(1u32 << 30) / secs.max(1e-9));
             if let Some(r) = raw_rtt.as_mut() {
                 raw_rtt_us.extend(r.sample(rtt_per_iter)?);
+                // The bandwidth ceiling interleaved too, so each iteration has its own.
+                raw_tcp_runs.push(raw_tcp_gib_per_s(iter_bytes, run.connections, block)?);
             }
         }
     }
@@ -181,5 +191,7 @@ pub(crate) fn run_block_size(
         verified,
         prefill: source.stats(),
         raw_rtt_us,
+        iter_gib_per_s,
+        raw_tcp_runs,
     })
 }

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 
-use crate::baselines::{memcpy_gib_per_s, raw_tcp_gib_per_s, rtt_distribution};
+use crate::baselines::{memcpy_gib_per_s, rtt_distribution};
 use crate::measure::percentile;
 use crate::cli::RunArgs;
 use crate::measure::run_block_size;
@@ -70,11 +70,11 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
     }
     for &block in &run.block_bytes {
         let mut m = run_block_size(run, source, block)?;
+        // Raw TCP: the median of the runs interleaved with kvxfer's iterations.
         let (raw, mem) = if run.baseline {
-            (
-                Some(raw_tcp_gib_per_s(run.total_bytes, run.connections, block)?),
-                Some(memcpy_gib_per_s(run.total_bytes)),
-            )
+            let mut runs = m.raw_tcp_runs.clone();
+            runs.sort_by(f64::total_cmp);
+            (Some(percentile(&runs, 0.5)), Some(memcpy_gib_per_s(run.total_bytes)))
         } else {
             (None, None)
         };
@@ -98,6 +98,15 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 j["ratio_vs_raw_tcp"] = json!(ratio(raw));
                 j["ratio_vs_memcpy"] = json!(ratio(mem));
                 j["raw_tcp_rtt_one_block_p50_us"] = json!(rtt);
+                // Each iteration against the raw run right after it.
+                j["iter_gib_per_s"] = json!(m.iter_gib_per_s);
+                j["raw_tcp_runs"] = json!(m.raw_tcp_runs);
+                j["ratio_vs_raw_tcp_per_iter"] = json!(m
+                    .iter_gib_per_s
+                    .iter()
+                    .zip(&m.raw_tcp_runs)
+                    .map(|(k, r)| k / r)
+                    .collect::<Vec<_>>());
                 // Taken between kvxfer's iterations; the spread says how far to trust the ratio.
                 j["raw_tcp_rtt_one_block_us"] = rtt_dist;
                 j["p50_vs_raw_rtt_p50"] = json!(rtt.map(|r| m.p50_us / r));
