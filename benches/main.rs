@@ -19,9 +19,9 @@ mod baselines;
 mod cli;
 mod measure;
 mod plot;
+mod procstat;
 mod report;
 mod serve;
-mod procstat;
 mod source;
 #[cfg(feature = "ucx")]
 mod ucx_baseline;

@@ -4,8 +4,8 @@
 use serde_json::json;
 
 use crate::baselines::{memcpy_gib_per_s, rtt_distribution};
-use crate::measure::percentile;
 use crate::cli::RunArgs;
+use crate::measure::percentile;
 use crate::measure::run_block_size;
 use crate::plot::{svg_plot, PlotRow};
 use crate::source::LeaseSource;
@@ -22,7 +22,11 @@ pub(crate) fn human(b: u64) -> String {
 
 /// `--baseline` over UCX: GiB/s of `--iters` raw get runs of the same bytes from the same
 /// prefill process (`None` for TCP runs or without the `ucx` feature).
-fn raw_ucx_baseline(run: &RunArgs, source: &mut dyn LeaseSource, block: u64) -> Result<Option<Vec<f64>>, String> {
+fn raw_ucx_baseline(
+    run: &RunArgs,
+    source: &mut dyn LeaseSource,
+    block: u64,
+) -> Result<Option<Vec<f64>>, String> {
     #[cfg(feature = "ucx")]
     if run.baseline && run.transport.to_string() == "ucx" {
         let config = crate::ucx_baseline::raw_config(&run.ucx_tls, run.ucx_peer_failure);
@@ -30,14 +34,19 @@ fn raw_ucx_baseline(run: &RunArgs, source: &mut dyn LeaseSource, block: u64) -> 
         let children = u64::from(run.n.max(1)) * u64::from(run.parents.max(1));
         let total = per_child * children;
         let info = source.raw_ucx_target(&config, total)?;
-        return crate::ucx_baseline::raw_ucx_get_gib_per_s(&config, info, total, per_child, run.iters).map(Some);
+        return crate::ucx_baseline::raw_ucx_get_gib_per_s(&config, info, total, per_child, run.iters)
+            .map(Some);
     }
     let _ = (run, source, block);
     Ok(None)
 }
 
 /// The many-requests workload when `--concurrency` was given, else the bulk sweep.
-pub(crate) fn bench_any(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result<bool, String> {
+pub(crate) fn bench_any(
+    run: &RunArgs,
+    source: &mut dyn LeaseSource,
+    processes: &str,
+) -> Result<bool, String> {
     if run.workload.concurrency.is_empty() {
         bench(run, source, processes)
     } else {

@@ -29,7 +29,11 @@ pub(crate) trait LeaseSource {
     /// Registers `bytes` of filled memory as a bare UCX target on the prefill side (kept
     /// until the next call or the next `setup`), for the raw get baseline.
     #[cfg(feature = "ucx")]
-    fn raw_ucx_target(&mut self, config: &kvxfer_ucx::UcxConfig, bytes: u64) -> Result<kvxfer_ucx::TargetInfo, String>;
+    fn raw_ucx_target(
+        &mut self,
+        config: &kvxfer_ucx::UcxConfig,
+        bytes: u64,
+    ) -> Result<kvxfer_ucx::TargetInfo, String>;
 }
 
 /// A prefill agent in this process, started anew for each block size.
@@ -62,7 +66,11 @@ impl LeaseSource for LocalSource {
         self.agent.as_ref().map(prefill_stats).unwrap_or(Value::Null)
     }
     #[cfg(feature = "ucx")]
-    fn raw_ucx_target(&mut self, config: &kvxfer_ucx::UcxConfig, bytes: u64) -> Result<kvxfer_ucx::TargetInfo, String> {
+    fn raw_ucx_target(
+        &mut self,
+        config: &kvxfer_ucx::UcxConfig,
+        bytes: u64,
+    ) -> Result<kvxfer_ucx::TargetInfo, String> {
         self.raw_ucx = None;
         let (target, info) = crate::ucx_baseline::start_target(config, bytes)?;
         self.raw_ucx = Some(Box::new(target));
@@ -152,7 +160,11 @@ impl LeaseSource for RemoteSource {
         self.call(json!({"op": "stats"})).unwrap_or(Value::Null)
     }
     #[cfg(feature = "ucx")]
-    fn raw_ucx_target(&mut self, config: &kvxfer_ucx::UcxConfig, bytes: u64) -> Result<kvxfer_ucx::TargetInfo, String> {
+    fn raw_ucx_target(
+        &mut self,
+        config: &kvxfer_ucx::UcxConfig,
+        bytes: u64,
+    ) -> Result<kvxfer_ucx::TargetInfo, String> {
         let v = self.call(json!({"op": "raw_ucx_target", "bytes": bytes, "tls": config.tls,
                                  "peer_failure": config.peer_failure_handling}))?;
         crate::ucx_baseline::info_from_json(&v["info"])

@@ -103,8 +103,8 @@ pub(crate) fn run_level(
     .ucx_verify_payloads(run.ucx_verify_payloads)
     .map_err(|e| e.to_string())?;
     let config = crate::cli::metrics_config(config, &run.metrics)?;
-    let decoder =
-        DecodeAgent::start(config, KvMemory::alloc(layout).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let decoder = DecodeAgent::start(config, KvMemory::alloc(layout).map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
     // Peak RSS and fds from here on: what the agent and the requests in flight hold.
     let peak_reset = reset_peak_rss();
     let (rss_before, fds_before) = (rss_kib(), open_fds());
@@ -156,14 +156,18 @@ pub(crate) fn run_level(
                 .map_err(|e| e.to_string())?;
             in_flight.push(Box::pin(async move { (local, remote, lease_start, h.finished_timed().await) }));
         }
-        let Some((local, remote, lease_start, (report, arrived))) = futures::executor::block_on(in_flight.next())
+        let Some((local, remote, lease_start, (report, arrived))) =
+            futures::executor::block_on(in_flight.next())
         else {
             break;
         };
         let done_at = Instant::now();
         for ch in &report.children {
             if !matches!(ch.outcome, ChildOutcome::Done { .. }) {
-                return Err(format!("child {} of {}: {:?}", ch.child_index, report.parent_request_id, ch.outcome));
+                return Err(format!(
+                    "child {} of {}: {:?}",
+                    ch.child_index, report.parent_request_id, ch.outcome
+                ));
             }
         }
         if done_at >= warm && done_at < end {
@@ -233,7 +237,11 @@ pub(crate) fn run_level(
 
 /// Runs every (block size, concurrency) level of `run` and reports each; `Ok(false)` when
 /// a check failed.
-pub(crate) fn bench_many(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str) -> Result<bool, String> {
+pub(crate) fn bench_many(
+    run: &RunArgs,
+    source: &mut dyn LeaseSource,
+    processes: &str,
+) -> Result<bool, String> {
     let transport = run.transport.to_string();
     let mut all_ok = true;
     let mut rows = Vec::new();
