@@ -483,3 +483,89 @@ proptest! {
         }
     }
 }
+
+/// A machine over `remote`/`local` children, connected, with its first actions drained.
+fn connected(remote: &[Vec<BlockId>], local: &[Vec<BlockId>]) -> (PullMachine, Vec<Action>, Instant) {
+    let pairs: Vec<(&[BlockId], &[BlockId])> =
+        remote.iter().zip(local).map(|(r, l)| (r.as_slice(), l.as_slice())).collect();
+    let plan = ResultPlan::build(&pairs, 64, 64).expect("plan");
+    let children =
+        (0u32..).zip(local).map(|(i, l)| PullChild { child_index: i, local_blocks: l.clone() }).collect();
+    let mut m =
+        PullMachine::new(plan, children, PullConfig { heartbeat_every: EVERY, block_bytes: BLOCK_BYTES });
+    let now = Instant::now();
+    m.connected(now, true);
+    let actions = std::iter::from_fn(|| m.poll_action()).collect();
+    (m, actions, now)
+}
+
+/// A child whose own read alone settles it may send its notify with that read; once the
+/// read ends with the notify answered, the child is reported at once with that answer and
+/// no separate notify. Children sharing blocks (a copy from a sibling's read) never qualify.
+#[test]
+fn a_notify_sent_with_the_read_replaces_the_separate_notify() {
+    // Child 1 shares remote block 1 with child 0: one read, then a copy into child 1.
+    let remote = vec![vec![1, 2], vec![1, 3], vec![7, 8]];
+    let local = vec![vec![10, 11], vec![12, 13], vec![14, 15]];
+    let (mut m, started, now) = connected(&remote, &local);
+    assert!(m.plan().children[1].depends_on.contains(&0), "the plan shares block 1: {:?}", m.plan());
+    assert!(started.contains(&Action::StartRead(2)), "{started:?}");
+    assert!(!m.notify_with_read(0), "child 1 copies from child 0's blocks");
+    assert!(!m.notify_with_read(1), "child 1 depends on child 0's read");
+    assert!(m.notify_with_read(2));
+    assert!(!m.notify_with_read(3), "no such child");
+
+    m.read_finished_notified(
+        2,
+        now,
+        ReadResult::Ok { bytes: 2 * BLOCK_BYTES },
+        Some(ControlAnswer::Acknowledged),
+    );
+    let after: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    assert_eq!(
+        after,
+        vec![Action::Report {
+            child: 2,
+            outcome: ChildOutcome::Done { bytes_delivered: 2 * BLOCK_BYTES, acknowledged: true }
+        }]
+    );
+
+    // A refused notify is an answer too: reported done, not acknowledged, nothing resent.
+    let (mut m, _, now) = connected(&[vec![5]], &[vec![9]]);
+    m.read_finished_notified(
+        0,
+        now,
+        ReadResult::Ok { bytes: BLOCK_BYTES },
+        Some(ControlAnswer::NotAcknowledged),
+    );
+    let after: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    assert!(
+        matches!(
+            after.as_slice(),
+            [
+                Action::Report { child: 0, outcome: ChildOutcome::Done { acknowledged: false, .. } },
+                Action::Finished(_)
+            ]
+        ),
+        "{after:?}"
+    );
+}
+
+/// The answer to a notify sent with the read was lost: the notify goes out on its own. A
+/// read that failed has its lease cancelled as usual, whatever its notify was answered.
+#[test]
+fn a_lost_answer_or_a_failed_read_falls_back_to_the_separate_control() {
+    let (mut m, _, now) = connected(&[vec![5]], &[vec![9]]);
+    assert!(m.notify_with_read(0));
+    m.read_finished_notified(0, now, ReadResult::Ok { bytes: BLOCK_BYTES }, None);
+    assert_eq!(m.poll_action(), Some(Action::Notify(0)));
+    m.control_answered(0, now, ControlAnswer::Acknowledged);
+    assert!(matches!(
+        m.poll_action(),
+        Some(Action::Report { child: 0, outcome: ChildOutcome::Done { acknowledged: true, .. } })
+    ));
+
+    let (mut m, _, now) = connected(&[vec![5]], &[vec![9]]);
+    m.read_finished_notified(0, now, ReadResult::Failed(timeout("p")), Some(ControlAnswer::NotAcknowledged));
+    assert_eq!(m.poll_action(), Some(Action::CancelLease(0)));
+}

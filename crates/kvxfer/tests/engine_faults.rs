@@ -576,6 +576,11 @@ fn notify_and_cancel_whose_replies_were_lost_are_retried_and_acknowledged() {
                 answer_read(s, mem, body);
             }
         } else if ty == v1::FrameType::Notify as u8 {
+            // A notify sent behind child 1's read waits for that read, as on a real prefill
+            // side (frames of a connection are taken in order): never answered here.
+            if v1::Notify::decode(body).expect("notify").remote_request_id == "1_F" {
+                return Flow::Continue;
+            }
             if notifies.fetch_add(1, Ordering::SeqCst) == 0 {
                 return Flow::Close; // applied, answer lost
             }
@@ -774,4 +779,55 @@ fn a_tiny_lease_ttl_does_not_make_the_decode_side_heartbeat_in_a_loop() {
     eprintln!("{count} heartbeats while a read was held {held:?} (at most {bound})");
     assert!(count <= bound, "{count} heartbeats in {held:?}");
     assert!(count >= 1, "heartbeats still go out");
+}
+
+/// Over TCP, a child that nothing else settles sends its notify right behind its read
+/// request on the same connection (one round trip); children sharing blocks (one read,
+/// then a copy) notify on the control connection once settled. Every child is done and
+/// acknowledged, every byte right.
+#[test]
+fn a_child_alone_notifies_with_its_read_and_shared_children_on_the_control_connection() {
+    use std::sync::Mutex;
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let frames: std::sync::Arc<Mutex<Vec<(usize, u8, String)>>> = Default::default();
+    let seen = frames.clone();
+    let port = scripted_prefill(layout.clone(), "piggy", move |conn, s, ty, body, mem| {
+        let id = if ty == v1::FrameType::ReadRequest as u8 {
+            v1::ReadRequest::decode(body).expect("read").remote_request_id
+        } else if ty == v1::FrameType::Notify as u8 {
+            v1::Notify::decode(body).expect("notify").remote_request_id
+        } else {
+            String::new()
+        };
+        seen.lock().expect("frames").push((conn, ty, id));
+        if ty == v1::FrameType::ReadRequest as u8 {
+            answer_read(s, mem, body);
+        } else {
+            answer_control(s, ty, body);
+        }
+        Flow::Continue
+    });
+    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)), layout);
+    // Children 0 and 1 share remote block 1 (read once, copied); child 2 stands alone.
+    let result = fake_result(port, "piggy", &[vec![1, 2], vec![1, 3], vec![9, 10]]);
+    let report =
+        decode.submit(result, vec![vec![20, 21], vec![22, 23], vec![24, 25]]).expect("submit").wait();
+    for c in &report.children {
+        assert!(matches!(c.outcome, ChildOutcome::Done { acknowledged: true, .. }), "{report:?}");
+    }
+    assert!(verify(&decode, &[1, 2, 1, 3, 9, 10], &[20, 21, 22, 23, 24, 25]));
+    let frames = frames.lock().expect("frames").clone();
+    let (read_ty, notify_ty) = (v1::FrameType::ReadRequest as u8, v1::FrameType::Notify as u8);
+    let at = |ty: u8, id: &str| frames.iter().position(|f| f.1 == ty && f.2 == id).expect("frame seen");
+    // Child 2: its notify is the very next frame on its read's connection.
+    let (read, notify) = (at(read_ty, "2_F"), at(notify_ty, "2_F"));
+    let conn = frames[read].0;
+    let next_on_conn = frames.iter().skip(read + 1).position(|f| f.0 == conn).map(|k| k + read + 1);
+    assert_eq!(next_on_conn, Some(notify), "{frames:?}");
+    // Children 0 and 1: notified on a connection that carries no read.
+    for id in ["0_F", "1_F"] {
+        let conn = frames[at(notify_ty, id)].0;
+        assert!(!frames.iter().any(|f| f.0 == conn && f.1 == read_ty), "{id}: {frames:?}");
+    }
+    assert_eq!(frames.iter().filter(|f| f.1 == notify_ty).count(), 3, "one notify per child: {frames:?}");
 }
