@@ -49,6 +49,9 @@ pub(crate) struct Measured {
     pub(crate) bytes: u64,
     pub(crate) gib_per_s: f64,
     pub(crate) blocks_per_s: f64,
+    /// The 10th percentile: with the raw round trip's p10, the floors to compare on a
+    /// loaded machine.
+    pub(crate) p10_us: f64,
     pub(crate) p50_us: f64,
     pub(crate) p99_us: f64,
     pub(crate) max_us: f64,
@@ -184,6 +187,7 @@ pub(crate) fn run_block_size(
         bytes: bytes / u64::from(run.iters.max(1)),
         gib_per_s: gib / seconds.max(1e-9),
         blocks_per_s: (bytes / block) as f64 / seconds.max(1e-9),
+        p10_us: percentile(&latencies, 0.1),
         p50_us: percentile(&latencies, 0.5),
         p99_us: percentile(&latencies, 0.99),
         max_us: latencies.last().copied().unwrap_or(0.0),
