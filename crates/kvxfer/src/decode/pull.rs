@@ -321,15 +321,20 @@ impl Pull {
             loop {
                 let (token, memory, consumer) =
                     (child.token().as_bytes(), &self.inner.memory, &self.inner.consumer_id);
-                // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
-                // other pull writes them; the caller does not touch them until their report,
-                // which the machine sends only after this read ended), and `ResultPlan::build`
+                // The local blocks of `runs` were claimed by this pull in `submit` (no other
+                // pull writes them; the caller does not touch them until their report, which
+                // the machine sends only after this read ended), and `ResultPlan::build`
                 // checked them against the local layout.
-                #[allow(unsafe_code)]
                 let (r, notified) = if with_notify {
-                    unsafe { conn.read_into_then_notify(id, token, runs, memory, consumer) }.await
+                    // SAFETY: exclusive, in-layout destination blocks (above).
+                    #[allow(unsafe_code)]
+                    let r = unsafe { conn.read_into_then_notify(id, token, runs, memory, consumer) }.await;
+                    r
                 } else {
-                    (unsafe { conn.read_into(id, token, runs, memory) }.await, None)
+                    // SAFETY: exclusive, in-layout destination blocks (above).
+                    #[allow(unsafe_code)]
+                    let r = unsafe { conn.read_into(id, token, runs, memory) }.await;
+                    (r, None)
                 };
                 // A pooled connection the peer closed before answering (its idle close racing
                 // our request): nothing reached the blocks, so the read is made once more on a
