@@ -86,6 +86,7 @@ pub(crate) fn run_block_size(
                 AgentConfig::new(format!("bench-decode-{i}"))
                     .transport(run.transport)
                     .connections_per_peer(run.connections)
+                    .notify_with_read(run.notify_with_read)
                     .worker_threads(run.worker_threads),
                 &run.ucx_tls,
                 run.ucx_peer_failure,

@@ -97,7 +97,7 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
             let mut j = json!({
                 "transport": transport, "ucx_verify_payloads": run.ucx_verify_payloads, "processes": processes, "block_bytes": block, "bytes": m.bytes,
                 "n": run.n, "parents": run.parents, "iters": run.iters, "connections": run.connections,
-                "expected_consumers": run.expected_consumers,
+                "expected_consumers": run.expected_consumers, "notify_with_read": run.notify_with_read,
                 "gib_per_s": m.gib_per_s, "blocks_per_s": m.blocks_per_s, "p50_us": m.p50_us, "p99_us": m.p99_us,
                 "max_us": m.max_us, "cpu_s_per_gib": m.cpu_s_per_gib, "verified": m.verified, "prefill": m.prefill,
             });

@@ -96,6 +96,7 @@ pub(crate) fn run_level(
         AgentConfig::new("bench-decode-many")
             .transport(run.transport)
             .connections_per_peer(run.connections)
+            .notify_with_read(run.notify_with_read)
             .worker_threads(run.worker_threads),
         &run.ucx_tls,
         run.ucx_peer_failure,
@@ -274,6 +275,7 @@ pub(crate) fn bench_many(
                         "mode": "many", "transport": transport, "processes": processes, "block_bytes": block,
                         "concurrency": l.concurrency, "n": run.n, "blocks_per_child": run.workload.blocks_per_child,
                         "duration_s": run.workload.duration, "connections": run.connections,
+                        "notify_with_read": run.notify_with_read,
                         "requests": l.requests, "requests_per_s": l.requests_per_s, "gib_per_s": l.gib_per_s,
                         "p50_us": l.child_us[0], "p99_us": l.child_us[1], "p999_us": l.child_us[2], "max_us": l.child_us[3],
                         "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],

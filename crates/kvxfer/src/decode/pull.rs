@@ -145,9 +145,11 @@ impl Pull {
                         let Some((layout, path)) = &path else { continue };
                         let token = CancellationToken::new();
                         read_aborts[i] = Some(token.clone());
-                        // Over TCP a child that nothing else settles sends its notify with
-                        // its read: one round trip.
-                        let with_notify = *path == Path::Tcp && machine.notify_with_read(i);
+                        // Over TCP, when configured, a child that nothing else settles sends
+                        // its notify with its read: one round trip.
+                        let with_notify = this.inner.config.notify_with_read
+                            && *path == Path::Tcp
+                            && machine.notify_with_read(i);
                         io.push(Box::pin(this.read(&peer, i, layout, *path, token, with_notify)));
                     }
                     Action::AbortRead(i) => {
