@@ -48,6 +48,10 @@ struct Sim {
     heartbeats: Vec<(Instant, Vec<usize>)>,
     finished: u32,
     log: Vec<String>,
+    /// Reads send their child's notify along when the machine allows it (`notify_with_read`).
+    with_read: bool,
+    /// Children whose notify went with their read and was answered.
+    notified_with_read: BTreeSet<usize>,
 }
 
 impl Sim {
@@ -83,6 +87,8 @@ impl Sim {
             heartbeats: Vec::new(),
             finished: 0,
             log: Vec::new(),
+            with_read: false,
+            notified_with_read: BTreeSet::new(),
         })
     }
 
@@ -189,7 +195,17 @@ impl Sim {
     }
 
     fn finish_read(&mut self, k: usize, result: ReadResult) {
+        self.finish_read_with(k, result, Some(ControlAnswer::Acknowledged));
+    }
+
+    /// Ends read `k`; with `with_read` and a child the machine lets notify with its read, the
+    /// notify sent along was answered with `answer` (`None`: lost). Aborted and abandoned
+    /// reads never carry an answer (their connection is dropped mid-read).
+    fn finish_read_with(&mut self, k: usize, result: ReadResult, answer: Option<ControlAnswer>) {
         assert!(self.in_flight.remove(&k));
+        let carried = self.with_read
+            && self.m.notify_with_read(k)
+            && matches!(result, ReadResult::Ok { .. } | ReadResult::Failed(_));
         if let ReadResult::Ok { .. } = result {
             for run in &self.m.plan().children[k].wire.clone() {
                 for j in 0..run.count {
@@ -200,7 +216,14 @@ impl Sim {
         if let ReadResult::Abandoned(_) = result {
             self.held_reads.insert(k);
         }
-        self.m.read_finished(k, self.now, result);
+        if carried {
+            if answer.is_some() {
+                self.notified_with_read.insert(k);
+            }
+            self.m.read_finished_notified(k, self.now, result, answer);
+        } else {
+            self.m.read_finished(k, self.now, result);
+        }
         self.drain();
     }
 
@@ -244,7 +267,15 @@ impl Sim {
         for (i, r) in self.reports.iter().enumerate() {
             assert!(r.is_some(), "child {i} never reported");
             let c = self.controls[i];
-            if self.decided_unreachable.contains(&i) {
+            let done = matches!(r, Some(ChildOutcome::Done { .. }));
+            if self.notified_with_read.contains(&i) && done {
+                // Its notify went with its read: no exchange on its own.
+                assert_eq!(
+                    c, 0,
+                    "child {i}: {c} notifies/cancels after the one with its read\n{:#?}",
+                    self.log
+                );
+            } else if self.decided_unreachable.contains(&i) {
                 assert_eq!(c, 0, "child {i}: control sent to an unreachable peer");
             } else {
                 assert_eq!(c, 1, "child {i}: {c} notifies/cancels\n{:#?}", self.log);
@@ -418,12 +449,14 @@ proptest! {
         remote in prop::collection::vec(prop::collection::btree_set(0u32..8, 1..4), 1..6),
         share in prop::collection::vec(any::<bool>(), 1..8),
         abortable in any::<bool>(),
+        with_read in any::<bool>(),
         connect in 0u8..6,
         ops in prop::collection::vec((0u8..8, any::<u8>(), any::<u8>()), 0..60),
     ) {
         let remote: Vec<Vec<BlockId>> = remote.into_iter().map(|s| s.into_iter().collect()).collect();
         let local = locals(&remote, &share);
         let Some(mut s) = Sim::new(remote, local, abortable) else { return Ok(()) };
+        s.with_read = with_read;
         let n = s.reports.len();
         match connect {
             0 => {
@@ -450,7 +483,8 @@ proptest! {
                             _ => ReadResult::Failed(PullError::Integrity { peer: "p".into(), detail: "crc".into() }),
                         }
                     };
-                    s.finish_read(k, r);
+                    let answer = [Some(ControlAnswer::Acknowledged), Some(ControlAnswer::NotAcknowledged), None][a as usize / 7 % 3];
+                    s.finish_read_with(k, r, answer);
                 }
                 2 => { s.m.cancel(a as usize % n, s.now); s.drain(); }
                 3 => {
