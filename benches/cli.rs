@@ -88,6 +88,16 @@ pub(crate) struct RunArgs {
     /// Runtime threads of each agent.
     #[arg(long, default_value_t = 2)]
     pub(crate) worker_threads: usize,
+    /// Tensor-parallel size of the prefill engine: with --decode-tp or --block-ratio, a
+    /// heterogeneous run (head-slice pulls, one process) measured beside the whole-block path.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) prefill_tp: u32,
+    /// Tensor-parallel size of the decode engine (see --prefill-tp).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) decode_tp: u32,
+    /// Decode block tokens / prefill block tokens (see --prefill-tp).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) block_ratio: u32,
     /// Decode agents that each pull every child (heterogeneous TP); one process only.
     #[arg(long, default_value_t = 1)]
     pub(crate) expected_consumers: u32,

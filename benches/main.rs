@@ -11,12 +11,14 @@
 //!
 //! Layout: `cli` (options, agent configuration), `source` (where leases come from: an agent
 //! in this process or a `serve` process), `serve` (the prefill process of a two-process
-//! run), `measure` (one block size), `baselines` (raw TCP and memcpy), `report` (table, CSV
+//! run), `measure` (one block size), `hetero` (`--prefill-tp` / `--decode-tp` /
+//! `--block-ratio`: head-slice pulls beside the whole-block path), `baselines` (raw TCP and memcpy), `report` (table, CSV
 //! or JSON lines per block size), `plot` (the SVG).
 #![allow(missing_docs)]
 
 mod baselines;
 mod cli;
+mod hetero;
 mod measure;
 mod plot;
 mod procstat;
@@ -43,7 +45,9 @@ fn main() -> ExitCode {
     let result = match &cli.mode {
         Some(Mode::Serve(args)) => serve(args).map(|()| true),
         Some(Mode::Pull { peer, run }) => {
-            if run.expected_consumers > 1 {
+            if (run.prefill_tp, run.decode_tp, run.block_ratio) != (1, 1, 1) {
+                Err("--prefill-tp / --decode-tp / --block-ratio are measured in one process".into())
+            } else if run.expected_consumers > 1 {
                 Err("--expected-consumers > 1 is measured in one process (several decode agents)".into())
             } else {
                 RemoteSource::connect(peer).and_then(|mut source| {
@@ -52,6 +56,9 @@ fn main() -> ExitCode {
                     r
                 })
             }
+        }
+        None if (cli.run.prefill_tp, cli.run.decode_tp, cli.run.block_ratio) != (1, 1, 1) => {
+            hetero::bench_hetero(&cli.run)
         }
         None => ucx_config(
             AgentConfig::new("bench-prefill")

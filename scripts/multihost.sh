@@ -27,6 +27,11 @@ command -v ip >/dev/null || skip "ip (iproute2) is not installed"
 command -v etcd >/dev/null || skip "etcd is not installed (apt-get install etcd-server)"
 probe="kvxprobe$$"
 ip netns add "$probe" 2>/dev/null || skip "'ip netns add' does not work here (no network namespaces in this container?)"
+# `ip netns exec` also remounts /sys, which some containers refuse even when `add` works.
+if ! ip netns exec "$probe" true 2>/dev/null; then
+    ip netns del "$probe" 2>/dev/null || true
+    skip "'ip netns exec' does not work here (cannot enter or remount /sys in a network namespace)"
+fi
 ip netns del "$probe"
 
 if [ -n "${KVXFER_BIN_DIR:-}" ]; then
@@ -48,6 +53,10 @@ hub="$p-hub"
 hosts=(etcd pre dec)
 declare -A ip_of=([etcd]=10.77.0.1 [pre]=10.77.0.2 [dec]=10.77.0.3)
 
+# etcd's data (its WAL alone is 64 MB) lives in a directory this script owns: killing the
+# driver (below, on failure or interruption) skips its own clean-up.
+etcd_dir=$(mktemp -d "${TMPDIR:-/tmp}/kvxfer-multihost-etcd.XXXXXX")
+
 cleanup() {
     for ns in "${hosts[@]/#/$p-}" "$hub"; do
         pids=$(ip netns pids "$ns" 2>/dev/null || true)
@@ -55,6 +64,7 @@ cleanup() {
         [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
         ip netns del "$ns" 2>/dev/null || true
     done
+    rm -rf "$etcd_dir"
 }
 trap cleanup EXIT
 trap "exit 130" INT TERM
@@ -79,7 +89,7 @@ echo "multihost: namespaces $p-{etcd,pre,dec} at 10.77.0.{1,2,3}, bridged in $hu
 
 ip netns exec "$hub" "$bin/kvxfer-multihost" \
     --node-bin "$bin/kvxfer-node" \
-    --etcd-ns "$p-etcd" --etcd-ip "${ip_of[etcd]}" \
+    --etcd-ns "$p-etcd" --etcd-ip "${ip_of[etcd]}" --etcd-dir "$etcd_dir" \
     --prefill-ns "$p-pre" --prefill-ip "${ip_of[pre]}" \
     --decode-ns "$p-dec" --decode-ip "${ip_of[dec]}" \
     "$@"

@@ -4,11 +4,12 @@
 #
 # What it needs beyond the toolchain is installed first: the UCX development files (the
 # `ucx` feature: ucx-sys runs bindgen, which needs libclang, against the UCX that
-# pkg-config finds). The wire protocol needs nothing: protox compiles it in pure Rust.
+# pkg-config finds), and python3-venv for the Python binding's virtualenv (Debian's python3
+# cannot make one without it). The wire protocol needs nothing: protox compiles it in pure Rust.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server protobuf-compiler)
+SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server protobuf-compiler python3-venv)
 missing=()
 for p in "${SYSTEM_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -38,3 +39,17 @@ cargo run --locked --example tokio_host -- --n 4 --cancel-child 1 --json
 echo "== multi-host run in network namespaces (etcd, prefill, decode; TCP and UCX-tcp; kill -9 and restart; skipped unless root)"
 KVXFER_BIN_DIR="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug" \
     bash scripts/multihost.sh
+
+echo "== Python binding and vLLM connector (the wheel built by maturin into a virtualenv, pytest)"
+# The virtualenv is reused when present; `maturin develop --release` compiles the engine once
+# more, in release, into the kvxfer package (python/kvxfer) installed in it.
+VENV=target/py-venv
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" pytest numpy
+(
+    # shellcheck disable=SC1091
+    source "$VENV/bin/activate"
+    maturin develop --release --locked -q
+)
+# -rs prints why a test was skipped (the real-vLLM contract test runs only where vllm imports).
+"$VENV/bin/python" -m pytest -q -rs python/tests

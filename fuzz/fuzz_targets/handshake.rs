@@ -46,6 +46,8 @@ fn ack() -> v1::HelloAck {
         transports: vec![v1::TransportOffer { transport: v1::Transport::Tcp as i32, connection_info: vec![] }],
         incarnation: 7,
         authenticated: false,
+        other_group_layouts: vec![],
+        kv_shape: None,
     }
 }
 
@@ -101,6 +103,7 @@ fuzz_target!(|data: &[u8]| {
         cluster_key: keyed.then(key),
         limits: Limits::default(),
         counters: Arc::new(ServerCounters::default()),
+        leases_made: Arc::new(tokio::sync::Notify::new()),
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("runtime");

@@ -228,6 +228,9 @@ fn control_handshake_bytes(blocks: u32) -> u64 {
         }],
         nonce: vec![0; 32],
         authenticated: true,
+        // A single-group cache: nothing on the wire.
+        other_group_layouts: vec![],
+        kv_shape: None,
     };
     let proof = kvxfer_proto::v1::HelloProof { mac: vec![0; 32] };
     (5 + hello.encoded_len() + 5 + proof.encoded_len()) as u64
@@ -272,6 +275,9 @@ fn control_handshake_answer_bytes(blocks: u32) -> u64 {
         }],
         incarnation: 1, // fixed64: the same size whatever its (non-zero) value
         authenticated: true,
+        // A single-group cache: nothing on the wire.
+        other_group_layouts: vec![],
+        kv_shape: None,
     };
     let proof = kvxfer_proto::v1::HelloProof { mac: vec![0; 32] };
     (5 + challenge.encoded_len() + 5 + ack.encoded_len() + 5 + proof.encoded_len()) as u64

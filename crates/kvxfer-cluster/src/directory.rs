@@ -1,7 +1,7 @@
 //! The decode side's view of the registered engines: a cache filled by one prefix list and
 //! kept current by a prefix watch.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use crate::backoff::{Backoff, WarnLimiter};
 use crate::error::{Error, EtcdError, EtcdOp, RecordError, ResolveError};
 use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusCell, StatusWatch};
 use crate::names::{engines_prefix, EngineId, EngineKey, Namespace};
-use crate::record::EngineRecord;
+use crate::record::{AdvertiseAddr, EngineRecord};
 
 /// One registered engine rank as the directory last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,6 +70,8 @@ pub enum IgnoreReason {
     UnsupportedVersion,
     /// A record whose layout hash differs from the expected one.
     LayoutMismatch,
+    /// A new rank while the cache holds [`DirectoryOptions::max_entries`] already.
+    Limit,
 }
 
 impl IgnoreReason {
@@ -80,15 +82,17 @@ impl IgnoreReason {
             IgnoreReason::Malformed => "malformed",
             IgnoreReason::UnsupportedVersion => "unsupported_version",
             IgnoreReason::LayoutMismatch => "layout_mismatch",
+            IgnoreReason::Limit => "limit",
         }
     }
 
     /// Every reason.
-    pub const ALL: [IgnoreReason; 4] = [
+    pub const ALL: [IgnoreReason; 5] = [
         IgnoreReason::BadKey,
         IgnoreReason::Malformed,
         IgnoreReason::UnsupportedVersion,
         IgnoreReason::LayoutMismatch,
+        IgnoreReason::Limit,
     ];
 }
 
@@ -100,13 +104,16 @@ pub(crate) struct Ignored {
     pub(crate) detail: String,
 }
 
-/// The cache and the rules that turn etcd's keys and values into events (sans-IO).
-#[derive(Debug)]
-pub(crate) struct DirectoryCache {
+/// What a key-value pair turned out to be: an entry, or why it is ignored (with the key when
+/// the key itself was good, so that its cached entry can be dropped).
+pub(crate) type Parsed = Result<EngineEntry, (Option<EngineKey>, Ignored)>;
+
+/// The rules that turn etcd's keys and values into entries. Applied outside the cache's
+/// lock, so that a large listing never holds `resolve` up while it is parsed.
+#[derive(Debug, Clone)]
+pub(crate) struct RecordRules {
     namespace: Namespace,
     expected_compat_hash: Option<u64>,
-    engines: HashMap<EngineId, BTreeMap<u32, Arc<EngineEntry>>>,
-    len: usize,
 }
 
 /// A key-value pair as etcd delivers it.
@@ -117,30 +124,20 @@ pub(crate) struct Kv<'a> {
     pub(crate) lease: i64,
 }
 
-impl DirectoryCache {
+impl<'a> From<&'a etcd_client::KeyValue> for Kv<'a> {
+    fn from(kv: &'a etcd_client::KeyValue) -> Self {
+        Kv { key: kv.key(), value: kv.value(), mod_revision: kv.mod_revision(), lease: kv.lease() }
+    }
+}
+
+impl RecordRules {
     pub(crate) fn new(namespace: Namespace, expected_compat_hash: Option<u64>) -> Self {
-        Self { namespace, expected_compat_hash, engines: HashMap::new(), len: 0 }
-    }
-
-    pub(crate) fn get(&self, engine_id: &str, rank: u32) -> Option<Arc<EngineEntry>> {
-        self.engines.get(engine_id)?.get(&rank).cloned()
-    }
-
-    pub(crate) fn engine(&self, engine_id: &str) -> Vec<Arc<EngineEntry>> {
-        self.engines.get(engine_id).map(|ranks| ranks.values().cloned().collect()).unwrap_or_default()
-    }
-
-    pub(crate) fn entries(&self) -> Vec<Arc<EngineEntry>> {
-        self.engines.values().flat_map(|ranks| ranks.values().cloned()).collect()
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
+        Self { namespace, expected_compat_hash }
     }
 
     /// Turns a key-value pair into an entry, or says why it is ignored. A bad key yields
     /// `Err((None, ..))`; a good key with a bad value `Err((Some(key), ..))`.
-    fn parse(&self, kv: &Kv<'_>) -> Result<EngineEntry, (Option<EngineKey>, Ignored)> {
+    pub(crate) fn parse(&self, kv: &Kv<'_>) -> Parsed {
         let lossy_key = || String::from_utf8_lossy(kv.key).into_owned();
         let key = EngineKey::parse(&self.namespace, kv.key).map_err(|e| {
             (None, Ignored { reason: IgnoreReason::BadKey, key: lossy_key(), detail: e.to_string() })
@@ -165,10 +162,139 @@ impl DirectoryCache {
         Ok(EngineEntry { key, record, mod_revision: kv.mod_revision, lease: kv.lease })
     }
 
-    fn insert(&mut self, entry: EngineEntry) -> Option<DirectoryEvent> {
+    /// The engine key of a deleted key, if it is one (others were never cached).
+    pub(crate) fn deleted_key(&self, key: &[u8]) -> Option<EngineKey> {
+        EngineKey::parse(&self.namespace, key).ok()
+    }
+}
+
+/// One change the watch saw, parsed (outside the cache's lock).
+pub(crate) enum Change {
+    /// A PUT.
+    Put(Parsed),
+    /// A DELETE of an engine key.
+    Delete(EngineKey),
+}
+
+/// Incarnations the cache saw deleted or replaced, most recent last (bounded).
+#[derive(Debug, Default)]
+struct GoneIncarnations {
+    order: VecDeque<(EngineId, u64)>,
+    set: HashSet<(EngineId, u64)>,
+}
+
+impl GoneIncarnations {
+    /// Plenty for every engine restart between two pulls of a hand-off.
+    const CAPACITY: usize = 4096;
+
+    fn insert(&mut self, engine: &EngineId, incarnation: u64) {
+        let key = (engine.clone(), incarnation);
+        if incarnation == 0 || !self.set.insert(key.clone()) {
+            return;
+        }
+        self.order.push_back(key);
+        while self.order.len() > Self::CAPACITY {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    /// The same incarnation registered again (e.g. re-put after etcd lost its data).
+    fn remove(&mut self, engine: &EngineId, incarnation: u64) {
+        let key = (engine.clone(), incarnation);
+        if self.set.remove(&key) {
+            self.order.retain(|k| *k != key);
+        }
+    }
+
+    fn contains(&self, engine: &EngineId, incarnation: u64) -> bool {
+        self.set.contains(&(engine.clone(), incarnation))
+    }
+}
+
+/// The cache (sans-IO): applies parsed changes and turns them into events, and remembers
+/// the incarnations that went (under the same lock, so a check never lags the cache).
+#[derive(Debug)]
+pub(crate) struct DirectoryCache {
+    engines: HashMap<EngineId, BTreeMap<u32, Arc<EngineEntry>>>,
+    len: usize,
+    max_entries: usize,
+    gone: GoneIncarnations,
+}
+
+impl DirectoryCache {
+    pub(crate) fn new(max_entries: usize) -> Self {
+        Self { engines: HashMap::new(), len: 0, max_entries, gone: GoneIncarnations::default() }
+    }
+
+    /// Whether a hand-off of `engine_id`'s `incarnation` (nonzero), made at `addr` when
+    /// it names one, may be pulled from: not if that incarnation was seen to go and is not
+    /// listed again, nor (when `listed` says the cache is complete) if the rank at `addr`
+    /// is registered with another incarnation.
+    pub(crate) fn check_handoff(
+        &self,
+        engine_id: &str,
+        incarnation: u64,
+        addr: Option<&AdvertiseAddr>,
+        listed: bool,
+    ) -> Result<(), ResolveError> {
+        if incarnation == 0 {
+            return Ok(());
+        }
+        let ranks = self.engines.get(engine_id);
+        let cached = || ranks.into_iter().flat_map(|r| r.values());
+        if cached().any(|e| e.record.incarnation == incarnation) {
+            return Ok(());
+        }
+        let engine = || engine_id.to_owned();
+        if let Ok(id) = EngineId::new(engine_id) {
+            if self.gone.contains(&id, incarnation) {
+                return Err(ResolveError::Gone { engine: engine(), incarnation });
+            }
+        }
+        if let (true, Some(addr)) = (listed, addr) {
+            if let Some(e) = cached().find(|e| e.record.addr == *addr) {
+                return Err(ResolveError::StaleIncarnation {
+                    engine: engine(),
+                    rank: e.key.rank,
+                    handoff: incarnation,
+                    registered: e.record.incarnation,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn get(&self, engine_id: &str, rank: u32) -> Option<Arc<EngineEntry>> {
+        self.engines.get(engine_id)?.get(&rank).cloned()
+    }
+
+    pub(crate) fn engine(&self, engine_id: &str) -> Vec<Arc<EngineEntry>> {
+        self.engines.get(engine_id).map(|ranks| ranks.values().cloned().collect()).unwrap_or_default()
+    }
+
+    pub(crate) fn entries(&self) -> Vec<Arc<EngineEntry>> {
+        self.engines.values().flat_map(|ranks| ranks.values().cloned()).collect()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Caches `entry`; a new rank while the cache is full is ignored instead.
+    fn insert(&mut self, entry: EngineEntry) -> Result<Option<DirectoryEvent>, Ignored> {
+        if self.len >= self.max_entries && self.get(entry.key.engine_id.as_str(), entry.key.rank).is_none() {
+            return Err(Ignored {
+                reason: IgnoreReason::Limit,
+                key: entry.key.to_string(),
+                detail: format!("the directory holds {} ranks already (its limit)", self.len),
+            });
+        }
         let new = Arc::new(entry);
+        self.gone.remove(&new.key.engine_id, new.record.incarnation);
         let ranks = self.engines.entry(new.key.engine_id.clone()).or_default();
-        match ranks.insert(new.key.rank, new.clone()) {
+        Ok(match ranks.insert(new.key.rank, new.clone()) {
             None => {
                 self.len += 1;
                 Some(DirectoryEvent::Added(new))
@@ -176,8 +302,13 @@ impl DirectoryCache {
             // The same record written again (a re-registration on a new lease): nothing
             // a connection cares about changed.
             Some(old) if old.record == new.record => None,
-            Some(old) => Some(DirectoryEvent::Updated { old, new }),
-        }
+            Some(old) => {
+                if old.record.incarnation != new.record.incarnation {
+                    self.gone.insert(&old.key.engine_id, old.record.incarnation);
+                }
+                Some(DirectoryEvent::Updated { old, new })
+            }
+        })
     }
 
     fn remove(&mut self, key: &EngineKey) -> Option<DirectoryEvent> {
@@ -187,47 +318,67 @@ impl DirectoryCache {
             self.engines.remove(key.engine_id.as_str());
         }
         self.len -= 1;
+        self.gone.insert(&old.key.engine_id, old.record.incarnation);
         Some(DirectoryEvent::Removed(old))
     }
 
     /// A PUT seen by the watch. A good key whose value is no longer a usable record loses
     /// its cached entry (it no longer describes a reachable engine).
-    pub(crate) fn apply_put(&mut self, kv: &Kv<'_>) -> (Option<DirectoryEvent>, Option<Ignored>) {
-        match self.parse(kv) {
-            Ok(entry) => (self.insert(entry), None),
+    pub(crate) fn apply_put(&mut self, parsed: Parsed) -> (Option<DirectoryEvent>, Option<Ignored>) {
+        match parsed {
+            Ok(entry) => match self.insert(entry) {
+                Ok(event) => (event, None),
+                Err(ignored) => (None, Some(ignored)),
+            },
             Err((Some(key), ignored)) => (self.remove(&key), Some(ignored)),
             Err((None, ignored)) => (None, Some(ignored)),
         }
     }
 
-    /// A DELETE seen by the watch (keys that are not engine keys were never cached).
-    pub(crate) fn apply_delete(&mut self, key: &[u8]) -> Option<DirectoryEvent> {
-        let key = EngineKey::parse(&self.namespace, key).ok()?;
-        self.remove(&key)
+    /// A DELETE seen by the watch.
+    pub(crate) fn apply_delete(&mut self, key: &EngineKey) -> Option<DirectoryEvent> {
+        self.remove(key)
+    }
+
+    /// Changes the watch saw, in order.
+    pub(crate) fn apply(&mut self, changes: Vec<Change>) -> (Vec<DirectoryEvent>, Vec<Ignored>) {
+        let mut events = Vec::new();
+        let mut ignored = Vec::new();
+        for change in changes {
+            match change {
+                Change::Put(parsed) => {
+                    let (e, i) = self.apply_put(parsed);
+                    events.extend(e);
+                    ignored.extend(i);
+                }
+                Change::Delete(key) => events.extend(self.apply_delete(&key)),
+            }
+        }
+        (events, ignored)
     }
 
     /// A full listing: replaces the cache, and returns what changed since the last one.
-    pub(crate) fn replace_all<'a>(
-        &mut self,
-        kvs: impl IntoIterator<Item = Kv<'a>>,
-    ) -> (Vec<DirectoryEvent>, Vec<Ignored>) {
+    pub(crate) fn replace_all(&mut self, listing: Vec<Parsed>) -> (Vec<DirectoryEvent>, Vec<Ignored>) {
         let mut fresh = Vec::new();
         let mut ignored = Vec::new();
-        for kv in kvs {
-            match self.parse(&kv) {
+        for parsed in listing {
+            match parsed {
                 Ok(entry) => fresh.push(entry),
                 Err((_, i)) => ignored.push(i),
             }
         }
         let mut events = Vec::new();
-        let listed: std::collections::HashSet<EngineKey> = fresh.iter().map(|e| e.key.clone()).collect();
+        let listed: std::collections::HashSet<&EngineKey> = fresh.iter().map(|e| &e.key).collect();
         let gone: Vec<EngineKey> =
             self.entries().into_iter().map(|e| e.key.clone()).filter(|k| !listed.contains(k)).collect();
         for key in gone {
             events.extend(self.remove(&key));
         }
         for entry in fresh {
-            events.extend(self.insert(entry));
+            match self.insert(entry) {
+                Ok(event) => events.extend(event),
+                Err(i) => ignored.push(i),
+            }
         }
         (events, ignored)
     }
@@ -262,12 +413,25 @@ fn check_current(
     }
 }
 
+/// The default [`DirectoryOptions::max_entries`].
+pub const DEFAULT_MAX_ENTRIES: usize = 65_536;
+
 /// Options of a directory.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct DirectoryOptions {
     /// When set, records with another layout hash are ignored (and counted): this agent
     /// could not pull from them anyway.
     pub expected_compat_hash: Option<u64>,
+    /// Most ranks cached; further new ones are ignored (counted as `limit`), so that a
+    /// flood of valid keys cannot grow the cache without bound. Default
+    /// [`DEFAULT_MAX_ENTRIES`].
+    pub max_entries: usize,
+}
+
+impl Default for DirectoryOptions {
+    fn default() -> Self {
+        Self { expected_compat_hash: None, max_entries: DEFAULT_MAX_ENTRIES }
+    }
 }
 
 /// Counters of a directory.
@@ -289,6 +453,8 @@ pub struct DirectoryStats {
     pub ignored_unsupported_version: u64,
     /// Values ignored: another layout hash.
     pub ignored_layout_mismatch: u64,
+    /// New ranks ignored: the cache held [`DirectoryOptions::max_entries`].
+    pub ignored_limit: u64,
     /// Full listings (1 + one per reconnection).
     pub listings: u64,
 }
@@ -301,6 +467,7 @@ impl DirectoryStats {
             IgnoreReason::Malformed => self.ignored_malformed,
             IgnoreReason::UnsupportedVersion => self.ignored_unsupported_version,
             IgnoreReason::LayoutMismatch => self.ignored_layout_mismatch,
+            IgnoreReason::Limit => self.ignored_limit,
         }
     }
 }
@@ -310,7 +477,7 @@ struct Counters {
     added: AtomicU64,
     updated: AtomicU64,
     removed: AtomicU64,
-    ignored: [AtomicU64; 4],
+    ignored: [AtomicU64; 5],
     listings: AtomicU64,
 }
 
@@ -322,6 +489,9 @@ pub(crate) struct Shared {
     counters: Counters,
     synced: AtomicBool,
     warn: Mutex<WarnLimiter>,
+    /// Rate limit of the per-event info logs (a flood of keys cannot flood the log).
+    event_logs: Mutex<WarnLimiter>,
+    rules: RecordRules,
 }
 
 impl Shared {
@@ -341,6 +511,7 @@ impl Shared {
             ignored_malformed: l(&c.ignored[1]),
             ignored_unsupported_version: l(&c.ignored[2]),
             ignored_layout_mismatch: l(&c.ignored[3]),
+            ignored_limit: l(&c.ignored[4]),
             listings: l(&c.listings),
         }
     }
@@ -363,23 +534,28 @@ impl Shared {
         if events.is_empty() {
             return;
         }
+        let mut logs = self.event_logs.lock().unwrap_or_else(PoisonError::into_inner);
         for event in &events {
             let counter = match event {
-                DirectoryEvent::Added(e) => {
-                    tracing::info!(engine = %e.key, addr = %e.record.addr, incarnation = %format_args!("{:016x}", e.record.incarnation), "engine registered");
-                    &self.counters.added
-                }
-                DirectoryEvent::Updated { old, new } => {
-                    tracing::info!(engine = %new.key, addr = %new.record.addr, old_incarnation = %format_args!("{:016x}", old.record.incarnation), new_incarnation = %format_args!("{:016x}", new.record.incarnation), "engine record changed");
-                    &self.counters.updated
-                }
-                DirectoryEvent::Removed(e) => {
-                    tracing::info!(engine = %e.key, addr = %e.record.addr, "engine gone");
-                    &self.counters.removed
-                }
+                DirectoryEvent::Added(_) => &self.counters.added,
+                DirectoryEvent::Updated { .. } => &self.counters.updated,
+                DirectoryEvent::Removed(_) => &self.counters.removed,
             };
             counter.fetch_add(1, Ordering::Relaxed);
+            let Some(suppressed) = logs.allow(Instant::now()) else { continue };
+            match event {
+                DirectoryEvent::Added(e) => {
+                    tracing::info!(engine = %e.key, addr = %e.record.addr, incarnation = %format_args!("{:016x}", e.record.incarnation), suppressed, "engine registered");
+                }
+                DirectoryEvent::Updated { old, new } => {
+                    tracing::info!(engine = %new.key, addr = %new.record.addr, old_incarnation = %format_args!("{:016x}", old.record.incarnation), new_incarnation = %format_args!("{:016x}", new.record.incarnation), suppressed, "engine record changed");
+                }
+                DirectoryEvent::Removed(e) => {
+                    tracing::info!(engine = %e.key, addr = %e.record.addr, suppressed, "engine gone");
+                }
+            }
         }
+        drop(logs);
         let mut subscribers = self.subscribers.lock().unwrap_or_else(PoisonError::into_inner);
         subscribers.retain(|tx| events.iter().all(|e| tx.send(e.clone()).is_ok()));
     }
@@ -431,11 +607,13 @@ impl EngineDirectory {
         etcd.check()?;
         let shared = Arc::new(Shared {
             status: StatusCell::new(),
-            cache: RwLock::new(DirectoryCache::new(namespace.clone(), options.expected_compat_hash)),
+            cache: RwLock::new(DirectoryCache::new(options.max_entries)),
             subscribers: Mutex::new(Vec::new()),
             counters: Counters::default(),
             synced: AtomicBool::new(false),
             warn: Mutex::new(WarnLimiter::new(10)),
+            event_logs: Mutex::new(WarnLimiter::new(EVENT_LOGS_PER_SECOND)),
+            rules: RecordRules::new(namespace.clone(), options.expected_compat_hash),
         });
         let (stop_tx, stop_rx) = oneshot::channel();
         let watcher = Watcher { shared: shared.clone(), etcd, prefix: engines_prefix(&namespace) };
@@ -465,6 +643,23 @@ impl EngineDirectory {
     ) -> Result<Arc<EngineEntry>, ResolveError> {
         let entry = self.resolve(engine_id, rank);
         check_current(entry, self.is_synced(), engine_id, rank, incarnation)
+    }
+
+    /// Whether a hand-off of `engine_id` made by `incarnation` (0: states none, never
+    /// refused) at `addr` (when it names one) may be pulled from, judged from the cache
+    /// alone: [`ResolveError::Gone`] when the directory saw that incarnation deleted or
+    /// replaced and does not list it again; [`ResolveError::StaleIncarnation`] when the
+    /// directory has listed etcd and the rank registered at `addr` is another incarnation
+    /// (a restart this agent may not have seen happen). Checked under the cache's lock,
+    /// so it never lags the events subscribers receive.
+    pub fn check_handoff(
+        &self,
+        engine_id: &str,
+        incarnation: u64,
+        addr: Option<&AdvertiseAddr>,
+    ) -> Result<(), ResolveError> {
+        let cache = self.shared.cache();
+        cache.check_handoff(engine_id, incarnation, addr, self.is_synced())
     }
 
     /// Every cached rank of `engine_id`, by rank.
@@ -567,33 +762,29 @@ impl Watcher {
     async fn session(&self, backoff: &mut Backoff) -> EtcdError {
         let etcd = &self.etcd;
         // A fresh client per attempt: no state survives from a broken connection.
-        let mut client: Client = match etcd.client().await {
+        let client: Client = match etcd.client().await {
             Ok(c) => c,
             Err(e) => return e,
         };
-        let listing =
-            etcd.call(EtcdOp::List, client.get(self.prefix.as_str(), Some(GetOptions::new().with_prefix())));
-        let listing = match listing.await {
-            Ok(r) => r,
+        let (revision, listing) = match self.list(&client).await {
+            Ok(l) => l,
             Err(e) => return e,
         };
-        let revision = listing.header().map_or(0, |h| h.revision());
         self.shared.counters.listings.fetch_add(1, Ordering::Relaxed);
-        self.shared.update(|cache| {
-            cache.replace_all(listing.kvs().iter().map(|kv| Kv {
-                key: kv.key(),
-                value: kv.value(),
-                mod_revision: kv.mod_revision(),
-                lease: kv.lease(),
-            }))
-        });
-        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+        self.shared.update(|cache| cache.replace_all(listing));
+        // Listed: the cache is a whole snapshot from here on, so what it lacks (or lists
+        // under another incarnation) can be judged — also in the window before the watch
+        // below is set up (a check made then saw a filled cache but called it unlisted).
+        self.shared.synced.store(true, Ordering::Release);
+        // Fragments: etcd splits a response larger than its request limit (1.5 MiB by
+        // default) instead of sending one that could exceed the client's.
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1).with_fragment();
+        let mut watch_client = client.watch_client().max_decoding_message_size(etcd.max_response_bytes);
         let mut stream =
-            match etcd.call(EtcdOp::Watch, client.watch(self.prefix.as_str(), Some(options))).await {
+            match etcd.call(EtcdOp::Watch, watch_client.watch(self.prefix.as_str(), Some(options))).await {
                 Ok(s) => s,
                 Err(e) => return e,
             };
-        self.shared.synced.store(true, Ordering::Release);
         backoff.reset();
         if self.shared.status.connected() {
             tracing::info!(prefix = %self.prefix, revision, "engine directory reconnected to etcd and re-listed");
@@ -620,28 +811,91 @@ impl Watcher {
             if response.events().is_empty() {
                 continue;
             }
-            self.shared.update(|cache| {
-                let mut events = Vec::new();
-                let mut ignored = Vec::new();
-                for event in response.events() {
-                    let Some(kv) = event.kv() else { continue };
+            let rules = &self.shared.rules;
+            let changes: Vec<Change> = response
+                .events()
+                .iter()
+                .filter_map(|event| {
+                    let kv = event.kv()?;
                     match event.event_type() {
-                        EventType::Put => {
-                            let (e, i) = cache.apply_put(&Kv {
-                                key: kv.key(),
-                                value: kv.value(),
-                                mod_revision: kv.mod_revision(),
-                                lease: kv.lease(),
-                            });
-                            events.extend(e);
-                            ignored.extend(i);
-                        }
-                        EventType::Delete => events.extend(cache.apply_delete(kv.key())),
+                        EventType::Put => Some(Change::Put(rules.parse(&Kv::from(kv)))),
+                        EventType::Delete => rules.deleted_key(kv.key()).map(Change::Delete),
                     }
-                }
-                (events, ignored)
-            });
+                })
+                .collect();
+            self.shared.update(|cache| cache.apply(changes));
         }
+    }
+
+    /// Lists the prefix page by page, every page at the first page's revision (a
+    /// consistent snapshot; a revision compacted meanwhile fails the listing, which is then
+    /// retried), parsing each page as it comes. A page larger than the client accepts
+    /// is asked for again with half as many keys. Returns the revision and the parsed pairs.
+    async fn list(&self, client: &Client) -> Result<(i64, Vec<Parsed>), EtcdError> {
+        let mut kv = client.kv_client().max_decoding_message_size(self.etcd.max_response_bytes);
+        let end = prefix_end(self.prefix.as_bytes());
+        let mut from = self.prefix.clone().into_bytes();
+        let mut revision = 0;
+        let mut page_keys = LIST_PAGE_KEYS;
+        let mut parsed = Vec::new();
+        loop {
+            let mut options = GetOptions::new().with_range(end.clone()).with_limit(page_keys);
+            if revision > 0 {
+                options = options.with_revision(revision);
+            }
+            let page = match self.etcd.call(EtcdOp::List, kv.get(from.clone(), Some(options))).await {
+                Ok(page) => page,
+                Err(e) if page_keys > 1 && is_message_too_large(&e) => {
+                    page_keys /= 2;
+                    tracing::debug!(prefix = %self.prefix, page_keys, "listing page too large; asking for fewer keys");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            if revision == 0 {
+                revision = page.header().map_or(0, |h| h.revision());
+            }
+            parsed.extend(page.kvs().iter().map(|kv| self.shared.rules.parse(&Kv::from(kv))));
+            match page.kvs().last() {
+                Some(last) if page.more() => {
+                    // The next page starts right after the last key of this one.
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => return Ok((revision, parsed)),
+            }
+        }
+    }
+}
+
+/// Keys asked for per listing page (fewer when a page would exceed the client's message
+/// limit). Valid records are at most 4 KiB; a page of junk values etcd accepts (1.5 MiB
+/// each by default) stays under [`EtcdConfig::max_response_bytes`]'s default 128 MiB.
+const LIST_PAGE_KEYS: i64 = 64;
+
+/// Most per-event info logs a second; the others are counted in the next one.
+const EVENT_LOGS_PER_SECOND: u32 = 20;
+
+/// The end of the key range of `prefix` (the first key after every key it starts).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < u8::MAX {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Only 0xff bytes: every key from the prefix on (etcd's "\0" range end).
+    vec![0]
+}
+
+/// The client refused a message above its decoding limit (tonic's `OutOfRange`).
+fn is_message_too_large(e: &EtcdError) -> bool {
+    match e {
+        EtcdError::Client { source: etcd_client::Error::GRpcStatus(status), .. } => {
+            status.message().contains("message length too large")
+        }
+        _ => false,
     }
 }
 
@@ -667,8 +921,46 @@ mod tests {
         Kv { key, value, mod_revision: 1, lease: 7 }
     }
 
-    fn cache() -> DirectoryCache {
-        DirectoryCache::new(Namespace::new("ns").expect("ns"), Some(0xab))
+    /// A cache and the rules that parse for it, as the watcher uses them.
+    struct Cache {
+        rules: RecordRules,
+        cache: DirectoryCache,
+    }
+
+    impl Cache {
+        fn apply_put(&mut self, kv: &Kv<'_>) -> (Option<DirectoryEvent>, Option<Ignored>) {
+            self.cache.apply_put(self.rules.parse(kv))
+        }
+
+        fn apply_delete(&mut self, key: &[u8]) -> Option<DirectoryEvent> {
+            self.cache.apply_delete(&self.rules.deleted_key(key)?)
+        }
+
+        fn replace_all<'a>(
+            &mut self,
+            kvs: impl IntoIterator<Item = Kv<'a>>,
+        ) -> (Vec<DirectoryEvent>, Vec<Ignored>) {
+            let parsed = kvs.into_iter().map(|kv| self.rules.parse(&kv)).collect();
+            self.cache.replace_all(parsed)
+        }
+    }
+
+    impl std::ops::Deref for Cache {
+        type Target = DirectoryCache;
+        fn deref(&self) -> &DirectoryCache {
+            &self.cache
+        }
+    }
+
+    fn cache_of(max_entries: usize) -> Cache {
+        Cache {
+            rules: RecordRules::new(Namespace::new("ns").expect("ns"), Some(0xab)),
+            cache: DirectoryCache::new(max_entries),
+        }
+    }
+
+    fn cache() -> Cache {
+        cache_of(DEFAULT_MAX_ENTRIES)
     }
 
     #[test]
@@ -747,5 +1039,65 @@ mod tests {
         assert_eq!(ignored.len(), 1);
         assert_eq!(c.engine("d").len(), 1);
         assert_eq!(c.entries().len(), 2);
+    }
+
+    #[test]
+    fn a_full_cache_ignores_new_ranks_but_keeps_updating_cached_ones() {
+        let mut c = cache_of(2);
+        let r1 = record(1, 0xab);
+        c.apply_put(&kv(b"/ns/v1/engines/a/0", &r1));
+        c.apply_put(&kv(b"/ns/v1/engines/b/0", &r1));
+        let (e, i) = c.apply_put(&kv(b"/ns/v1/engines/c/0", &r1));
+        assert_eq!((e, i.map(|i| i.reason)), (None, Some(IgnoreReason::Limit)));
+        // A cached rank still changes.
+        let (e, i) = c.apply_put(&kv(b"/ns/v1/engines/a/0", &record(2, 0xab)));
+        assert!(matches!(e, Some(DirectoryEvent::Updated { .. })) && i.is_none());
+        // A listing keeps what fits and counts the rest.
+        let (events, ignored) = c.replace_all([
+            kv(b"/ns/v1/engines/x/0", &r1),
+            kv(b"/ns/v1/engines/y/0", &r1),
+            kv(b"/ns/v1/engines/z/0", &r1),
+        ]);
+        assert_eq!(events.len(), 2 + 2, "a and b removed, two added");
+        assert_eq!(ignored.iter().map(|i| i.reason).collect::<Vec<_>>(), [IgnoreReason::Limit]);
+        assert_eq!(c.len(), 2);
+    }
+
+    #[test]
+    fn gone_incarnations_are_known_as_soon_as_the_cache_changes() {
+        let mut c = cache();
+        let k = b"/ns/v1/engines/e1/0";
+        let at = AdvertiseAddr::new(Host::parse("10.0.0.1").expect("host"), 7000).expect("addr");
+        let elsewhere = AdvertiseAddr::new(Host::parse("10.0.0.9").expect("host"), 7000).expect("addr");
+        c.apply_put(&kv(k, &record(1, 0xab)));
+        assert_eq!(c.check_handoff("e1", 1, Some(&at), true), Ok(()));
+        // Replaced by a restart: the old incarnation is gone at once.
+        c.apply_put(&kv(k, &record(2, 0xab)));
+        assert!(matches!(
+            c.check_handoff("e1", 1, Some(&at), true),
+            Err(ResolveError::Gone { incarnation: 1, .. })
+        ));
+        assert_eq!(c.check_handoff("e1", 2, Some(&at), true), Ok(()));
+        assert_eq!(c.check_handoff("e1", 0, Some(&at), true), Ok(()), "0 states nothing");
+        c.apply_delete(k);
+        assert!(matches!(
+            c.check_handoff("e1", 2, None, true),
+            Err(ResolveError::Gone { incarnation: 2, .. })
+        ));
+        // Registered again with the same incarnation (etcd lost its data): fine again.
+        c.apply_put(&kv(k, &record(2, 0xab)));
+        assert_eq!(c.check_handoff("e1", 2, None, true), Ok(()));
+
+        // A fresh cache (a decode agent started after the restart) never saw 1 go: the
+        // rank registered at the hand-off's address says it is stale, once listed.
+        let mut fresh = cache();
+        fresh.apply_put(&kv(k, &record(2, 0xab)));
+        assert!(matches!(
+            fresh.check_handoff("e1", 1, Some(&at), true),
+            Err(ResolveError::StaleIncarnation { handoff: 1, registered: 2, rank: 0, .. })
+        ));
+        assert_eq!(fresh.check_handoff("e1", 1, Some(&at), false), Ok(()), "not listed yet: no verdict");
+        assert_eq!(fresh.check_handoff("e1", 1, Some(&elsewhere), true), Ok(()), "another rank's address");
+        assert_eq!(fresh.check_handoff("e9", 1, Some(&at), true), Ok(()), "an engine not registered");
     }
 }

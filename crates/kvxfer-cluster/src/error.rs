@@ -61,6 +61,18 @@ pub enum ResolveError {
         /// The incarnation registered now.
         registered: u64,
     },
+    /// The incarnation that issued the hand-off was seen to leave etcd (deregistered, its
+    /// lease expired after a crash, or replaced by a restart) and is not registered again.
+    #[error(
+        "engine {engine} incarnation {incarnation:016x} left etcd (deregistered, its lease expired after a \
+         crash, or replaced by a restart): its leases are gone"
+    )]
+    Gone {
+        /// The engine id.
+        engine: String,
+        /// The incarnation the hand-off names.
+        incarnation: u64,
+    },
 }
 
 /// A name or key that cannot be used.

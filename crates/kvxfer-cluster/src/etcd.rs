@@ -29,13 +29,17 @@ pub struct EtcdConfig {
     pub backoff_initial: Duration,
     /// Longest retry delay.
     pub backoff_max: Duration,
+    /// Largest message accepted from etcd (a listing page, a watch response). Listings are
+    /// paged and pages shrink to fit, watch responses are fragmented by etcd, so this only
+    /// needs to hold one value etcd accepts (1.5 MiB by default). Default 128 MiB.
+    pub max_response_bytes: usize,
 }
 
 impl EtcdConfig {
     /// Defaults for `endpoints`: 2 s connect and request timeouts, HTTP/2 pings every 6 s
     /// answered within 4 s (a dead etcd is noticed within 10 s; etcd refuses pings more
     /// often than every 5 s unless configured otherwise), retries from 100 ms doubling to
-    /// at most 2 s.
+    /// at most 2 s, messages of up to 128 MiB.
     pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
         Self {
             endpoints: endpoints.into_iter().map(Into::into).collect(),
@@ -45,6 +49,7 @@ impl EtcdConfig {
             keepalive_timeout: Duration::from_secs(4),
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(2),
+            max_response_bytes: 128 << 20,
         }
     }
 

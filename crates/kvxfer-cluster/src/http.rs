@@ -13,7 +13,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::runtime::Handle;
 use tokio::sync::{oneshot, Semaphore};
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::error::{Error, MetricsError};
 use crate::metrics::{Metrics, OPENMETRICS_CONTENT_TYPE};
@@ -24,6 +24,9 @@ const MAX_CONNECTIONS: usize = 64;
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long shutdown waits for scrapes in progress.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// Longest life of one connection (keep-alive included): a client that pipelines requests
+/// and never reads the answers, which blocks the connection in a write, frees its slot.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 
 /// Serves `GET /metrics` (OpenMetrics text); every other path is 404, other methods 405.
 #[derive(Debug)]
@@ -77,7 +80,10 @@ impl Drop for MetricsServer {
 async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, mut stop: oneshot::Receiver<()>) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    // The connections' tasks: ended with this task (dropping the set aborts them).
+    let mut connections = JoinSet::new();
     loop {
+        while connections.try_join_next().is_some() {}
         let (stream, peer) = tokio::select! {
             _ = &mut stop => break,
             accepted = listener.accept() => match accepted {
@@ -104,17 +110,24 @@ async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, mut sto
             .header_read_timeout(HEADER_TIMEOUT)
             .serve_connection(TokioIo::new(stream), service);
         let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "metrics connection ended with an error");
+        connections.spawn(async move {
+            match tokio::time::timeout(CONNECTION_LIFETIME, conn).await {
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics connection ended with an error"),
+                Err(_) => tracing::debug!(%peer, "metrics connection closed at the end of its lifetime"),
+                Ok(Ok(())) => {}
             }
             drop(slot);
         });
     }
     drop(listener);
     if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
-        tracing::debug!("metrics endpoint: scrapes still open after the grace period");
+        tracing::debug!(
+            open = connections.len(),
+            "metrics endpoint: closing scrapes still open after the grace period"
+        );
     }
+    connections.abort_all();
+    while connections.join_next().await.is_some() {}
 }
 
 fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {

@@ -53,13 +53,23 @@
 //!   by default, [`EtcdConfig`]); the status says `Degraded` with the last error. On
 //!   reconnection the lease is checked (`LeaseTimeToLive`): still alive (a short outage, or
 //!   etcd restarted with its data) → kept; gone → a new lease is granted. Either way the key
-//!   is put again (which also restores a key deleted by hand).
+//!   is put again.
 //! - A keep-alive answered with TTL 0 (expired or revoked) → new lease and put at once.
+//! - The registration watches its own key: deleted under its live lease (by hand) → put
+//!   back at once.
+//! - Only the first put takes the key whatever it holds (a restart replaces its crashed
+//!   predecessor's record). Every later one is a transaction that puts only if the key is
+//!   absent or holds this registration's own record: a process back from a stall longer
+//!   than its TTL never overwrites the replacement that registered meanwhile. Another
+//!   incarnation's record (found then, or put over ours) is a conflict: an error in the log,
+//!   [`RegistrationStats::conflicts`], status `Degraded`, and the key is taken again only
+//!   once it is free.
 //!
 //! ## Invalidation
 //!
-//! An [`EngineDirectory`] lists the prefix once, then watches it from the revision after
-//! the listing's, so no change between the two is lost. Its cache maps (engine id, rank) →
+//! An [`EngineDirectory`] lists the prefix (in pages, all at the first page's revision),
+//! then watches it from the revision after the listing's, so no change between the two is
+//! lost. Its cache maps (engine id, rank) →
 //! entry; [`EngineDirectory::resolve`] reads only the cache (never etcd). Subscribers
 //! ([`EngineDirectory::subscribe`]) get, right after the cache changed:
 //!
@@ -71,7 +81,11 @@
 //!   stopped being a usable record. Connections to it must be dropped, and pulls naming it
 //!   fail at once instead of waiting for an I/O timeout.
 //!
-//! The same record put again (a re-registration on a new lease) is no event.
+//! The same record put again (a re-registration on a new lease) is no event. The cache
+//! also remembers the incarnations that went (deleted or replaced), under the same lock:
+//! [`EngineDirectory::check_handoff`] judges a hand-off from it without lagging the events.
+//! At most [`DirectoryOptions::max_entries`] ranks are cached; further new ones are ignored
+//! and counted (`limit`).
 //! Values that are malformed, of another format version, under an unparsable key, or (when
 //! the directory was given an expected layout hash) of another layout are ignored with a
 //! rate-limited warning and a counter; the watcher never stops for them.
@@ -106,7 +120,7 @@ pub mod testing;
 
 pub use directory::{
     DirectoryEvent, DirectoryEvents, DirectoryOptions, DirectoryStats, EngineDirectory, EngineEntry,
-    IgnoreReason,
+    IgnoreReason, DEFAULT_MAX_ENTRIES,
 };
 pub use error::{ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, RecordError, ResolveError};
 pub use etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusWatch};

@@ -323,6 +323,8 @@ impl RegistrationSnapshot {
         self.stats.puts += o.stats.puts;
         self.stats.leases_lost += o.stats.leases_lost;
         self.stats.keepalives += o.stats.keepalives;
+        self.stats.restores += o.stats.restores;
+        self.stats.conflicts += o.stats.conflicts;
     }
 }
 
@@ -355,6 +357,7 @@ impl DirectorySnapshot {
         s.ignored_malformed += o.ignored_malformed;
         s.ignored_unsupported_version += o.ignored_unsupported_version;
         s.ignored_layout_mismatch += o.ignored_layout_mismatch;
+        s.ignored_limit += o.ignored_limit;
         s.listings += o.listings;
     }
 }
@@ -806,6 +809,18 @@ impl Collector for SnapshotCollector {
                 "Registration leases found expired or revoked (then re-granted)",
                 None,
                 r.stats.leases_lost,
+            )?;
+            w.counter(
+                "etcd_registration_restores",
+                "Registration keys put back after they were deleted under a live lease",
+                None,
+                r.stats.restores,
+            )?;
+            w.counter(
+                "etcd_registration_conflicts",
+                "Registration keys found held by another incarnation (left alone until free)",
+                None,
+                r.stats.conflicts,
             )?;
         }
         if let Some(d) = directory {

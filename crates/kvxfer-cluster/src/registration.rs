@@ -1,10 +1,12 @@
 //! One engine rank's key in etcd, on a lease kept alive by a background task.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, PutOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+};
 use rand::SeedableRng;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
@@ -46,6 +48,13 @@ pub struct RegistrationStats {
     pub leases_lost: u64,
     /// Keep-alives answered.
     pub keepalives: u64,
+    /// Times the key was put back after it was deleted under a live lease (an operator's
+    /// `etcdctl del`, or a replacement's key going away).
+    pub restores: u64,
+    /// Times the key held another incarnation's record when this registration (back from
+    /// a lost lease or a broken connection) went to put its own, or was overwritten by
+    /// another incarnation: this one then leaves the key alone until it is free.
+    pub conflicts: u64,
 }
 
 #[derive(Debug, Default)]
@@ -54,6 +63,8 @@ struct Counters {
     puts: AtomicU64,
     leases_lost: AtomicU64,
     keepalives: AtomicU64,
+    restores: AtomicU64,
+    conflicts: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -62,6 +73,8 @@ pub(crate) struct Shared {
     counters: Counters,
     /// The lease the key is on, 0 when none.
     lease: AtomicI64,
+    /// Whether the key was put once: later puts take it only if free or still ours.
+    claimed: AtomicBool,
 }
 
 impl Shared {
@@ -72,6 +85,8 @@ impl Shared {
             puts: l(&self.counters.puts),
             leases_lost: l(&self.counters.leases_lost),
             keepalives: l(&self.counters.keepalives),
+            restores: l(&self.counters.restores),
+            conflicts: l(&self.counters.conflicts),
         }
     }
 }
@@ -114,6 +129,7 @@ impl Registration {
             status: StatusCell::new(),
             counters: Counters::default(),
             lease: AtomicI64::new(0),
+            claimed: AtomicBool::new(false),
         });
         let (stop_tx, stop_rx) = oneshot::channel();
         let task = Keeper {
@@ -202,6 +218,19 @@ struct Keeper {
     ttl_secs: i64,
 }
 
+/// What putting the key came to.
+enum Claim {
+    /// The key holds this registration's record, as of `revision`.
+    Put { revision: i64 },
+    /// Another incarnation's record (or something unreadable) holds it, as of `revision`.
+    Held { incarnation: Option<u64>, revision: i64 },
+}
+
+/// The incarnation of a stored value, if it is a record.
+fn incarnation_of(value: &[u8]) -> Option<u64> {
+    EngineRecord::from_json(value).ok().map(|r| r.incarnation)
+}
+
 /// Why a session ended.
 enum SessionEnd {
     /// The lease expired or was revoked: grant a new one now.
@@ -248,8 +277,9 @@ impl Keeper {
         }
     }
 
-    /// Grants (or keeps) a lease, puts the key on it, then keeps the lease alive until
-    /// something fails.
+    /// Grants (or keeps) a lease, puts the key on it, then keeps the lease alive and
+    /// watches the key until something fails: a key deleted under the live lease is put
+    /// back; a key another incarnation holds is left alone (a conflict) until it is free.
     async fn session(
         &self,
         key: &str,
@@ -291,48 +321,192 @@ impl Keeper {
                 Err(e) => return e.into(),
             },
         };
-        // Put on every (re)connection: it also restores a key someone deleted meanwhile.
-        let put = c.put(key, self.value.clone(), Some(PutOptions::new().with_lease(id)));
-        if let Err(e) = etcd.call(EtcdOp::Put, put).await {
-            return e.into();
-        }
-        counters.puts.fetch_add(1, Ordering::Relaxed);
+        // The first put of this registration takes the key whatever it holds (a restart
+        // that beat the old process's lease replaces its record). Every later one, after a
+        // lost lease or a broken connection, takes it only if it is free or still ours: a
+        // replacement that registered meanwhile keeps it.
+        let first = !self.shared.claimed.load(Ordering::Relaxed);
+        let claim = if first {
+            let put = c.put(key, self.value.clone(), Some(PutOptions::new().with_lease(id)));
+            match etcd.call(EtcdOp::Put, put).await {
+                Ok(r) => Claim::Put { revision: r.header().map_or(0, |h| h.revision()) },
+                Err(e) => return self.put_failed(e, key, id, lease),
+            }
+        } else {
+            match self.claim(c, key, id).await {
+                Ok(claim) => claim,
+                Err(e) => return self.put_failed(e, key, id, lease),
+            }
+        };
+        let (mut holding, revision) = match claim {
+            Claim::Put { revision } => {
+                self.shared.claimed.store(true, Ordering::Relaxed);
+                counters.puts.fetch_add(1, Ordering::Relaxed);
+                (true, revision)
+            }
+            Claim::Held { incarnation, revision } => {
+                self.conflict(key, incarnation);
+                (false, revision)
+            }
+        };
         let (mut keeper, mut responses) = match etcd.call(EtcdOp::KeepAlive, c.lease_keep_alive(id)).await {
             Ok(pair) => pair,
             Err(e) => return e.into(),
         };
+        let watch = c.watch(key, Some(WatchOptions::new().with_start_revision(revision + 1)));
+        let mut watch = match etcd.call(EtcdOp::Watch, watch).await {
+            Ok(w) => w,
+            Err(e) => return e.into(),
+        };
         backoff.reset();
-        if self.shared.status.connected() {
-            tracing::info!(key = %key, lease = %format_args!("{id:x}"), "etcd registration restored");
-        } else {
-            tracing::info!(key = %key, lease = %format_args!("{id:x}"), ttl_s = ttl, "registered in etcd");
+        if holding {
+            if self.shared.status.connected() {
+                tracing::info!(key = %key, lease = %format_args!("{id:x}"), "etcd registration restored");
+            } else {
+                tracing::info!(key = %key, lease = %format_args!("{id:x}"), ttl_s = ttl, "registered in etcd");
+            }
         }
         let interval = Duration::from_millis(u64::try_from(ttl).unwrap_or(1).saturating_mul(1000) / 3);
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Whether a keep-alive went out and its answer has not come yet.
+        let mut awaiting = false;
         loop {
-            tokio::time::sleep(interval).await;
-            if let Err(source) = keeper.keep_alive().await {
-                return EtcdError::Client { op: EtcdOp::KeepAlive, source }.into();
-            }
-            // An answer must come before the next keep-alive is due.
-            match tokio::time::timeout(interval, responses.message()).await {
-                Ok(Ok(Some(r))) if r.ttl() > 0 => {
-                    counters.keepalives.fetch_add(1, Ordering::Relaxed);
+            tokio::select! {
+                _ = ticks.tick() => {
+                    // An answer must come before the next keep-alive is due.
+                    if awaiting {
+                        return EtcdError::Timeout { op: EtcdOp::KeepAlive, after: interval }.into();
+                    }
+                    if let Err(source) = keeper.keep_alive().await {
+                        return EtcdError::Client { op: EtcdOp::KeepAlive, source }.into();
+                    }
+                    awaiting = true;
                 }
-                Ok(Ok(Some(_))) => {
-                    counters.leases_lost.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(key = %key, lease = %format_args!("{id:x}"), "etcd lease expired or was revoked; registering again on a new lease");
-                    *lease = None;
-                    self.shared.lease.store(0, Ordering::Relaxed);
-                    return SessionEnd::LeaseLost;
+                answer = responses.message() => match answer {
+                    Ok(Some(r)) if r.ttl() > 0 => {
+                        awaiting = false;
+                        counters.keepalives.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(Some(_)) => {
+                        counters.leases_lost.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(key = %key, lease = %format_args!("{id:x}"), "etcd lease expired or was revoked; registering again on a new lease");
+                        *lease = None;
+                        self.shared.lease.store(0, Ordering::Relaxed);
+                        return SessionEnd::LeaseLost;
+                    }
+                    Ok(None) => {
+                        let reason = "closed by etcd".to_owned();
+                        return EtcdError::StreamEnded { op: EtcdOp::KeepAlive, reason }.into();
+                    }
+                    Err(source) => return EtcdError::Client { op: EtcdOp::KeepAlive, source }.into(),
+                },
+                message = watch.message() => {
+                    let response = match message {
+                        Ok(Some(r)) => r,
+                        Ok(None) => {
+                            let reason = "closed by etcd".to_owned();
+                            return EtcdError::StreamEnded { op: EtcdOp::Watch, reason }.into();
+                        }
+                        Err(source) => return EtcdError::Client { op: EtcdOp::Watch, source }.into(),
+                    };
+                    if response.canceled() || response.compact_revision() > 0 {
+                        let reason = format!("cancelled by etcd ({})", response.cancel_reason());
+                        return EtcdError::StreamEnded { op: EtcdOp::Watch, reason }.into();
+                    }
+                    let Some(last) = response.events().last() else { continue };
+                    // Only the key's latest state matters.
+                    let deleted = last.event_type() == EventType::Delete;
+                    match last.kv() {
+                        Some(kv) if !deleted && kv.value() == self.value.as_slice() => holding = true,
+                        Some(kv) if !deleted => {
+                            if holding {
+                                holding = false;
+                                self.conflict(key, incarnation_of(kv.value()));
+                            }
+                        }
+                        _ => {
+                            // Deleted: by an operator under our live lease, or a replacement
+                            // that held it went away. Ours again if still free.
+                            if holding {
+                                tracing::warn!(key = %key, "etcd registration key deleted under a live lease; putting it back");
+                            }
+                            match self.claim(c, key, id).await {
+                                Ok(Claim::Put { .. }) => {
+                                    counters.puts.fetch_add(1, Ordering::Relaxed);
+                                    counters.restores.fetch_add(1, Ordering::Relaxed);
+                                    if !holding {
+                                        tracing::info!(key = %key, "etcd registration key free again: registered");
+                                    }
+                                    holding = true;
+                                    self.shared.status.connected();
+                                }
+                                Ok(Claim::Held { incarnation, .. }) => {
+                                    if holding {
+                                        holding = false;
+                                        self.conflict(key, incarnation);
+                                    }
+                                }
+                                Err(e) => return self.put_failed(e, key, id, lease),
+                            }
+                        }
+                    }
                 }
-                Ok(Ok(None)) => {
-                    let reason = "closed by etcd".to_owned();
-                    return EtcdError::StreamEnded { op: EtcdOp::KeepAlive, reason }.into();
-                }
-                Ok(Err(source)) => return EtcdError::Client { op: EtcdOp::KeepAlive, source }.into(),
-                Err(_) => return EtcdError::Timeout { op: EtcdOp::KeepAlive, after: interval }.into(),
             }
         }
+    }
+
+    /// Puts the key on lease `id` if it is absent or holds this registration's record
+    /// (compared in a transaction, so a replacement's record is never overwritten).
+    async fn claim(&self, c: &mut Client, key: &str, id: i64) -> Result<Claim, EtcdError> {
+        let put = || TxnOp::put(key, self.value.clone(), Some(PutOptions::new().with_lease(id)));
+        let mut when = Compare::version(key, CompareOp::Equal, 0);
+        // A few rounds: the key may change between the comparison and the next one.
+        for _ in 0..4 {
+            let txn = Txn::new().when([when]).and_then([put()]).or_else([TxnOp::get(key, None)]);
+            let answer = self.etcd.call(EtcdOp::Put, c.txn(txn)).await?;
+            let revision = answer.header().map_or(0, |h| h.revision());
+            if answer.succeeded() {
+                return Ok(Claim::Put { revision });
+            }
+            let held = answer.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => {
+                    get.kvs().first().map(|kv| (kv.value().to_vec(), kv.mod_revision()))
+                }
+                _ => None,
+            });
+            when = match held {
+                None => Compare::version(key, CompareOp::Equal, 0),
+                // Ours (a put of ours on an older lease, etcd back with its data): put it
+                // on this lease, unless it changes meanwhile.
+                Some((value, mod_revision)) if value == self.value => {
+                    Compare::mod_revision(key, CompareOp::Equal, mod_revision)
+                }
+                Some((value, _)) => return Ok(Claim::Held { incarnation: incarnation_of(&value), revision }),
+            };
+        }
+        Err(EtcdError::StreamEnded { op: EtcdOp::Put, reason: "the key kept changing under the put".into() })
+    }
+
+    /// Another incarnation holds the key: say so (error, counted) and leave it alone.
+    fn conflict(&self, key: &str, holder: Option<u64>) {
+        self.shared.counters.conflicts.fetch_add(1, Ordering::Relaxed);
+        let holder =
+            holder.map_or_else(|| "an unreadable record".to_owned(), |i| format!("incarnation {i:016x}"));
+        tracing::error!(key = %key, %holder, "etcd registration conflict: another process holds this engine rank's key; not overwriting it (this agent is not discoverable until the key is free)");
+        self.shared.status.failed(&format_args!("the key is held by {holder}"));
+    }
+
+    /// A put or claim failed: a lease that is gone means granting a new one now.
+    fn put_failed(&self, e: EtcdError, key: &str, id: i64, lease: &mut Option<i64>) -> SessionEnd {
+        if !is_lease_not_found(&e) {
+            return e.into();
+        }
+        self.shared.counters.leases_lost.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(key = %key, lease = %format_args!("{id:x}"), "etcd lease gone when putting the key; registering again on a new lease");
+        *lease = None;
+        self.shared.lease.store(0, Ordering::Relaxed);
+        SessionEnd::LeaseLost
     }
 
     /// The owner asked to stop (`Some`) or went away (`None`: end without revoking).

@@ -27,12 +27,22 @@ pub struct EtcdLaunch {
     pub wrapper: Vec<String>,
     /// More etcd options (e.g. `--grpc-keepalive-min-time=100ms`).
     pub args: Vec<String>,
+    /// The directory etcd's own temporary directory is made in (default: the system's
+    /// temporary directory). A script that may kill the process before it cleans up gives
+    /// one it removes itself.
+    pub data_root: Option<PathBuf>,
 }
 
 impl Default for EtcdLaunch {
     /// 127.0.0.1, free ports, etcd's own defaults otherwise.
     fn default() -> Self {
-        Self { ip: IpAddr::V4(Ipv4Addr::LOCALHOST), ports: None, wrapper: Vec::new(), args: Vec::new() }
+        Self {
+            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            ports: None,
+            wrapper: Vec::new(),
+            args: Vec::new(),
+            data_root: None,
+        }
     }
 }
 
@@ -64,10 +74,12 @@ pub fn etcd_binary() -> Option<PathBuf> {
         .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join("etcd")).find(|p| p.is_file()))
 }
 
-fn free_port() -> Result<u16, String> {
-    let listener =
-        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
-    listener.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+/// Two distinct free ports of 127.0.0.1 (both held while the second is picked).
+fn free_ports() -> Result<(u16, u16), String> {
+    let bind = || TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("bind 127.0.0.1:0: {e}"));
+    let (a, b) = (bind()?, bind()?);
+    let port = |l: &TcpListener| l.local_addr().map(|a| a.port()).map_err(|e| e.to_string());
+    Ok((port(&a)?, port(&b)?))
 }
 
 impl EtcdServer {
@@ -87,17 +99,20 @@ impl EtcdServer {
                         (apt-get install etcd-server; scripts/test-all.sh does) or set ETCD_BIN"
                 .into());
         }
-        let dir = tempfile::Builder::new()
-            .prefix("kvxfer-etcd-")
-            .tempdir()
-            .map_err(|e| format!("temp dir: {e}"))?;
+        let mut builder = tempfile::Builder::new();
+        builder.prefix("kvxfer-etcd-");
+        let dir = match &launch.data_root {
+            Some(root) => builder.tempdir_in(root),
+            None => builder.tempdir(),
+        }
+        .map_err(|e| format!("temp dir: {e}"))?;
         let fixed = launch.ports;
         let mut server = Self { child: None, dir, launch, client_port: 0, peer_port: 0, starts: 0 };
         let mut last = String::new();
-        for _ in 0..if fixed.is_some() { 1 } else { 3 } {
+        for _ in 0..if fixed.is_some() { 1 } else { 5 } {
             (server.client_port, server.peer_port) = match fixed {
                 Some(ports) => ports,
-                None => (free_port()?, free_port()?),
+                None => free_ports()?,
             };
             match server.spawn_and_wait() {
                 Ok(()) => return Ok(server),

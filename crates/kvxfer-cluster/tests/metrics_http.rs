@@ -249,3 +249,46 @@ async fn metrics_are_served_over_http_and_parse() {
     reg.shutdown().await.expect("shutdown");
     dir.shutdown().await;
 }
+
+/// A client that pipelines requests and never reads their answers blocks its connection
+/// in a write. Shutting the server down must still end that connection (it is the server's
+/// task, not a detached one that outlives it): the client's next write then fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_a_connection_whose_client_never_reads() {
+    use std::io::Write;
+    let server =
+        MetricsServer::start(&Handle::current(), "127.0.0.1:0", Arc::new(Metrics::new())).expect("start");
+    let addr = server.local_addr();
+    let stream = std::net::TcpStream::connect(addr).expect("connect");
+    let closer = stream.try_clone().expect("clone");
+    let written = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let progress = written.clone();
+    let writer = std::thread::spawn(move || {
+        let mut stream = stream;
+        let batch = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(256);
+        loop {
+            if let Err(e) = stream.write_all(batch.as_bytes()) {
+                let _ = tx.send(e.kind());
+                return;
+            }
+            progress.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        }
+    });
+    // Blocked: nothing written for a while (both sides' buffers are full).
+    let mut last = u64::MAX;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = written.load(Ordering::Relaxed);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    server.shutdown().await;
+    let ended =
+        tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(15))).await.expect("join");
+    let _ = closer.shutdown(std::net::Shutdown::Both);
+    writer.join().expect("writer");
+    assert!(ended.is_ok(), "the connection outlived the server's shutdown ({last} bytes written)");
+}

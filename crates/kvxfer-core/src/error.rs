@@ -52,6 +52,17 @@ pub enum LeaseError {
     /// A lease must have at least one block.
     #[error("lease for request {0} names no blocks")]
     NoBlocks(String),
+    /// Not one block list per KV-cache group of the layout (or more groups' blocks than
+    /// block ids can number).
+    #[error("lease for request {request}: {got} KV-cache group block lists given, the layout has {expected} groups")]
+    GroupCount {
+        /// The request id.
+        request: String,
+        /// Groups of the layout.
+        expected: usize,
+        /// Block lists given.
+        got: usize,
+    },
     /// `expected_consumers` must be at least 1.
     #[error("lease for request {0}: expected_consumers must be at least 1")]
     NoConsumers(String),
@@ -85,6 +96,26 @@ pub enum LeaseError {
         /// The `n` of the parent's tracked leases.
         tracked: u32,
     },
+    /// The table was closed ([`crate::LeaseTable::release_all`]: the prefill agent is
+    /// shutting down); no lease is made after that, so none is left without an end.
+    #[error("lease for request {0}: the prefill agent is shutting down")]
+    Closed(String),
+    /// [`crate::LeaseTable::arm`]: the request id given is not the one the parent, child
+    /// index and `n` name (`"{index}_{parent}"` for `n > 1`, the parent's own id for `n == 1`).
+    #[error("arming lease {given}: parent, child index and n name request {expected}")]
+    IdMismatch {
+        /// The id the lease was to be armed under.
+        given: String,
+        /// The id the parent, child index and `n` name.
+        expected: String,
+    },
+    /// [`crate::LeaseTable::arm`]: a token of all zeros (never minted).
+    #[error("arming lease {0}: the lease token is all zeros (not minted)")]
+    ZeroToken(String),
+    /// [`crate::LeaseTable::arm`]: this token is the token of an ended lease of the same id
+    /// still on record; arming it again would bring an ended lease back.
+    #[error("arming lease {0}: this token belongs to a lease of the same id that already ended")]
+    TokenReused(String),
 }
 
 /// Why a hand-off or prefill result was refused.
@@ -235,19 +266,6 @@ pub enum ParamsError {
         /// Why its value is unusable.
         #[source]
         source: Box<HandoffError>,
-    },
-    /// `remote_block_ids` lists more than one KV-cache group (a hybrid model). Until
-    /// per-group layouts exist, only one group can be pulled: flattening would lose which
-    /// pool each id indexes.
-    #[error(
-        "kv_transfer_params: field {field} has {groups} KV-cache groups; kvxfer pulls a single group \
-         (per-group layouts are not supported yet)"
-    )]
-    TooManyGroups {
-        /// The field (`remote_block_ids`).
-        field: &'static str,
-        /// Groups listed.
-        groups: usize,
     },
 }
 

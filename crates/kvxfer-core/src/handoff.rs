@@ -82,6 +82,7 @@ pub struct ChildHandoff {
     remote_request_id: Arc<str>,
     token: LeaseToken,
     blocks: Arc<[BlockId]>,
+    other_groups: Arc<[Vec<BlockId>]>,
     engine: Arc<EngineInfo>,
     expected_consumers: u32,
     ttl: Duration,
@@ -96,6 +97,7 @@ impl ChildHandoff {
         remote_request_id: Arc<str>,
         token: LeaseToken,
         blocks: Arc<[BlockId]>,
+        other_groups: Arc<[Vec<BlockId>]>,
         engine: Arc<EngineInfo>,
         expected_consumers: u32,
         ttl: Duration,
@@ -107,6 +109,7 @@ impl ChildHandoff {
             remote_request_id,
             token,
             blocks,
+            other_groups,
             engine,
             expected_consumers,
             ttl,
@@ -133,9 +136,25 @@ impl ChildHandoff {
     pub fn token(&self) -> &LeaseToken {
         &self.token
     }
-    /// The prefill blocks to pull.
+    /// The prefill blocks to pull (of the first KV-cache group: all of them for a
+    /// single-group cache).
     pub fn remote_block_ids(&self) -> &[BlockId] {
         &self.blocks
+    }
+    /// Number of KV-cache groups the hand-off lists blocks for (1 for a single-group cache).
+    pub fn num_groups(&self) -> usize {
+        1 + self.other_groups.len()
+    }
+    /// The prefill blocks of KV-cache group `group` (`None` past the last group).
+    pub fn group_block_ids(&self, group: usize) -> Option<&[BlockId]> {
+        match group {
+            0 => Some(&self.blocks),
+            g => self.other_groups.get(g - 1).map(Vec::as_slice),
+        }
+    }
+    /// Every group's block list, group 0 first (vLLM's nested `remote_block_ids`).
+    pub fn groups(&self) -> impl Iterator<Item = &[BlockId]> + '_ {
+        std::iter::once(&*self.blocks).chain(self.other_groups.iter().map(Vec::as_slice))
     }
     /// Where to pull from.
     pub fn engine(&self) -> &EngineInfo {
@@ -182,6 +201,11 @@ impl ChildHandoff {
             lease_ttl_ms: ttl_ms(self.ttl),
             tp_size: self.engine.tp_size,
             incarnation: self.engine.incarnation,
+            other_group_block_ids: self
+                .other_groups
+                .iter()
+                .map(|ids| v1::GroupBlockIds { block_ids: ids.clone() })
+                .collect(),
         }
     }
 
@@ -202,7 +226,7 @@ impl ChildHandoff {
         if w.remote_host.is_empty() && !engine_only {
             return Err(HandoffError::MissingField("remote_host"));
         }
-        if w.remote_block_ids.is_empty() {
+        if w.remote_block_ids.is_empty() && w.other_group_block_ids.iter().all(|g| g.block_ids.is_empty()) {
             return Err(HandoffError::MissingField("remote_block_ids"));
         }
         if w.expected_consumers == 0 {
@@ -223,6 +247,7 @@ impl ChildHandoff {
             remote_request_id: Arc::from(w.remote_request_id),
             token,
             blocks: Arc::from(w.remote_block_ids),
+            other_groups: w.other_group_block_ids.into_iter().map(|g| g.block_ids).collect(),
             engine: Arc::new(EngineInfo {
                 engine_id: w.remote_engine_id,
                 host: unbracket(w.remote_host),

@@ -153,6 +153,22 @@ impl BlockLayout {
     }
 }
 
+/// The compatibility hash of a cache of several KV-cache groups (`layouts[g]` is group
+/// `g`): with one group, exactly its [`BlockLayout::compat_hash`] (so single-group peers see
+/// no change); with more, a hash over the group count and every group's hash, in order.
+pub fn groups_compat_hash<'a>(layouts: impl IntoIterator<Item = &'a BlockLayout>) -> u64 {
+    let hashes: Vec<u64> = layouts.into_iter().map(BlockLayout::compat_hash).collect();
+    if let [one] = hashes.as_slice() {
+        return *one;
+    }
+    let mut h = fnv1a(b"kvxfer-groups-v1", FNV_OFFSET);
+    h = fnv1a(&(hashes.len() as u64).to_le_bytes(), h);
+    for g in hashes {
+        h = fnv1a(&g.to_le_bytes(), h);
+    }
+    h
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,11 +202,15 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(a.compat_hash(), more_blocks.compat_hash());
+        assert_eq!(groups_compat_hash([&a]), a.compat_hash());
+        assert_eq!(groups_compat_hash([&a, &a]), groups_compat_hash([&more_blocks, &a]));
         let other_dtype =
             BlockLayout::new(10, vec![Segment::packed(64), Segment::packed(64)], "fp8", 16).expect("valid");
         assert_ne!(a.compat_hash(), other_dtype.compat_hash());
         let one_segment = BlockLayout::new(10, vec![Segment::packed(128)], "bf16", 16).expect("valid");
         assert_ne!(a.compat_hash(), one_segment.compat_hash());
+        assert_ne!(groups_compat_hash([&a, &one_segment]), groups_compat_hash([&one_segment, &a]));
+        assert_ne!(groups_compat_hash([&a, &a]), a.compat_hash());
         assert_eq!(a.block_bytes(), 128);
         assert_eq!(more_blocks.region_len(0), Some(128 * 98 + 64));
     }

@@ -58,8 +58,13 @@ fn deadline_after(now: Instant, d: Duration) -> Instant {
 pub struct LeaseConfig {
     /// Lease time-to-live when a request does not name one (vLLM: 30 s).
     pub default_ttl: Duration,
-    /// Blocks in the prefill side's layout; leases and reads outside it are refused.
+    /// Blocks in the prefill side's layout (its first KV-cache group); leases and reads
+    /// outside it are refused.
     pub num_blocks: u32,
+    /// Blocks of each KV-cache group after the first (empty: one group). The table keys
+    /// reads by *flat* ids: group 0 first, then each further group after the ones before it
+    /// ([`Self::group_base`]).
+    pub other_group_blocks: Vec<u32>,
     /// Who serves these leases; copied into every hand-off.
     pub engine: EngineInfo,
     /// Number of shards (rounded up to a power of two, at least 1).
@@ -102,6 +107,7 @@ impl LeaseConfig {
         LeaseConfig {
             default_ttl: Duration::from_secs(30),
             num_blocks,
+            other_group_blocks: Vec::new(),
             engine,
             shards: 16,
             max_lifetime: Self::DEFAULT_MAX_LIFETIME,
@@ -109,6 +115,43 @@ impl LeaseConfig {
             ended_record_retention: Self::DEFAULT_ENDED_RECORD_RETENTION,
             max_ended_records: Self::DEFAULT_MAX_ENDED_RECORDS,
         }
+    }
+
+    /// Number of KV-cache groups.
+    pub fn num_groups(&self) -> usize {
+        1 + self.other_group_blocks.len()
+    }
+
+    /// Blocks of group `group` (`None` past the last group).
+    pub fn group_blocks(&self, group: usize) -> Option<u32> {
+        match group {
+            0 => Some(self.num_blocks),
+            g => self.other_group_blocks.get(g - 1).copied(),
+        }
+    }
+
+    /// The flat id of block 0 of `group`: the blocks of the groups before it (`None` past
+    /// the last group, or when it does not fit a block id).
+    pub fn group_base(&self, group: usize) -> Option<BlockId> {
+        if group >= self.num_groups() {
+            return None;
+        }
+        let before: u64 = (0..group).filter_map(|g| self.group_blocks(g)).map(u64::from).sum();
+        BlockId::try_from(before).ok()
+    }
+
+    /// Whether every group's blocks together fit the flat id space (every flat id, and one
+    /// past the last, is a block id). A table whose groups do not fit refuses every lease
+    /// and grouped read; `PrefillAgent::start` refuses such memory.
+    pub fn flat_ids_fit(&self) -> bool {
+        let all: u64 = (0..self.num_groups()).filter_map(|g| self.group_blocks(g)).map(u64::from).sum();
+        all <= u64::from(BlockId::MAX)
+    }
+
+    /// Blocks of every group together: the flat id space (saturating at `u32::MAX`).
+    pub fn flat_blocks(&self) -> u32 {
+        let all: u64 = (0..self.num_groups()).filter_map(|g| self.group_blocks(g)).map(u64::from).sum();
+        u32::try_from(all).unwrap_or(u32::MAX)
     }
 }
 
@@ -121,8 +164,10 @@ pub struct LeaseRequest {
     pub child_index: u32,
     /// The parent's number of children.
     pub n: u32,
-    /// The prefill blocks holding this child's KV cache.
+    /// The prefill blocks holding this child's KV cache (its first KV-cache group).
     pub blocks: Vec<BlockId>,
+    /// The blocks of each further KV-cache group (empty for a single-group cache).
+    pub other_groups: Vec<Vec<BlockId>>,
     /// Distinct consumers that must notify before the lease ends as pulled.
     pub expected_consumers: u32,
     /// Lease time-to-live; the table's default when `None`.
@@ -137,9 +182,24 @@ impl LeaseRequest {
             child_index,
             n,
             blocks,
+            other_groups: Vec::new(),
             expected_consumers: 1,
             ttl: None,
         }
+    }
+
+    /// A request for a cache of several KV-cache groups: `groups[g]` are the blocks of
+    /// group `g` (vLLM's nested `remote_block_ids`). One consumer, the default ttl.
+    pub fn grouped(
+        parent: impl Into<String>,
+        child_index: u32,
+        n: u32,
+        mut groups: Vec<Vec<BlockId>>,
+    ) -> Self {
+        let first = if groups.is_empty() { Vec::new() } else { groups.remove(0) };
+        let mut r = Self::new(parent, child_index, n, first);
+        r.other_groups = groups;
+        r
     }
 
     /// Sets the number of consumers (decode ranks) that must notify.
@@ -179,8 +239,10 @@ pub struct LeaseEnd {
     pub n: u32,
     /// How it ended.
     pub kind: EndKind,
-    /// The blocks to hand back, as leased.
+    /// The blocks to hand back, as leased (the first KV-cache group's).
     pub blocks: Arc<[BlockId]>,
+    /// The blocks of each further KV-cache group, as leased (empty for one group).
+    pub other_groups: Arc<[Vec<BlockId>]>,
     /// Distinct consumers that had notified.
     pub consumers_seen: u32,
     /// Consumers that were expected.
@@ -302,6 +364,16 @@ pub enum ReadRefused {
         /// Blocks in the layout.
         num_blocks: u32,
     },
+    /// The read names a KV-cache group the layout does not have.
+    #[error("read for request {request}: KV-cache group {group} does not exist (the layout has {groups})")]
+    NoSuchGroup {
+        /// The request id.
+        request: String,
+        /// The group named.
+        group: u32,
+        /// Groups of the layout.
+        groups: usize,
+    },
     /// Block ids in the layout but not in this lease.
     #[error("read for request {request}: block ids {ids:?} are not part of its lease")]
     NotLeased {
@@ -385,8 +457,14 @@ struct Lease {
     parent: Arc<str>,
     child_index: u32,
     n: u32,
+    /// Group 0's blocks, as leased.
     blocks: Arc<[BlockId]>,
-    /// Sorted, deduplicated copy of `blocks`, made on the first read when `blocks` is not
+    /// The further groups' blocks, as leased.
+    other_groups: Arc<[Vec<BlockId>]>,
+    /// Every group's blocks as flat ids (the same `Arc` as `blocks` for one group): what
+    /// reads are checked against.
+    flat: Arc<[BlockId]>,
+    /// Sorted, deduplicated copy of `flat`, made on the first read when `blocks` is not
     /// already sorted (leasing stays cheap; reads check membership by binary search).
     sorted: Option<Box<[BlockId]>>,
     expected: u32,
@@ -409,13 +487,13 @@ struct Lease {
 impl Lease {
     /// The lease's blocks, sorted and deduplicated (sorting once, on first use).
     fn sorted_blocks(&mut self) -> &[BlockId] {
-        if self.sorted.is_none() && !self.blocks.windows(2).all(|w| w[0] < w[1]) {
-            let mut s = self.blocks.to_vec();
+        if self.sorted.is_none() && !self.flat.windows(2).all(|w| w[0] < w[1]) {
+            let mut s = self.flat.to_vec();
             s.sort_unstable();
             s.dedup();
             self.sorted = Some(s.into_boxed_slice());
         }
-        self.sorted.as_deref().unwrap_or(&self.blocks)
+        self.sorted.as_deref().unwrap_or(&self.flat)
     }
 }
 
@@ -473,9 +551,13 @@ pub struct LeaseTable {
     ended_rx: Receiver<LeaseEnd>,
     /// Called after every end is sent on `ended_tx` (the driver's wake-up).
     end_hook: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Called after every new lease (made or armed), outside the shard lock.
+    lease_hook: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     counters: Counters,
     /// Each shard's share of `LeaseConfig::max_ended_records` (at least 1).
     records_per_shard: usize,
+    /// Set by [`Self::release_all`]: no lease is made afterwards.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for LeaseTable {
@@ -528,7 +610,9 @@ impl LeaseTable {
             ended_tx,
             ended_rx,
             end_hook: std::sync::OnceLock::new(),
+            lease_hook: std::sync::OnceLock::new(),
             counters: Counters::default(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -558,16 +642,33 @@ impl LeaseTable {
         if req.n == 0 || req.child_index >= req.n {
             return Err(LeaseError::BadChildIndex { request: id, index: req.child_index, n: req.n });
         }
-        if req.blocks.is_empty() {
+        if req.blocks.is_empty() && req.other_groups.iter().all(Vec::is_empty) {
             return Err(LeaseError::NoBlocks(id));
         }
         if req.expected_consumers == 0 {
             return Err(LeaseError::NoConsumers(id));
         }
-        let num_blocks = self.config.num_blocks;
-        if req.blocks.iter().any(|&b| b >= num_blocks) {
-            let ids = req.blocks.iter().copied().filter(|&b| b >= num_blocks).take(MAX_IDS_SHOWN);
-            return Err(LeaseError::BlocksOutOfRange { request: id, ids: ids.collect(), num_blocks });
+        let groups = 1 + req.other_groups.len();
+        if groups != self.config.num_groups() {
+            return Err(LeaseError::GroupCount {
+                request: id,
+                expected: self.config.num_groups(),
+                got: groups,
+            });
+        }
+        if self.config.num_groups() > 1 && !self.config.flat_ids_fit() {
+            return Err(LeaseError::GroupCount {
+                request: id,
+                expected: self.config.num_groups(),
+                got: groups,
+            });
+        }
+        for (group, blocks) in std::iter::once(&req.blocks).chain(&req.other_groups).enumerate() {
+            let num_blocks = self.config.group_blocks(group).unwrap_or(0);
+            if blocks.iter().any(|&b| b >= num_blocks) {
+                let ids = blocks.iter().copied().filter(|&b| b >= num_blocks).take(MAX_IDS_SHOWN);
+                return Err(LeaseError::BlocksOutOfRange { request: id, ids: ids.collect(), num_blocks });
+            }
         }
         Ok(id)
     }
@@ -587,32 +688,101 @@ impl LeaseTable {
         now: Instant,
     ) -> Result<(ChildHandoff, u64), LeaseError> {
         let id = self.validate(&req)?;
+        self.insert(id, req, None, now)
+    }
+
+    /// Registers a lease whose request id and token were chosen elsewhere, and returns its
+    /// hand-off and generation: the two-phase lease of an engine whose scheduler process
+    /// hands the id and token out (vLLM's `request_finished`) before the worker that holds
+    /// the KV memory makes the lease (its next step). Checks everything [`Self::lease`]
+    /// checks, and also that `id` is the request id `req` names
+    /// ([`crate::child_request_id`]), that the token is not all zeros, and that it is not
+    /// the token of an ended lease of the same id still on record (arming that again would
+    /// bring an ended lease back: its decode side may already have been told it ended).
+    /// Wakes the lease hook ([`Self::set_lease_hook`]), like every new lease.
+    pub fn arm(
+        &self,
+        id: &str,
+        req: LeaseRequest,
+        token: LeaseToken,
+        now: Instant,
+    ) -> Result<(ChildHandoff, u64), LeaseError> {
+        let expected = self.validate(&req)?;
+        if expected != id {
+            return Err(LeaseError::IdMismatch { given: id.to_owned(), expected });
+        }
+        if token.as_bytes().iter().all(|&b| b == 0) {
+            return Err(LeaseError::ZeroToken(expected));
+        }
+        self.insert(expected, req, Some(token), now)
+    }
+
+    /// Inserts a lease (a fresh token, or the one given) and only then builds its hand-off.
+    fn insert(
+        &self,
+        id: String,
+        req: LeaseRequest,
+        given: Option<LeaseToken>,
+        now: Instant,
+    ) -> Result<(ChildHandoff, u64), LeaseError> {
         let ttl = req.ttl.unwrap_or(self.config.default_ttl).min(self.config.max_lifetime);
         let deadline = deadline_after(now, ttl);
         let max_deadline = now.checked_add(self.config.max_lifetime);
         let key: Arc<str> = Arc::from(id);
         let parent: Arc<str> = Arc::from(req.parent_request_id);
         let blocks: Arc<[BlockId]> = Arc::from(req.blocks);
+        let other_groups: Arc<[Vec<BlockId>]> = Arc::from(req.other_groups);
+        let flat = if other_groups.is_empty() {
+            blocks.clone()
+        } else {
+            // Every group's blocks together fit block ids (checked in `validate`), and
+            // every id is below its group's count, so no flat id overflows.
+            let mut flat = blocks.to_vec();
+            for (g, ids) in other_groups.iter().enumerate() {
+                let base = self.config.group_base(g + 1).unwrap_or(0);
+                flat.extend(ids.iter().map(|&b| base + b));
+            }
+            Arc::from(flat)
+        };
+        let given_hash = given.as_ref().map(|t| token_hash(t.as_bytes()));
 
         let mut shard = self.lock(self.shard_of(&key));
+        // Checked under the shard lock: `release_all` sets the flag before it visits any
+        // shard, so a lease is either made before its visit (and released by it) or refused.
+        if self.closed.load(Ordering::Acquire) {
+            return Err(LeaseError::Closed(key.to_string()));
+        }
         if shard.leases.contains_key(&key) {
             return Err(LeaseError::AlreadyLeased(key.to_string()));
+        }
+        if let (Some(hash), Some(record)) = (&given_hash, shard.recent.get(&key)) {
+            if hashes_match(&record.token_hash, hash) {
+                return Err(LeaseError::TokenReused(key.to_string()));
+            }
         }
         if let Some(old) = shard.recent.remove(&key) {
             shard.recent_order.remove(&old.order);
         }
-        let token = LeaseToken::generate(&mut shard.rng);
+        let (token, hash) = match (given, given_hash) {
+            (Some(t), Some(h)) => (t, h),
+            _ => {
+                let t = LeaseToken::generate(&mut shard.rng);
+                (t, token_hash(t.as_bytes()))
+            }
+        };
         let seq = shard.next_seq;
         shard.next_seq += 1;
         shard.deadlines.insert((deadline, seq), key.clone());
         shard.leases.insert(
             key.clone(),
             Lease {
-                token_hash: token_hash(token.as_bytes()),
+                token_hash: hash,
                 parent: parent.clone(),
                 child_index: req.child_index,
                 n: req.n,
                 blocks: blocks.clone(),
+                other_groups: other_groups.clone(),
+                flat,
                 sorted: None,
                 expected: req.expected_consumers,
                 consumers: Vec::new(),
@@ -628,6 +798,9 @@ impl LeaseTable {
         );
         drop(shard);
         bump(&self.counters.leased);
+        if let Some(hook) = self.lease_hook.get() {
+            hook();
+        }
         let handoff = ChildHandoff::issued(
             parent,
             req.child_index,
@@ -635,11 +808,25 @@ impl LeaseTable {
             key,
             token,
             blocks,
+            other_groups,
             self.engine.clone(),
             req.expected_consumers,
             ttl,
         );
         Ok((handoff, seq))
+    }
+
+    /// Whether a live, draining or recently ended lease of `id` holds `token` — false for an
+    /// id nobody leased (yet) and for a wrong token alike. For a server that lets a request
+    /// for a lease not armed yet wait until it is ([`Self::arm`]); it changes and counts
+    /// nothing, and hashes the presented token once, whatever the id.
+    pub fn knows(&self, id: &str, token: &[u8]) -> bool {
+        let presented = token_hash(token);
+        let shard = self.lock(self.shard_of(id));
+        match shard.leases.get(id) {
+            Some(l) => hashes_match(&l.token_hash, &presented),
+            None => shard.recent.get(id).is_some_and(|t| hashes_match(&t.token_hash, &presented)),
+        }
     }
 
     /// Looks up `id` with `token`, expiring it first when its deadline is at or before
@@ -770,6 +957,7 @@ impl LeaseTable {
             n: lease.n,
             kind,
             blocks: lease.blocks,
+            other_groups: lease.other_groups,
             consumers_seen,
             expected_consumers: lease.expected,
             generation: lease.seq,
@@ -948,10 +1136,21 @@ impl LeaseTable {
         self.end_hook.set(Box::new(hook)).is_ok()
     }
 
+    /// Sets a function called right after each new lease is in the table ([`Self::lease`]
+    /// or [`Self::arm`]), on the thread that made it, outside any lock: a server's wake-up
+    /// for requests waiting for a lease to be armed. It must be quick. Only the first hook
+    /// set is kept (returns false after).
+    pub fn set_lease_hook(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
+        self.lease_hook.set(Box::new(hook)).is_ok()
+    }
+
     /// Ends every live lease as released (the owner shuts down): each end is delivered on
     /// [`Self::ended`] as usual — at once, or when its last read finishes. Returns how many
-    /// ended.
+    /// ended. The table is closed from then on: [`Self::lease`] refuses with
+    /// [`LeaseError::Closed`], so no lease is left without an end.
     pub fn release_all(&self, now: Instant) -> usize {
+        // No lease is made from here on (checked under each shard's lock by `lease`).
+        self.closed.store(true, Ordering::Release);
         let mut count = 0;
         for index in 0..self.shards.len() {
             let mut shard = self.lock(index);
@@ -968,6 +1167,54 @@ impl LeaseTable {
     /// Reads (and pins) in flight: read guards not yet dropped.
     pub fn reads_in_flight(&self) -> u64 {
         self.counters.reads_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// [`Self::begin_read`] of `ranges` of KV-cache group `group` (group-local block ids):
+    /// refuses a group the layout does not have and ids outside the group (naming the
+    /// group's block count) before anything else is looked at, then reads the same blocks
+    /// as flat ids. Group 0 is exactly [`Self::begin_read`].
+    pub fn begin_group_read(
+        self: &Arc<Self>,
+        id: &str,
+        token: &[u8],
+        group: u32,
+        ranges: &[BlockRange],
+        now: Instant,
+    ) -> Result<ReadGuard, ReadRefused> {
+        if group == 0 && self.config.num_groups() == 1 {
+            return self.begin_read(id, token, ranges, now);
+        }
+        let refused = |r: ReadRefused| {
+            bump(&self.counters.reads_refused);
+            Err(r)
+        };
+        let g = group as usize;
+        // Groups whose flat ids do not fit have no leases: no group is read.
+        let fits = self.config.flat_ids_fit();
+        let (Some(num_blocks), Some(base), true) =
+            (self.config.group_blocks(g), self.config.group_base(g), fits)
+        else {
+            let groups = self.config.num_groups();
+            return refused(ReadRefused::NoSuchGroup { request: id.to_owned(), group, groups });
+        };
+        let out_of_range: Vec<BlockId> = ranges
+            .iter()
+            .filter(|r| u64::from(r.start) + u64::from(r.count) > u64::from(num_blocks))
+            .flat_map(|r| r.iter_u64().filter(|&b| b >= u64::from(num_blocks)))
+            .map(|b| u32::try_from(b).unwrap_or(u32::MAX))
+            .take(MAX_IDS_SHOWN)
+            .collect();
+        if !out_of_range.is_empty() {
+            return refused(ReadRefused::OutOfRange {
+                request: id.to_owned(),
+                ids: out_of_range,
+                num_blocks,
+            });
+        }
+        // In the group, so below `base + num_blocks`, which fits a block id.
+        let flat: Vec<BlockRange> =
+            ranges.iter().map(|r| BlockRange { start: base + r.start, count: r.count }).collect();
+        self.begin_read(id, token, &flat, now)
     }
 
     /// Starts a read of `ranges` of lease `id`. While the returned guard lives, the lease's
@@ -1002,11 +1249,11 @@ impl LeaseTable {
             return refused(ReadRefused::EmptyRange { request: id.to_owned(), index, start: r.start });
         }
         let requested: u64 = ranges.iter().map(|r| u64::from(r.count)).sum();
-        if requested == 0 || requested > lease.blocks.len() as u64 {
-            let leased = lease.blocks.len();
+        if requested == 0 || requested > lease.flat.len() as u64 {
+            let leased = lease.flat.len();
             return refused(ReadRefused::BadSize { request: id.to_owned(), requested, leased });
         }
-        let num_blocks = self.config.num_blocks;
+        let num_blocks = self.config.flat_blocks();
         let out_of_range: Vec<BlockId> = ranges
             .iter()
             .filter(|r| u64::from(r.start) + u64::from(r.count) > u64::from(num_blocks))

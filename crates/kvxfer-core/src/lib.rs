@@ -34,7 +34,7 @@ pub use error::{
 };
 pub use handoff::{join_host_port, ChildHandoff, EngineInfo, PrefillResult};
 pub use ids::{child_request_id, LeaseToken};
-pub use layout::{BlockLayout, Segment};
+pub use layout::{groups_compat_hash, BlockLayout, Segment};
 pub use lease::{
     CancelOutcome, EndKind, HeartbeatOutcome, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats, LeaseTable,
     NotifyOutcome, ReadGuard, ReadRefused, RetractOutcome,

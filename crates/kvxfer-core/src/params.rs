@@ -122,7 +122,12 @@ impl KvTransferParams {
         KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            remote_block_ids: Some(RemoteBlockIds::Flat(h.remote_block_ids().to_vec())),
+            // A single group as the flat list vLLM writes for it; several nested.
+            remote_block_ids: Some(if h.num_groups() == 1 {
+                RemoteBlockIds::Flat(h.remote_block_ids().to_vec())
+            } else {
+                RemoteBlockIds::Grouped(h.groups().map(<[BlockId]>::to_vec).collect())
+            }),
             remote_engine_id: Some(h.engine().engine_id.clone()),
             remote_request_id: Some(h.remote_request_id().to_owned()),
             // A hand-off naming only the engine id has neither.
@@ -155,11 +160,19 @@ impl KvTransferParams {
             None => request.clone(),
             Some(_) => text(&self.kvxfer_parent_request_id, "kvxfer_parent_request_id")?,
         };
-        let blocks = match need(self.remote_block_ids.clone(), "remote_block_ids")? {
-            RemoteBlockIds::Flat(v) => v,
-            RemoteBlockIds::Grouped(mut groups) if groups.len() == 1 => groups.pop().unwrap_or_default(),
-            RemoteBlockIds::Grouped(groups) => {
-                return Err(ParamsError::TooManyGroups { field: "remote_block_ids", groups: groups.len() })
+        // One list per KV-cache group: group 0 in `remote_block_ids`, the rest after it.
+        let (blocks, other_groups) = match need(self.remote_block_ids.clone(), "remote_block_ids")? {
+            RemoteBlockIds::Flat(v) => (v, Vec::new()),
+            RemoteBlockIds::Grouped(groups) if groups.is_empty() => (Vec::new(), Vec::new()),
+            RemoteBlockIds::Grouped(mut groups) => {
+                let first = groups.remove(0);
+                (
+                    first,
+                    groups
+                        .into_iter()
+                        .map(|block_ids| kvxfer_proto::v1::GroupBlockIds { block_ids })
+                        .collect(),
+                )
             }
         };
         // Neither `remote_host` nor `remote_port`: the dict names only the engine id, which a
@@ -188,6 +201,7 @@ impl KvTransferParams {
             lease_ttl_ms: self.kvxfer_lease_ttl_ms.unwrap_or(30_000),
             tp_size: self.tp_size.unwrap_or(1),
             incarnation: self.kvxfer_incarnation.unwrap_or(0),
+            other_group_block_ids: other_groups,
         };
         ChildHandoff::from_wire(wire).map_err(|e| {
             // The wire's field names mapped to this dict's keys.
@@ -268,16 +282,30 @@ mod tests {
     }
 
     #[test]
-    fn more_than_one_group_of_block_ids_is_refused_naming_the_field_and_the_count() {
+    fn nested_block_ids_round_trip_one_list_per_group() {
         let mut p = KvTransferParams::from_json(DECODE_SIDE).expect("parses");
         p.kvxfer_lease_token = Some("00".repeat(16));
         p.remote_block_ids = Some(RemoteBlockIds::Grouped(vec![vec![1, 2], vec![7]]));
-        let e = p.to_handoff().expect_err("two groups cannot be pulled yet");
-        let msg = e.to_string();
-        assert!(msg.contains("remote_block_ids") && msg.contains('2'), "{msg}");
-        // One group is what a non-hybrid model writes: accepted as its flat list.
+        let h = p.to_handoff().expect("two groups");
+        assert_eq!(h.num_groups(), 2);
+        assert_eq!(
+            (h.group_block_ids(0), h.group_block_ids(1), h.group_block_ids(2)),
+            (Some(&[1, 2][..]), Some(&[7][..]), None)
+        );
+        let back = KvTransferParams::from_json(&KvTransferParams::from_handoff(&h).to_json()).expect("json");
+        assert_eq!(back.remote_block_ids, Some(RemoteBlockIds::Grouped(vec![vec![1, 2], vec![7]])));
+        assert_eq!(back.to_handoff().expect("handoff"), h);
+        assert_eq!(ChildHandoff::from_wire(h.to_wire()).expect("wire"), h);
+        // One group is what a non-hybrid model writes: accepted as its flat list, and
+        // written back flat (the single-group wire and dict are unchanged).
         p.remote_block_ids = Some(RemoteBlockIds::Grouped(vec![vec![1, 2]]));
-        assert_eq!(p.to_handoff().expect("one group").remote_block_ids(), &[1, 2]);
+        let one = p.to_handoff().expect("one group");
+        assert_eq!((one.remote_block_ids(), one.num_groups()), (&[1, 2][..], 1));
+        assert_eq!(
+            KvTransferParams::from_handoff(&one).remote_block_ids,
+            Some(RemoteBlockIds::Flat(vec![1, 2]))
+        );
+        assert!(one.to_wire().other_group_block_ids.is_empty());
     }
 
     #[test]
@@ -330,9 +358,7 @@ mod tests {
             let e = p.to_handoff().expect_err(key);
             let field = match &e {
                 ParamsError::Missing(f) => f.to_string(),
-                ParamsError::Invalid { field, .. } | ParamsError::TooManyGroups { field, .. } => {
-                    field.to_string()
-                }
+                ParamsError::Invalid { field, .. } => field.to_string(),
                 other => panic!("{key}: {other:?}"),
             };
             assert_eq!(field, key, "{e}");

@@ -285,6 +285,7 @@ mod tests {
             n: 2,
             kind,
             blocks: Arc::from(vec![1]),
+            other_groups: Arc::from(vec![]),
             consumers_seen: 0,
             expected_consumers: 1,
             generation,

@@ -261,6 +261,14 @@ pub enum PullError {
     /// request (or retry on another decode worker).
     #[error("the decode agent shut down before the pull finished")]
     Shutdown,
+    /// The caller's local block lists do not fit the plan made with the prefill ranks'
+    /// shapes (not `ceil(remote / block_ratio)` blocks per group): nothing was read and no
+    /// lease was touched (other decode ranks may still read it). Advice: fail the request.
+    #[error("{detail}")]
+    LocalBlocks {
+        /// What does not fit.
+        detail: String,
+    },
 }
 
 fn fmt_incarnation(i: u64) -> String {
@@ -292,7 +300,7 @@ impl PullError {
             | PullError::Protocol { .. }
             | PullError::RemoteBlocksOutOfRange { .. }
             | PullError::TransportUnavailable { .. } => Advice::Recompute,
-            PullError::Shutdown => Advice::FailRequest,
+            PullError::Shutdown | PullError::LocalBlocks { .. } => Advice::FailRequest,
             PullError::SiblingFailed { cause, .. } => cause.advice(),
         }
     }
@@ -536,6 +544,8 @@ pub struct PullMachine {
     delivered_bytes: u64,
     /// Per child: the answer to a notify sent with its read ([`Self::read_finished_notified`]).
     notified_with_read: Vec<Option<ControlAnswer>>,
+    /// Per child, the bytes it delivers when done (empty: local blocks × `block_bytes`).
+    child_bytes: Vec<u64>,
 }
 
 impl PullMachine {
@@ -618,9 +628,18 @@ impl PullMachine {
             wire_bytes: 0,
             delivered_bytes: 0,
             notified_with_read: vec![None; n],
+            child_bytes: Vec::new(),
             plan,
             children,
         }
+    }
+
+    /// Sets the bytes each child delivers when done, in child order — for local blocks of
+    /// different sizes (several KV-cache groups); by default its local blocks ×
+    /// [`PullConfig::block_bytes`].
+    pub fn with_child_bytes(mut self, bytes: Vec<u64>) -> Self {
+        self.child_bytes = bytes;
+        self
     }
 
     /// Children in the pull.
@@ -970,7 +989,10 @@ impl PullMachine {
         if let Some(error) = self.connect_error.clone().or_else(|| self.failed_dependency(i)) {
             return ChildOutcome::Failed { error, invalid_local_blocks: local };
         }
-        let bytes_delivered = local.len() as u64 * self.config.block_bytes;
+        let bytes_delivered = match self.child_bytes.get(i) {
+            Some(&bytes) => bytes,
+            None => local.len() as u64 * self.config.block_bytes,
+        };
         ChildOutcome::Done { bytes_delivered, acknowledged: false }
     }
 }

@@ -272,6 +272,81 @@ impl KvShape {
     }
 }
 
+impl KvShapeSpec {
+    /// The wire form (what a handshake carries).
+    pub fn to_wire(&self) -> kvxfer_proto::v1::KvShape {
+        use kvxfer_proto::v1;
+        let (total_kv_heads, latent) = match self.heads {
+            KvHeads::Split { total } => (total, false),
+            KvHeads::Latent => (0, true),
+        };
+        v1::KvShape {
+            tp_size: self.tp_size,
+            tp_rank: self.tp_rank,
+            total_kv_heads,
+            latent,
+            block_tokens: self.block_tokens,
+            dtype: self.dtype.clone(),
+            dtype_bytes: self.dtype_bytes,
+            groups: self
+                .groups
+                .iter()
+                .map(|g| v1::KvShapeGroup {
+                    num_blocks: g.num_blocks,
+                    segments: g
+                        .segments
+                        .iter()
+                        .map(|s| v1::KvShapeSegment { head_dim: s.head_dim, stride: s.stride.unwrap_or(0) })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Reads the wire form (check it with [`KvShape::new`]).
+    pub fn from_wire(w: &kvxfer_proto::v1::KvShape) -> Self {
+        KvShapeSpec {
+            tp_size: w.tp_size,
+            tp_rank: w.tp_rank,
+            heads: if w.latent { KvHeads::Latent } else { KvHeads::Split { total: w.total_kv_heads } },
+            block_tokens: w.block_tokens,
+            dtype: w.dtype.clone(),
+            dtype_bytes: w.dtype_bytes,
+            groups: w
+                .groups
+                .iter()
+                .map(|g| GroupSpec {
+                    num_blocks: g.num_blocks,
+                    segments: g
+                        .segments
+                        .iter()
+                        .map(|s| SegmentSpec {
+                            head_dim: s.head_dim,
+                            stride: (s.stride != 0).then_some(s.stride),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+impl KvShape {
+    /// Whether `layouts` (one per group, as registered memory has them) are exactly this
+    /// shape's block layouts: block counts, per-segment block lengths and strides, dtype and
+    /// tokens per block.
+    pub fn matches_layouts<'a>(&self, layouts: impl IntoIterator<Item = &'a BlockLayout>) -> bool {
+        let mut n = 0;
+        for (g, l) in layouts.into_iter().enumerate() {
+            n += 1;
+            if self.block_layout(g) != Some(l) {
+                return false;
+            }
+        }
+        n == self.num_groups()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,6 +378,19 @@ mod tests {
         let s = KvShape::new(spec(4, 2, KvHeads::Latent)).expect("shape");
         assert_eq!(s.local_heads(), HeadRange { first: 0, count: 1 });
         assert_eq!(s.block_layout(0).map(|l| l.block_bytes()), Some(2 * 16 * 128 * 2));
+    }
+
+    #[test]
+    fn wire_round_trip() {
+        for heads in [KvHeads::Split { total: 8 }, KvHeads::Latent] {
+            let mut sp = spec(4, 3, heads);
+            sp.groups[0].segments[1].stride = Some(1 << 20);
+            assert_eq!(KvShapeSpec::from_wire(&sp.to_wire()), sp);
+            let shape = KvShape::new(sp).expect("shape");
+            let layouts: Vec<BlockLayout> = shape.block_layout(0).into_iter().cloned().collect();
+            assert!(shape.matches_layouts(&layouts));
+            assert!(!shape.matches_layouts(&[]));
+        }
     }
 
     #[test]

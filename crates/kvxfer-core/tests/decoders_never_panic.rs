@@ -7,6 +7,45 @@ use kvxfer_proto::v1;
 use kvxfer_proto::Message;
 use proptest::prelude::*;
 
+/// Shapes with small and extreme numbers alike.
+fn shape_wire() -> impl Strategy<Value = v1::KvShape> {
+    let n = || prop_oneof![0u32..9, Just(u32::MAX), any::<u32>()];
+    // Head counts: small or random, never u32::MAX on both sides at once (equal huge head
+    // counts on both sides would be a local misconfiguration, and a plan at a block ratio
+    // above 1 lists one slice per head).
+    let heads = prop_oneof![0u32..9, any::<u32>()];
+    (
+        n(),
+        n(),
+        heads,
+        any::<bool>(),
+        n(),
+        n(),
+        proptest::collection::vec((n(), proptest::collection::vec((n(), any::<u64>()), 0..3)), 0..3),
+    )
+        .prop_map(|(tp_size, tp_rank, total_kv_heads, latent, block_tokens, dtype_bytes, groups)| {
+            v1::KvShape {
+                tp_size,
+                tp_rank,
+                total_kv_heads,
+                latent,
+                block_tokens,
+                dtype: "bf16".into(),
+                dtype_bytes,
+                groups: groups
+                    .into_iter()
+                    .map(|(num_blocks, segs)| v1::KvShapeGroup {
+                        num_blocks: num_blocks % 128,
+                        segments: segs
+                            .into_iter()
+                            .map(|(head_dim, stride)| v1::KvShapeSegment { head_dim, stride })
+                            .collect(),
+                    })
+                    .collect(),
+            }
+        })
+}
+
 fn bytes() -> impl Strategy<Value = Vec<u8>> {
     proptest::collection::vec(any::<u8>(), 0..512)
 }
@@ -42,6 +81,27 @@ proptest! {
         }
     }
 
+    /// A peer's KV-cache shape (handshake) is checked and paired without panicking, whatever
+    /// its numbers: zero sizes, huge head counts and dims, TP sizes that do not divide.
+    #[test]
+    fn any_shape_pair_is_checked_or_refused(
+        p in shape_wire(), d in shape_wire(), remote in proptest::collection::vec(0u32..64, 0..8),
+    ) {
+        use kvxfer_core::{KvShape, KvShapeSpec, TransferPair};
+        let (Ok(p), Ok(d)) = (KvShape::new(KvShapeSpec::from_wire(&p)), KvShape::new(KvShapeSpec::from_wire(&d))) else {
+            return Ok(());
+        };
+        if let Ok(pair) = TransferPair::new(&p, &d) {
+            let k = pair.block_ratio() as usize;
+            let local: Vec<u32> = (0..remote.len().div_ceil(k) as u32).collect();
+            let groups: Vec<(&[u32], &[u32])> = (0..p.num_groups()).map(|_| (&remote[..], &local[..])).collect();
+            if let Ok(plan) = pair.plan(&groups) {
+                // Bounded: at most a few pieces per block, segment and head.
+                let _ = plan.pieces().take(10_000).count();
+            }
+        }
+    }
+
     #[test]
     fn prefill_result_validation_names_what_is_wrong(
         n in 0u32..12,
@@ -63,6 +123,7 @@ proptest! {
             lease_ttl_ms: 1000,
             tp_size: 1,
             incarnation: 0,
+            other_group_block_ids: vec![],
         }).collect();
         let wire = v1::PrefillResult { parent_request_id: "P".into(), n, children };
         match PrefillResult::from_wire(wire) {

@@ -305,3 +305,86 @@ fn an_end_says_when_its_lease_was_made_and_when_it_ended() {
     // The expired one ended at the expiry call's `now`, not at its deadline.
     assert_eq!(times, [(EndKind::Pulled, ms(0), ms(250)), (EndKind::Expired, ms(10), ms(900))]);
 }
+
+/// A table of two KV-cache groups (16 and 8 blocks): leases need one list per group, ids
+/// are checked per group, reads are checked against the group they name (block 17 of
+/// group 0 is refused even though flat id 17 is group 1's leased block 1), and the end
+/// hands every group's blocks back as leased.
+#[test]
+fn grouped_leases_check_and_read_each_group_on_its_own() {
+    let engine = EngineInfo {
+        engine_id: "prefill-0".into(),
+        host: "127.0.0.1".into(),
+        port: 5559,
+        tp_size: 1,
+        incarnation: 0,
+    };
+    let mut config = LeaseConfig::new(engine, 16);
+    config.other_group_blocks = vec![8];
+    assert_eq!((config.num_groups(), config.group_base(1), config.flat_blocks()), (2, Some(16), 24));
+    let t = Arc::new(LeaseTable::new(config, [7; 32]));
+    let t0 = Instant::now();
+    match t.lease(LeaseRequest::new("One", 0, 1, vec![1]), t0) {
+        Err(LeaseError::GroupCount { expected: 2, got: 1, .. }) => {}
+        other => panic!("one list for two groups: {other:?}"),
+    }
+    match t.lease(LeaseRequest::grouped("Big", 0, 1, vec![vec![1], vec![8]]), t0) {
+        Err(LeaseError::BlocksOutOfRange { ids, num_blocks: 8, .. }) => assert_eq!(ids, vec![8]),
+        other => panic!("block 8 of an 8-block group: {other:?}"),
+    }
+    // A group may be empty for a request (a sliding window that holds nothing yet); all
+    // empty is refused.
+    assert!(matches!(
+        t.lease(LeaseRequest::grouped("None", 0, 1, vec![vec![], vec![]]), t0),
+        Err(LeaseError::NoBlocks(_))
+    ));
+    let h = t.lease(LeaseRequest::grouped("G", 0, 1, vec![vec![3, 4], vec![1, 2]]), t0).expect("lease");
+    assert_eq!((h.group_block_ids(0), h.group_block_ids(1)), (Some(&[3, 4][..]), Some(&[1, 2][..])));
+    let tok = h.token().as_bytes();
+    let r = |start, count| [BlockRange { start, count }];
+    assert!(matches!(
+        t.begin_group_read("G", tok, 0, &r(17, 1), t0),
+        Err(ReadRefused::OutOfRange { num_blocks: 16, .. })
+    ));
+    assert!(matches!(
+        t.begin_group_read("G", tok, 2, &r(1, 1), t0),
+        Err(ReadRefused::NoSuchGroup { group: 2, .. })
+    ));
+    // Group 1's block 3 is in range but not leased; group 0's block 1 neither.
+    assert!(matches!(t.begin_group_read("G", tok, 1, &r(3, 1), t0), Err(ReadRefused::NotLeased { .. })));
+    assert!(matches!(t.begin_group_read("G", tok, 0, &r(1, 1), t0), Err(ReadRefused::NotLeased { .. })));
+    let g0 = t.begin_group_read("G", tok, 0, &r(3, 2), t0).expect("group 0");
+    let g1 = t.begin_group_read("G", tok, 1, &r(1, 2), t0).expect("group 1");
+    drop((g0, g1));
+    assert_eq!(t.notify("G", tok, "d0", t0), NotifyOutcome::Pulled);
+    let e = ended(&t);
+    assert_eq!(e.len(), 1);
+    assert_eq!((&*e[0].blocks, &*e[0].other_groups), (&[3, 4][..], &[vec![1, 2]][..]));
+}
+
+/// Groups whose blocks together do not fit block ids (the last group's base fits, its
+/// blocks do not): every lease and grouped read is refused, none wraps its flat ids.
+#[test]
+fn groups_whose_flat_ids_overflow_are_refused() {
+    let engine = EngineInfo {
+        engine_id: "prefill-0".into(),
+        host: "127.0.0.1".into(),
+        port: 5559,
+        tp_size: 1,
+        incarnation: 0,
+    };
+    let mut config = LeaseConfig::new(engine, u32::MAX - 10);
+    config.other_group_blocks = vec![100];
+    assert_eq!(config.group_base(1), Some(u32::MAX - 10));
+    assert!(!config.flat_ids_fit());
+    let t = Arc::new(LeaseTable::new(config, [7; 32]));
+    let t0 = Instant::now();
+    match t.lease(LeaseRequest::grouped("O", 0, 1, vec![vec![1], vec![50]]), t0) {
+        Err(LeaseError::GroupCount { .. }) => {}
+        other => panic!("flat id past u32::MAX: {other:?}"),
+    }
+    assert!(matches!(
+        t.begin_group_read("O", &[0; 16], 1, &[BlockRange { start: 50, count: 1 }], t0),
+        Err(ReadRefused::NoSuchGroup { group: 1, .. })
+    ));
+}

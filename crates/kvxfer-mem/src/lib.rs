@@ -60,6 +60,14 @@ pub enum MemError {
         /// Blocks in the layout.
         num_blocks: u32,
     },
+    /// A KV-cache group the memory does not have (or a cache of no groups).
+    #[error("KV-cache group {group} does not exist (the memory has {groups})")]
+    NoSuchGroup {
+        /// The group asked for.
+        group: usize,
+        /// Groups of the memory.
+        groups: usize,
+    },
     /// Data of the wrong length for a block.
     #[error("block data is {have} bytes, a block is {need}")]
     BlockLength {
@@ -204,11 +212,15 @@ pub struct Chunk {
     pub len: usize,
 }
 
-/// A KV cache: a block layout and one region per segment, checked to fit.
+/// A KV cache: a block layout and one region per segment, checked to fit. A cache of
+/// several KV-cache groups (hybrid models: full attention, sliding window...) is its first
+/// group's memory holding the further groups ([`Self::with_groups`]); each group has its
+/// own layout, regions and block ids.
 #[derive(Debug)]
 pub struct KvMemory {
     layout: BlockLayout,
     regions: Vec<Region>,
+    other_groups: Vec<KvMemory>,
 }
 
 impl KvMemory {
@@ -223,7 +235,41 @@ impl KvMemory {
                 return Err(MemError::RegionTooShort { segment, have: region.len(), need });
             }
         }
-        Ok(KvMemory { layout, regions })
+        Ok(KvMemory { layout, regions, other_groups: Vec::new() })
+    }
+
+    /// A cache of several KV-cache groups: `self` is group 0, `others[i]` group `i + 1`
+    /// (their own further groups, if any, are dropped into the list in order).
+    pub fn with_groups(mut self, others: Vec<KvMemory>) -> Self {
+        for mut g in others {
+            let nested = std::mem::take(&mut g.other_groups);
+            self.other_groups.push(g);
+            self.other_groups.extend(nested);
+        }
+        self
+    }
+
+    /// Number of KV-cache groups (1 unless built with [`Self::with_groups`]).
+    pub fn num_groups(&self) -> usize {
+        1 + self.other_groups.len()
+    }
+
+    /// The memory of KV-cache group `group` (`None` past the last group; group 0 is `self`).
+    pub fn group(&self, group: usize) -> Option<&KvMemory> {
+        match group {
+            0 => Some(self),
+            g => self.other_groups.get(g - 1),
+        }
+    }
+
+    /// Every group's layout, group 0 first.
+    pub fn group_layouts(&self) -> impl Iterator<Item = &BlockLayout> + '_ {
+        std::iter::once(&self.layout).chain(self.other_groups.iter().map(|g| &g.layout))
+    }
+
+    /// Every group's regions, group 0's first (what a one-sided transport registers).
+    pub fn all_regions(&self) -> impl Iterator<Item = &Region> + '_ {
+        self.regions.iter().chain(self.other_groups.iter().flat_map(|g| g.regions.iter()))
     }
 
     /// Owned, zeroed regions for every segment of `layout`.
@@ -237,12 +283,12 @@ impl KvMemory {
         Self::new(layout, regions)
     }
 
-    /// The layout.
+    /// The layout (of group 0 in a cache of several groups).
     pub fn layout(&self) -> &BlockLayout {
         &self.layout
     }
 
-    /// The regions, one per segment.
+    /// The regions, one per segment (of group 0 in a cache of several groups).
     pub fn regions(&self) -> &[Region] {
         &self.regions
     }
@@ -303,6 +349,17 @@ impl KvMemory {
             }
         }
         crc
+    }
+
+    /// CRC-32C of the bytes of `chunks`, in order (a head-slice read's payload).
+    ///
+    /// # Safety
+    /// As [`Self::chunk`]: nobody writes these bytes while this runs.
+    pub unsafe fn crc32c_chunks(&self, chunks: &[Chunk]) -> u32 {
+        chunks.iter().fold(0, |crc, &c| {
+            // SAFETY: forwarded contract.
+            crate::crc32c_append(crc, unsafe { self.chunk(c) })
+        })
     }
 
     fn check_block(&self, block: BlockId) -> Result<(), MemError> {
@@ -445,7 +502,14 @@ pub mod pattern {
 
     /// Fills `out` with the pattern of `block`.
     pub fn fill(block: BlockId, out: &mut [u8]) {
-        let mut x = u64::from(block).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        fill_in_group(0, block, out);
+    }
+
+    /// Fills `out` with the pattern of `block` of KV-cache group `group` (group 0: [`fill`]);
+    /// block `b` of two groups differ, so a block read from the wrong group is caught.
+    pub fn fill_in_group(group: usize, block: BlockId, out: &mut [u8]) {
+        let seed = u64::from(block) ^ ((group as u64) << 40);
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         for chunk in out.chunks_mut(8) {
             x ^= x << 13;
             x ^= x >> 7;
@@ -466,6 +530,130 @@ pub mod pattern {
             unsafe { mem.write_block(b, &buf)? };
         }
         Ok(mem)
+    }
+
+    /// New memory of several KV-cache groups (`layouts[g]` is group `g`), every block of
+    /// every group holding its [`fill_in_group`] pattern.
+    pub fn alloc_filled_groups(layouts: Vec<BlockLayout>) -> Result<KvMemory, MemError> {
+        let mut groups = Vec::with_capacity(layouts.len());
+        for (g, layout) in layouts.into_iter().enumerate() {
+            let mem = KvMemory::alloc(layout)?;
+            let mut buf = vec![0u8; mem.layout().block_bytes() as usize];
+            for b in 0..mem.layout().num_blocks() {
+                fill_in_group(g, b, &mut buf);
+                // SAFETY: `mem` was just allocated and is not shared.
+                unsafe { mem.write_block(b, &buf)? };
+            }
+            groups.push(mem);
+        }
+        if groups.is_empty() {
+            return Err(MemError::NoSuchGroup { group: 0, groups: 0 });
+        }
+        let first = groups.remove(0);
+        Ok(first.with_groups(groups))
+    }
+
+    /// Fills `out` with the pattern of head `head` (model-wide index) of `block`, segment
+    /// `segment`, group `group` of a prefill engine: the same bytes on every rank holding
+    /// that head, so a decode rank of another TP size can check what it assembled.
+    pub fn fill_head(group: usize, segment: usize, block: BlockId, head: u32, out: &mut [u8]) {
+        let id = (u64::from(block) << 16) ^ ((segment as u64) << 8) ^ u64::from(head);
+        fill_in_group(group, (id ^ (id >> 32)) as BlockId, out);
+    }
+
+    /// New memory of `shape` (every group) with every head of every block holding its
+    /// [`fill_head`] pattern: one prefill rank's cache.
+    pub fn alloc_filled_shape(shape: &kvxfer_core::KvShape) -> Result<KvMemory, MemError> {
+        let mut groups = Vec::with_capacity(shape.num_groups());
+        let heads = shape.local_heads();
+        for g in 0..shape.num_groups() {
+            let Some(layout) = shape.block_layout(g) else { break };
+            let mem = KvMemory::alloc(layout.clone())?;
+            for (s, seg) in shape.segments(g).iter().enumerate() {
+                let c = seg.head_bytes() as usize;
+                let mut buf = vec![0u8; c];
+                for b in 0..layout.num_blocks() {
+                    for j in 0..heads.count {
+                        fill_head(g, s, b, heads.first + j, &mut buf);
+                        let offset = (u64::from(b) * seg.stride()) as usize + j as usize * c;
+                        // SAFETY: `mem` was just allocated and is not shared.
+                        unsafe { mem.regions()[s].slice_mut(offset, c) }.copy_from_slice(&buf);
+                    }
+                }
+            }
+            groups.push(mem);
+        }
+        if groups.is_empty() {
+            return Err(MemError::NoSuchGroup { group: 0, groups: 0 });
+        }
+        let first = groups.remove(0);
+        Ok(first.with_groups(groups))
+    }
+
+    /// Checks a decode rank's pull of one group: remote block `remote[i]` landed in local
+    /// block `local[i / k]` at token slot `i % k` (`k`: the pair's block ratio), every head
+    /// of the decode rank holding [`fill_head`] of that remote block. Returns the first
+    /// local block that does not.
+    ///
+    /// # Safety
+    /// Nobody writes the `local` blocks meanwhile (their pull has reported).
+    pub unsafe fn check_shaped_blocks(
+        mem: &KvMemory,
+        pair: &kvxfer_core::TransferPair,
+        group: usize,
+        remote: &[BlockId],
+        local: &[BlockId],
+    ) -> Result<Option<BlockId>, MemError> {
+        let Some(g) = mem.group(group) else {
+            return Err(MemError::NoSuchGroup { group, groups: mem.num_groups() });
+        };
+        let decode = pair.decode();
+        let (heads, k) = (decode.local_heads(), u64::from(pair.block_ratio()));
+        for (s, seg) in decode.segments(group).iter().enumerate() {
+            // One prefill block's worth of one head.
+            let c = seg.head_bytes() / k;
+            let (mut want, mut got) = (vec![0u8; c as usize], vec![0u8; c as usize]);
+            for (i, &r) in remote.iter().enumerate() {
+                let (l, slot) = (local[i / k as usize], i as u64 % k);
+                g.check_block(l)?;
+                for j in 0..heads.count {
+                    fill_head(group, s, r, heads.first + j, &mut want);
+                    let offset = u64::from(l) * seg.stride() + u64::from(j) * seg.head_bytes() + slot * c;
+                    // SAFETY: in the layout (checked); forwarded contract.
+                    got.copy_from_slice(unsafe { g.regions()[s].slice(offset as usize, c as usize) });
+                    if want != got {
+                        return Ok(Some(l));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// [`check_blocks`] for KV-cache group `group` of `mem` (group-local ids on both sides).
+    ///
+    /// # Safety
+    /// As [`check_blocks`].
+    pub unsafe fn check_group_blocks(
+        mem: &KvMemory,
+        group: usize,
+        remote: &[BlockId],
+        local: &[BlockId],
+    ) -> Result<Option<BlockId>, MemError> {
+        let Some(g) = mem.group(group) else {
+            return Err(MemError::NoSuchGroup { group, groups: mem.num_groups() });
+        };
+        let len = g.layout().block_bytes() as usize;
+        let (mut want, mut got) = (vec![0u8; len], vec![0u8; len]);
+        for (&r, &l) in remote.iter().zip(local) {
+            fill_in_group(group, r, &mut want);
+            // SAFETY: forwarded contract.
+            unsafe { g.read_block(l, &mut got)? };
+            if want != got {
+                return Ok(Some(l));
+            }
+        }
+        Ok(None)
     }
 
     /// Checks that local block `local[i]` holds the pattern of remote block `remote[i]`;

@@ -261,7 +261,7 @@ impl Connection {
     }
 
     /// A read (or pin) request for the remote side of `runs`, with the next sequence number.
-    fn request(&mut self, id: &str, token: &[u8], runs: &[BlockRun]) -> (u64, v1::ReadRequest) {
+    fn request(&mut self, id: &str, token: &[u8], group: u32, runs: &[BlockRun]) -> (u64, v1::ReadRequest) {
         let seq = self.next_seq;
         self.next_seq += 1;
         let req = v1::ReadRequest {
@@ -270,6 +270,8 @@ impl Connection {
             lease_token: token.to_vec(),
             ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
             pin_crc32c: false,
+            group,
+            head_slice: None,
         };
         (seq, req)
     }
@@ -290,7 +292,24 @@ impl Connection {
         dest: &KvMemory,
     ) -> Result<u64, ClientError> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.read_payload(id, token, runs, dest, None) }.await
+        unsafe { self.read_payload(id, token, 0, runs, dest, None) }.await
+    }
+
+    /// [`Self::read_into`] for KV-cache group `group`: the runs name group-local blocks on
+    /// both sides and `dest` is the local memory of that group.
+    ///
+    /// # Safety
+    /// As [`Self::read_into`], for `dest`.
+    pub async unsafe fn read_group_into(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        group: u32,
+        runs: &[BlockRun],
+        dest: &KvMemory,
+    ) -> Result<u64, ClientError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.read_payload(id, token, group, runs, dest, None) }.await
     }
 
     /// [`Self::read_into`] with the notify of lease `id` by `consumer` written right behind
@@ -320,7 +339,7 @@ impl Connection {
             consumer_id: consumer.to_owned(),
         };
         // SAFETY: the caller's contract, passed on.
-        let read = unsafe { self.read_payload(id, token, runs, dest, Some(notify)) }.await;
+        let read = unsafe { self.read_payload(id, token, 0, runs, dest, Some(notify)) }.await;
         if read.as_ref().is_err_and(|e| !e.connection_usable()) {
             return (read, None);
         }
@@ -341,12 +360,13 @@ impl Connection {
         &mut self,
         id: &str,
         token: &[u8],
+        group: u32,
         runs: &[BlockRun],
         dest: &KvMemory,
         notify: Option<v1::Notify>,
     ) -> Result<u64, ClientError> {
         self.payload_started = false;
-        let (seq, req) = self.request(id, token, runs);
+        let (seq, req) = self.request(id, token, group, runs);
         match notify {
             None => self.send(&Frame::ReadRequest(req)).await?,
             Some(n) => self.send_both(&Frame::ReadRequest(req), &Frame::Notify(n)).await?,
@@ -393,6 +413,79 @@ impl Connection {
         Ok(expected)
     }
 
+    /// Reads heads `what.head_slice = (first, count)` (rank-local; `None`: whole blocks) of
+    /// the remote blocks `what.ranges` of KV-cache group `what.group` of lease `id`, scattering the
+    /// payload straight into `dest` as it lands: payload byte `i` goes to the `i`-th byte of
+    /// `chunks` taken in order (each a span of one of `dest`'s regions). The payload is, per
+    /// range, per segment, per block, the block's slice (see `ReadRequest.head_slice`), so
+    /// the caller lists the destination of every slice in that order; its length must equal
+    /// the chunks' total. Vectored reads fill many chunks per call; the CRC-32C trailer is
+    /// checked over the bytes as they landed. Returns the payload bytes.
+    ///
+    /// # Safety
+    /// Nobody else reads or writes the bytes of `chunks` until this returns (destination
+    /// blocks of a pull under way), and no two chunks overlap.
+    ///
+    /// # Panics
+    /// If a chunk is outside its region (a caller bug: chunks come from a checked plan).
+    pub async unsafe fn read_scatter(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        what: SliceSpec<'_>,
+        dest: &KvMemory,
+        chunks: &[kvxfer_mem::Chunk],
+    ) -> Result<u64, ClientError> {
+        let SliceSpec { group, head_slice, ranges } = what;
+        self.payload_started = false;
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let req = v1::ReadRequest {
+            seq,
+            remote_request_id: id.to_owned(),
+            lease_token: token.to_vec(),
+            ranges: ranges.iter().map(|r| v1::BlockRange { start: r.start, count: r.count }).collect(),
+            pin_crc32c: false,
+            group,
+            head_slice: head_slice.map(|(first, count)| v1::HeadSlice { first, count }),
+        };
+        self.send(&Frame::ReadRequest(req)).await?;
+        let expected: u64 = chunks.iter().map(|c| c.len as u64).sum();
+        match self.recv().await? {
+            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {}
+            Frame::ReadResponse(resp) => {
+                return Err(ClientError::Integrity {
+                    peer: self.peer.clone(),
+                    seq,
+                    detail: format!(
+                        "answered as read {} with {} bytes, expected read {seq} with {expected}",
+                        resp.seq, resp.payload_len
+                    ),
+                })
+            }
+            Frame::Error(e) if e.seq == seq => return Err(self.refused(e)),
+            other => return Err(self.unexpected(&other)),
+        }
+        self.payload_started = true;
+        let timeout = self.limits.io_timeout;
+        let deadline = std::time::Instant::now()
+            .checked_add(self.limits.transfer_deadline(expected))
+            .unwrap_or_else(|| std::time::Instant::now() + Duration::from_secs(365 * 24 * 3600));
+        // SAFETY: the caller guarantees exclusive access to the chunks' bytes, which do not
+        // overlap, so these mutable slices are disjoint and unaliased until they drop.
+        let mut spans: Vec<&mut [u8]> = chunks.iter().map(|&c| unsafe { dest.chunk_mut(c) }).collect();
+        let crc = read_vectored_with_progress(&mut self.stream, &mut spans, timeout, deadline)
+            .await
+            .map_err(|e| self.frame_err(e))?;
+        drop(spans);
+        let mut trailer = [0u8; 4];
+        read_exact_with_progress(&mut self.stream, &mut trailer, timeout, deadline, None)
+            .await
+            .map_err(|e| self.frame_err(e))?;
+        check_crc(&self.peer, seq, u32::from_be_bytes(trailer), crc)?;
+        Ok(expected)
+    }
+
     /// Pins `runs` of lease `id` for a one-sided read (UCX, RDMA): the prefill side holds a
     /// read guard until [`Self::unpin`], until this connection closes, or until the time it
     /// states in the grant passes. Returns the grant: the pin's sequence number, how long it
@@ -404,8 +497,23 @@ impl Connection {
         runs: &[BlockRun],
         want_crc: bool,
     ) -> Result<PinGrant, ClientError> {
-        let (seq, mut req) = self.request(id, token, runs);
+        self.pin_group(id, token, (0, None), runs, want_crc).await
+    }
+
+    /// [`Self::pin`] of blocks of KV-cache group `group` (group-local ids); with a head
+    /// slice `(first, count)`, the CRC (if wanted) covers only those heads of each block,
+    /// in the order a read of them would send them.
+    pub async fn pin_group(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        (group, head_slice): (u32, Option<(u32, u32)>),
+        runs: &[BlockRun],
+        want_crc: bool,
+    ) -> Result<PinGrant, ClientError> {
+        let (seq, mut req) = self.request(id, token, group, runs);
         req.pin_crc32c = want_crc;
+        req.head_slice = head_slice.map(|(first, count)| v1::HeadSlice { first, count });
         self.send(&Frame::Pin(req)).await?;
         match self.recv().await? {
             Frame::PinAck(a) if a.seq == seq => Ok(PinGrant {
@@ -497,6 +605,76 @@ pub fn check_crc(peer: &str, seq: u64, announced: u32, computed: u32) -> Result<
         seq,
         detail: format!("CRC-32C {computed:#010x}, announced {announced:#010x}"),
     })
+}
+
+/// What a [`Connection::read_scatter`] asks for: blocks `ranges` of KV-cache group `group`,
+/// and of each block heads `head_slice = (first, count)` of the serving rank (`None`: whole
+/// blocks).
+#[derive(Debug, Clone, Copy)]
+pub struct SliceSpec<'a> {
+    /// The KV-cache group.
+    pub group: u32,
+    /// Rank-local heads `(first, count)`, or `None` for whole blocks.
+    pub head_slice: Option<(u32, u32)>,
+    /// The remote block ranges.
+    pub ranges: &'a [kvxfer_core::plan::BlockRange],
+}
+
+/// Slices filled per vectored read (the kernel caps an iovec list at 1024).
+const SCATTER_SLICES: usize = 64;
+
+/// Fills every span of `spans` in order from `stream` with vectored reads (up to
+/// [`SCATTER_SLICES`] spans per read), failing like [`read_exact_with_progress`]; returns
+/// the CRC-32C of the bytes, taken as they land.
+async fn read_vectored_with_progress(
+    stream: &mut TcpStream,
+    spans: &mut [&mut [u8]],
+    timeout: Duration,
+    deadline: std::time::Instant,
+) -> Result<u32, FrameError> {
+    let mut crc = 0u32;
+    // Position: span index and offset in it.
+    let (mut at, mut off) = (0usize, 0usize);
+    while at < spans.len() {
+        if spans[at].len() == off {
+            at += 1;
+            off = 0;
+            continue;
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let n = tokio::time::timeout(timeout.min(left), async {
+            loop {
+                stream.readable().await?;
+                let (first, rest) = spans[at..].split_first_mut().expect("a span is left");
+                let mut io: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(SCATTER_SLICES);
+                io.push(std::io::IoSliceMut::new(&mut first[off..]));
+                io.extend(rest.iter_mut().take(SCATTER_SLICES - 1).map(|s| std::io::IoSliceMut::new(s)));
+                match stream.try_read_vectored(&mut io) {
+                    Ok(n) => return Ok(n),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+        .await
+        .map_err(|_| FrameError::Timeout)??;
+        if n == 0 {
+            return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        // Fold what landed into the CRC, span by span, advancing the position.
+        let mut n = n;
+        while n > 0 {
+            let take = (spans[at].len() - off).min(n);
+            crc = kvxfer_mem::crc32c_append(crc, &spans[at][off..off + take]);
+            off += take;
+            n -= take;
+            if off == spans[at].len() {
+                at += 1;
+                off = 0;
+            }
+        }
+    }
+    Ok(crc)
 }
 
 /// Fills `buf` from `stream`, failing when no byte arrives for `timeout` or when `deadline`

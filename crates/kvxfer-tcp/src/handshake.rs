@@ -272,6 +272,10 @@ pub struct HandshakeId<'a> {
     pub agent_name: &'a str,
     /// Compatibility hash of the block layout.
     pub compat_hash: u64,
+    /// The side's KV-cache shape, when it states one.
+    pub kv_shape: Option<&'a v1::KvShape>,
+    /// Whether this is the prefill (accepting, `HelloAck`) side.
+    pub prefill: bool,
 }
 
 impl<'a> From<&'a v1::Hello> for HandshakeId<'a> {
@@ -281,6 +285,8 @@ impl<'a> From<&'a v1::Hello> for HandshakeId<'a> {
             engine_id: &h.engine_id,
             agent_name: &h.agent_name,
             compat_hash: h.compat_hash,
+            kv_shape: h.kv_shape.as_ref(),
+            prefill: false,
         }
     }
 }
@@ -292,8 +298,28 @@ impl<'a> From<&'a v1::HelloAck> for HandshakeId<'a> {
             engine_id: &h.engine_id,
             agent_name: &h.agent_name,
             compat_hash: h.compat_hash,
+            kv_shape: h.kv_shape.as_ref(),
+            prefill: true,
         }
     }
+}
+
+/// With both sides' shapes: `Err` naming what no transfer plan can serve (the field that
+/// differs and both values), `Ok(true)` when the peers are homogeneous (same TP size and
+/// block size: the compatibility hash must then match too, as without shapes), `Ok(false)`
+/// when a heterogeneous plan serves them. `None` without both shapes.
+fn check_shapes(a: HandshakeId<'_>, b: HandshakeId<'_>) -> Option<Result<bool, String>> {
+    use kvxfer_core::{KvShape, KvShapeSpec, TransferPair};
+    let (prefill, decode) = if a.prefill { (a, b) } else { (b, a) };
+    let (p, d) = (prefill.kv_shape?, decode.kv_shape?);
+    let parse = |w: &v1::KvShape, side: &str| {
+        KvShape::new(KvShapeSpec::from_wire(w)).map_err(|e| format!("the {side} side's KV-cache shape: {e}"))
+    };
+    Some((|| {
+        let (p, d) = (parse(p, "prefill")?, parse(d, "decode")?);
+        let pair = TransferPair::new(&p, &d).map_err(|e| e.to_string())?;
+        Ok(p.tp_size() == d.tp_size() && pair.block_ratio() == 1)
+    })())
 }
 
 /// The reason a peer is refused, or `None` when it is compatible with `ours`. The message
@@ -314,7 +340,20 @@ pub fn check_hello(peer: HandshakeId<'_>, ours: HandshakeId<'_>) -> Option<(Erro
             ),
         ));
     }
-    if peer.compat_hash != ours.compat_hash {
+    let hash_needed = match check_shapes(peer, ours) {
+        None | Some(Ok(true)) => true,
+        Some(Ok(false)) => false,
+        Some(Err(why)) => {
+            return Some((
+                ErrorCode::CompatMismatch,
+                format!(
+                    "KV-cache shapes of {} ({}) and {} ({}) cannot be served by any transfer plan: {why}",
+                    peer.agent_name, peer.engine_id, ours.agent_name, ours.engine_id
+                ),
+            ))
+        }
+    };
+    if hash_needed && peer.compat_hash != ours.compat_hash {
         return Some((
             ErrorCode::CompatMismatch,
             format!(
@@ -674,6 +713,45 @@ mod tests {
     use proptest::prelude::*;
     use tokio::io::{AsyncReadExt, DuplexStream};
 
+    /// Shapes replace the hash check only where a heterogeneous plan serves the peers;
+    /// equal TP and block sizes still need equal hashes, and what no plan serves is refused
+    /// naming the field.
+    #[test]
+    fn shapes_relax_the_hash_check_only_for_heterogeneous_peers() {
+        use kvxfer_core::{GroupSpec, KvHeads, KvShapeSpec, SegmentSpec};
+        let shape = |tp_size, block_tokens, total| {
+            KvShapeSpec {
+                tp_size,
+                tp_rank: 0,
+                heads: KvHeads::Split { total },
+                block_tokens,
+                dtype: "bf16".into(),
+                dtype_bytes: 2,
+                groups: vec![GroupSpec { num_blocks: 4, segments: vec![SegmentSpec::packed(64)] }],
+            }
+            .to_wire()
+        };
+        let check = |p: v1::KvShape, d: v1::KvShape, p_hash: u64, d_hash: u64| {
+            let ack = v1::HelloAck { compat_hash: p_hash, kv_shape: Some(p), ..Default::default() };
+            let hello = v1::Hello { compat_hash: d_hash, kv_shape: Some(d), ..Default::default() };
+            check_hello((&hello).into(), (&ack).into())
+        };
+        assert_eq!(check(shape(1, 16, 4), shape(2, 16, 4), 1, 2), None, "TP 1 -> 2");
+        assert_eq!(check(shape(1, 16, 4), shape(1, 32, 4), 1, 2), None, "block ratio 2");
+        let same = check(shape(2, 16, 4), shape(2, 16, 4), 1, 2).expect("equal shapes, other layouts");
+        assert!(same.1.contains("compatibility hash"), "{}", same.1);
+        assert_eq!(check(shape(2, 16, 4), shape(2, 16, 4), 7, 7), None);
+        let heads = check(shape(1, 16, 4), shape(2, 16, 8), 1, 2).expect("other heads");
+        assert_eq!(heads.0, ErrorCode::CompatMismatch);
+        assert!(heads.1.contains("total_kv_heads"), "{}", heads.1);
+        let smaller = check(shape(1, 32, 4), shape(1, 16, 4), 1, 2).expect("smaller decode blocks");
+        assert!(smaller.1.contains("block_tokens"), "{}", smaller.1);
+        // One side without a shape: the hash decides, as before.
+        let ack = v1::HelloAck { compat_hash: 1, kv_shape: Some(shape(1, 16, 4)), ..Default::default() };
+        let hello = v1::Hello { compat_hash: 2, ..Default::default() };
+        assert!(check_hello((&hello).into(), (&ack).into()).is_some());
+    }
+
     fn layout() -> BlockLayout {
         BlockLayout::single(4, 64).expect("layout")
     }
@@ -694,6 +772,7 @@ mod tests {
         ServeContext {
             table: Arc::new(LeaseTable::new(LeaseConfig::new(engine, 4), [1; 32])),
             memory: Arc::new(KvMemory::alloc(layout()).expect("memory")),
+            shape: None,
             hello_ack: v1::HelloAck {
                 protocol_version: PROTOCOL_VERSION,
                 engine_id: "prefill".into(),
@@ -706,10 +785,13 @@ mod tests {
                 }],
                 incarnation: 7,
                 authenticated: false,
+                other_group_layouts: vec![],
+                kv_shape: None,
             },
             cluster_key: key,
             limits: Limits::default(),
             counters: Arc::new(ServerCounters::default()),
+            leases_made: Arc::new(tokio::sync::Notify::new()),
         }
     }
 

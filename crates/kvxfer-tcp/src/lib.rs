@@ -13,6 +13,8 @@
 //! - `pins`: ranges pinned for one-sided reads (UCX, RDMA), how long each is held, and the
 //!   sweep that drops expired ones.
 //! - `control`: notify / heartbeat / cancel applied to the lease table.
+//! - `arm`: a frame naming a lease not armed yet (a two-phase lease) waits for it, bounded by
+//!   `Limits::arm_wait`.
 //! - [`stats`]: the counters every connection bumps, and the rate limit of the warnings
 //!   peers can trigger.
 //!
@@ -24,6 +26,7 @@
 //! payload of a TCP read in `read`, the pin-time CRC in `pins`, the body of
 //! [`Connection::read_into`]), each with its `// SAFETY:` comment.
 
+mod arm;
 pub mod client;
 mod control;
 pub mod frame;
@@ -34,7 +37,7 @@ pub mod server;
 pub mod stats;
 
 pub use client::PinGrant;
-pub use client::{check_crc, ClientError, Connection};
+pub use client::{check_crc, ClientError, Connection, SliceSpec};
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};
 pub use server::{refuse_connection, serve_connection, Refusal, ServeContext};
@@ -78,6 +81,14 @@ pub struct Limits {
     /// neither unpins nor closes (stuck, or half-open behind a middlebox) loses its pins
     /// after this; its late one-sided read is then refused by its unpin's `held` answer.
     pub pin_timeout: Duration,
+    /// Longest a read, pin, notify, heartbeat or cancel naming a lease the table does not
+    /// know (yet) waits for it to be armed before it is answered as unknown: with a
+    /// two-phase lease (vLLM's scheduler mints id and token, the worker arms the lease at
+    /// its next step) a decode peer can be faster than the arm. Default 5 s: longer than a
+    /// worker step, shorter than the decode side's `io_timeout` (10 s) that bounds its wait
+    /// for the answer. Zero answers at once. The wait is woken by the lease table's lease
+    /// hook, not by polling; a lease that already ended is answered at once.
+    pub arm_wait: Duration,
 }
 
 impl Limits {
@@ -115,6 +126,7 @@ impl Default for Limits {
             min_transfer_rate: 1 << 20,
             max_inflight_reads: 256,
             pin_timeout: Duration::from_secs(60),
+            arm_wait: Duration::from_secs(5),
         }
     }
 }

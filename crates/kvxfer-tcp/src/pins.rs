@@ -84,9 +84,12 @@ impl Pins {
             return Frame::error(ErrorCode::LimitExceeded, msg, req.seq);
         }
         match begin(ctx, req) {
-            Ok((guard, bytes)) => {
-                let payload_crc32c =
-                    if req.pin_crc32c { payload_crc(ctx, &guard, &ranges_of(req)) } else { 0 };
+            Ok((guard, bytes, slices)) => {
+                let payload_crc32c = match crate::read::group_memory(ctx, req) {
+                    Ok(mem) if req.pin_crc32c => payload_crc(mem, &guard, &ranges_of(req), &slices),
+                    Ok(_) => 0,
+                    Err(e) => return Frame::Error(e),
+                };
                 bump(&ctx.counters.pins);
                 bump(&ctx.counters.pins_open);
                 // Held longer for larger pins, so a big one-sided read has time to finish,
@@ -122,9 +125,17 @@ impl Pins {
 }
 
 /// CRC-32C of the blocks of `ranges`, which `guard` keeps leased.
-fn payload_crc(ctx: &ServeContext, guard: &ReadGuard, ranges: &[BlockRange]) -> u32 {
+fn payload_crc(
+    mem: &kvxfer_mem::KvMemory,
+    guard: &ReadGuard,
+    ranges: &[BlockRange],
+    slices: &crate::read::BlockSlices,
+) -> u32 {
     let _ = guard;
-    // SAFETY: `guard` pins the lease and `begin_read` checked every block of `ranges`
-    // against it; the owner does not write leased blocks (kvxfer-mem's access contract).
-    unsafe { ctx.memory.crc32c(ranges.iter().map(|r| (r.start, r.count))) }
+    crate::read::payload_chunks(mem, ranges, slices).fold(0, |crc, c| {
+        // SAFETY: `guard` pins the lease and `begin_group_read` checked every block of
+        // `ranges` against it and against `mem`'s group (a head slice lies inside each
+        // block); the owner does not write leased blocks (kvxfer-mem's access contract).
+        kvxfer_mem::crc32c_append(crc, unsafe { mem.chunk(c) })
+    })
 }

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::{ReadGuard, ReadRefused};
+use kvxfer_mem::Chunk;
+use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1::{self, ErrorCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -31,7 +33,8 @@ fn refusal_answer(r: &ReadRefused, id: &str) -> (ErrorCode, String) {
         ReadRefused::OutOfRange { .. }
         | ReadRefused::NotLeased { .. }
         | ReadRefused::BadSize { .. }
-        | ReadRefused::EmptyRange { .. } => (ErrorCode::BlockOutOfRange, r.to_string()),
+        | ReadRefused::EmptyRange { .. }
+        | ReadRefused::NoSuchGroup { .. } => (ErrorCode::BlockOutOfRange, r.to_string()),
         _ => (ErrorCode::Internal, r.to_string()),
     }
 }
@@ -41,14 +44,103 @@ pub(crate) fn ranges_of(req: &v1::ReadRequest) -> Vec<BlockRange> {
     req.ranges.iter().map(|r| BlockRange { start: r.start, count: r.count }).collect()
 }
 
-/// Takes a read guard for a read or pin request: the guard and the payload bytes, or the
-/// error to answer with.
-pub(crate) fn begin(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<(ReadGuard, u64), v1::Error> {
+/// The memory of the KV-cache group a read or pin request names. The lease table refuses
+/// a group the layout does not have before this is asked ([`begin`]), and it is built from
+/// this memory, so `None` is never expected; it is answered as an internal error.
+pub(crate) fn group_memory<'c>(
+    ctx: &'c ServeContext,
+    req: &v1::ReadRequest,
+) -> Result<&'c KvMemory, v1::Error> {
+    ctx.memory.group(req.group as usize).ok_or_else(|| v1::Error {
+        code: ErrorCode::Internal as i32,
+        message: format!("KV-cache group {} has no memory here", req.group),
+        seq: req.seq,
+    })
+}
+
+/// What a read sends of every block, per segment of its group: `(offset, len)` in the
+/// block. `None` without a head slice (whole blocks). A head slice is checked against this
+/// rank's shape — heads `first .. first + count` must be some of its heads, without
+/// overflow — so every range lies inside its block; without a shape it is refused.
+pub(crate) type BlockSlices = Option<Vec<(u64, u64)>>;
+
+fn block_slices(ctx: &ServeContext, req: &v1::ReadRequest) -> Result<BlockSlices, v1::Error> {
+    let Some(slice) = &req.head_slice else { return Ok(None) };
+    let refuse =
+        |message: String| v1::Error { code: ErrorCode::BlockOutOfRange as i32, message, seq: req.seq };
+    let Some(shape) = &ctx.shape else {
+        return Err(refuse(format!(
+            "read for request {}: a head slice was asked for, but this agent has no KV-cache shape",
+            req.remote_request_id
+        )));
+    };
+    let heads = shape.heads_per_rank();
+    let end = slice.first.checked_add(slice.count);
+    if slice.count == 0 || end.is_none_or(|e| e > heads) {
+        return Err(refuse(format!(
+            "read for request {}: head slice {}+{} is outside this rank's {heads} heads",
+            req.remote_request_id, slice.first, slice.count
+        )));
+    }
+    // Below `heads_per_rank` heads, so inside `block_len = heads * head_bytes` (which the
+    // shape computed without overflow).
+    Ok(Some(
+        shape
+            .segments(req.group as usize)
+            .iter()
+            .map(|s| (u64::from(slice.first) * s.head_bytes(), u64::from(slice.count) * s.head_bytes()))
+            .collect(),
+    ))
+}
+
+/// The chunks of a read's payload, in wire order: per range, per segment, the whole run
+/// ([`KvMemory::run_chunks`]) or, with a head slice, each block's slice.
+pub(crate) fn payload_chunks<'m>(
+    mem: &'m KvMemory,
+    ranges: &'m [BlockRange],
+    slices: &'m BlockSlices,
+) -> Box<dyn Iterator<Item = Chunk> + Send + 'm> {
+    match slices {
+        None => Box::new(ranges.iter().flat_map(|r| mem.run_chunks(r.start, r.count))),
+        Some(slices) => Box::new(ranges.iter().flat_map(move |r| {
+            mem.layout().segments().iter().zip(slices).enumerate().flat_map(
+                move |(region, (seg, &(off, len)))| {
+                    r.iter().map(move |b| Chunk {
+                        region,
+                        offset: (u64::from(b) * seg.stride + off) as usize,
+                        len: len as usize,
+                    })
+                },
+            )
+        })),
+    }
+}
+
+/// Takes a read guard for a read or pin request: the guard, the payload bytes and what is
+/// sent of every block, or the error to answer with. The lease table checks the ranges
+/// (against the named KV-cache group) and the token; the head slice (against this rank's
+/// heads) is checked next, its guard dropped if refused. Every refusal is counted in
+/// `reads_refused`.
+pub(crate) fn begin(
+    ctx: &ServeContext,
+    req: &v1::ReadRequest,
+) -> Result<(ReadGuard, u64, BlockSlices), v1::Error> {
     let ranges = ranges_of(req);
-    match ctx.table.begin_read(&req.remote_request_id, &req.lease_token, &ranges, Instant::now()) {
+    let now = Instant::now();
+    match ctx.table.begin_group_read(&req.remote_request_id, &req.lease_token, req.group, &ranges, now) {
         Ok(g) => {
-            let bytes = ranges.iter().map(|r| u64::from(r.count) * ctx.memory.layout().block_bytes()).sum();
-            Ok((g, bytes))
+            let slices = block_slices(ctx, req).inspect_err(|e| {
+                bump(&ctx.counters.reads_refused);
+                if let Some(suppressed) = ctx.counters.warnings.allow() {
+                    warn!(remote_request_id = %req.remote_request_id, suppressed, "read refused: {}", e.message);
+                }
+            })?;
+            let per_block = match &slices {
+                None => group_memory(ctx, req)?.layout().block_bytes(),
+                Some(s) => s.iter().map(|&(_, len)| len).sum(),
+            };
+            let bytes = ranges.iter().map(|r| u64::from(r.count) * per_block).sum();
+            Ok((g, bytes, slices))
         }
         Err(refused) => {
             bump(&ctx.counters.reads_refused);
@@ -101,6 +193,10 @@ fn too_slow(stream: &TcpStream, ctx: &ServeContext, e: &FrameError, bytes: u64) 
 /// cache between the CRC and the kernel's copy.
 const CRC_GROUP: usize = 256 * 1024;
 
+/// Slices per vectored write at most (head-slice reads send many small ones; the kernel
+/// takes at most 1024 per call).
+const MAX_IOV: usize = 512;
+
 /// Writes all of `slices`: each write must make progress within `timeout`, and all of them
 /// finish by `deadline` (the read's overall deadline), else [`FrameError::Timeout`].
 async fn write_all_vectored(
@@ -131,12 +227,15 @@ pub(crate) async fn serve_read(
     req: v1::ReadRequest,
     scratch: &mut Vec<u8>,
 ) -> Result<(), FrameError> {
-    let (guard, payload_len) = match begin(ctx, &req) {
+    let (guard, payload_len, slices) = match begin(ctx, &req) {
         Ok(g) => g,
         Err(e) => return crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await,
     };
     let ranges = ranges_of(&req);
-    let mem = &ctx.memory;
+    let mem = match group_memory(ctx, &req) {
+        Ok(m) => m,
+        Err(e) => return crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await,
+    };
     scratch.clear();
     Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
     let io_timeout = ctx.limits.io_timeout;
@@ -149,37 +248,37 @@ pub(crate) async fn serve_read(
     // CRC trailer with the last.
     let mut crc = 0u32;
     let mut trailer = [0u8; 4];
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(16);
-    slices.push(IoSlice::new(scratch));
+    let mut io: Vec<IoSlice<'_>> = Vec::with_capacity(16);
+    io.push(IoSlice::new(scratch));
     let mut group = 0usize;
-    for r in &ranges {
-        for c in mem.run_chunks(r.start, r.count) {
-            // SAFETY: `guard` pins the lease, and every block of `ranges` was checked by
-            // `begin_read` to belong to it; the owner does not write leased blocks (the
-            // access contract of kvxfer-mem). The slices die before `guard` is dropped.
-            let bytes = unsafe { mem.chunk(c) };
-            for piece in bytes.chunks(CRC_GROUP) {
-                crc = kvxfer_mem::crc32c_append(crc, piece);
-                slices.push(IoSlice::new(piece));
-                group += piece.len();
-                if group >= CRC_GROUP {
-                    write_all_vectored(stream, &mut slices, io_timeout, deadline)
-                        .await
-                        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
-                    slices.clear();
-                    group = 0;
-                }
+    for c in payload_chunks(mem, &ranges, &slices) {
+        // SAFETY: `guard` pins the lease, and every block of `ranges` was checked by
+        // `begin_group_read` to belong to it and to the group `mem` holds (a head slice lies
+        // inside each block, checked by `begin`); the owner does not write leased blocks
+        // (the access contract of kvxfer-mem). The slices die before `guard` is dropped.
+        let bytes = unsafe { mem.chunk(c) };
+        for piece in bytes.chunks(CRC_GROUP) {
+            crc = kvxfer_mem::crc32c_append(crc, piece);
+            io.push(IoSlice::new(piece));
+            group += piece.len();
+            if group >= CRC_GROUP || io.len() >= MAX_IOV {
+                write_all_vectored(stream, &mut io, io_timeout, deadline)
+                    .await
+                    .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
+                io.clear();
+                group = 0;
             }
         }
     }
     trailer.copy_from_slice(&crc.to_be_bytes());
-    slices.push(IoSlice::new(&trailer));
-    write_all_vectored(stream, &mut slices, io_timeout, deadline)
+    io.push(IoSlice::new(&trailer));
+    write_all_vectored(stream, &mut io, io_timeout, deadline)
         .await
         .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
-    drop(slices);
+    drop(io);
     drop(guard);
     ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);
+    ctx.counters.bytes_served_tcp.fetch_add(payload_len, Ordering::Relaxed);
     bump(&ctx.counters.reads_served);
     debug!(remote_request_id = %req.remote_request_id, bytes = payload_len, "read served");
     Ok(())

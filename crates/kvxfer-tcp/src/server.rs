@@ -27,6 +27,9 @@ pub struct ServeContext {
     pub table: Arc<LeaseTable>,
     /// The registered KV cache reads are served from.
     pub memory: Arc<KvMemory>,
+    /// This rank's KV-cache shape, when the agent was given one: what head-slice reads are
+    /// checked against (without one they are refused).
+    pub shape: Option<kvxfer_core::KvShape>,
     /// What this agent answers a compatible hello with.
     pub hello_ack: v1::HelloAck,
     /// The cluster key peers must prove they hold; `None`: peers are not authenticated.
@@ -35,6 +38,10 @@ pub struct ServeContext {
     pub limits: Limits,
     /// Counters.
     pub counters: Arc<ServerCounters>,
+    /// Notified (`notify_waiters`) whenever the lease table makes a lease: wakes frames
+    /// waiting for their lease to be armed (`Limits::arm_wait`). The owner of the table
+    /// connects it with [`LeaseTable::set_lease_hook`].
+    pub leases_made: Arc<tokio::sync::Notify>,
 }
 
 /// Why [`refuse_connection`] turns a connection away.
@@ -170,6 +177,8 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             }
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
+        // A frame naming a lease that is not armed yet waits (bounded) for it.
+        crate::arm::wait_for_arm(ctx, &f).await;
         let now = Instant::now();
         last_frame = now;
         match dispatch(ctx, &mut pins, f, now) {

@@ -13,6 +13,9 @@ pub struct ServerCounters {
     pub bytes_served: AtomicU64,
     /// The part of `bytes_served` read one-sided (UCX) under a pin.
     pub bytes_served_one_sided: AtomicU64,
+    /// The part of `bytes_served` written for reads over TCP (its own counter, so each
+    /// transport's count only ever grows, whatever order a scrape reads them in).
+    pub bytes_served_tcp: AtomicU64,
     /// Reads served.
     pub reads_served: AtomicU64,
     /// Reads refused (unknown or ended lease, bad token, blocks outside layout or lease).
@@ -56,6 +59,11 @@ pub struct ServerCounters {
     /// `Limits::io_timeout`), or because the peer did not take a reply within
     /// `Limits::io_timeout` (it sends but never reads).
     pub slow_transfers: AtomicU64,
+    /// Frames that named a lease not armed yet and waited for it (`Limits::arm_wait`).
+    pub arm_waits: AtomicU64,
+    /// Of those, frames whose lease was still unknown when `Limits::arm_wait` ran out (then
+    /// answered as unknown).
+    pub arm_wait_expired: AtomicU64,
     /// Rate limit of the warnings peers can trigger at will.
     pub warnings: WarnBudget,
 }
@@ -98,6 +106,7 @@ impl WarnBudget {
 pub struct ServerStats {
     pub bytes_served: u64,
     pub bytes_served_one_sided: u64,
+    pub bytes_served_tcp: u64,
     pub reads_served: u64,
     pub reads_refused: u64,
     pub connections: u64,
@@ -115,6 +124,8 @@ pub struct ServerStats {
     pub peer_connections_refused: u64,
     pub idle_closed: u64,
     pub slow_transfers: u64,
+    pub arm_waits: u64,
+    pub arm_wait_expired: u64,
 }
 
 impl ServerCounters {
@@ -124,6 +135,7 @@ impl ServerCounters {
         ServerStats {
             bytes_served: l(&self.bytes_served),
             bytes_served_one_sided: l(&self.bytes_served_one_sided),
+            bytes_served_tcp: l(&self.bytes_served_tcp),
             reads_served: l(&self.reads_served),
             reads_refused: l(&self.reads_refused),
             connections: l(&self.connections),
@@ -141,6 +153,8 @@ impl ServerCounters {
             peer_connections_refused: l(&self.peer_connections_refused),
             idle_closed: l(&self.idle_closed),
             slow_transfers: l(&self.slow_transfers),
+            arm_waits: l(&self.arm_waits),
+            arm_wait_expired: l(&self.arm_wait_expired),
         }
     }
 }

@@ -7,7 +7,9 @@
 //! futures with a plain executor while the agent's runtime drives them), so none of them
 //! panics inside a tokio runtime; `start` refuses to run there ([`Error::InsideRuntime`]),
 //! since a host with a runtime should use the async agents. Dropping an agent shuts it down
-//! gracefully (bounded by `AgentConfig::shutdown_grace`) and then stops its runtime.
+//! gracefully (bounded by `AgentConfig::shutdown_grace`) and then stops its runtime — also
+//! when the drop happens inside a tokio runtime (an async task owned it): the shutdown then
+//! runs on a short-lived `kvxfer-teardown` thread instead of blocking the caller.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -89,6 +91,16 @@ impl PrefillAgent {
         self.as_async().lease(req)
     }
 
+    /// See [`crate::PrefillAgent::arm`].
+    pub fn arm(
+        &self,
+        remote_request_id: &str,
+        req: LeaseRequest,
+        token: kvxfer_core::LeaseToken,
+    ) -> Result<ChildHandoff, Error> {
+        self.as_async().arm(remote_request_id, req, token)
+    }
+
     /// See [`crate::PrefillAgent::lease_parent`].
     pub fn lease_parent(
         &self,
@@ -168,14 +180,45 @@ impl PrefillAgent {
 
 impl Drop for PrefillAgent {
     fn drop(&mut self) {
-        if !in_runtime() {
-            self.shutdown();
+        tear_down(self.agent.take(), self.runtime.take(), |agent, handle| wait(handle, agent.shutdown()));
+    }
+}
+
+/// Drops a blocking agent: its graceful shutdown runs to its end (bounded by the agent's
+/// own limits), then its runtime stops. Inside a tokio runtime, where that must not block,
+/// both run on a short-lived `kvxfer-teardown` thread; only if no thread can be started is
+/// the shutdown left to the agent's runtime, which is then stopped in the background.
+fn tear_down<A: Send + 'static>(agent: Option<A>, runtime: Option<Runtime>, shutdown: fn(&A, &Handle)) {
+    let finish = move |agent: Option<A>, runtime: Option<Runtime>| {
+        if let (Some(a), Some(rt)) = (&agent, &runtime) {
+            shutdown(a, rt.handle());
         }
-        // Inside a runtime the async agent's drop starts the shutdown on our runtime, which
-        // then stops without blocking.
-        drop(self.agent.take());
-        if let Some(rt) = self.runtime.take() {
+        drop(agent);
+        if let Some(rt) = runtime {
             crate::runtime::shutdown(rt);
+        }
+    };
+    if !in_runtime() {
+        finish(agent, runtime);
+        return;
+    }
+    let parked = Arc::new(Mutex::new(Some((agent, runtime))));
+    let theirs = parked.clone();
+    let spawned = std::thread::Builder::new().name("kvxfer-teardown".into()).spawn(move || {
+        let taken = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((agent, runtime)) = taken {
+            finish(agent, runtime);
+        }
+    });
+    if spawned.is_err() {
+        let taken = parked.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((agent, runtime)) = taken {
+            // The async agent's drop starts its shutdown on its runtime, which then stops
+            // without blocking.
+            drop(agent);
+            if let Some(rt) = runtime {
+                crate::runtime::shutdown(rt);
+            }
         }
     }
 }
@@ -244,6 +287,26 @@ impl DecodeAgent {
         Ok(PullHandle::new(h, self.handle()))
     }
 
+    /// See [`crate::DecodeAgent::submit_groups`].
+    pub fn submit_groups(
+        &self,
+        result: PrefillResult,
+        local_blocks: Vec<Vec<Vec<BlockId>>>,
+    ) -> Result<PullHandle, Error> {
+        let h = self.as_async().submit_groups(result, local_blocks)?;
+        Ok(PullHandle::new(h, self.handle()))
+    }
+
+    /// See [`crate::DecodeAgent::submit_ranks`].
+    pub fn submit_ranks(
+        &self,
+        results: Vec<PrefillResult>,
+        local_blocks: Vec<Vec<Vec<BlockId>>>,
+    ) -> Result<PullHandle, Error> {
+        let h = self.as_async().submit_ranks(results, local_blocks)?;
+        Ok(PullHandle::new(h, self.handle()))
+    }
+
     /// Releases a child's lease without pulling it; see [`crate::DecodeAgent::release`].
     pub fn release(&self, child: &ChildHandoff) -> bool {
         wait(&self.handle(), self.as_async().release(child))
@@ -290,13 +353,7 @@ impl DecodeAgent {
 
 impl Drop for DecodeAgent {
     fn drop(&mut self) {
-        if !in_runtime() {
-            self.shutdown();
-        }
-        drop(self.agent.take());
-        if let Some(rt) = self.runtime.take() {
-            crate::runtime::shutdown(rt);
-        }
+        tear_down(self.agent.take(), self.runtime.take(), |agent, handle| wait(handle, agent.shutdown()));
     }
 }
 
@@ -339,7 +396,7 @@ impl PullHandle {
     pub fn next_report(&self, timeout: Duration) -> Option<ChildReport> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let _enter = self.handle.enter();
-        let deadline = tokio::time::Instant::from_std(Instant::now() + timeout);
+        let deadline = tokio::time::Instant::from_std(crate::runtime::instant_after(Instant::now(), timeout));
         futures::executor::block_on(tokio::time::timeout_at(deadline, inner.next())).ok().flatten()
     }
 

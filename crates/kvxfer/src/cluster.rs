@@ -24,7 +24,6 @@
 //!   task each lease's life by outcome; [`ClusterConfig::metrics_listen`] serves them at
 //!   `GET /metrics`.
 
-use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -38,7 +37,8 @@ use tracing::{debug, info, warn};
 
 use kvxfer_cluster::{
     AdvertiseAddr, AgentName, DecodeSnapshot, DirectoryOptions, EngineId, EngineKey, EngineRecord, Host,
-    Namespace, PerTransport, PrefillSnapshot, Registration, RegistrationConfig, SourceGuard, TransportName,
+    Namespace, PerTransport, PrefillSnapshot, Registration, RegistrationConfig, ResolveError, SourceGuard,
+    TransportName,
 };
 pub use kvxfer_cluster::{
     ChildPullOutcome, DirectoryEvent, DirectoryEvents, EngineDirectory, EngineEntry, EtcdConfig, EtcdState,
@@ -263,6 +263,11 @@ impl PrefillCluster {
     }
 }
 
+/// Bytes served per transport, each from its own counter.
+fn served_bytes(s: &kvxfer_tcp::ServerStats) -> PerTransport {
+    PerTransport { tcp: s.bytes_served_tcp, ucx: s.bytes_served_one_sided, rdma: 0 }
+}
+
 fn prefill_snapshot(table: &LeaseTable, counters: &ServerCounters, open: &AtomicU64) -> PrefillSnapshot {
     let l = table.stats();
     let s = counters.snapshot();
@@ -276,11 +281,7 @@ fn prefill_snapshot(table: &LeaseTable, counters: &ServerCounters, open: &Atomic
         notifications_unrecognized: l.unrecognized,
         notifications_bad_token: l.bad_token,
         notifications_duplicate: l.duplicate,
-        bytes_served: PerTransport {
-            tcp: s.bytes_served.saturating_sub(s.bytes_served_one_sided),
-            ucx: s.bytes_served_one_sided,
-            rdma: 0,
-        },
+        bytes_served: served_bytes(&s),
         reads_served: s.reads_served,
         reads_refused: s.reads_refused,
         connections_accepted: s.connections,
@@ -295,48 +296,10 @@ fn prefill_snapshot(table: &LeaseTable, counters: &ServerCounters, open: &Atomic
     }
 }
 
-/// Incarnations the directory saw deregistered or replaced, most recent last (bounded).
-#[derive(Debug, Default)]
-struct GoneIncarnations {
-    order: VecDeque<(String, u64)>,
-    set: HashSet<(String, u64)>,
-}
-
-impl GoneIncarnations {
-    /// Plenty for every engine restart between two pulls of a hand-off.
-    const CAPACITY: usize = 4096;
-
-    fn insert(&mut self, engine: &str, incarnation: u64) {
-        let key = (engine.to_owned(), incarnation);
-        if incarnation == 0 || !self.set.insert(key.clone()) {
-            return;
-        }
-        self.order.push_back(key);
-        while self.order.len() > Self::CAPACITY {
-            if let Some(old) = self.order.pop_front() {
-                self.set.remove(&old);
-            }
-        }
-    }
-
-    /// The same incarnation registered again (e.g. re-put after etcd lost its data).
-    fn remove(&mut self, engine: &str, incarnation: u64) {
-        let key = (engine.to_owned(), incarnation);
-        if self.set.remove(&key) {
-            self.order.retain(|k| *k != key);
-        }
-    }
-
-    fn contains(&self, engine: &str, incarnation: u64) -> bool {
-        self.set.contains(&(engine.to_owned(), incarnation))
-    }
-}
-
 /// A decode agent's directory, metrics sources and endpoint.
 pub(crate) struct DecodeCluster {
     directory: Option<Arc<EngineDirectory>>,
     namespace: String,
-    gone: Mutex<GoneIncarnations>,
     metrics: Option<Arc<Metrics>>,
     guards: Mutex<Vec<SourceGuard>>,
     server: Mutex<Option<MetricsServer>>,
@@ -360,8 +323,10 @@ impl DecodeCluster {
         let directory = match &c.discovery {
             Some(d) => {
                 // Records of another layout are ignored (and counted): this agent could not
-                // pull from them.
-                let options = DirectoryOptions { expected_compat_hash: Some(compat_hash) };
+                // pull from them — unless it has a KV-cache shape, which lets it pull from
+                // engines of other TP and block sizes (the handshake checks the shapes).
+                let expected_compat_hash = Some(compat_hash).filter(|_| config.kv_shape.is_none());
+                let options = DirectoryOptions { expected_compat_hash, ..Default::default() };
                 let dir = EngineDirectory::start(handle, d.etcd.clone(), d.namespace()?, options);
                 Some(Arc::new(dir.map_err(cluster_error)?))
             }
@@ -371,7 +336,6 @@ impl DecodeCluster {
         Ok(Some(Self {
             directory,
             namespace: c.discovery.as_ref().map(|d| d.namespace.clone()).unwrap_or_default(),
-            gone: Mutex::new(GoneIncarnations::default()),
             metrics,
             guards: Mutex::new(Vec::new()),
             server: Mutex::new(server),
@@ -419,7 +383,12 @@ impl DecodeCluster {
     /// discovery saw the incarnation that made it go; for a hand-off naming only the engine
     /// id, the cached record of rank `decode_rank % tp_size`. Reads only the cache.
     pub(crate) fn resolve(&self, engine: &EngineInfo, decode_rank: u32) -> Result<String, PullError> {
-        let rank = decode_rank % engine.tp_size.max(1);
+        self.resolve_rank(engine, decode_rank % engine.tp_size.max(1))
+    }
+
+    /// [`Self::resolve`] of prefill rank `rank` itself (a pull from several prefill ranks,
+    /// `DecodeAgent::submit_ranks`, names each rank it reads).
+    pub(crate) fn resolve_rank(&self, engine: &EngineInfo, rank: u32) -> Result<String, PullError> {
         let Some(dir) = &self.directory else {
             return Ok(engine.addr());
         };
@@ -430,17 +399,28 @@ impl DecodeCluster {
             detail,
         };
         let inc = engine.incarnation;
-        // What the cache lists now wins over what the events said (they are applied by
-        // another task, a moment after the cache changed).
-        let gone = || {
-            self.gone.lock().unwrap_or_else(|p| p.into_inner()).contains(&engine.engine_id, inc)
-                && !dir.engine(&engine.engine_id).iter().any(|e| e.record.incarnation == inc)
-        };
-        if gone() {
-            return Err(not_registered(format!(
-                "incarnation {inc:#x} left etcd namespace {ns:?} (deregistered, or its lease expired after a \
-                 crash, or replaced by a restart): its leases are gone"
-            )));
+        // Judged under the cache's lock: never behind the events an application reacts to,
+        // and a restart is seen even by an agent that started after it (the rank registered
+        // at the hand-off's address names another incarnation).
+        let at = engine
+            .names_address()
+            .then(|| Host::parse(&engine.host).and_then(|h| AdvertiseAddr::new(h, engine.port)).ok())
+            .flatten();
+        match dir.check_handoff(&engine.engine_id, inc, at.as_ref()) {
+            Ok(()) => {}
+            Err(ResolveError::StaleIncarnation { registered, .. }) => {
+                return Err(not_registered(format!(
+                    "incarnation {inc:#x} is not registered in etcd namespace {ns:?}: the rank at {} is \
+                     incarnation {registered:#x} now (the process restarted): its leases are gone",
+                    engine.addr()
+                )));
+            }
+            Err(_) => {
+                return Err(not_registered(format!(
+                    "incarnation {inc:#x} left etcd namespace {ns:?} (deregistered, or its lease expired after a \
+                     crash, or replaced by a restart): its leases are gone"
+                )));
+            }
         }
         if engine.names_address() {
             return Ok(engine.addr());
@@ -471,20 +451,6 @@ impl DecodeCluster {
         }
         self.guards.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
-
-    fn record(&self, event: &DirectoryEvent) {
-        let mut gone = self.gone.lock().unwrap_or_else(|p| p.into_inner());
-        match event {
-            DirectoryEvent::Added(e) => gone.remove(e.key.engine_id.as_str(), e.record.incarnation),
-            DirectoryEvent::Updated { old, new } => {
-                if old.record.incarnation != new.record.incarnation {
-                    gone.insert(old.key.engine_id.as_str(), old.record.incarnation);
-                }
-                gone.remove(new.key.engine_id.as_str(), new.record.incarnation);
-            }
-            DirectoryEvent::Removed(e) => gone.insert(e.key.engine_id.as_str(), e.record.incarnation),
-        }
-    }
 }
 
 impl Drop for DecodeCluster {
@@ -501,13 +467,9 @@ fn decode_snapshot(s: &crate::DecodeStats) -> DecodeSnapshot {
         children_done: s.children_done,
         children_failed: s.children_failed,
         children_cancelled: s.children_cancelled,
-        bytes_pulled: PerTransport {
-            tcp: s.bytes_pulled.saturating_sub(s.bytes_pulled_ucx),
-            ucx: s.bytes_pulled_ucx,
-            rdma: 0,
-        },
+        bytes_pulled: PerTransport { tcp: s.bytes_pulled_tcp, ucx: s.bytes_pulled_ucx, rdma: 0 },
         integrity_failures: PerTransport {
-            tcp: s.integrity_failures.saturating_sub(s.integrity_failures_ucx),
+            tcp: s.integrity_failures_tcp,
             ucx: s.integrity_failures_ucx,
             rdma: 0,
         },
@@ -519,12 +481,11 @@ fn decode_snapshot(s: &crate::DecodeStats) -> DecodeSnapshot {
 }
 
 /// Drops the pooled connections of every engine rank whose key was deleted or whose record
-/// changed, as soon as the directory says so, and remembers the incarnations that went.
+/// changed, as soon as the directory says so (the directory itself remembers the
+/// incarnations that went).
 async fn invalidate_on_events(mut events: DirectoryEvents, inner: Weak<Inner>) {
     while let Some(event) = events.recv().await {
         let Some(inner) = inner.upgrade() else { return };
-        let Some(cluster) = inner.cluster.as_ref() else { return };
-        cluster.record(&event);
         let old = match &event {
             DirectoryEvent::Added(_) => continue,
             DirectoryEvent::Updated { old, .. } | DirectoryEvent::Removed(old) => old,
@@ -536,5 +497,30 @@ async fn invalidate_on_events(mut events: DirectoryEvents, inner: Weak<Inner>) {
         } else {
             debug!(engine = %old.key, %addr, "engine left or changed in etcd (no pooled connections)");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scrape between a writer's two adds (total first, then the transport's part) must
+    /// not see the bytes under another transport: counts per transport only ever grow.
+    #[test]
+    fn per_transport_counts_never_borrow_from_the_total() {
+        // A one-sided read counted in the total, its UCX part not yet.
+        let served = kvxfer_tcp::ServerStats { bytes_served: 4096, ..Default::default() };
+        assert_eq!(served_bytes(&served).tcp, 0, "a UCX read in progress showed as TCP bytes");
+        let pulled = crate::DecodeStats { bytes_pulled: 4096, integrity_failures: 1, ..Default::default() };
+        let d = decode_snapshot(&pulled);
+        assert_eq!((d.bytes_pulled.tcp, d.integrity_failures.tcp), (0, 0));
+        // Each transport's own counter is what shows.
+        let served = kvxfer_tcp::ServerStats {
+            bytes_served: 4096 + 100,
+            bytes_served_tcp: 100,
+            bytes_served_one_sided: 4096,
+            ..Default::default()
+        };
+        assert_eq!((served_bytes(&served).tcp, served_bytes(&served).ucx), (100, 4096));
     }
 }

@@ -101,6 +101,12 @@ pub struct AgentConfig {
     pub max_lease_lifetime: Duration,
     /// Largest `n` a lease may name (prefill); bounds per-parent bookkeeping. Default 1024.
     pub max_children: u32,
+    /// This rank's KV-cache shape (tensor-parallel size and rank, heads, head dims, dtype,
+    /// block tokens, groups), carried in the handshake: with both sides' shapes, peers of
+    /// different TP sizes or block sizes are served by transfer plans
+    /// ([`kvxfer_core::TransferPair`]) instead of being refused. The memory must have
+    /// exactly the shape's block layouts. `None`: peers need identical layouts.
+    pub kv_shape: Option<kvxfer_core::KvShapeSpec>,
     /// Running in a cluster: etcd discovery and Prometheus metrics (all off by default).
     #[cfg(feature = "cluster")]
     pub cluster: crate::cluster::ClusterConfig,
@@ -133,6 +139,7 @@ impl AgentConfig {
             consumer_id: None,
             max_lease_lifetime: kvxfer_core::LeaseConfig::DEFAULT_MAX_LIFETIME,
             max_children: kvxfer_core::LeaseConfig::DEFAULT_MAX_CHILDREN,
+            kv_shape: None,
             #[cfg(feature = "cluster")]
             cluster: crate::cluster::ClusterConfig::default(),
         }
@@ -157,6 +164,34 @@ impl AgentConfig {
     pub fn metrics_listen(mut self, listen: impl Into<String>) -> Self {
         self.cluster.metrics_listen = Some(listen.into());
         self
+    }
+
+    /// Sets this rank's KV-cache shape (see [`Self::kv_shape`](AgentConfig::kv_shape)); its
+    /// `tp_size` is also written into hand-offs, and its `tp_rank` becomes the agent's
+    /// [`rank`](AgentConfig::rank) (registration key, default consumer id).
+    pub fn kv_shape(mut self, spec: kvxfer_core::KvShapeSpec) -> Self {
+        self.tp_size = spec.tp_size;
+        self.rank = spec.tp_rank;
+        self.kv_shape = Some(spec);
+        self
+    }
+
+    /// The configured shape, checked and compared with `memory`'s layouts.
+    pub(crate) fn checked_shape(
+        &self,
+        memory: &kvxfer_mem::KvMemory,
+    ) -> Result<Option<kvxfer_core::KvShape>, crate::Error> {
+        let Some(spec) = &self.kv_shape else { return Ok(None) };
+        let shape = kvxfer_core::KvShape::new(spec.clone())
+            .map_err(|e| crate::Error::ShapeMismatch(e.to_string()))?;
+        if !shape.matches_layouts(memory.group_layouts()) {
+            let want: Vec<_> = (0..shape.num_groups()).filter_map(|g| shape.block_layout(g)).collect();
+            let have: Vec<_> = memory.group_layouts().collect();
+            return Err(crate::Error::ShapeMismatch(format!(
+                "the shape's layouts are {want:?}, the memory's {have:?}"
+            )));
+        }
+        Ok(Some(shape))
     }
 
     /// Sets the cluster key peers must prove (and this agent proves to them).
@@ -295,6 +330,13 @@ impl AgentConfig {
     /// Sets the largest `n` a lease may name (prefill side).
     pub fn max_children(mut self, n: u32) -> Self {
         self.max_children = n;
+        self
+    }
+
+    /// Sets how long a frame naming a lease not armed yet waits for it (prefill side;
+    /// `Limits::arm_wait`, default 5 s; see [`crate::PrefillAgent::arm`]).
+    pub fn arm_wait(mut self, wait: Duration) -> Self {
+        self.limits.arm_wait = wait;
         self
     }
 }

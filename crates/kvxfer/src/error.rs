@@ -44,6 +44,10 @@ pub enum Error {
         /// The async call to use instead.
         instead: &'static str,
     },
+    /// `AgentConfig::kv_shape` does not describe the registered memory (or is itself
+    /// inconsistent).
+    #[error("the configured KV-cache shape does not fit the memory: {0}")]
+    ShapeMismatch(String),
     /// Binding the listener or starting the runtime failed.
     #[error("{what}: {source}")]
     Io {
@@ -108,6 +112,34 @@ pub enum SubmitError {
         /// What is wrong.
         #[source]
         source: PlanError,
+    },
+    /// The results do not fit together (the per-rank results of
+    /// [`crate::DecodeAgent::submit_ranks`], or this agent has no KV-cache shape for them, or
+    /// the KV-cache groups' blocks cannot be numbered with block ids).
+    #[error("prefill results for {parent}: {detail}")]
+    Unfit {
+        /// The parent request id.
+        parent: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A hand-off, or the local block lists given for it, do not name one block list per
+    /// KV-cache group of this agent's memory.
+    #[error(
+        "prefill result for {parent}: child {child} lists {handoff} KV-cache group(s) and {given} local list(s) \
+         were given; this agent's memory has {local} group(s)"
+    )]
+    GroupCount {
+        /// The parent request id.
+        parent: String,
+        /// The child index.
+        child: u32,
+        /// Groups the hand-off lists.
+        handoff: usize,
+        /// Local block lists given for it.
+        given: usize,
+        /// Groups of the local memory.
+        local: usize,
     },
     /// The children do not all come from one prefill engine.
     #[error("prefill result for {parent}: children come from several engines ({engines:?}); submit one result per engine")]

@@ -1,8 +1,10 @@
 //! The handshake both agents build: a decode agent's `Hello`, a prefill agent's `HelloAck`
-//! (identity, layout, compatibility hash and the transports offered), and the warning an
+//! (identity, layout — every KV-cache group's — compatibility hash over all of them, and the
+//! transports offered), and the warning an
 //! agent without a cluster key logs once.
 
-use kvxfer_core::BlockLayout;
+use kvxfer_core::groups_compat_hash;
+use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1;
 
 use crate::AgentConfig;
@@ -22,15 +24,17 @@ pub(crate) fn ucx_reader_offer() -> v1::TransportOffer {
 /// the handshake).
 pub(crate) fn hello(
     config: &AgentConfig,
-    layout: &BlockLayout,
+    memory: &KvMemory,
     transports: Vec<v1::TransportOffer>,
 ) -> v1::Hello {
     v1::Hello {
         protocol_version: config.protocol_version,
         engine_id: config.engine_id.clone(),
         agent_name: config.agent_name.clone(),
-        compat_hash: layout.compat_hash(),
-        layout: Some(layout.to_wire()),
+        compat_hash: groups_compat_hash(memory.group_layouts()),
+        layout: Some(memory.layout().to_wire()),
+        other_group_layouts: memory.group_layouts().skip(1).map(|l| l.to_wire()).collect(),
+        kv_shape: None,
         transports,
         nonce: Vec::new(),
         authenticated: false,
@@ -41,7 +45,7 @@ pub(crate) fn hello(
 /// per connection).
 pub(crate) fn hello_ack(
     config: &AgentConfig,
-    layout: &BlockLayout,
+    memory: &KvMemory,
     transports: Vec<v1::TransportOffer>,
     incarnation: u64,
 ) -> v1::HelloAck {
@@ -49,8 +53,10 @@ pub(crate) fn hello_ack(
         protocol_version: config.protocol_version,
         engine_id: config.engine_id.clone(),
         agent_name: config.agent_name.clone(),
-        compat_hash: layout.compat_hash(),
-        layout: Some(layout.to_wire()),
+        compat_hash: groups_compat_hash(memory.group_layouts()),
+        layout: Some(memory.layout().to_wire()),
+        other_group_layouts: memory.group_layouts().skip(1).map(|l| l.to_wire()).collect(),
+        kv_shape: None,
         transports,
         incarnation,
         authenticated: false,

@@ -40,10 +40,12 @@
 // lets callers match on the nested variants directly.
 #![allow(clippy::result_large_err)]
 // The data path's unsafe code lives in kvxfer-mem, kvxfer-tcp and kvxfer-ucx. This crate's
-// six unsafe call sites: `Connection::read_into` and `KvMemory::copy_block` into destination
-// blocks the pull has claimed (`decode/pull.rs`), and four in the UCX glue (`ucx.rs`:
-// starting the target and the initiator over the regions, `UcxInitiator::get`, the CRC of a
-// completed read), each with a SAFETY note.
+// eight unsafe call sites: `Connection::read_group_into` and `KvMemory::copy_block` into
+// destination blocks the pull has claimed (`decode/pull.rs`), `Connection::read_scatter`
+// into the claimed blocks of a head-slice pull (`decode/ranks.rs`), and five in the UCX
+// glue (`ucx.rs`: starting the target and the initiator over the regions,
+// `UcxInitiator::get`, the CRC of a completed read of whole blocks or of head slices),
+// each with a SAFETY note.
 
 pub mod blocking;
 #[cfg(feature = "cluster")]
@@ -67,7 +69,7 @@ pub use prefill::{LeaseEnds, PrefillAgent, PrefillStats};
 
 pub use kvxfer_core::{
     BlockId, BlockLayout, ChildHandoff, ChildState, EndKind, KvTransferParams, LeaseEnd, LeaseRequest,
-    ParentStatus, PrefillResult, Segment,
+    LeaseToken, ParentStatus, PrefillResult, Segment,
 };
 pub use kvxfer_mem::{KvMemory, Region};
 pub use kvxfer_tcp::handshake::{CLUSTER_KEY_ENV, CLUSTER_KEY_FILE_ENV};

@@ -177,6 +177,14 @@ impl PrefillAgent {
         };
         let layout = memory.layout().clone();
         let mut lease_config = LeaseConfig::new(engine, layout.num_blocks());
+        // Every further KV-cache group's blocks; leases then name one list per group.
+        lease_config.other_group_blocks = memory.group_layouts().skip(1).map(|l| l.num_blocks()).collect();
+        if !lease_config.flat_ids_fit() {
+            return Err(Error::Unsupported(format!(
+                "the KV-cache groups hold {} blocks together: more than block ids can number",
+                memory.group_layouts().map(|l| u64::from(l.num_blocks())).sum::<u64>()
+            )));
+        }
         lease_config.default_ttl = config.lease_ttl;
         lease_config.max_lifetime = config.max_lease_lifetime;
         lease_config.max_children = config.max_children;
@@ -188,6 +196,12 @@ impl PrefillAgent {
             let ended = ended.clone();
             table.set_end_hook(move || ended.notify_one());
         }
+        // Frames naming a lease not armed yet wait for the next lease (`Limits::arm_wait`).
+        let leases_made = Arc::new(Notify::new());
+        {
+            let made = leases_made.clone();
+            table.set_lease_hook(move || made.notify_waiters());
+        }
         let counters = Arc::new(ServerCounters::default());
         #[cfg_attr(not(feature = "ucx"), allow(unused_mut))]
         let mut transports = vec![crate::hello::tcp_offer()];
@@ -195,13 +209,18 @@ impl PrefillAgent {
         if let Some(t) = &ucx {
             transports.insert(0, crate::ucx::offer(t));
         }
+        let shape = config.checked_shape(&memory)?;
+        let mut hello_ack = crate::hello::hello_ack(&config, &memory, transports, incarnation);
+        hello_ack.kv_shape = shape.as_ref().map(|s| s.spec().to_wire());
         let ctx = Arc::new(ServeContext {
+            shape,
             table: table.clone(),
             memory: memory.clone(),
-            hello_ack: crate::hello::hello_ack(&config, &layout, transports, incarnation),
+            hello_ack,
             cluster_key: config.cluster_key.clone(),
             limits: config.limits,
             counters: counters.clone(),
+            leases_made,
         });
         let connections_open = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cluster")]
@@ -212,7 +231,7 @@ impl PrefillAgent {
                 host: &host,
                 port: addr.port(),
                 incarnation,
-                compat_hash: layout.compat_hash(),
+                compat_hash: kvxfer_core::groups_compat_hash(memory.group_layouts()),
                 #[cfg(feature = "ucx")]
                 offers_ucx: ucx.is_some(),
                 #[cfg(not(feature = "ucx"))]
@@ -325,7 +344,7 @@ impl PrefillAgent {
     pub fn lease(&self, req: LeaseRequest) -> Result<ChildHandoff, Error> {
         let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
         // The tracker records the lease only once the table made it, under the tracker's
-        // lock, so the lease's end (applied by the event thread under the same lock) cannot
+        // lock, so the lease's end (applied by the event task under the same lock) cannot
         // overtake it.
         let mut tracker = self.lock_tracker();
         let now = Instant::now();
@@ -335,6 +354,33 @@ impl PrefillAgent {
         drop(tracker);
         debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "leased");
         // The expiry task sleeps until the earliest deadline; this one may be earlier.
+        self.shared.wake.notify_one();
+        Ok(h)
+    }
+
+    /// Arms a lease whose request id and token were minted elsewhere — the second phase of
+    /// a two-phase lease: a scheduler process that does not hold the KV memory (vLLM's)
+    /// chooses `remote_request_id` and the token and publishes them in `kv_transfer_params`,
+    /// and the worker holding the memory arms the lease with exactly those at its next
+    /// step. Refused as [`Self::lease`] refuses, and when `remote_request_id` is not the id
+    /// `req` names, the token is all zeros, or it is the token of an ended lease of the same
+    /// id (see [`LeaseTable::arm`]). Reads and notifications that reached the agent before
+    /// the arm waited for it (`Limits::arm_wait`) and are answered now.
+    pub fn arm(
+        &self,
+        remote_request_id: &str,
+        req: LeaseRequest,
+        token: kvxfer_core::LeaseToken,
+    ) -> Result<ChildHandoff, Error> {
+        let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
+        // As in `lease`: recorded in the tracker under its lock, after the table made it.
+        let mut tracker = self.lock_tracker();
+        let now = Instant::now();
+        tracker.admit(&parent, n, now)?;
+        let (h, generation) = self.shared.table.arm(remote_request_id, req, token, now)?;
+        tracker.leased(&parent, n, child, generation, now);
+        drop(tracker);
+        debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "armed");
         self.shared.wake.notify_one();
         Ok(h)
     }
@@ -479,7 +525,10 @@ async fn run_shutdown(shared: Arc<Shared>) {
     // One-sided readers (UCX) read registered memory without us seeing the reads; a pin is
     // their promise to unpin when done. Reads and pins in flight hold read guards: wait for
     // them (bounded) before the memory can be unmapped and freed.
-    let deadline = tokio::time::Instant::now() + shared.grace;
+    let deadline = tokio::time::Instant::from_std(crate::runtime::instant_after(
+        std::time::Instant::now(),
+        shared.grace,
+    ));
     wait_for_reads(&shared, deadline).await;
     let released = shared.table.release_all(Instant::now());
     if released > 0 {
@@ -561,7 +610,12 @@ impl futures::Stream for LeaseEnds {
 /// documentation ranges, which only the default route reaches.
 fn advertise_host(configured: Option<&str>, bound: SocketAddr) -> Result<String, Error> {
     if let Some(h) = configured {
-        return Ok(h.to_owned());
+        // An IP literal in its canonical form (`fd00:0::2` is `fd00::2`): the form the
+        // registered record and every comparison of addresses use.
+        let unbracketed = h.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(h);
+        return Ok(unbracketed
+            .parse::<std::net::IpAddr>()
+            .map_or_else(|_| h.to_owned(), |ip| ip.to_string()));
     }
     if !bound.ip().is_unspecified() {
         return Ok(bound.ip().to_string());
@@ -717,17 +771,32 @@ async fn expiry_loop(shared: Arc<Shared>) {
 /// each one with its request id. Woken by the table's end hook; after shutdown it delivers
 /// what is left and drops its sender (the owner's receivers then disconnect).
 async fn forward_events(shared: Arc<Shared>, ended: Arc<Notify>, out: Sender<LeaseEnd>, ready: Arc<Notify>) {
+    // However this task ends — finished, or dropped with its runtime — the channel is
+    // closed and the `LeaseEnds` streams are woken, so they end instead of waiting for ever.
+    let closing = CloseOnDrop { out: Some(out), ready };
+    let (Some(out), ready) = (closing.out.as_ref(), &closing.ready) else { return };
     loop {
-        forward(&shared, &out, &ready);
+        forward(&shared, out, ready);
         tokio::select! {
             () = ended.notified() => {}
             () = shared.events_final.cancelled() => break,
         }
     }
     // Every connection is gone (the shutdown waited for them), so no end can follow.
-    forward(&shared, &out, &ready);
-    drop(out);
-    ready.notify_waiters();
+    forward(&shared, out, ready);
+}
+
+/// Closes the lease-end channel, then wakes the streams waiting on it.
+struct CloseOnDrop {
+    out: Option<Sender<LeaseEnd>>,
+    ready: Arc<Notify>,
+}
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        drop(self.out.take());
+        self.ready.notify_waiters();
+    }
 }
 
 fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {

@@ -16,6 +16,14 @@ pub(crate) fn build(name: &str, threads: usize) -> Result<Runtime, Error> {
         .map_err(|source| Error::Io { what: format!("starting the runtime of agent {name}"), source })
 }
 
+/// `now + d`, or a year from now when that does not fit in an `Instant` (a caller's
+/// "wait for ever", e.g. `Duration::MAX`, must not panic).
+pub(crate) fn instant_after(now: std::time::Instant, d: std::time::Duration) -> std::time::Instant {
+    now.checked_add(d)
+        .or_else(|| now.checked_add(std::time::Duration::from_secs(365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
 /// Whether the calling thread is inside a tokio runtime (where blocking would stall it).
 pub(crate) fn in_runtime() -> bool {
     Handle::try_current().is_ok()

@@ -25,8 +25,17 @@ use kvxfer_proto::v1;
 use kvxfer_proto::Message;
 use kvxfer_ucx::{GetPiece, RegionInfo, Span, TargetInfo, UcxConfig, UcxError, UcxInitiator, UcxTarget};
 
+/// Every region of every KV-cache group, group 0's first: region `r` of the offer (and of
+/// the initiator's mapping) is segment `r - first` of the group whose regions start at
+/// `first` ([`region_base`]).
 fn spans(memory: &KvMemory) -> Vec<Span> {
-    memory.regions().iter().map(|r| Span { ptr: r.as_ptr(), len: r.len() }).collect()
+    memory.all_regions().map(|r| Span { ptr: r.as_ptr(), len: r.len() }).collect()
+}
+
+/// The index of KV-cache group `group`'s first region among [`spans`]: the segments of the
+/// groups before it (the same on both sides, whose groups have the same segment counts).
+pub(crate) fn region_base(memory: &KvMemory, group: usize) -> usize {
+    memory.group_layouts().take(group).map(|l| l.segments().len()).sum()
 }
 
 /// Maps a prefill agent's regions for remote reads.
@@ -95,8 +104,15 @@ pub(crate) fn parse_offer(offers: &[v1::TransportOffer]) -> Option<Result<Target
 }
 
 /// The get pieces that move `runs` from the peer (laid out as `remote`) into `local`: one
-/// piece per run and segment where both sides are packed, else one per block.
-pub(crate) fn pieces(local: &KvMemory, remote: &BlockLayout, runs: &[BlockRun]) -> Vec<GetPiece> {
+/// piece per run and segment where both sides are packed, else one per block. `local` and
+/// `remote` are one KV-cache group's memory and layout, whose regions start at
+/// `region_base` among the peer's.
+pub(crate) fn pieces(
+    local: &KvMemory,
+    remote: &BlockLayout,
+    region_base: usize,
+    runs: &[BlockRun],
+) -> Vec<GetPiece> {
     let mut out = Vec::new();
     for run in runs {
         for (s, (ls, rs)) in local.layout().segments().iter().zip(remote.segments()).enumerate() {
@@ -106,7 +122,7 @@ pub(crate) fn pieces(local: &KvMemory, remote: &BlockLayout, runs: &[BlockRun]) 
                 // The block is inside the local layout (checked by the plan), so the offset
                 // is inside the region.
                 local: base.wrapping_add((l * ls.stride) as usize),
-                remote_region: s,
+                remote_region: region_base + s,
                 remote_offset: r * rs.stride,
                 len: len * n,
             };
@@ -116,6 +132,55 @@ pub(crate) fn pieces(local: &KvMemory, remote: &BlockLayout, runs: &[BlockRun]) 
                 for i in 0..u64::from(run.count) {
                     out.push(piece(u64::from(run.local_start) + i, u64::from(run.remote_start) + i, 1));
                 }
+            }
+        }
+    }
+    out
+}
+
+/// A head-slice read over UCX: the heads asked of every block, the gets that move them
+/// (from [`slice_gets`]), and their local destinations in the order a TCP read would send
+/// them (what the CRC of a verified read runs over).
+pub(crate) struct SliceGets {
+    pub(crate) head_slice: Option<(u32, u32)>,
+    pub(crate) pieces: Vec<GetPiece>,
+    pub(crate) chunks: Vec<kvxfer_mem::Chunk>,
+    pub(crate) bytes: u64,
+}
+
+/// One get per contiguous copy of a plan's pieces (one source rank, one group): from the
+/// peer's region `region_base + segment` at `remote block * remote stride + offset`, into
+/// `local`'s region at `local block * local stride + offset`; neighbours contiguous on both
+/// sides are merged into one get.
+pub(crate) fn slice_gets(
+    local: &KvMemory,
+    remote_strides: &[u64],
+    region_base: usize,
+    plan_pieces: impl Iterator<Item = kvxfer_core::xfer::Piece>,
+) -> Vec<GetPiece> {
+    let segments = local.layout().segments();
+    let mut out: Vec<GetPiece> = Vec::new();
+    for p in plan_pieces {
+        let (lstride, rstride) = (segments[p.segment].stride, remote_strides[p.segment]);
+        let base = local.regions()[p.segment].as_ptr();
+        for t in 0..u64::from(p.blocks) {
+            let g = GetPiece {
+                // Inside the region: the plan checked the local block against the layout.
+                local: base
+                    .wrapping_add(((u64::from(p.local_block) + t) * lstride + p.local_offset) as usize),
+                remote_region: region_base + p.segment,
+                remote_offset: (u64::from(p.remote_block) + t) * rstride + p.remote_offset,
+                len: p.len as usize,
+            };
+            match out.last_mut() {
+                Some(last)
+                    if last.remote_region == g.remote_region
+                        && last.local.wrapping_add(last.len) == g.local
+                        && last.remote_offset + last.len as u64 == g.remote_offset =>
+                {
+                    last.len += g.len;
+                }
+                _ => out.push(g),
             }
         }
     }
@@ -171,10 +236,10 @@ pub(crate) async fn read_child(
     inner: &Inner,
     peer: &Peer,
     child: &ChildHandoff,
-    runs: &[BlockRun],
+    (group, local, runs): (u32, &KvMemory, &[BlockRun]),
     remote: &BlockLayout,
-    held: &Arc<HeldReads>,
-    i: usize,
+    slice: Option<SliceGets>,
+    (held, i): (&Arc<HeldReads>, usize),
 ) -> ReadResult {
     let ucx_err = |detail: String| PullError::UcxRead { peer: peer.addr.clone(), detail };
     let Some(init) = inner.ucx() else { return ReadResult::Failed(ucx_err("this agent has no UCX".into())) };
@@ -184,7 +249,8 @@ pub(crate) async fn read_child(
     };
     let id = child.remote_request_id();
     let verify = inner.config.ucx.verify_payloads;
-    let grant = match conn.pin(id, child.token().as_bytes(), runs, verify).await {
+    let head_slice = slice.as_ref().and_then(|s| s.head_slice);
+    let grant = match conn.pin_group(id, child.token().as_bytes(), (group, head_slice), runs, verify).await {
         Ok(p) => p,
         Err(e) => {
             let error = crate::decode::read_error(&e, inner, id);
@@ -192,7 +258,10 @@ pub(crate) async fn read_child(
             return ReadResult::Failed(error);
         }
     };
-    let pieces = pieces(&inner.memory, remote, runs);
+    let (pieces, slice_chunks, slice_bytes) = match slice {
+        Some(s) => (s.pieces, Some(s.chunks), Some(s.bytes)),
+        None => (pieces(local, remote, region_base(&inner.memory, group as usize), runs), None, None),
+    };
     let (tx, rx) = tokio::sync::oneshot::channel();
     // Whether the pull gave up on the read before UCX completed it (then the completion
     // releases the blocks it held, from the UCX thread).
@@ -215,7 +284,8 @@ pub(crate) async fn read_child(
     };
     // Bounded: a peer that stops answering must not hang the pull. The allowance grows
     // with the size of the read (100 MB/s is far below any working UCX transport).
-    let bytes: u64 = runs.iter().map(|r| u64::from(r.count)).sum::<u64>() * remote.block_bytes();
+    let bytes: u64 = slice_bytes
+        .unwrap_or_else(|| runs.iter().map(|r| u64::from(r.count)).sum::<u64>() * remote.block_bytes());
     // Not past the time the prefill side holds the pin (it grows with the pin's size; a
     // read finishing after it is refused by the unpin anyway), but never sooner than
     // `io_timeout`, the least a read is given before it counts as stuck: aborting a UCX
@@ -264,9 +334,13 @@ pub(crate) async fn read_child(
     // With payload verification on, the read must have fetched what was pinned.
     let result = result.and_then(|b| {
         let Some(want) = pinned_crc else { return Ok(b) };
-        // SAFETY: the read completed, so UCX no longer writes these blocks, and this pull
-        // still holds them (see above).
-        let got = unsafe { inner.memory.crc32c(runs.iter().map(|r| (r.local_start, r.count))) };
+        let got = match &slice_chunks {
+            // SAFETY: the read completed, so UCX no longer writes these bytes, and this pull
+            // still holds their blocks (see above).
+            Some(chunks) => unsafe { local.crc32c_chunks(chunks) },
+            // SAFETY: as above, for whole blocks.
+            None => unsafe { local.crc32c(runs.iter().map(|r| (r.local_start, r.count))) },
+        };
         kvxfer_tcp::check_crc(&peer.addr, seq, want, got)
             .map(|()| b)
             .map_err(|e| PullError::Integrity { peer: peer.addr.clone(), detail: e.to_string() })

@@ -346,4 +346,67 @@ mod discovery {
         prefill.shutdown();
         assert!(std::net::TcpStream::connect(addr).is_err(), "/metrics stops with the agent");
     }
+
+    /// A decode agent that started after an engine rank restarted never saw the old
+    /// incarnation go; the rank registered at a hand-off's address says it did: the pull
+    /// fails at once, without a connect, instead of reaching the new process.
+    #[test]
+    fn a_handoff_of_an_incarnation_the_cache_lists_replaced_fails_without_a_connect() {
+        let etcd = EtcdServer::start();
+        let prefill = prefill_in(&etcd, "engine-f", 10);
+        // Another incarnation takes the rank's key over (a restart at the same address).
+        let rt = runtime();
+        let key = format!("/{NS}/v1/engines/engine-f/0");
+        rt.block_on(async {
+            let mut client = etcd.client().await;
+            let got = client.get(key.as_str(), None).await.expect("get");
+            let kv = got.kvs().first().expect("registered").clone();
+            let mut record = EngineRecord::from_json(kv.value()).expect("our record");
+            record.incarnation = prefill.incarnation() ^ 0x77;
+            let options = PutOptions::new().with_lease(kv.lease());
+            client.put(key.as_str(), record.to_json(), Some(options)).await.expect("put");
+        });
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-f", prefill.incarnation() ^ 0x77);
+        let result = prefill.lease_parent("P1", blocks(0, 2), 1, None).expect("lease");
+        assert!(result.children()[0].engine().names_address());
+        let report = decode.submit(result, blocks(0, 2)).expect("submit").wait();
+        let messages = assert_engine_gone(&report);
+        assert!(messages[0].contains("restarted"), "{messages:?}");
+        assert_eq!(decode.stats().connections_opened, 0, "failed before any I/O");
+        drop(decode);
+        drop(prefill);
+    }
+
+    /// An IPv6 advertise host written in a non-canonical form: hand-offs and the registered
+    /// record name the same address, so an event about the record finds the pooled peer.
+    #[test]
+    fn a_non_canonical_ipv6_advertise_host_is_registered_as_hand_offs_name_it() {
+        if std::net::TcpListener::bind("[::1]:0").is_err() {
+            eprintln!("skipped: no IPv6 loopback here");
+            return;
+        }
+        let etcd = EtcdServer::start();
+        let mut config = AgentConfig::new("prefill")
+            .engine_id("engine-6")
+            .io_timeout(Duration::from_secs(5))
+            .discovery(discovery(&etcd, 10));
+        config.advertise_host = Some("0:0:0::1".into());
+        let mem = kvxfer_mem::pattern::alloc_filled(layout(64)).expect("patterned memory");
+        let prefill = PrefillAgent::start(keyed(config), "[::1]:0", mem).expect("prefill agent");
+        if let Err(status) = prefill.wait_registered(Duration::from_secs(15)) {
+            panic!("not registered: {status:?}");
+        }
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-6", prefill.incarnation());
+        let entry = decode.directory().and_then(|d| d.resolve("engine-6", 0)).expect("registered");
+        let result = prefill.lease_parent("P1", blocks(0, 2), 1, None).expect("lease");
+        assert_eq!(result.children()[0].engine().addr(), entry.record.addr.to_string());
+        let report = decode.submit(result, blocks(0, 2)).expect("submit").wait();
+        assert_done_and_verified(&decode, &report, &blocks(0, 2));
+        // The engine leaves: the pooled peer (named as the hand-off named it) is found.
+        prefill.shutdown();
+        wait_for("the peer invalidated", || decode.stats().peers_invalidated == 1);
+        drop(decode);
+    }
 }

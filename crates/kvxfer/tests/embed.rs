@@ -224,3 +224,102 @@ async fn a_child_released_without_pulling_it_on_a_current_thread_runtime() {
     decode.shutdown().await;
     prefill.shutdown().await;
 }
+
+/// No lease is made once the prefill agent shut down (its ends could never be delivered):
+/// `lease` and `lease_parent` are refused, and the lease-end stream has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_lease_is_made_after_the_prefill_agent_shut_down() {
+    let (prefill, decode) = agents(16).await;
+    let mut ends = prefill.lease_ends();
+    prefill.shutdown().await;
+    match prefill.lease_parent("Z", vec![vec![1]], 1, None) {
+        Err(Error::Core(kvxfer_core::Error::Lease(kvxfer_core::LeaseError::Closed(id)))) => {
+            assert!(id.contains('Z'), "{id}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(ends.next().await.is_none());
+    assert_eq!(prefill.stats().leases.live, 0);
+    decode.shutdown().await;
+}
+
+/// A pull whose runtime shuts down under it (the task is dropped, not finished) still gives
+/// one report per child: failed, the agent shut down — never a short report that says
+/// "all done".
+#[test]
+fn a_pull_dropped_with_its_runtime_reports_every_child_failed() {
+    let host =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("rt");
+    let test_rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    // A peer that accepts and never answers: the pull stays in its handshake.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = silent.local_addr().expect("addr").port();
+    let (prefill, pull) = host.block_on(async {
+        let (prefill, decode) = agents(16).await;
+        let mut wire = prefill.lease_parent("V", vec![vec![1], vec![2]], 1, None).expect("lease").to_wire();
+        for c in &mut wire.children {
+            c.remote_port = u32::from(port);
+        }
+        let pull = decode.submit_wire(wire, vec![vec![5], vec![6]]).expect("submit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        std::mem::forget(decode);
+        (prefill, pull)
+    });
+    host.shutdown_background();
+    let report =
+        test_rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), pull).await.expect("ends") });
+    assert!(!report.all_done(), "{report:?}");
+    assert_eq!(report.children.len(), 2, "{report:?}");
+    for (c, local) in report.children.iter().zip([5, 6]) {
+        let ChildOutcome::Failed { error, invalid_local_blocks } = &c.outcome else { panic!("{report:?}") };
+        assert_eq!(error, &kvxfer::PullError::Shutdown);
+        assert_eq!(invalid_local_blocks, &vec![local]);
+    }
+    std::mem::forget(prefill);
+    drop(silent);
+}
+
+/// The lease-end stream ends when the agent's runtime goes away under it, instead of
+/// waiting for ever.
+#[test]
+fn lease_ends_end_when_the_agents_runtime_is_gone() {
+    let host =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("rt");
+    let test_rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    let (prefill, mut ends) = host.block_on(async {
+        let (prefill, decode) = agents(16).await;
+        let ends = prefill.lease_ends();
+        std::mem::forget(decode);
+        (prefill, ends)
+    });
+    host.shutdown_background();
+    let next = test_rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), ends.next()).await });
+    assert!(matches!(next, Ok(None)), "the stream should have ended");
+    std::mem::forget(prefill);
+}
+
+/// A blocking agent dropped inside a tokio runtime (an async task owned it) still runs its
+/// graceful shutdown: its live lease ends Released and the end is delivered.
+#[test]
+fn a_blocking_agent_dropped_inside_a_runtime_still_shuts_down_gracefully() {
+    let host =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("rt");
+    let prefill = support::prefill(16, Duration::from_secs(30));
+    prefill.lease_parent("B", vec![vec![1]], 1, None).expect("lease");
+    let events = prefill.events().clone();
+    host.block_on(async move { drop(prefill) });
+    let end = events.recv_timeout(Duration::from_secs(10)).expect("the lease's end is delivered");
+    assert_eq!(end.kind, EndKind::Released);
+}
+
+/// Waiting "for ever" through the blocking facade does not overflow `Instant`.
+#[test]
+fn a_blocking_wait_of_duration_max_does_not_panic() {
+    let prefill = support::prefill(16, Duration::from_secs(30));
+    let decode = support::decode(16);
+    let result = prefill.lease_parent("M", vec![vec![1]], 1, None).expect("lease");
+    let pull = decode.submit(result, vec![vec![2]]).expect("submit");
+    let report = pull.next_report(Duration::MAX).expect("a report");
+    assert!(matches!(report.outcome, ChildOutcome::Done { .. }), "{report:?}");
+    assert!(pull.next_report(Duration::MAX).is_none());
+}

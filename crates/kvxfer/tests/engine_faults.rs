@@ -34,6 +34,7 @@ fn fake_result(port: u16, engine: &str, children: &[Vec<BlockId>]) -> PrefillRes
                 lease_ttl_ms: 30_000,
                 tp_size: 1,
                 incarnation: 0,
+                other_group_block_ids: vec![],
             })
             .collect(),
     };

@@ -126,6 +126,8 @@ fn pins_expire_even_when_a_frame_is_always_queued() {
         lease_token: child.token().as_bytes().to_vec(),
         ranges: vec![v1::BlockRange { start: 1, count: 2 }],
         pin_crc32c: false,
+        group: 0,
+        head_slice: None,
     };
     s.write_all(&frame_bytes(v1::FrameType::Pin, &pin)).expect("pin");
     // Drain every answer on another thread; the pin must have been granted.
@@ -406,6 +408,8 @@ fn a_trickling_reader_is_cut_off_at_the_overall_deadline() {
         lease_token: child.token().as_bytes().to_vec(),
         ranges: vec![v1::BlockRange { start: 0, count: 1024 }],
         pin_crc32c: false,
+        group: 0,
+        head_slice: None,
     };
     s.write_all(&frame_bytes(v1::FrameType::ReadRequest, &read)).expect("read request");
     s.set_read_timeout(Some(Duration::from_secs(3))).expect("read timeout");
@@ -465,7 +469,10 @@ fn small_window_socket(addr: std::net::SocketAddr) -> std::net::TcpStream {
 fn a_peer_that_never_reads_its_replies_loses_its_pins_and_connection() {
     use std::io::Write;
     for refused_reads in [false, true] {
-        let mut config = AgentConfig::new("prefill").io_timeout(Duration::from_millis(500));
+        // No arm wait: the reads of an unknown id must be refused (and their replies pile up)
+        // at once, not after waiting for an arm.
+        let mut config =
+            AgentConfig::new("prefill").io_timeout(Duration::from_millis(500)).arm_wait(Duration::ZERO);
         config.limits.max_inflight_reads = 1;
         config.limits.pin_timeout = Duration::from_millis(200);
         let layout = BlockLayout::single(16, BLOCK).expect("layout");
@@ -480,6 +487,8 @@ fn a_peer_that_never_reads_its_replies_loses_its_pins_and_connection() {
             lease_token: child.token().as_bytes().to_vec(),
             ranges: vec![v1::BlockRange { start: 1, count: 2 }],
             pin_crc32c: false,
+            group: 0,
+            head_slice: None,
         };
         s.write_all(&frame_bytes(v1::FrameType::Pin, &pin(1, child.remote_request_id()))).expect("pin");
         eventually("the pin is granted", || prefill.stats().server.pins_open == 1);
@@ -579,6 +588,8 @@ fn a_tcp_read_never_holds_a_lease_past_its_maximum_lifetime() {
         lease_token: child.token().as_bytes().to_vec(),
         ranges: vec![v1::BlockRange { start: 0, count: 1024 }],
         pin_crc32c: false,
+        group: 0,
+        head_slice: None,
     };
     s.write_all(&frame_bytes(v1::FrameType::ReadRequest, &read)).expect("read request");
     s.set_read_timeout(Some(Duration::from_secs(3))).expect("read timeout");

@@ -151,7 +151,16 @@ fn a_flood_of_bogus_notifications_and_reads_is_refused_while_a_real_pull_complet
     const FLOOD: usize = 100_000;
     const FLOODERS: usize = 4;
     let blocks = 4096u32; // 16 MiB per child at 4 KiB
-    let prefill = Transport::Tcp.prefill(4 * blocks, Duration::from_secs(60));
+                          // No arm wait: this measures how fast bogus requests are refused. With one, each bogus
+                          // request first waits `arm_wait` for an arm that never comes, which throttles the
+                          // flooder's own connection (its requests are answered one after the other).
+    let config = Transport::Tcp.config(
+        AgentConfig::new("prefill")
+            .lease_ttl(Duration::from_secs(60))
+            .io_timeout(Duration::from_secs(5))
+            .arm_wait(Duration::ZERO),
+    );
+    let prefill = prefill_with(config, BlockLayout::single(4 * blocks, BLOCK).expect("layout"));
     let decode = Transport::Tcp.decode(4 * blocks);
     let addr = prefill.local_addr().to_string();
     let layout = prefill.memory().layout().clone();
@@ -283,6 +292,8 @@ fn idle_connections_without_pins_are_closed() {
         lease_token: child.token().as_bytes().to_vec(),
         ranges: vec![v1::BlockRange { start: 1, count: 1 }],
         pin_crc32c: false,
+        group: 0,
+        head_slice: None,
     };
     pinned.write_all(&frame_bytes(v1::FrameType::Pin, &pin)).expect("pin");
     assert_eq!(first_frame_type(&mut pinned), v1::FrameType::PinAck as u8);

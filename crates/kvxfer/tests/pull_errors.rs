@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use kvxfer::{Advice, AgentConfig, BlockLayout, ChildOutcome, PullError};
 use kvxfer_proto::v1;
-use kvxfer_proto::Message;
 use support::*;
 
 const TTL: Duration = Duration::from_secs(30);
@@ -185,6 +184,7 @@ fn a_peer_answering_out_of_protocol_is_a_protocol_error() {
             lease_ttl_ms: 30_000,
             tp_size: 1,
             incarnation: 0,
+            other_group_block_ids: vec![],
         }],
     };
     let report = decode.submit_wire(wire, vec![vec![1]]).expect("submit").wait();
@@ -194,7 +194,6 @@ fn a_peer_answering_out_of_protocol_is_a_protocol_error() {
     assert_eq!(e.advice(), Advice::Recompute);
     drop(decode);
     let _ = t.join();
-    let _ = v1::Hello::decode(&[][..]);
 }
 
 /// UCX required by the decode side, not offered by the prefill side.
@@ -208,4 +207,8 @@ fn ucx_required_but_not_offered_is_a_transport_error() {
     let e = error_of(&report, 0);
     assert!(matches!(e, PullError::TransportUnavailable { .. }), "{e:?}");
     assert_eq!(e.advice(), Advice::Recompute);
+    // The prefill side answered as the right engine: the lease is released at once, not
+    // left to expire.
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(10));
+    assert_eq!(ends[0].kind, kvxfer::EndKind::Released, "{ends:?}");
 }

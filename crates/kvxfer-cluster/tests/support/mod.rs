@@ -84,3 +84,60 @@ pub fn is_added(e: &DirectoryEvent, engine: &str) -> bool {
 pub fn is_removed(e: &DirectoryEvent, engine: &str) -> bool {
     matches!(e, DirectoryEvent::Removed(x) if x.key.engine_id.as_str() == engine)
 }
+
+/// A TCP proxy on 127.0.0.1 in front of etcd that can cut one client off: while cut, its
+/// connections are closed and new ones closed at once (what a long stall or a partition
+/// looks like to that client), while other clients reach etcd directly.
+pub struct CuttableProxy {
+    addr: SocketAddr,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    generation: tokio::sync::watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CuttableProxy {
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy addr");
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (generation, _) = tokio::sync::watch::channel(0u64);
+        let (c, g) = (cut.clone(), generation.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else { continue };
+                if c.load(std::sync::atomic::Ordering::SeqCst) {
+                    continue; // dropped: closed at once
+                }
+                let mut cut_off = g.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(upstream).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut_off.changed() => {}
+                    }
+                });
+            }
+        });
+        Self { addr, cut, generation, task }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Closes every connection and refuses new ones until [`Self::restore`].
+    pub fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    pub fn restore(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for CuttableProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -4,12 +4,14 @@
 //! - [`peer`]: pooled connections to prefill agents and typed connection errors.
 //! - [`pull`]: the pull task, a thin driver of the core's [`kvxfer_core::pull::PullMachine`].
 
+mod groups;
 mod peer;
 mod pull;
+mod ranks;
 mod report;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -38,6 +40,9 @@ use crate::{AgentConfig, Error, SubmitError};
 pub(crate) struct Inner {
     pub(crate) config: AgentConfig,
     pub(crate) memory: Arc<KvMemory>,
+    /// This rank's KV-cache shape, when configured (pulls from peers of other TP or
+    /// block sizes need it).
+    pub(crate) shape: Option<kvxfer_core::KvShape>,
     hello: v1::Hello,
     pub(crate) consumer_id: String,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
@@ -69,6 +74,21 @@ impl Inner {
         if let Some(c) = &self.cluster {
             return c.resolve(engine, self.config.rank);
         }
+        Ok(engine.addr())
+    }
+
+    /// Where prefill rank `rank` of `engine` is: the hand-off's own address, checked against
+    /// discovery when it runs (which also resolves hand-offs naming only the engine id).
+    pub(crate) fn resolve_rank(
+        &self,
+        engine: &kvxfer_core::EngineInfo,
+        rank: u32,
+    ) -> Result<String, kvxfer_core::pull::PullError> {
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.cluster {
+            return c.resolve_rank(engine, rank);
+        }
+        let _ = rank;
         Ok(engine.addr())
     }
 
@@ -146,7 +166,9 @@ pub struct DecodeAgent {
     inner: Arc<Inner>,
     handle: Handle,
     tasks: TaskTracker,
-    closed: AtomicBool,
+    /// Set at shutdown; a pull is spawned under this lock, so none starts after the shutdown
+    /// began waiting for the pulls.
+    closed: std::sync::Mutex<bool>,
     reclaimed: Receiver<Reclaimed>,
 }
 
@@ -223,9 +245,15 @@ impl DecodeAgent {
         if ucx.is_some() {
             transports.insert(0, crate::hello::ucx_reader_offer());
         }
-        let hello = crate::hello::hello(&config, memory.layout(), transports);
+        let shape = config.checked_shape(&memory)?;
+        let mut hello = crate::hello::hello(&config, &memory, transports);
+        hello.kv_shape = shape.as_ref().map(|s| s.spec().to_wire());
         #[cfg(feature = "cluster")]
-        let cluster = crate::cluster::DecodeCluster::start(&handle, &config, memory.layout().compat_hash())?;
+        let cluster = crate::cluster::DecodeCluster::start(
+            &handle,
+            &config,
+            kvxfer_core::groups_compat_hash(memory.group_layouts()),
+        )?;
         if config.cluster_key.is_none() {
             crate::hello::warn_unauthenticated("decode", &config.agent_name);
         }
@@ -234,6 +262,7 @@ impl DecodeAgent {
             consumer_id: config.effective_consumer_id(),
             config,
             memory,
+            shape,
             #[cfg(feature = "ucx")]
             ucx: ucx.map(crate::runtime::DropOffRuntime::new),
             hello,
@@ -254,7 +283,7 @@ impl DecodeAgent {
             inner,
             handle,
             tasks: TaskTracker::new(),
-            closed: AtomicBool::new(false),
+            closed: std::sync::Mutex::new(false),
             reclaimed,
         })
     }
@@ -303,8 +332,39 @@ impl DecodeAgent {
         result: &PrefillResult,
         selection: Vec<(u32, Vec<BlockId>)>,
     ) -> Result<PullHandle, Error> {
+        self.submit_groups_subset(
+            result,
+            selection.into_iter().map(|(i, blocks)| (i, vec![blocks])).collect(),
+        )
+    }
+
+    /// [`Self::submit`] for a cache of several KV-cache groups: `local_blocks[i][g]` are
+    /// child `i`'s local blocks of group `g` (same length as the hand-off's group `g`).
+    /// Every hand-off must list one block list per group of this agent's memory. Block ids
+    /// in the reports (invalid or held blocks) are *flat* ids: group `g`'s block `b` is
+    /// reported as `b` plus the blocks of the groups before `g`.
+    pub fn submit_groups(
+        &self,
+        result: PrefillResult,
+        local_blocks: Vec<Vec<Vec<BlockId>>>,
+    ) -> Result<PullHandle, Error> {
+        if local_blocks.len() != result.n() as usize {
+            let (parent, n, given) = (result.parent_request_id().to_owned(), result.n(), local_blocks.len());
+            return Err(SubmitError::LocalBlockLists { parent, n, given }.into());
+        }
+        let selection = (0u32..).zip(local_blocks).collect();
+        self.submit_groups_subset(&result, selection)
+    }
+
+    /// [`Self::submit_subset`] for a cache of several KV-cache groups (see
+    /// [`Self::submit_groups`]): `(index, local blocks per group)`.
+    pub fn submit_groups_subset(
+        &self,
+        result: &PrefillResult,
+        selection: Vec<(u32, Vec<Vec<BlockId>>)>,
+    ) -> Result<PullHandle, Error> {
         let parent = result.parent_request_id().to_owned();
-        if self.closed.load(Ordering::Acquire) {
+        if self.is_closed() {
             return Err(SubmitError::ShuttingDown { parent }.into());
         }
         let n = result.n();
@@ -335,11 +395,41 @@ impl DecodeAgent {
                 engines.iter().map(|(id, a, inc)| format!("{id}@{a} incarnation {inc:#x}")).collect();
             return Err(SubmitError::MixedEngines { parent, engines }.into());
         }
+        // Every group's blocks in one flat id space per side (the identity for one group).
+        let memory = &self.inner.memory;
+        let groups = memory.num_groups();
+        for (c, l) in children.iter().zip(&local) {
+            if c.num_groups() != groups || l.len() != groups {
+                let (child, handoff, given) = (c.child_index(), c.num_groups(), l.len());
+                return Err(SubmitError::GroupCount { parent, child, handoff, given, local: groups }.into());
+            }
+        }
+        let refs: Vec<&ChildHandoff> = children.iter().collect();
+        let Some(ids) = groups::GroupIds::new(memory, &refs) else {
+            let detail = "the KV-cache groups' blocks together do not fit block ids".into();
+            return Err(SubmitError::Unfit { parent, detail }.into());
+        };
+        let plan_err = |source| Error::from(SubmitError::Plan { parent: parent.clone(), source });
+        let mut flat_remote: Vec<Vec<BlockId>> = Vec::with_capacity(children.len());
+        let mut flat_local: Vec<Vec<BlockId>> = Vec::with_capacity(children.len());
+        for (c, l) in children.iter().zip(&local) {
+            let (mut r, mut f) = (Vec::new(), Vec::new());
+            for (g, l) in l.iter().enumerate() {
+                let remote = c.group_block_ids(g).unwrap_or(&[]);
+                let num_blocks = memory.group(g).map_or(0, |m| m.layout().num_blocks());
+                // Checked per group: a flat id past its group would name another group's block.
+                kvxfer_core::plan::coalesce(remote, l, u32::MAX, num_blocks).map_err(plan_err)?;
+                r.extend(ids.remote_flat(g, remote));
+                f.extend(ids.local_flat(g, l));
+            }
+            flat_remote.push(r);
+            flat_local.push(f);
+        }
+        let local: Vec<Vec<BlockId>> = flat_local;
         let pairs: Vec<(&[BlockId], &[BlockId])> =
-            children.iter().zip(&local).map(|(c, l)| (c.remote_block_ids(), l.as_slice())).collect();
-        let local_num = self.inner.memory.layout().num_blocks();
-        let plan = ResultPlan::build(&pairs, u32::MAX, local_num)
-            .map_err(|source| SubmitError::Plan { parent: parent.clone(), source })?;
+            flat_remote.iter().zip(&local).map(|(r, l)| (r.as_slice(), l.as_slice())).collect();
+        let local_num = memory.group_layouts().map(|l| l.num_blocks()).fold(0u32, u32::saturating_add);
+        let plan = ResultPlan::build(&pairs, u32::MAX, local_num).map_err(plan_err)?;
         // Claim the destination blocks: no two pulls write the same local block.
         let claimed: HashSet<BlockId> = local.iter().flatten().copied().collect();
         {
@@ -350,7 +440,6 @@ impl DecodeAgent {
             }
             busy.extend(claimed.iter().copied());
         }
-        add(&self.inner.counters.pulls, 1);
         let min_ttl = children.iter().map(|c| c.ttl()).min().unwrap_or(Duration::from_secs(30));
         let heartbeat_every = heartbeat_interval(self.inner.config.heartbeat_interval, min_ttl);
         let machine = PullMachine::new(
@@ -360,11 +449,40 @@ impl DecodeAgent {
                 .zip(&local)
                 .map(|(c, l)| PullChild { child_index: c.child_index(), local_blocks: l.clone() })
                 .collect(),
-            PullConfig { heartbeat_every, block_bytes: self.inner.memory.layout().block_bytes() },
+            PullConfig { heartbeat_every, block_bytes: memory.layout().block_bytes() },
+        )
+        .with_child_bytes(
+            local
+                .iter()
+                .map(|l| {
+                    l.iter()
+                        .map(|&b| {
+                            let (g, _) = ids.split_local(b);
+                            memory.group(g).map_or(0, |m| m.layout().block_bytes())
+                        })
+                        .sum()
+                })
+                .collect(),
         );
-        let (handle, channels) = PullHandle::new(parent, children.len());
-        let pull = pull::Pull::new(self.inner.clone(), children, claimed, channels, Instant::now());
+        let expected = children
+            .iter()
+            .zip(&local)
+            .map(|(c, l)| (c.child_index(), c.remote_request_id().to_owned(), l.clone()))
+            .collect();
+        let (handle, channels) = PullHandle::new(parent.clone(), expected);
+        let closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        if *closed {
+            // The shutdown began after the check above: hand the blocks back, pull nothing.
+            let mut busy = self.inner.busy.lock().unwrap_or_else(|p| p.into_inner());
+            for b in &claimed {
+                busy.remove(b);
+            }
+            return Err(SubmitError::ShuttingDown { parent }.into());
+        }
+        let pull = pull::Pull::new(self.inner.clone(), children, ids, claimed, channels, Instant::now());
         self.tasks.spawn_on(pull.run(machine), &self.handle);
+        drop(closed);
+        add(&self.inner.counters.pulls, 1);
         Ok(handle)
     }
 
@@ -384,7 +502,17 @@ impl DecodeAgent {
     /// not release a child a pull of this agent is reading (its read then fails as a lease
     /// that ended); cancel it through its handle.
     pub async fn release(&self, child: &ChildHandoff) -> bool {
-        let peer = self.inner.peer(&child.engine().addr());
+        // Resolved like a pull's: an engine-only hand-off through discovery, and nothing
+        // sent to an incarnation discovery knows is gone (its leases went with it).
+        let addr = match self.inner.resolve(child.engine()) {
+            Ok(addr) => addr,
+            Err(e) => {
+                add(&self.inner.counters.releases_refused, 1);
+                info!(remote_request_id = %child.remote_request_id(), error = %e, "release not applied");
+                return false;
+            }
+        };
+        let peer = self.inner.peer(&addr);
         let id = child.remote_request_id().to_owned();
         let op = ControlOp::Cancel { id, token: child.token().as_bytes().to_vec() };
         let answer = peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await;
@@ -455,9 +583,13 @@ impl DecodeAgent {
         }
     }
 
+    fn is_closed(&self) -> bool {
+        *self.closed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Stops taking pulls and tells the pulls under way to stop starting reads.
     fn begin_shutdown(&self) {
-        self.closed.store(true, Ordering::Release);
+        *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = true;
         self.tasks.close();
         self.inner.stop.cancel();
     }

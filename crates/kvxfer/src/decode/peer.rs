@@ -155,13 +155,16 @@ impl Peer {
             return None;
         }
         let io = inner.config.limits.io_timeout;
-        let started = tokio::time::Instant::now();
-        let budget = started + io.saturating_mul(2);
+        let started = std::time::Instant::now();
+        let budget =
+            tokio::time::Instant::from_std(crate::runtime::instant_after(started, io.saturating_mul(2)));
         let mut attempt = 1;
         loop {
             let pooled = slot.take().filter(|p| p.reusable(self.max_idle)).map(|p| p.conn);
             let reused = pooled.is_some();
-            let deadline = (tokio::time::Instant::now() + io).min(budget);
+            let deadline =
+                tokio::time::Instant::from_std(crate::runtime::instant_after(std::time::Instant::now(), io))
+                    .min(budget);
             let once = async {
                 let mut conn = match pooled {
                     Some(c) => c,
@@ -267,7 +270,9 @@ pub(crate) fn pull_error(e: &ClientError, inner: &Inner) -> PullError {
                 ErrorCode::VersionMismatch => {
                     (MismatchField::ProtocolVersion, u64::from(inner.config.protocol_version))
                 }
-                _ => (MismatchField::CompatHash, inner.memory.layout().compat_hash()),
+                _ => {
+                    (MismatchField::CompatHash, kvxfer_core::groups_compat_hash(inner.memory.group_layouts()))
+                }
             };
             PullError::Incompatible {
                 peer: peer.clone(),

@@ -22,6 +22,7 @@ use kvxfer_tcp::ClientError;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::groups::GroupIds;
 use super::peer::{pull_error, read_error, ControlOp, ControlReply, Peer};
 use super::report::{add, ChildReport, PullChannels, Totals};
 use super::Inner;
@@ -50,8 +51,10 @@ type IoFuture<'a> = Pin<Box<dyn Future<Output = Event> + Send + 'a>>;
 pub(crate) struct Pull {
     inner: Arc<Inner>,
     children: Vec<ChildHandoff>,
+    /// How the plan's flat block ids map to KV-cache groups.
+    ids: GroupIds,
     claimed: HashSet<BlockId>,
-    /// Per child, the runs it reads over the wire (from the plan).
+    /// Per child, the runs it reads over the wire (from the plan, flat ids).
     wire: Vec<Vec<BlockRun>>,
     channels: PullChannels,
     started: Instant,
@@ -71,6 +74,7 @@ impl Pull {
     pub(crate) fn new(
         inner: Arc<Inner>,
         children: Vec<ChildHandoff>,
+        ids: GroupIds,
         claimed: HashSet<BlockId>,
         channels: PullChannels,
         started: Instant,
@@ -81,6 +85,7 @@ impl Pull {
             held: Arc::new(crate::ucx::HeldReads::new(inner.busy.clone(), inner.reclaimed_tx.clone())),
             inner,
             children,
+            ids,
             claimed,
             wire: Vec::new(),
             channels,
@@ -149,6 +154,7 @@ impl Pull {
                         // its notify with its read: one round trip.
                         let with_notify = this.inner.config.notify_with_read
                             && *path == Path::Tcp
+                            && this.inner.memory.num_groups() == 1
                             && machine.notify_with_read(i);
                         io.push(Box::pin(this.read(&peer, i, layout, *path, token, with_notify)));
                     }
@@ -221,26 +227,44 @@ impl Pull {
 
     /// Handshakes, checks the remote ids against the peer's layout, and picks the path. On
     /// failure: the error, and whether the peer can still be told to release the leases.
-    async fn connect(&self, peer: &Peer) -> Result<(BlockLayout, Path), (PullError, bool)> {
-        let (remote_layout, path) = self.handshake(peer).await.map_err(|e| (e, false))?;
-        let ids: Vec<BlockId> = self
-            .children
-            .iter()
-            .flat_map(|c| remote_layout.out_of_range(c.remote_block_ids().iter().copied()))
-            .take(16)
-            .collect();
-        if !ids.is_empty() {
-            let num_blocks = remote_layout.num_blocks();
-            return Err((PullError::RemoteBlocksOutOfRange { ids, num_blocks }, true));
+    async fn connect(&self, peer: &Peer) -> Result<(Vec<BlockLayout>, Path), (PullError, bool)> {
+        let (layouts, path) = self.handshake(peer).await?;
+        // Every KV-cache group's ids against that group's layout (the compatibility hash
+        // made sure both sides have the same groups).
+        for (g, remote_layout) in layouts.iter().enumerate() {
+            let ids: Vec<BlockId> = self
+                .children
+                .iter()
+                .flat_map(|c| remote_layout.out_of_range(c.group_block_ids(g).unwrap_or(&[]).iter().copied()))
+                .take(16)
+                .collect();
+            if !ids.is_empty() {
+                let num_blocks = remote_layout.num_blocks();
+                return Err((PullError::RemoteBlocksOutOfRange { ids, num_blocks }, true));
+            }
         }
-        Ok((remote_layout, path))
+        if layouts.len() != self.inner.memory.num_groups() {
+            let detail = format!(
+                "the prefill agent has {} KV-cache group(s), this agent {}",
+                layouts.len(),
+                self.inner.memory.num_groups()
+            );
+            return Err((PullError::Protocol { peer: peer.addr.clone(), detail }, true));
+        }
+        Ok((layouts, path))
     }
 
     /// Handshakes with the peer (once per connection), checks it is the engine process the
     /// hand-offs name (engine id, and incarnation when stated), and picks the data path: the
-    /// best one both sides offer, unless the config forces one.
-    async fn handshake(&self, peer: &Peer) -> Result<(BlockLayout, Path), PullError> {
-        let hello = async || peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner));
+    /// best one both sides offer, unless the config forces one. On failure: the error, and
+    /// whether the peer can still be told to release the leases — not when the hello failed
+    /// or the peer is another process than the hand-offs name; yes when it answered as the
+    /// right engine and only its layout or the data path was wrong.
+    async fn handshake(&self, peer: &Peer) -> Result<(Vec<BlockLayout>, Path), (PullError, bool)> {
+        let unreachable = |e| (e, false);
+        let hello = async || {
+            peer.hello(&self.inner).await.map_err(|e| pull_error(&e, &self.inner)).map_err(unreachable)
+        };
         let want = self.children[0].engine();
         let stale = |ack: &v1::HelloAck| {
             ack.engine_id != want.engine_id || (want.incarnation != 0 && ack.incarnation != want.incarnation)
@@ -254,21 +278,49 @@ impl Pull {
             ack = hello().await?;
         }
         if stale(&ack) {
-            return Err(PullError::PeerRestarted {
+            return Err(unreachable(PullError::PeerRestarted {
                 peer: peer.addr.clone(),
                 expected_engine: want.engine_id.clone(),
                 expected_incarnation: want.incarnation,
                 found_engine: ack.engine_id.clone(),
                 found_incarnation: ack.incarnation,
-            });
+            }));
         }
-        let protocol = |detail: String| PullError::Protocol { peer: peer.addr.clone(), detail };
+        // The right engine answered: it can still be told to release the leases.
+        let protocol = |detail: String| (PullError::Protocol { peer: peer.addr.clone(), detail }, true);
+        // A peer of another TP or block size (accepted for its shape) cannot be pulled
+        // block for block: its blocks are not ours.
+        if ack.compat_hash != kvxfer_core::groups_compat_hash(self.inner.memory.group_layouts()) {
+            return Err(protocol(
+                "the prefill agent's KV-cache shape differs from this agent's (another TP or block size): \
+                 pull its results with DecodeAgent::submit_ranks"
+                    .into(),
+            ));
+        }
+        // The hash leaves the rank out: a prefill rank of another tp_rank whose blocks hold
+        // other heads than this rank's would be copied in silently.
+        if let (Some(ours), Some(theirs)) = (&self.inner.shape, &ack.kv_shape) {
+            let theirs = kvxfer_core::KvShape::new(kvxfer_core::KvShapeSpec::from_wire(theirs))
+                .map_err(|e| protocol(format!("the prefill agent's KV-cache shape is malformed: {e}")))?;
+            let (h_p, h_d) = (theirs.heads_of_rank(theirs.tp_rank()), ours.heads_of_rank(ours.tp_rank()));
+            if h_p != h_d {
+                return Err(protocol(format!(
+                    "tp_rank: the prefill agent is rank {} (heads {h_p:?}), this agent rank {} (heads \
+                     {h_d:?}): pull the result of the prefill rank holding this rank's heads",
+                    theirs.tp_rank(),
+                    ours.tp_rank()
+                )));
+            }
+        }
         let wire =
             ack.layout.as_ref().ok_or_else(|| protocol("the prefill agent sent no block layout".into()))?;
-        let layout = BlockLayout::from_wire(wire)
+        let layouts = std::iter::once(wire)
+            .chain(&ack.other_group_layouts)
+            .map(BlockLayout::from_wire)
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| protocol(format!("the prefill agent's layout is malformed: {e}")))?;
-        let path = self.choose_path(peer, &ack).await?;
-        Ok((layout, path))
+        let path = self.choose_path(peer, &ack).await.map_err(|e| (e, true))?;
+        Ok((layouts, path))
     }
 
     #[cfg_attr(not(feature = "ucx"), allow(clippy::unused_async))]
@@ -300,18 +352,45 @@ impl Pull {
         &self,
         peer: &Peer,
         i: usize,
-        remote: &BlockLayout,
+        remote: &[BlockLayout],
         path: Path,
         abort: CancellationToken,
         with_notify: bool,
     ) -> Event {
         let child = &self.children[i];
         let runs = &self.wire[i];
+        // One read per KV-cache group (one read, of group 0, for a single-group cache).
+        let by_group = self.ids.split_runs(runs);
         #[cfg(feature = "ucx")]
         if path == Path::Ucx {
-            // A UCX get cannot be cut short: the machine never aborts one.
-            let r = crate::ucx::read_child(&self.inner, peer, child, runs, remote, &self.held, i).await;
-            return Event::Read(i, r);
+            // A UCX get cannot be cut short: the machine never aborts one. One pin and get
+            // per KV-cache group, in group order; the first that does not succeed ends it.
+            let mut total = 0u64;
+            for (group, runs) in &by_group {
+                let g = *group as usize;
+                let (Some(local), Some(layout)) = (self.inner.memory.group(g), remote.get(g)) else {
+                    let detail = format!("no layout or memory for KV-cache group {group}");
+                    return Event::Read(
+                        i,
+                        ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail }),
+                    );
+                };
+                let r = crate::ucx::read_child(
+                    &self.inner,
+                    peer,
+                    child,
+                    (*group, local, runs),
+                    layout,
+                    None,
+                    (&self.held, i),
+                )
+                .await;
+                match r {
+                    ReadResult::Ok { bytes } => total += bytes,
+                    other => return Event::Read(i, other),
+                }
+            }
+            return Event::Read(i, ReadResult::Ok { bytes: total });
         }
         let _ = (remote, path);
         let read = async {
@@ -320,22 +399,37 @@ impl Pull {
                 Err(e) => return (ReadResult::Failed(e), None),
             };
             let id = child.remote_request_id();
+            let mut total = 0u64;
+            let mut next_group = 0usize;
             loop {
-                let (token, memory, consumer) =
-                    (child.token().as_bytes(), &self.inner.memory, &self.inner.consumer_id);
+                let Some((group, runs)) = by_group.get(next_group) else {
+                    peer.checkin::<u64>(conn, &Ok(total));
+                    return (ReadResult::Ok { bytes: total }, None);
+                };
+                let Some(dest) = self.inner.memory.group(*group as usize) else {
+                    peer.checkin::<u64>(conn, &Ok(total));
+                    let detail = format!("no local memory for KV-cache group {group}");
+                    return (
+                        ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail }),
+                        None,
+                    );
+                };
+                let (token, consumer) = (child.token().as_bytes(), &self.inner.consumer_id);
                 // The local blocks of `runs` were claimed by this pull in `submit` (no other
                 // pull writes them; the caller does not touch them until their report, which
-                // the machine sends only after this read ended), and `ResultPlan::build`
-                // checked them against the local layout.
+                // the machine sends only after this read ended), and `submit` checked them
+                // against their group's layout (`dest`). The notify rides with the read only
+                // for a single-group cache (checked where the read starts): group 0's read is
+                // then the child's only one.
                 let (r, notified) = if with_notify {
                     // SAFETY: exclusive, in-layout destination blocks (above).
                     #[allow(unsafe_code)]
-                    let r = unsafe { conn.read_into_then_notify(id, token, runs, memory, consumer) }.await;
+                    let r = unsafe { conn.read_into_then_notify(id, token, runs, dest, consumer) }.await;
                     r
                 } else {
                     // SAFETY: exclusive, in-layout destination blocks (above).
                     #[allow(unsafe_code)]
-                    let r = unsafe { conn.read_into(id, token, runs, memory) }.await;
+                    let r = unsafe { conn.read_group_into(id, token, *group, runs, dest) }.await;
                     (r, None)
                 };
                 // A pooled connection the peer closed before answering (its idle close racing
@@ -351,32 +445,48 @@ impl Pull {
                     reused = false;
                     continue;
                 }
-                // The connection is back in step only if the notify's answer was read too.
-                match &notified {
-                    Some(Err(e)) if !e.connection_usable() => drop(conn),
-                    None if with_notify => drop(conn),
-                    _ => peer.checkin(conn, &r),
+                if with_notify {
+                    // The connection is back in step only if the notify's answer was read too.
+                    match &notified {
+                        Some(Err(e)) if !e.connection_usable() => drop(conn),
+                        None => drop(conn),
+                        _ => peer.checkin(conn, &r),
+                    }
+                    debug!(remote_request_id = %id, result = ?r, ?notified, "child read");
+                    // A notify whose answer was lost (the connection broke after the payload) is
+                    // sent again on its own (`None`); an answer, even a refusal, is final.
+                    let lost =
+                        notified.as_ref().is_some_and(|n| n.as_ref().is_err_and(|e| !e.connection_usable()));
+                    if lost && r.is_ok() {
+                        // The prefill side may have counted it: the notify on its own retries it.
+                        self.notify_answer_lost[i].store(true, Ordering::Relaxed);
+                        add(&self.inner.counters.control_retries, 1);
+                    }
+                    let answer =
+                        notified.filter(|_| !lost).map(|n| notify_answer(&n.map(ControlReply::Notify), 1));
+                    if let Some(a) = answer.filter(|a| r.is_ok() && *a != ControlAnswer::Acknowledged) {
+                        warn!(remote_request_id = %id, answer = ?a, "notification sent with the read not acknowledged");
+                    }
+                    let r = match r {
+                        Ok(bytes) => ReadResult::Ok { bytes },
+                        Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+                    };
+                    return (r, answer);
                 }
-                debug!(remote_request_id = %id, result = ?r, ?notified, "child read");
-                // A notify whose answer was lost (the connection broke after the payload) is
-                // sent again on its own (`None`); an answer, even a refusal, is final.
-                let lost =
-                    notified.as_ref().is_some_and(|n| n.as_ref().is_err_and(|e| !e.connection_usable()));
-                if lost && r.is_ok() {
-                    // The prefill side may have counted it: the notify on its own retries it.
-                    self.notify_answer_lost[i].store(true, Ordering::Relaxed);
-                    add(&self.inner.counters.control_retries, 1);
+                debug!(remote_request_id = %id, group, result = ?r, "child read");
+                match r {
+                    Ok(bytes) => {
+                        total += bytes;
+                        next_group += 1;
+                    }
+                    Err(_) => {
+                        peer.checkin(conn, &r);
+                        return match r {
+                            Err(e) => (ReadResult::Failed(read_error(&e, &self.inner, id)), None),
+                            Ok(_) => (ReadResult::Ok { bytes: total }, None),
+                        };
+                    }
                 }
-                let answer =
-                    notified.filter(|_| !lost).map(|n| notify_answer(&n.map(ControlReply::Notify), 1));
-                if let Some(a) = answer.filter(|a| r.is_ok() && *a != ControlAnswer::Acknowledged) {
-                    warn!(remote_request_id = %id, answer = ?a, "notification sent with the read not acknowledged");
-                }
-                let r = match r {
-                    Ok(bytes) => ReadResult::Ok { bytes },
-                    Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
-                };
-                return (r, answer);
             }
         };
         tokio::select! {
@@ -391,11 +501,14 @@ impl Pull {
 
     fn copy(&self, copies: &[(BlockId, BlockId)]) {
         for &(src, dst) in copies {
+            // Both in one group: a plan copies a block only to a block of the same remote id.
+            let ((g, src), (_, dst)) = (self.ids.split_local(src), self.ids.split_local(dst));
+            let Some(mem) = self.inner.memory.group(g) else { continue };
             // SAFETY: `src` and `dst` are destination blocks claimed by this pull (no other
             // pull writes them), the machine asks for a copy only once every read it depends
             // on has finished, and before any report hands `src` or `dst` back to the caller.
             #[allow(unsafe_code)]
-            let r = unsafe { self.inner.memory.copy_block(src, dst) };
+            let r = unsafe { mem.copy_block(src, dst) };
             if let Err(e) = r {
                 warn!(error = %e, "local copy failed");
             }
@@ -410,6 +523,9 @@ impl Pull {
         {
             // A sibling failing for this read is `SiblingFailed`: each failed read counts once.
             add(&c.integrity_failures, 1);
+            if path == Some(Path::Tcp) {
+                add(&c.integrity_failures_tcp, 1);
+            }
             #[cfg(feature = "ucx")]
             if path == Some(Path::Ucx) {
                 add(&c.integrity_failures_ucx, 1);
@@ -456,6 +572,9 @@ impl Pull {
     /// read that could not be stopped: released when it completes) and returns the totals.
     fn finish(&self, summary: PullSummary, path: Option<Path>) -> Totals {
         add(&self.inner.counters.bytes_pulled, summary.wire_bytes);
+        if path == Some(Path::Tcp) {
+            add(&self.inner.counters.bytes_pulled_tcp, summary.wire_bytes);
+        }
         #[cfg(feature = "ucx")]
         if path == Some(Path::Ucx) {
             add(&self.inner.counters.bytes_pulled_ucx, summary.wire_bytes);

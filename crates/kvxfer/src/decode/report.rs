@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::Stream;
-use kvxfer_core::pull::ChildOutcome;
+use kvxfer_core::pull::{ChildOutcome, PullError};
 use kvxfer_core::BlockId;
 use tokio::sync::{mpsc, oneshot};
 
@@ -51,7 +51,8 @@ pub struct PullReport {
 }
 
 impl PullReport {
-    /// Whether every child is done.
+    /// Whether every child is done (a report always holds one entry per child: a child whose
+    /// pull could not report, because its runtime shut down under it, is reported failed).
     pub fn all_done(&self) -> bool {
         self.children.iter().all(|c| matches!(c.outcome, ChildOutcome::Done { .. }))
     }
@@ -94,6 +95,11 @@ pub struct DecodeStats {
     pub integrity_failures: u64,
     /// The part of `integrity_failures` of one-sided (UCX) reads.
     pub integrity_failures_ucx: u64,
+    /// The part of `bytes_pulled` read over TCP (counted on its own: per-transport counts
+    /// only ever grow).
+    pub bytes_pulled_tcp: u64,
+    /// The part of `integrity_failures` of TCP reads.
+    pub integrity_failures_tcp: u64,
     /// Peers whose pooled connections were dropped because discovery saw their engine leave
     /// etcd or change (the `cluster` feature).
     pub peers_invalidated: u64,
@@ -125,6 +131,8 @@ pub(crate) struct Counters {
     pub(crate) bytes_pulled_ucx: AtomicU64,
     pub(crate) integrity_failures: AtomicU64,
     pub(crate) integrity_failures_ucx: AtomicU64,
+    pub(crate) bytes_pulled_tcp: AtomicU64,
+    pub(crate) integrity_failures_tcp: AtomicU64,
     pub(crate) peers_invalidated: AtomicU64,
     pub(crate) read_retries: AtomicU64,
     pub(crate) leases_released: AtomicU64,
@@ -149,6 +157,8 @@ impl Counters {
             bytes_pulled_ucx: l(&self.bytes_pulled_ucx),
             integrity_failures: l(&self.integrity_failures),
             integrity_failures_ucx: l(&self.integrity_failures_ucx),
+            bytes_pulled_tcp: l(&self.bytes_pulled_tcp),
+            integrity_failures_tcp: l(&self.integrity_failures_tcp),
             peers_invalidated: l(&self.peers_invalidated),
             read_retries: l(&self.read_retries),
             leases_released: l(&self.leases_released),
@@ -196,6 +206,9 @@ impl PullCanceller {
 pub struct PullHandle {
     parent: String,
     count: usize,
+    /// Each child's index, remote id and local blocks: what a report of a child whose pull
+    /// task vanished without reporting (its runtime shut down under it) says.
+    expected: Vec<(u32, String, Vec<BlockId>)>,
     reports: mpsc::UnboundedReceiver<ChildReport>,
     canceller: PullCanceller,
     done: oneshot::Receiver<Totals>,
@@ -220,14 +233,17 @@ pub(crate) struct PullChannels {
 }
 
 impl PullHandle {
-    /// A handle for a pull of `count` children of `parent`, and the pull task's ends.
-    pub(crate) fn new(parent: String, count: usize) -> (Self, PullChannels) {
+    /// A handle for a pull of the `expected` children (index, remote id, local blocks) of
+    /// `parent`, and the pull task's ends.
+    pub(crate) fn new(parent: String, expected: Vec<(u32, String, Vec<BlockId>)>) -> (Self, PullChannels) {
+        let count = expected.len();
         let (report_tx, reports) = mpsc::unbounded_channel();
         let (cancel_tx, cancels) = mpsc::unbounded_channel();
         let (done_tx, done) = oneshot::channel();
         let handle = PullHandle {
             parent,
             count,
+            expected,
             reports,
             canceller: PullCanceller { cancels: cancel_tx },
             done,
@@ -265,10 +281,14 @@ impl PullHandle {
     /// `PullReport::children`): for hand-off latency figures.
     pub async fn finished_timed(mut self) -> (PullReport, Vec<Instant>) {
         while self.seen.len() < self.count {
-            match self.reports.recv().await {
-                Some(r) => self.seen.push((r, Instant::now())),
-                None => break,
-            }
+            let r = match self.reports.recv().await {
+                Some(r) => r,
+                None => match self.vanished() {
+                    Some(r) => r,
+                    None => break,
+                },
+            };
+            self.seen.push((r, Instant::now()));
         }
         let mut children = std::mem::take(&mut self.seen);
         children.sort_by_key(|c| c.0.child_index);
@@ -277,6 +297,24 @@ impl PullHandle {
         let report =
             PullReport { parent_request_id: self.parent, children, wire_bytes, delivered_bytes, elapsed };
         (report, arrived)
+    }
+}
+
+impl PullHandle {
+    /// The report of a child that has none although the pull task is gone (its runtime shut
+    /// down under it, so it could not report): failed, the agent shut down. `None` once every
+    /// child has a report.
+    fn vanished(&self) -> Option<ChildReport> {
+        let (index, id, blocks) =
+            self.expected.iter().find(|(i, _, _)| !self.seen.iter().any(|(r, _)| r.child_index == *i))?;
+        Some(ChildReport {
+            child_index: *index,
+            remote_request_id: id.clone(),
+            outcome: ChildOutcome::Failed {
+                error: PullError::Shutdown,
+                invalid_local_blocks: blocks.clone(),
+            },
+        })
     }
 }
 
@@ -289,11 +327,14 @@ impl Stream for PullHandle {
             return Poll::Ready(None);
         }
         match this.reports.poll_recv(cx) {
-            Poll::Ready(Some(r)) => {
-                this.seen.push((r.clone(), Instant::now()));
-                Poll::Ready(Some(r))
-            }
-            other => other,
+            Poll::Ready(r) => match r.or_else(|| this.vanished()) {
+                Some(r) => {
+                    this.seen.push((r.clone(), Instant::now()));
+                    Poll::Ready(Some(r))
+                }
+                None => Poll::Ready(None),
+            },
+            Poll::Pending => Poll::Pending,
         }
     }
 }

@@ -74,10 +74,14 @@ impl Transport {
         }
     }
 
-    /// A prefill agent over `blocks` patterned blocks.
+    /// A prefill agent over `blocks` patterned blocks (see [`TEST_ARM_WAIT`]).
     pub fn prefill(self, blocks: u32, ttl: Duration) -> PrefillAgent {
-        let config =
-            self.config(AgentConfig::new("prefill").lease_ttl(ttl).io_timeout(Duration::from_secs(5)));
+        let config = self.config(
+            AgentConfig::new("prefill")
+                .lease_ttl(ttl)
+                .io_timeout(Duration::from_secs(5))
+                .arm_wait(TEST_ARM_WAIT),
+        );
         prefill_with(config, BlockLayout::single(blocks, BLOCK).expect("layout"))
     }
 
@@ -116,9 +120,17 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// A prefill agent over `blocks` patterned blocks, with lease ttl `ttl`.
+/// How long the test prefill agents let a request naming an unknown lease (or a wrong
+/// token) wait for an arm: below the test decode agents' 5 s io timeout, as the defaults
+/// are (5 s against 10 s) — with equal bounds the decode side's timer and the
+/// "unrecognized" answer race, and a wrong token can fail as a timeout.
+pub const TEST_ARM_WAIT: Duration = Duration::from_millis(500);
+
+/// A prefill agent over `blocks` patterned blocks, with lease ttl `ttl` (see
+/// [`TEST_ARM_WAIT`]).
 pub fn prefill(blocks: u32, ttl: Duration) -> PrefillAgent {
-    let config = AgentConfig::new("prefill").lease_ttl(ttl).io_timeout(Duration::from_secs(5));
+    let config =
+        AgentConfig::new("prefill").lease_ttl(ttl).io_timeout(Duration::from_secs(5)).arm_wait(TEST_ARM_WAIT);
     prefill_with(config, BlockLayout::single(blocks, BLOCK).expect("layout"))
 }
 

@@ -1,0 +1,141 @@
+//! Heartbeats of leases whose pulls have not started: vLLM's decode side keeps the prefill
+//! side's lease of a request alive while the request waits in its queue for free blocks
+//! (NIXL's lease semantics). A pull heartbeats its own leases once it runs; before that,
+//! the [`Keeper`] sends `Heartbeat` frames over a connection per prefill agent of its own
+//! (kvxfer-tcp's `Connection`, with the decode agent's layout and cluster key), reconnecting
+//! after a failure.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvxfer_core::ChildHandoff;
+use kvxfer_proto::v1::{self, LeaseOutcome};
+use kvxfer_tcp::{ClusterKey, Connection, Limits};
+use tracing::{debug, warn};
+
+use crate::decode::Counters;
+
+/// Connections and counters of the queued-lease heartbeats of one decode agent.
+pub(crate) struct Keeper {
+    hello: v1::Hello,
+    key: Option<ClusterKey>,
+    limits: Limits,
+    conns: tokio::sync::Mutex<HashMap<String, Connection>>,
+    sent: AtomicU64,
+    extended: AtomicU64,
+    unrecognized: AtomicU64,
+    ended: AtomicU64,
+    errors: AtomicU64,
+}
+
+fn outcome_name(o: LeaseOutcome) -> &'static str {
+    match o {
+        LeaseOutcome::Extended => "extended",
+        LeaseOutcome::AlreadyPulled => "already_pulled",
+        LeaseOutcome::AlreadyReleased => "already_released",
+        LeaseOutcome::AlreadyExpired => "already_expired",
+        _ => "unrecognized",
+    }
+}
+
+impl Keeper {
+    /// A keeper that handshakes with `hello` (the decode agent's identity and layout).
+    pub(crate) fn new(hello: v1::Hello, key: Option<ClusterKey>, limits: Limits) -> Self {
+        Keeper {
+            hello,
+            key,
+            limits,
+            conns: tokio::sync::Mutex::new(HashMap::new()),
+            sent: AtomicU64::new(0),
+            extended: AtomicU64::new(0),
+            unrecognized: AtomicU64::new(0),
+            ended: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+        }
+    }
+
+    /// One heartbeat exchange with the prefill agent at `addr`: a pooled connection, or a
+    /// new one; a connection whose exchange failed is dropped.
+    async fn exchange(&self, addr: &str, leases: Vec<v1::LeaseRef>) -> Option<Vec<LeaseOutcome>> {
+        let pooled = self.conns.lock().await.remove(addr).filter(|c| !c.closed_by_peer());
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => {
+                match Connection::connect_with_key(addr, &self.hello, self.key.as_ref(), self.limits).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        warn!(peer = %addr, error = %e, "queued-lease heartbeat: cannot reach the prefill agent");
+                        return None;
+                    }
+                }
+            }
+        };
+        match conn.heartbeat(leases).await {
+            Ok(outcomes) => {
+                self.conns.lock().await.insert(addr.to_owned(), conn);
+                Some(outcomes)
+            }
+            Err(e) => {
+                warn!(peer = %addr, error = %e, "queued-lease heartbeat failed");
+                None
+            }
+        }
+    }
+
+    /// Heartbeats every lease of `handoffs` (one exchange per prefill agent) and returns
+    /// one outcome per hand-off, in order.
+    pub(crate) async fn heartbeat(&self, handoffs: &[ChildHandoff]) -> Vec<&'static str> {
+        let mut by_peer: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, h) in handoffs.iter().enumerate() {
+            by_peer.entry(h.engine().addr()).or_default().push(i);
+        }
+        let mut out = vec!["error"; handoffs.len()];
+        for (addr, idx) in by_peer {
+            let leases = idx
+                .iter()
+                .map(|&i| v1::LeaseRef {
+                    remote_request_id: handoffs[i].remote_request_id().to_owned(),
+                    lease_token: handoffs[i].token().as_bytes().to_vec(),
+                })
+                .collect();
+            self.sent.fetch_add(1, Ordering::Relaxed);
+            match self.exchange(&addr, leases).await {
+                Some(outcomes) => {
+                    for (&i, o) in idx.iter().zip(outcomes) {
+                        let counter = match o {
+                            LeaseOutcome::Extended => &self.extended,
+                            LeaseOutcome::AlreadyPulled
+                            | LeaseOutcome::AlreadyReleased
+                            | LeaseOutcome::AlreadyExpired => &self.ended,
+                            _ => &self.unrecognized,
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        out[i] = outcome_name(o);
+                        debug!(remote_request_id = %handoffs[i].remote_request_id(), outcome = out[i], "queued-lease heartbeat");
+                    }
+                }
+                None => {
+                    self.errors.fetch_add(idx.len() as u64, Ordering::Relaxed);
+                }
+            }
+        }
+        out
+    }
+
+    /// Closes every connection.
+    pub(crate) async fn close(&self) {
+        self.conns.lock().await.clear();
+    }
+
+    /// The counters, named as `DecodeAgent.stats()` reports them.
+    pub(crate) fn stats(&self) -> Counters {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Counters::from([
+            ("keeper_heartbeats", l(&self.sent)),
+            ("keeper_extended", l(&self.extended)),
+            ("keeper_unrecognized", l(&self.unrecognized)),
+            ("keeper_ended", l(&self.ended)),
+            ("keeper_errors", l(&self.errors)),
+        ])
+    }
+}

@@ -1,0 +1,269 @@
+"""Type stubs of the Rust extension module ``kvxfer._kvxfer`` (crates/kvxfer-py)."""
+
+from typing import Any, Optional, Sequence, Union
+
+__version__: str
+
+Params = Union[dict[str, Any], str]
+"""A child's ``kv_transfer_params`` dict (or its JSON text)."""
+
+class KvxferError(Exception):
+    """Base class of every kvxfer error."""
+
+class ConfigError(KvxferError):
+    """An agent option or the cluster key is invalid, or this build cannot do what was asked."""
+
+class RegistrationError(KvxferError):
+    """Memory could not be registered (not a writable, C-contiguous host buffer; too short;
+    a null or freed pointer)."""
+
+class LayoutError(KvxferError):
+    """A block layout is malformed."""
+
+class LeaseError(KvxferError):
+    """A lease could not be made or armed."""
+
+    kind: str
+    """'already_leased', 'blocks_out_of_range', 'no_blocks', 'no_consumers',
+    'too_many_children', 'bad_child_index', 'child_count_mismatch', 'id_mismatch',
+    'zero_token', 'token_reused', 'wrong_engine' or 'other'."""
+
+class ParamsError(KvxferError):
+    """A ``kv_transfer_params`` dict could not be read or turned into a hand-off."""
+
+    field: Optional[str]
+    """The dict key that failed (None when the value is not a dict at all)."""
+
+class SubmitError(KvxferError):
+    """A pull was refused before any I/O."""
+
+    kind: str
+    """'incomplete_result', 'local_block_lists', 'bad_child', 'nothing_selected', 'plan',
+    'mixed_engines', 'mixed_parents', 'shutting_down', 'local_blocks_busy' or 'other'."""
+
+class PullError(KvxferError):
+    """A child's pull failed; carried (not raised) in failed reports as ``report['error']``."""
+
+    kind: str
+    """'connect', 'incompatible', 'handshake_refused', 'authentication', 'peer_restarted',
+    'lease_unknown', 'lease_ended', 'refused', 'integrity', 'timeout', 'connection_lost',
+    'protocol', 'remote_blocks_out_of_range', 'transport_unavailable', 'ucx_read',
+    'pin_not_held', 'sibling_failed', 'shutdown' or 'other'."""
+    advice: str
+    """What to do: 'retry_fresh_handoff', 'recompute' or 'fail_request'."""
+    retryable: bool
+    remote_request_id: str
+    child_index: int
+
+class TransportError(KvxferError):
+    """Binding a socket, starting a runtime or talking to a peer failed."""
+
+class AgentClosedError(KvxferError):
+    """The agent was shut down (or the Memory already belongs to an agent)."""
+
+class Segment:
+    """One segment of every block, over memory Python owns: block ``b`` is ``block_bytes``
+    bytes at ``offset + b * stride`` of the buffer. The buffer is kept while registered: for
+    buffer-protocol objects with a buffer export (no resize or free possible), for torch
+    tensors with their storage (``untyped_storage()``; but resizing that storage itself
+    frees the memory: do not while registered)."""
+
+    def __init__(self, buffer: Any, *, block_bytes: int, stride: Optional[int] = None, offset: int = 0) -> None:
+        """``buffer``: a writable, C-contiguous buffer-protocol object (numpy array,
+        bytearray) or an object with ``data_ptr()`` and ``nbytes`` (a contiguous CPU torch
+        tensor; with ``untyped_storage()`` its bytes must lie inside that storage, without it
+        its ``data_ptr()`` is trusted as given)."""
+    @staticmethod
+    def from_address(
+        address: int, length: int, owner: Any, *, block_bytes: int, stride: Optional[int] = None, offset: int = 0
+    ) -> Segment:
+        """``length`` bytes at ``address``, kept valid by ``owner`` (the caller vouches)."""
+    @property
+    def address(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def stride(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+
+class Memory:
+    """A registered KV cache: a block layout over segments; one agent takes it over."""
+
+    def __init__(
+        self, segments: Sequence[Segment], *, num_blocks: int, dtype: str = "u8", block_tokens: int = 16
+    ) -> None:
+        """Segments over the same memory (same start, block size and stride) count once."""
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def num_segments(self) -> int: ...
+    @property
+    def deduplicated(self) -> int: ...
+    @property
+    def compat_hash(self) -> int: ...
+    @property
+    def taken(self) -> bool: ...
+
+class Handoff:
+    """One child's hand-off (what a decode worker needs to pull it and notify)."""
+
+    @staticmethod
+    def from_params(params: Params) -> Handoff: ...
+    def to_params(self) -> dict[str, Any]:
+        """vLLM's ``kv_transfer_params`` dict for this child (plus the ``kvxfer_*`` keys)."""
+    @property
+    def remote_request_id(self) -> str: ...
+    @property
+    def parent_request_id(self) -> str: ...
+    @property
+    def child_index(self) -> int: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def remote_block_ids(self) -> list[int]: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def expected_consumers(self) -> int: ...
+    @property
+    def ttl(self) -> float: ...
+
+class PrefillAgent:
+    """A prefill worker's agent: serves the registered KV cache over TCP, leases (or arms)
+    children's blocks, and reports how each lease ended."""
+
+    def __init__(
+        self,
+        memory: Memory,
+        listen: str = "127.0.0.1:0",
+        *,
+        agent_name: str = "prefill",
+        engine_id: Optional[str] = None,
+        rank: int = 0,
+        tp_size: int = 1,
+        advertise_host: Optional[str] = None,
+        cluster_key: Optional[str] = None,
+        lease_ttl: float = 30.0,
+        arm_wait: float = 5.0,
+        max_lease_lifetime: float = 600.0,
+        io_timeout: float = 10.0,
+        worker_threads: int = 2,
+        transport: str = "tcp",
+        shutdown_grace: float = 5.0,
+    ) -> None: ...
+    @property
+    def address(self) -> tuple[str, int]: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def lease(
+        self,
+        parent: str,
+        child_index: int,
+        n: int,
+        blocks: Sequence[int],
+        *,
+        expected_consumers: int = 1,
+        ttl: Optional[float] = None,
+    ) -> Handoff: ...
+    def lease_parent(
+        self, parent: str, blocks: Sequence[Sequence[int]], *, expected_consumers: int = 1, ttl: Optional[float] = None
+    ) -> list[Handoff]: ...
+    def arm(self, params: Params) -> Handoff:
+        """Arms the lease a scheduler process minted into ``params`` (two-phase lease)."""
+    def cancel(self, handoff: Union[Handoff, Params]) -> str:
+        """'released', 'already_pulled', 'already_released', 'already_expired',
+        'unrecognized' or 'bad_token'."""
+    def poll_ends(self, max: Optional[int] = None) -> list[dict[str, Any]]: ...
+    def wait_ends(self, count: int = 1, timeout: float = 10.0) -> list[dict[str, Any]]: ...
+    def stats(self) -> dict[str, dict[str, int]]: ...
+    def shutdown(self) -> None: ...
+    def __enter__(self) -> PrefillAgent: ...
+    def __exit__(self, *args: Any) -> None: ...
+
+class Pull:
+    """A pull under way: its children's reports, and cancelling children."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def parent_request_id(self) -> str: ...
+    @property
+    def children(self) -> list[str]: ...
+    @property
+    def done(self) -> bool: ...
+    @property
+    def wire_bytes(self) -> Optional[int]: ...
+    @property
+    def delivered_bytes(self) -> Optional[int]: ...
+    @property
+    def elapsed(self) -> Optional[float]: ...
+    def cancel_child(self, child_index: int) -> None: ...
+    def poll(self) -> list[dict[str, Any]]: ...
+    def wait(self, timeout: Optional[float] = None) -> list[dict[str, Any]]: ...
+
+class DecodeAgent:
+    """A decode worker's agent: pulls children straight into its registered memory."""
+
+    def __init__(
+        self,
+        memory: Memory,
+        *,
+        agent_name: str = "decode",
+        engine_id: Optional[str] = None,
+        rank: int = 0,
+        consumer_id: Optional[str] = None,
+        cluster_key: Optional[str] = None,
+        io_timeout: float = 10.0,
+        worker_threads: int = 2,
+        connections_per_peer: int = 2,
+        heartbeat_interval: Optional[float] = None,
+        transport: str = "tcp",
+        shutdown_grace: float = 5.0,
+        queue_reports: bool = False,
+    ) -> None: ...
+    @property
+    def consumer_id(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    def submit(self, children: Sequence[Params], local_blocks: Sequence[Sequence[int]]) -> Pull:
+        """Pulls children of one parent (all, or any subset); returns at once."""
+    def poll_reports(self) -> list[dict[str, Any]]: ...
+    def wait_reports(self, timeout: float = 10.0) -> list[dict[str, Any]]: ...
+    def cancel(self, remote_request_id: str) -> bool: ...
+    def heartbeat(self, children: Sequence[Params], *, wait: bool = False, timeout: float = 10.0) -> Optional[list[str]]:
+        """Keeps leases of pulls not started yet alive (requests waiting in the queue); with
+        ``wait``, one outcome per child (an empty list when no answer came within ``timeout``
+        or the agent was shut down meanwhile)."""
+    def release(self, children: Sequence[Params], *, wait: bool = False, timeout: float = 10.0) -> Optional[list[bool]]:
+        """Releases leases this agent will not pull (aborted in the queue, full prefix hits);
+        with ``wait``, whether the prefill side released each (``TimeoutError`` after
+        ``timeout``, ``AgentClosedError`` if the agent was shut down meanwhile)."""
+    def poll_reclaimed(self) -> list[dict[str, Any]]: ...
+    def stats(self) -> dict[str, int]: ...
+    def shutdown(self) -> None: ...
+    def __enter__(self) -> DecodeAgent: ...
+    def __exit__(self, *args: Any) -> None: ...
+
+def enable_logging(filter: str = "info") -> bool:
+    """Logs kvxfer's events to stderr (``RUST_LOG`` syntax; ``RUST_LOG`` wins)."""
+
+def protocol_version() -> int: ...

@@ -1,0 +1,289 @@
+"""``python -m kvxfer.bench``: kvxfer-bench's one-process workload through the Python API.
+
+The same workload and the same metrics as the Rust ``kvxfer-bench`` (one process, TCP):
+per block size, ``--total-bytes`` (512 MiB) moved per iteration as ``--parents`` parents of
+``--n`` (8) children, ``--warmup`` unmeasured and ``--iters`` measured iterations; each parent
+leased by a ``PrefillAgent`` (``lease_parent``, hand-offs as ``kv_transfer_params`` dicts) and
+pulled by a ``DecodeAgent`` (``submit`` of the dicts); reported: GiB/s, blocks/s, per-child
+hand-off latency (lease to report; p50, p99, max), CPU seconds per GiB, and every pulled byte
+verified. Memory is numpy: one segment of ``blocks * block`` bytes per side. Also reported:
+``api_us_per_parent``, the median time of the calls through the binding for one parent
+(``lease_parent``, ``to_params``, ``poll_ends``, ``submit``).
+
+numpy's huge-page advice is turned off (``--numpy-hugepages`` keeps it): kvxfer-bench's
+memory has none, and a paired run should compare the binding, not page sizes.
+
+``--pair-with PATH`` runs the Rust binary (``cargo build --release -p kvxfer-bench``;
+``target/release/kvxfer-bench``) and this benchmark alternately, ``--rounds`` times each, on
+the same machine, and prints both medians and their ratio per block size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import kvxfer
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is in the `bench` and `test` extras
+    raise SystemExit("python -m kvxfer.bench needs numpy: pip install numpy (or kvxfer[bench])") from None
+
+
+def parse_size(s: str) -> int:
+    s = s.strip()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
+    num = s[:-1] if mult > 1 else s
+    value = int(num) * mult
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 64K, 2M)")
+    return value
+
+
+def human(b: int) -> str:
+    for shift, unit in ((30, "G"), (20, "M"), (10, "K")):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift}{unit}"
+    return str(b)
+
+
+def percentile(sorted_samples: list[float], p: float) -> float:
+    if not sorted_samples:
+        return 0.0
+    idx = round((len(sorted_samples) - 1) * p)
+    return sorted_samples[min(idx, len(sorted_samples) - 1)]
+
+
+def run_block_size(args: argparse.Namespace, block: int) -> dict[str, Any]:
+    """One block size: agents over fresh numpy memory, warm-up and measured iterations."""
+    n, parents = max(args.n, 1), max(args.parents, 1)
+    bpc = args.total_bytes // block // (n * parents)
+    if bpc == 0:
+        raise SystemExit(f"--total-bytes {args.total_bytes} is too small for {n * parents} children of {block}-byte blocks")
+    blocks = bpc * n * parents
+    # numpy asks for transparent huge pages on large arrays (madvise); kvxfer-bench's memory
+    # (KvMemory::alloc) does not, so a paired run would compare page sizes, not the binding.
+    # Off unless --numpy-hugepages.
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    set_hugepage = getattr(core.multiarray, "_set_madvise_hugepage", None)
+    if set_hugepage is not None:
+        set_hugepage(args.numpy_hugepages)
+    src = np.random.default_rng(block).integers(0, 256, size=blocks * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    common = dict(worker_threads=args.worker_threads)
+    prefill = kvxfer.PrefillAgent(
+        kvxfer.Memory([kvxfer.Segment(src, block_bytes=block)], num_blocks=blocks), agent_name="bench-prefill", **common
+    )
+    decode = kvxfer.DecodeAgent(
+        kvxfer.Memory([kvxfer.Segment(dst, block_bytes=block)], num_blocks=blocks),
+        agent_name="bench-decode",
+        connections_per_peer=args.connections,
+        **common,
+    )
+
+    def ids(p: int, c: int) -> list[int]:
+        first = (p * n + c) * bpc
+        return list(range(first, first + bpc))
+
+    latencies: list[float] = []
+    # Per parent: lease_parent + to_params + poll_ends + submit, the calls through the binding.
+    api_seconds: list[float] = []
+    seconds = cpu = 0.0
+    moved = 0
+    try:
+        for it in range(args.warmup + args.iters):
+            measured = it >= args.warmup
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            pulls = []
+            for p in range(parents):
+                lease_start = time.perf_counter()
+                handoffs = prefill.lease_parent(f"bench-{block}-{it}-{p}", [ids(p, c) for c in range(n)])
+                params = [h.to_params() for h in handoffs]
+                prefill.poll_ends()
+                submitted = time.perf_counter()
+                pulls.append((lease_start, submitted, decode.submit(params, [ids(p, c) for c in range(n)])))
+                if measured:
+                    api_seconds.append(time.perf_counter() - lease_start)
+            for lease_start, submitted, pull in pulls:
+                reports = pull.wait()
+                for r in reports:
+                    if r["outcome"] != "done":
+                        raise SystemExit(f"child {r['child_index']} of {pull.parent_request_id}: {r['outcome']} {r['error']}")
+                    if measured:
+                        latencies.append((submitted - lease_start + r["seconds"]) * 1e6)
+                if measured:
+                    moved += pull.delivered_bytes
+            if measured:
+                seconds += time.perf_counter() - t0
+                cpu += time.process_time() - cpu0
+        verified: Optional[bool] = None if args.no_verify else bool(np.array_equal(src, dst))
+        stats = prefill.stats()
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+    latencies.sort()
+    gib = moved / float(1 << 30)
+    leases = stats["leases"]
+    return {
+        "api": "python",
+        "transport": "tcp",
+        "processes": "1",
+        "block_bytes": block,
+        "bytes": moved // max(args.iters, 1),
+        "n": n,
+        "parents": parents,
+        "iters": args.iters,
+        "connections": args.connections,
+        "gib_per_s": gib / max(seconds, 1e-9),
+        "blocks_per_s": (moved // block) / max(seconds, 1e-9),
+        "p50_us": percentile(latencies, 0.5),
+        "p99_us": percentile(latencies, 0.99),
+        "max_us": latencies[-1] if latencies else 0.0,
+        "cpu_s_per_gib": cpu / max(gib, 1e-12),
+        "api_us_per_parent": statistics.median(api_seconds) * 1e6 if api_seconds else 0.0,
+        "verified": verified,
+        "prefill": {
+            "leased": leases["leased"],
+            "pulled": leases["pulled"],
+            "released": leases["released"],
+            "expired": leases["expired"],
+            "unrecognized": leases["unrecognized"],
+            "bytes_served": stats["server"]["bytes_served"],
+        },
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'block':>9} {'bytes':>10} {'GiB/s':>9} {'blocks/s':>12} {'p50 us':>10} {'p99 us':>10} {'max us':>10} "
+        f"{'CPU s/GiB':>9} {'verified':>8}"
+    )
+    for m in rows:
+        verified = "skipped" if m["verified"] is None else str(m["verified"]).lower()
+        print(
+            f"{human(m['block_bytes']):>9} {human(m['bytes']):>10} {m['gib_per_s']:>9.3f} {m['blocks_per_s']:>12.0f} "
+            f"{m['p50_us']:>10.0f} {m['p99_us']:>10.0f} {m['max_us']:>10.0f} {m['cpu_s_per_gib']:>9.3f} {verified:>8}"
+        )
+
+
+def workload_flags(args: argparse.Namespace) -> list[str]:
+    """The flags both benchmarks share, so a paired run moves the same workload."""
+    return [
+        "--block-bytes",
+        ",".join(str(b) for b in args.block_bytes),
+        "--total-bytes",
+        str(args.total_bytes),
+        "--n",
+        str(args.n),
+        "--parents",
+        str(args.parents),
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--connections",
+        str(args.connections),
+        "--worker-threads",
+        str(args.worker_threads),
+        "--json",
+    ] + (["--no-verify"] if args.no_verify else [])
+
+
+def json_lines(cmd: list[str]) -> list[dict[str, Any]]:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def paired(args: argparse.Namespace) -> int:
+    """Rust and Python runs alternated, ``--rounds`` each; medians and the ratio."""
+    flags = workload_flags(args)
+    rust_cmd = [args.pair_with, "--transport", "tcp"] + flags
+    py_cmd = [sys.executable, "-m", "kvxfer.bench"] + flags + (["--numpy-hugepages"] if args.numpy_hugepages else [])
+    samples: dict[str, dict[int, list[dict[str, Any]]]] = {"rust": {}, "python": {}}
+    for r in range(args.rounds):
+        order = [("rust", rust_cmd), ("python", py_cmd)] if r % 2 == 0 else [("python", py_cmd), ("rust", rust_cmd)]
+        for name, cmd in order:
+            for row in json_lines(cmd):
+                if row.get("verified") is False:
+                    raise SystemExit(f"{name}: verification failed: {row}")
+                samples[name].setdefault(row["block_bytes"], []).append(row)
+            print(f"round {r + 1}/{args.rounds}: {name} done", file=sys.stderr)
+    results = []
+    for block in args.block_bytes:
+        row: dict[str, Any] = {"block_bytes": block, "rounds": args.rounds}
+        for name in ("rust", "python"):
+            rows = samples[name].get(block, [])
+            for key in ("gib_per_s", "p50_us", "p99_us", "cpu_s_per_gib"):
+                row[f"{name}_{key}"] = statistics.median(x[key] for x in rows) if rows else None
+            row[f"{name}_gib_per_s_all"] = [round(x["gib_per_s"], 3) for x in rows]
+        row["python_api_us_per_parent"] = statistics.median(
+            x["api_us_per_parent"] for x in samples["python"].get(block, [])
+        )
+        row["python_over_rust"] = row["python_gib_per_s"] / row["rust_gib_per_s"]
+        # Each round ran both back to back: the median of the per-round ratios is less
+        # sensitive to load that changes between rounds than the ratio of the medians.
+        pairs = zip(samples["rust"].get(block, []), samples["python"].get(block, []))
+        row["python_over_rust_paired_median"] = statistics.median(p["gib_per_s"] / r["gib_per_s"] for r, p in pairs)
+        results.append(row)
+    if args.json:
+        for row in results:
+            print(json.dumps(row))
+    else:
+        print(
+            f"{'block':>9} {'Rust GiB/s':>11} {'Python GiB/s':>13} {'Py/Rust':>8} {'paired':>7} "
+            f"{'Rust p50 us':>12} {'Py p50 us':>10} {'Rust CPU s/GiB':>15} {'Py CPU s/GiB':>13} {'Py API us':>10}"
+        )
+        for row in results:
+            print(
+                f"{human(row['block_bytes']):>9} {row['rust_gib_per_s']:>11.3f} {row['python_gib_per_s']:>13.3f} "
+                f"{row['python_over_rust']:>8.3f} {row['python_over_rust_paired_median']:>7.3f} "
+                f"{row['rust_p50_us']:>12.0f} {row['python_p50_us']:>10.0f} "
+                f"{row['rust_cpu_s_per_gib']:>15.3f} {row['python_cpu_s_per_gib']:>13.3f} "
+                f"{row['python_api_us_per_parent']:>10.0f}"
+            )
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvxfer.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--block-bytes", type=lambda s: [parse_size(x) for x in s.split(",")], default=[64 << 10, 2 << 20])
+    ap.add_argument("--total-bytes", type=parse_size, default=512 << 20)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--parents", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--connections", type=int, default=2)
+    ap.add_argument("--worker-threads", type=int, default=2)
+    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument(
+        "--numpy-hugepages",
+        action="store_true",
+        help="let numpy madvise huge pages for its arrays (kvxfer-bench's memory does not: off for paired runs)",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON object per block size")
+    ap.add_argument("--pair-with", metavar="KVXFER_BENCH", help="alternate runs with this kvxfer-bench binary")
+    ap.add_argument("--rounds", type=int, default=5, help="paired runs of each (with --pair-with)")
+    args = ap.parse_args(argv)
+    if args.pair_with:
+        return paired(args)
+    rows = []
+    for block in args.block_bytes:
+        row = run_block_size(args, block)
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+    if not args.json:
+        print_table(rows)
+    return 0 if all(r["verified"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

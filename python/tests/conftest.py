@@ -1,0 +1,61 @@
+"""Shared fixtures: small numpy KV caches and agents on 127.0.0.1 (free ports), shut down
+after each test."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import kvxfer
+
+# Per layer (2, num_blocks, block_size, heads, head_dim), float16: 256-byte K and V blocks.
+SHAPE = (2, 32, 4, 2, 16)
+
+
+def random_cache(seed: int, shape=SHAPE) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(np.float16)
+
+
+def blocks_equal(src: np.ndarray, remote: list[int], dst: np.ndarray, local: list[int]) -> bool:
+    return all(np.array_equal(dst[kv, local].view(np.uint16), src[kv, remote].view(np.uint16)) for kv in range(2))
+
+
+def eventually(what: str, cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Waits until ``cond()`` holds (a guard against a hang, not a timed assertion)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def arm_waits(prefill: kvxfer.PrefillAgent) -> int:
+    """Requests that waited for a lease to be armed (reads, cancels, notifies, heartbeats)."""
+    return prefill.stats()["server"]["arm_waits"]
+
+
+@pytest.fixture
+def src():
+    return random_cache(1)
+
+
+@pytest.fixture
+def dst():
+    return np.zeros(SHAPE, dtype=np.float16)
+
+
+@pytest.fixture
+def prefill(src):
+    agent = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), engine_id="prefill-engine")
+    yield agent
+    agent.shutdown()
+
+
+@pytest.fixture
+def decode(dst):
+    agent = kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), engine_id="decode-engine", queue_reports=True)
+    yield agent
+    agent.shutdown()
