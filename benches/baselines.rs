@@ -59,37 +59,64 @@ pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, block: u64) -> R
     Ok((per * connections) as f64 / f64::from(1u32 << 30) / t0.elapsed().as_secs_f64())
 }
 
-/// Median round trip on 127.0.0.1 of a 64-byte request answered with one `block` of data
-/// read into a buffer: what a one-block hand-off cannot beat.
-pub(crate) fn raw_tcp_rtt_p50_us(block: u64) -> Result<f64, String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let len = block as usize;
-    let rounds = 200;
-    let server = std::thread::spawn(move || -> Result<(), String> {
-        let (mut s, _) = listener.accept().map_err(|e| e.to_string())?;
-        s.set_nodelay(true).map_err(|e| e.to_string())?;
-        let data = vec![7u8; len];
-        let mut req = [0u8; 64];
-        for _ in 0..rounds {
-            s.read_exact(&mut req).map_err(|e| e.to_string())?;
-            s.write_all(&data).map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    });
-    let mut c = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    c.set_nodelay(true).map_err(|e| e.to_string())?;
-    let mut buf = vec![0u8; len];
-    let mut samples = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let t0 = Instant::now();
-        c.write_all(&[1u8; 64]).map_err(|e| e.to_string())?;
-        c.read_exact(&mut buf).map_err(|e| e.to_string())?;
-        samples.push(t0.elapsed().as_secs_f64() * 1e6);
+/// Round trips on 127.0.0.1 of a 64-byte request answered with one `block` of data read
+/// into a buffer: what a one-block hand-off cannot beat. The connection and its server
+/// thread stay up, so samples can be taken between kvxfer's iterations (interleaved, over
+/// the same minutes of a noisy machine) rather than in one burst after them.
+pub(crate) struct RawRtt {
+    client: TcpStream,
+    buf: Vec<u8>,
+    server: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RawRtt {
+    /// Connects a client to a server thread that answers every 64-byte request with `block`
+    /// bytes (until the client hangs up).
+    pub(crate) fn start(block: u64) -> Result<Self, String> {
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let len = block as usize;
+        let server = std::thread::spawn(move || {
+            let Ok((mut s, _)) = listener.accept() else { return };
+            let _ = s.set_nodelay(true);
+            let data = vec![7u8; len];
+            let mut req = [0u8; 64];
+            while s.read_exact(&mut req).is_ok() && s.write_all(&data).is_ok() {}
+        });
+        let client = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        client.set_nodelay(true).map_err(|e| e.to_string())?;
+        Ok(RawRtt { client, buf: vec![0u8; len], server: Some(server) })
     }
-    server.join().map_err(|_| "rtt server panicked".to_string())??;
+
+    /// `rounds` round trips, each in microseconds.
+    pub(crate) fn sample(&mut self, rounds: usize) -> Result<Vec<f64>, String> {
+        let mut samples = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            self.client.write_all(&[1u8; 64]).map_err(|e| e.to_string())?;
+            self.client.read_exact(&mut self.buf).map_err(|e| e.to_string())?;
+            samples.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        Ok(samples)
+    }
+}
+
+impl Drop for RawRtt {
+    fn drop(&mut self) {
+        let _ = self.client.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = self.server.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Quantiles of round-trip samples as the report gives them: p10, p50, p90, p99 and count.
+pub(crate) fn rtt_distribution(samples: &mut [f64]) -> serde_json::Value {
     samples.sort_by(f64::total_cmp);
-    Ok(percentile(&samples, 0.5))
+    serde_json::json!({
+        "p10": percentile(samples, 0.1), "p50": percentile(samples, 0.5),
+        "p90": percentile(samples, 0.9), "p99": percentile(samples, 0.99), "samples": samples.len(),
+    })
 }
 
 /// One memcpy of `total` bytes between two pre-touched buffers.

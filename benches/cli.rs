@@ -60,6 +60,10 @@ pub(crate) struct RunArgs {
     /// Check every one-sided (UCX) read against a CRC-32C taken at pin time.
     #[arg(long)]
     pub(crate) ucx_verify_payloads: bool,
+    /// TCP: send each lone child's notify behind its read (one round trip per hand-off;
+    /// `AgentConfig::notify_with_read`).
+    #[arg(long)]
+    pub(crate) notify_with_read: bool,
     /// Block sizes to sweep, e.g. 4K,64K,256K,2M.
     #[arg(long, value_delimiter = ',', default_value = "64K,2M", value_parser = parse_size)]
     pub(crate) block_bytes: Vec<u64>,
@@ -116,6 +120,9 @@ pub(crate) struct RunArgs {
     /// measure what metrics cost; needs the `cluster` feature.
     #[arg(long)]
     pub(crate) metrics: Option<String>,
+    /// The many-requests workload (`--concurrency`).
+    #[command(flatten)]
+    pub(crate) workload: crate::workload::WorkloadArgs,
 }
 
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {

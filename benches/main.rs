@@ -21,9 +21,13 @@ mod cli;
 mod hetero;
 mod measure;
 mod plot;
+mod procstat;
 mod report;
 mod serve;
 mod source;
+#[cfg(feature = "ucx")]
+mod ucx_baseline;
+mod workload;
 
 use std::process::ExitCode;
 
@@ -31,7 +35,7 @@ use clap::Parser;
 use kvxfer::AgentConfig;
 
 use crate::cli::{metrics_config, ucx_config, Cli, Mode};
-use crate::report::bench;
+use crate::report::bench_any as bench;
 use crate::serve::serve;
 use crate::source::{LocalSource, RemoteSource};
 
@@ -64,7 +68,7 @@ fn main() -> ExitCode {
             cli.run.ucx_peer_failure,
         )
         .and_then(|config| metrics_config(config, &cli.run.metrics))
-        .and_then(|config| bench(&cli.run, &mut LocalSource { config, agent: None }, "1")),
+        .and_then(|config| bench(&cli.run, &mut LocalSource { config, agent: None, raw_ucx: None }, "1")),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -9,6 +9,7 @@ use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, KvMemory};
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
+use crate::baselines::{raw_tcp_gib_per_s, RawRtt};
 use crate::cli::{ucx_config, RunArgs};
 use crate::source::LeaseSource;
 
@@ -48,12 +49,21 @@ pub(crate) struct Measured {
     pub(crate) bytes: u64,
     pub(crate) gib_per_s: f64,
     pub(crate) blocks_per_s: f64,
+    /// The 10th percentile: with the raw round trip's p10, the floors to compare on a
+    /// loaded machine.
+    pub(crate) p10_us: f64,
     pub(crate) p50_us: f64,
     pub(crate) p99_us: f64,
     pub(crate) max_us: f64,
     pub(crate) cpu_s_per_gib: f64,
     pub(crate) verified: Option<bool>,
     pub(crate) prefill: Value,
+    /// `--baseline`: raw TCP one-block round trips (us), taken between the iterations.
+    pub(crate) raw_rtt_us: Vec<f64>,
+    /// kvxfer's GiB/s in each measured iteration.
+    pub(crate) iter_gib_per_s: Vec<f64>,
+    /// `--baseline`: raw TCP GiB/s right after each measured iteration (same bytes).
+    pub(crate) raw_tcp_runs: Vec<f64>,
 }
 
 /// Measures one block size: `warmup + iters` iterations of every parent leased and
@@ -76,6 +86,7 @@ pub(crate) fn run_block_size(
                 AgentConfig::new(format!("bench-decode-{i}"))
                     .transport(run.transport)
                     .connections_per_peer(run.connections)
+                    .notify_with_read(run.notify_with_read)
                     .worker_threads(run.worker_threads),
                 &run.ucx_tls,
                 run.ucx_peer_failure,
@@ -94,12 +105,18 @@ pub(crate) fn run_block_size(
     let mut latencies = Vec::new();
     let (mut seconds, mut bytes, mut cpu) = (0.0f64, 0u64, 0.0f64);
     let show_progress = std::io::stderr().is_terminal() && !run.json && !run.csv;
+    // Raw round trips interleaved with the iterations: ~200 in all, at least one per iteration.
+    let mut raw_rtt = if run.baseline { Some(RawRtt::start(block)?) } else { None };
+    let rtt_per_iter = (200 / run.iters.max(1)).max(1) as usize;
+    let mut raw_rtt_us = Vec::new();
+    let (mut iter_gib_per_s, mut raw_tcp_runs) = (Vec::new(), Vec::new());
     for iter in 0..run.warmup + run.iters {
         let measured = iter >= run.warmup;
         if show_progress {
             eprint!("\r{block:>9} B blocks: iteration {}/{}   ", iter + 1, run.warmup + run.iters);
         }
         let cpu0 = cpu_seconds();
+        let bytes_before = bytes;
         let t0 = Instant::now();
         let mut handles = Vec::new();
         for p in 0..parents {
@@ -134,8 +151,15 @@ pub(crate) fn run_block_size(
             }
         }
         if measured {
-            seconds += t0.elapsed().as_secs_f64();
+            let (secs, iter_bytes) = (t0.elapsed().as_secs_f64(), bytes - bytes_before);
+            seconds += secs;
             cpu += cpu_seconds() - cpu0;
+            iter_gib_per_s.push(iter_bytes as f64 / f64::from(1u32 << 30) / secs.max(1e-9));
+            if let Some(r) = raw_rtt.as_mut() {
+                raw_rtt_us.extend(r.sample(rtt_per_iter)?);
+                // The bandwidth ceiling interleaved too, so each iteration has its own.
+                raw_tcp_runs.push(raw_tcp_gib_per_s(iter_bytes, run.connections, block)?);
+            }
         }
     }
     if show_progress {
@@ -164,11 +188,15 @@ pub(crate) fn run_block_size(
         bytes: bytes / u64::from(run.iters.max(1)),
         gib_per_s: gib / seconds.max(1e-9),
         blocks_per_s: (bytes / block) as f64 / seconds.max(1e-9),
+        p10_us: percentile(&latencies, 0.1),
         p50_us: percentile(&latencies, 0.5),
         p99_us: percentile(&latencies, 0.99),
         max_us: latencies.last().copied().unwrap_or(0.0),
         cpu_s_per_gib: cpu / gib.max(1e-12),
         verified,
         prefill: source.stats(),
+        raw_rtt_us,
+        iter_gib_per_s,
+        raw_tcp_runs,
     })
 }

@@ -74,3 +74,82 @@ pub(crate) fn svg_plot(path: &str, transport: &str, rows: &[PlotRow]) -> Result<
     svg += "</svg>\n";
     std::fs::write(path, svg).map_err(|e| format!("writing {path}: {e}"))
 }
+
+/// Draws the many-requests workload into an SVG file at `path`: per-child hand-off latency
+/// (p50, p99, p999; log scale) against the parents in flight (log scale), one set of lines
+/// per block size.
+pub(crate) fn svg_latency_plot(
+    path: &str,
+    transport: &str,
+    rows: &[crate::workload::Loaded],
+) -> Result<(), String> {
+    let (w, h, m) = (720.0, 420.0, 70.0);
+    let lat = |v: f64| v.max(1.0).log10();
+    let ys: Vec<f64> = rows.iter().flat_map(|r| r.child_us[..3].iter().map(|&v| lat(v))).collect();
+    let (y0, y1) = (
+        ys.iter().copied().fold(f64::MAX, f64::min).floor(),
+        ys.iter().copied().fold(f64::MIN, f64::max).ceil().max(1.0),
+    );
+    let xs: Vec<f64> = rows.iter().map(|r| f64::from(r.concurrency.max(1)).log2()).collect();
+    let (x0, x1) = (xs.iter().copied().fold(f64::MAX, f64::min), xs.iter().copied().fold(f64::MIN, f64::max));
+    let px = |x: f64| m + if x1 > x0 { (x - x0) / (x1 - x0) * (w - 2.0 * m) } else { (w - 2.0 * m) / 2.0 };
+    let py = |y: f64| h - m - if y1 > y0 { (y - y0) / (y1 - y0) * (h - 2.0 * m) } else { 0.0 };
+    let mut svg = format!(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>\n\
+         <rect width='100%' height='100%' fill='white'/>\n\
+         <line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n\
+         <text x='{}' y='{}' text-anchor='middle'>parents in flight (C)</text>\
+         <text x='15' y='{}' transform='rotate(-90 15 {})' text-anchor='middle'>hand-off latency, us ({transport})</text>\n",
+        h - m, w - m, h - m, h - m, w / 2.0, h - 15.0, h / 2.0, h / 2.0
+    );
+    let mut seen_c = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        if !seen_c.contains(&r.concurrency) {
+            seen_c.push(r.concurrency);
+            svg += &format!(
+                "<text x='{}' y='{}' text-anchor='middle'>{}</text>\n",
+                px(xs[i]),
+                h - m + 18.0,
+                r.concurrency
+            );
+        }
+    }
+    let mut decade = y0;
+    while decade <= y1 {
+        svg += &format!(
+            "<text x='{}' y='{}' text-anchor='end'>{}</text>\n",
+            m - 6.0,
+            py(decade) + 4.0,
+            10f64.powf(decade)
+        );
+        decade += 1.0;
+    }
+    let colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+    let mut blocks: Vec<u64> = rows.iter().map(|r| r.block).collect();
+    blocks.dedup();
+    let mut legend = 0.0;
+    for (bi, block) in blocks.iter().enumerate() {
+        for (qi, (q, dash)) in [("p50", ""), ("p99", "6,3"), ("p999", "2,3")].iter().enumerate() {
+            let color = colors[bi % colors.len()];
+            let pts: Vec<String> = rows
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.block == *block)
+                .map(|(i, r)| format!("{},{}", px(xs[i]), py(lat(r.child_us[qi]))))
+                .collect();
+            svg += &format!(
+                "<polyline fill='none' stroke='{color}' stroke-width='2' stroke-dasharray='{dash}' points='{}'/>\n",
+                pts.join(" ")
+            );
+            svg += &format!(
+                "<text x='{}' y='{}' fill='{color}'>{} blocks, {q}</text>\n",
+                w - m - 150.0,
+                m + 16.0 * legend,
+                human(*block)
+            );
+            legend += 1.0;
+        }
+    }
+    svg += "</svg>\n";
+    std::fs::write(path, svg).map_err(|e| format!("writing {path}: {e}"))
+}

@@ -3,8 +3,9 @@
 
 use serde_json::json;
 
-use crate::baselines::{memcpy_gib_per_s, raw_tcp_gib_per_s, raw_tcp_rtt_p50_us};
+use crate::baselines::{memcpy_gib_per_s, rtt_distribution};
 use crate::cli::RunArgs;
+use crate::measure::percentile;
 use crate::measure::run_block_size;
 use crate::plot::{svg_plot, PlotRow};
 use crate::source::LeaseSource;
@@ -16,6 +17,40 @@ pub(crate) fn human(b: u64) -> String {
         b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
         b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
         b => b.to_string(),
+    }
+}
+
+/// `--baseline` over UCX: GiB/s of `--iters` raw get runs of the same bytes from the same
+/// prefill process (`None` for TCP runs or without the `ucx` feature).
+fn raw_ucx_baseline(
+    run: &RunArgs,
+    source: &mut dyn LeaseSource,
+    block: u64,
+) -> Result<Option<Vec<f64>>, String> {
+    #[cfg(feature = "ucx")]
+    if run.baseline && run.transport.to_string() == "ucx" {
+        let config = crate::ucx_baseline::raw_config(&run.ucx_tls, run.ucx_peer_failure);
+        let per_child = u64::from(crate::measure::blocks_per_child(run, block)?) * block;
+        let children = u64::from(run.n.max(1)) * u64::from(run.parents.max(1));
+        let total = per_child * children;
+        let info = source.raw_ucx_target(&config, total)?;
+        return crate::ucx_baseline::raw_ucx_get_gib_per_s(&config, info, total, per_child, run.iters)
+            .map(Some);
+    }
+    let _ = (run, source, block);
+    Ok(None)
+}
+
+/// The many-requests workload when `--concurrency` was given, else the bulk sweep.
+pub(crate) fn bench_any(
+    run: &RunArgs,
+    source: &mut dyn LeaseSource,
+    processes: &str,
+) -> Result<bool, String> {
+    if run.workload.concurrency.is_empty() {
+        bench(run, source, processes)
+    } else {
+        crate::workload::bench_many(run, source, processes)
     }
 }
 
@@ -43,16 +78,18 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
         );
     }
     for &block in &run.block_bytes {
-        let m = run_block_size(run, source, block)?;
-        let (raw, mem, rtt) = if run.baseline {
-            (
-                Some(raw_tcp_gib_per_s(run.total_bytes, run.connections, block)?),
-                Some(memcpy_gib_per_s(run.total_bytes)),
-                Some(raw_tcp_rtt_p50_us(block)?),
-            )
+        let mut m = run_block_size(run, source, block)?;
+        // Raw TCP: the median of the runs interleaved with kvxfer's iterations.
+        let (raw, mem) = if run.baseline {
+            let mut runs = m.raw_tcp_runs.clone();
+            runs.sort_by(f64::total_cmp);
+            (Some(percentile(&runs, 0.5)), Some(memcpy_gib_per_s(run.total_bytes)))
         } else {
-            (None, None, None)
+            (None, None)
         };
+        let rtt_dist = rtt_distribution(&mut m.raw_rtt_us);
+        let raw_ucx = raw_ucx_baseline(run, source, block)?;
+        let rtt = run.baseline.then(|| percentile(&m.raw_rtt_us, 0.5));
         all_ok &= m.verified != Some(false);
         let ratio = |b: Option<f64>| b.map(|b| m.gib_per_s / b);
         plot_rows.push(PlotRow { block, kvxfer: m.gib_per_s, raw_tcp: raw, memcpy: mem });
@@ -60,7 +97,7 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
             let mut j = json!({
                 "transport": transport, "ucx_verify_payloads": run.ucx_verify_payloads, "processes": processes, "block_bytes": block, "bytes": m.bytes,
                 "n": run.n, "parents": run.parents, "iters": run.iters, "connections": run.connections,
-                "expected_consumers": run.expected_consumers,
+                "expected_consumers": run.expected_consumers, "notify_with_read": run.notify_with_read,
                 "gib_per_s": m.gib_per_s, "blocks_per_s": m.blocks_per_s, "p50_us": m.p50_us, "p99_us": m.p99_us,
                 "max_us": m.max_us, "cpu_s_per_gib": m.cpu_s_per_gib, "verified": m.verified, "prefill": m.prefill,
             });
@@ -70,6 +107,29 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 j["ratio_vs_raw_tcp"] = json!(ratio(raw));
                 j["ratio_vs_memcpy"] = json!(ratio(mem));
                 j["raw_tcp_rtt_one_block_p50_us"] = json!(rtt);
+                j["p10_us"] = json!(m.p10_us);
+                j["p10_vs_raw_rtt_p10"] = json!(m.p10_us / percentile(&m.raw_rtt_us, 0.1));
+                // Each iteration against the raw run right after it (listed up to 20 iterations).
+                let per_iter: Vec<f64> =
+                    m.iter_gib_per_s.iter().zip(&m.raw_tcp_runs).map(|(k, r)| k / r).collect();
+                let mut sorted = per_iter.clone();
+                sorted.sort_by(f64::total_cmp);
+                j["ratio_vs_raw_tcp_per_iter_p50"] = json!(percentile(&sorted, 0.5));
+                if run.iters <= 20 {
+                    j["iter_gib_per_s"] = json!(m.iter_gib_per_s);
+                    j["raw_tcp_runs"] = json!(m.raw_tcp_runs);
+                    j["ratio_vs_raw_tcp_per_iter"] = json!(per_iter);
+                }
+                // Taken between kvxfer's iterations; the spread says how far to trust the ratio.
+                j["raw_tcp_rtt_one_block_us"] = rtt_dist;
+                j["p50_vs_raw_rtt_p50"] = json!(rtt.map(|r| m.p50_us / r));
+                if let Some(mut rates) = raw_ucx {
+                    rates.sort_by(f64::total_cmp);
+                    let median = percentile(&rates, 0.5);
+                    j["raw_ucx_get_gib_per_s"] = json!(median);
+                    j["raw_ucx_get_runs"] = json!(rates);
+                    j["ratio_vs_raw_ucx_get"] = json!(m.gib_per_s / median);
+                }
             }
             println!("{j}");
         } else if run.csv {

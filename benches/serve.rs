@@ -25,7 +25,8 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
     let mut runs = 0;
     for stream in listener.incoming() {
         let stream = stream.map_err(|e| e.to_string())?;
-        let mut source = LocalSource { config: config.clone(), agent: None };
+        let mut source = LocalSource { config: config.clone(), agent: None, raw_ucx: None };
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
         let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
         let mut quit = false;
         for line in BufReader::new(stream).lines() {
@@ -53,6 +54,17 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                         }
                     }
                     Some("stats") => source.stats(),
+                    #[cfg(feature = "ucx")]
+                    Some("raw_ucx_target") => {
+                        let config = crate::ucx_baseline::raw_config(
+                            &req["tls"].as_str().map(str::to_owned),
+                            req["peer_failure"].as_bool().unwrap_or(false),
+                        );
+                        match source.raw_ucx_target(&config, req["bytes"].as_u64().unwrap_or(0)) {
+                            Ok(info) => json!({"info": crate::ucx_baseline::info_to_json(&info)}),
+                            Err(e) => json!({"error": e}),
+                        }
+                    }
                     Some("quit") => {
                         quit = true;
                         json!({"ok": true})
@@ -60,7 +72,8 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                     other => json!({"error": format!("unknown op {other:?}")}),
                 },
             };
-            if writeln!(writer, "{reply}").is_err() || quit {
+            // One write per answer: a line written in pieces would wait on the delayed ACK.
+            if writer.write_all(format!("{reply}\n").as_bytes()).is_err() || quit {
                 break;
             }
         }

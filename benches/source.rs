@@ -26,16 +26,27 @@ pub(crate) trait LeaseSource {
     ) -> Result<PrefillResult, String>;
     /// Prefill-side stats (bytes served, leases) as JSON.
     fn stats(&mut self) -> Value;
+    /// Registers `bytes` of filled memory as a bare UCX target on the prefill side (kept
+    /// until the next call or the next `setup`), for the raw get baseline.
+    #[cfg(feature = "ucx")]
+    fn raw_ucx_target(
+        &mut self,
+        config: &kvxfer_ucx::UcxConfig,
+        bytes: u64,
+    ) -> Result<kvxfer_ucx::TargetInfo, String>;
 }
 
 /// A prefill agent in this process, started anew for each block size.
 pub(crate) struct LocalSource {
     pub(crate) config: AgentConfig,
     pub(crate) agent: Option<PrefillAgent>,
+    /// The raw UCX baseline's target, while it is read.
+    pub(crate) raw_ucx: Option<Box<dyn std::any::Any>>,
 }
 
 impl LeaseSource for LocalSource {
     fn setup(&mut self, block: u64, blocks: u32) -> Result<(), String> {
+        self.raw_ucx = None;
         self.agent = None;
         self.agent = Some(start_prefill(self.config.clone(), block, blocks)?);
         Ok(())
@@ -54,6 +65,17 @@ impl LeaseSource for LocalSource {
     fn stats(&mut self) -> Value {
         self.agent.as_ref().map(prefill_stats).unwrap_or(Value::Null)
     }
+    #[cfg(feature = "ucx")]
+    fn raw_ucx_target(
+        &mut self,
+        config: &kvxfer_ucx::UcxConfig,
+        bytes: u64,
+    ) -> Result<kvxfer_ucx::TargetInfo, String> {
+        self.raw_ucx = None;
+        let (target, info) = crate::ucx_baseline::start_target(config, bytes)?;
+        self.raw_ucx = Some(Box::new(target));
+        Ok(info)
+    }
 }
 
 /// A prefill agent's stats as the benchmark reports them.
@@ -61,7 +83,9 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
     let s = a.stats();
     json!({"leased": s.leases.leased, "pulled": s.leases.pulled, "released": s.leases.released,
            "expired": s.leases.expired, "unrecognized": s.leases.unrecognized, "bytes_served": s.server.bytes_served,
-           "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds()})
+           "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds(),
+           "rss_kib": crate::procstat::rss_kib(), "rss_peak_kib": crate::procstat::peak_rss_kib(),
+           "fds": crate::procstat::open_fds()})
 }
 
 /// A prefill agent over `blocks` blocks of `block` bytes, filled with the test pattern.
@@ -90,13 +114,16 @@ impl RemoteSource {
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
         };
+        // One request and one answer per line, each waited for: no Nagle delay.
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
         let writer = stream.try_clone().map_err(|e| e.to_string())?;
         Ok(RemoteSource { reader: BufReader::new(stream), writer })
     }
 
     /// One request, one answer (a JSON `error` becomes `Err`).
     fn call(&mut self, req: Value) -> Result<Value, String> {
-        writeln!(self.writer, "{req}").map_err(|e| format!("to serve: {e}"))?;
+        // One write per request (a line written in pieces would wait on the delayed ACK).
+        self.writer.write_all(format!("{req}\n").as_bytes()).map_err(|e| format!("to serve: {e}"))?;
         let mut line = String::new();
         self.reader.read_line(&mut line).map_err(|e| format!("from serve: {e}"))?;
         let v: Value = serde_json::from_str(&line).map_err(|e| format!("from serve: {e}: {line:?}"))?;
@@ -131,5 +158,15 @@ impl LeaseSource for RemoteSource {
     }
     fn stats(&mut self) -> Value {
         self.call(json!({"op": "stats"})).unwrap_or(Value::Null)
+    }
+    #[cfg(feature = "ucx")]
+    fn raw_ucx_target(
+        &mut self,
+        config: &kvxfer_ucx::UcxConfig,
+        bytes: u64,
+    ) -> Result<kvxfer_ucx::TargetInfo, String> {
+        let v = self.call(json!({"op": "raw_ucx_target", "bytes": bytes, "tls": config.tls,
+                                 "peer_failure": config.peer_failure_handling}))?;
+        crate::ucx_baseline::info_from_json(&v["info"])
     }
 }

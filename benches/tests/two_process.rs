@@ -73,3 +73,41 @@ fn ucx_over_tcp_across_two_processes() {
 fn ucx_over_shared_memory_across_two_processes() {
     two_processes(&["--transport", "ucx", "--ucx-tls", "posix,sysv,cma,self"]);
 }
+
+/// The many-requests workload across two processes: every level reports its figures, and
+/// every slot's last pull holds the bytes of the blocks it last read.
+#[test]
+fn many_requests_over_tcp_across_two_processes() {
+    let (_serve, addr) = serve(&["--transport", "tcp"]);
+    let out = Command::new(BIN)
+        .args(["pull", "--peer", &addr, "--transport", "tcp", "--block-bytes", "16K", "--n", "2"])
+        .args([
+            "--blocks-per-child",
+            "2",
+            "--concurrency",
+            "1,8",
+            "--duration",
+            "0.3",
+            "--warmup-secs",
+            "0.1",
+        ])
+        .arg("--json")
+        .output()
+        .expect("run pull");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "pull failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        stdout.lines().map(|l| serde_json::from_str(l).expect("json line")).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for (r, c) in rows.iter().zip([1, 8]) {
+        assert_eq!(r["mode"], "many", "{r}");
+        assert_eq!(r["concurrency"], c, "{r}");
+        assert_eq!(r["verified"], true, "{r}");
+        // The decode side holds c parents of 2 children of 2 blocks of 16 KiB.
+        assert_eq!(r["kv_mib"].as_f64(), Some(f64::from(c) * 4.0 * 16.0 / 1024.0), "{r}");
+        for k in ["requests_per_s", "p50_us", "p999_us", "cpu_us_per_request", "rss_peak_mib", "fds_max"] {
+            assert!(r[k].as_f64().is_some(), "{k} missing: {r}");
+        }
+        assert!(r["prefill"]["fds"].as_u64().is_some(), "{r}");
+    }
+}

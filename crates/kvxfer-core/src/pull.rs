@@ -542,6 +542,8 @@ pub struct PullMachine {
     actions: VecDeque<Action>,
     wire_bytes: u64,
     delivered_bytes: u64,
+    /// Per child: the answer to a notify sent with its read ([`Self::read_finished_notified`]).
+    notified_with_read: Vec<Option<ControlAnswer>>,
     /// Per child, the bytes it delivers when done (empty: local blocks × `block_bytes`).
     child_bytes: Vec<u64>,
 }
@@ -625,6 +627,7 @@ impl PullMachine {
             actions: VecDeque::new(),
             wire_bytes: 0,
             delivered_bytes: 0,
+            notified_with_read: vec![None; n],
             child_bytes: Vec::new(),
             plan,
             children,
@@ -713,6 +716,34 @@ impl PullMachine {
             }
         };
         self.progress();
+    }
+
+    /// Whether child `i`'s notify may go out with its read (one round trip instead of two):
+    /// its blocks are written by that read alone and touched by no sibling's copy, so the
+    /// read ending settles the child, and nothing else needs its lease.
+    pub fn notify_with_read(&self, i: usize) -> bool {
+        i < self.children.len()
+            && !self.plan.children[i].wire.is_empty()
+            && self.plan.children[i].copies.is_empty()
+            && self.touching_reads[i] == [i]
+            && self.touching_copies[i].is_empty()
+    }
+
+    /// Child `i`'s read ended, and the notify sent with it (see [`Self::notify_with_read`])
+    /// was answered with `notify` (`None`: the answer was lost). A child that is then done
+    /// is reported at once with that answer; without one, its notify is sent on its own as
+    /// usual. A child that is not done has its lease cancelled as usual.
+    pub fn read_finished_notified(
+        &mut self,
+        i: usize,
+        now: Instant,
+        result: ReadResult,
+        notify: Option<ControlAnswer>,
+    ) {
+        if let Some(slot) = self.notified_with_read.get_mut(i) {
+            *slot = notify;
+        }
+        self.read_finished(i, now, result);
     }
 
     /// The notify or cancel of child `i` was answered.
@@ -867,6 +898,17 @@ impl PullMachine {
                 continue;
             }
             let outcome = self.outcome(i);
+            if let (ChildOutcome::Done { bytes_delivered, .. }, Some(answer)) =
+                (&outcome, self.notified_with_read[i])
+            {
+                // Its notify went with its read and was answered.
+                let outcome = ChildOutcome::Done {
+                    bytes_delivered: *bytes_delivered,
+                    acknowledged: answer == ControlAnswer::Acknowledged,
+                };
+                self.report(i, outcome);
+                continue;
+            }
             let control = match &outcome {
                 ChildOutcome::Done { .. } => Action::Notify(i),
                 _ => Action::CancelLease(i),

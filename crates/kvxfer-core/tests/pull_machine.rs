@@ -48,6 +48,10 @@ struct Sim {
     heartbeats: Vec<(Instant, Vec<usize>)>,
     finished: u32,
     log: Vec<String>,
+    /// Reads send their child's notify along when the machine allows it (`notify_with_read`).
+    with_read: bool,
+    /// Children whose notify went with their read and was answered.
+    notified_with_read: BTreeSet<usize>,
 }
 
 impl Sim {
@@ -83,6 +87,8 @@ impl Sim {
             heartbeats: Vec::new(),
             finished: 0,
             log: Vec::new(),
+            with_read: false,
+            notified_with_read: BTreeSet::new(),
         })
     }
 
@@ -189,7 +195,17 @@ impl Sim {
     }
 
     fn finish_read(&mut self, k: usize, result: ReadResult) {
+        self.finish_read_with(k, result, Some(ControlAnswer::Acknowledged));
+    }
+
+    /// Ends read `k`; with `with_read` and a child the machine lets notify with its read, the
+    /// notify sent along was answered with `answer` (`None`: lost). Aborted and abandoned
+    /// reads never carry an answer (their connection is dropped mid-read).
+    fn finish_read_with(&mut self, k: usize, result: ReadResult, answer: Option<ControlAnswer>) {
         assert!(self.in_flight.remove(&k));
+        let carried = self.with_read
+            && self.m.notify_with_read(k)
+            && matches!(result, ReadResult::Ok { .. } | ReadResult::Failed(_));
         if let ReadResult::Ok { .. } = result {
             for run in &self.m.plan().children[k].wire.clone() {
                 for j in 0..run.count {
@@ -200,7 +216,14 @@ impl Sim {
         if let ReadResult::Abandoned(_) = result {
             self.held_reads.insert(k);
         }
-        self.m.read_finished(k, self.now, result);
+        if carried {
+            if answer.is_some() {
+                self.notified_with_read.insert(k);
+            }
+            self.m.read_finished_notified(k, self.now, result, answer);
+        } else {
+            self.m.read_finished(k, self.now, result);
+        }
         self.drain();
     }
 
@@ -244,7 +267,15 @@ impl Sim {
         for (i, r) in self.reports.iter().enumerate() {
             assert!(r.is_some(), "child {i} never reported");
             let c = self.controls[i];
-            if self.decided_unreachable.contains(&i) {
+            let done = matches!(r, Some(ChildOutcome::Done { .. }));
+            if self.notified_with_read.contains(&i) && done {
+                // Its notify went with its read: no exchange on its own.
+                assert_eq!(
+                    c, 0,
+                    "child {i}: {c} notifies/cancels after the one with its read\n{:#?}",
+                    self.log
+                );
+            } else if self.decided_unreachable.contains(&i) {
                 assert_eq!(c, 0, "child {i}: control sent to an unreachable peer");
             } else {
                 assert_eq!(c, 1, "child {i}: {c} notifies/cancels\n{:#?}", self.log);
@@ -418,12 +449,14 @@ proptest! {
         remote in prop::collection::vec(prop::collection::btree_set(0u32..8, 1..4), 1..6),
         share in prop::collection::vec(any::<bool>(), 1..8),
         abortable in any::<bool>(),
+        with_read in any::<bool>(),
         connect in 0u8..6,
         ops in prop::collection::vec((0u8..8, any::<u8>(), any::<u8>()), 0..60),
     ) {
         let remote: Vec<Vec<BlockId>> = remote.into_iter().map(|s| s.into_iter().collect()).collect();
         let local = locals(&remote, &share);
         let Some(mut s) = Sim::new(remote, local, abortable) else { return Ok(()) };
+        s.with_read = with_read;
         let n = s.reports.len();
         match connect {
             0 => {
@@ -450,7 +483,8 @@ proptest! {
                             _ => ReadResult::Failed(PullError::Integrity { peer: "p".into(), detail: "crc".into() }),
                         }
                     };
-                    s.finish_read(k, r);
+                    let answer = [Some(ControlAnswer::Acknowledged), Some(ControlAnswer::NotAcknowledged), None][a as usize / 7 % 3];
+                    s.finish_read_with(k, r, answer);
                 }
                 2 => { s.m.cancel(a as usize % n, s.now); s.drain(); }
                 3 => {
@@ -482,4 +516,90 @@ proptest! {
             prop_assert_eq!(under, matches!(s.reports[i], Some(ChildOutcome::FailedBlocksHeld { .. })));
         }
     }
+}
+
+/// A machine over `remote`/`local` children, connected, with its first actions drained.
+fn connected(remote: &[Vec<BlockId>], local: &[Vec<BlockId>]) -> (PullMachine, Vec<Action>, Instant) {
+    let pairs: Vec<(&[BlockId], &[BlockId])> =
+        remote.iter().zip(local).map(|(r, l)| (r.as_slice(), l.as_slice())).collect();
+    let plan = ResultPlan::build(&pairs, 64, 64).expect("plan");
+    let children =
+        (0u32..).zip(local).map(|(i, l)| PullChild { child_index: i, local_blocks: l.clone() }).collect();
+    let mut m =
+        PullMachine::new(plan, children, PullConfig { heartbeat_every: EVERY, block_bytes: BLOCK_BYTES });
+    let now = Instant::now();
+    m.connected(now, true);
+    let actions = std::iter::from_fn(|| m.poll_action()).collect();
+    (m, actions, now)
+}
+
+/// A child whose own read alone settles it may send its notify with that read; once the
+/// read ends with the notify answered, the child is reported at once with that answer and
+/// no separate notify. Children sharing blocks (a copy from a sibling's read) never qualify.
+#[test]
+fn a_notify_sent_with_the_read_replaces_the_separate_notify() {
+    // Child 1 shares remote block 1 with child 0: one read, then a copy into child 1.
+    let remote = vec![vec![1, 2], vec![1, 3], vec![7, 8]];
+    let local = vec![vec![10, 11], vec![12, 13], vec![14, 15]];
+    let (mut m, started, now) = connected(&remote, &local);
+    assert!(m.plan().children[1].depends_on.contains(&0), "the plan shares block 1: {:?}", m.plan());
+    assert!(started.contains(&Action::StartRead(2)), "{started:?}");
+    assert!(!m.notify_with_read(0), "child 1 copies from child 0's blocks");
+    assert!(!m.notify_with_read(1), "child 1 depends on child 0's read");
+    assert!(m.notify_with_read(2));
+    assert!(!m.notify_with_read(3), "no such child");
+
+    m.read_finished_notified(
+        2,
+        now,
+        ReadResult::Ok { bytes: 2 * BLOCK_BYTES },
+        Some(ControlAnswer::Acknowledged),
+    );
+    let after: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    assert_eq!(
+        after,
+        vec![Action::Report {
+            child: 2,
+            outcome: ChildOutcome::Done { bytes_delivered: 2 * BLOCK_BYTES, acknowledged: true }
+        }]
+    );
+
+    // A refused notify is an answer too: reported done, not acknowledged, nothing resent.
+    let (mut m, _, now) = connected(&[vec![5]], &[vec![9]]);
+    m.read_finished_notified(
+        0,
+        now,
+        ReadResult::Ok { bytes: BLOCK_BYTES },
+        Some(ControlAnswer::NotAcknowledged),
+    );
+    let after: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    assert!(
+        matches!(
+            after.as_slice(),
+            [
+                Action::Report { child: 0, outcome: ChildOutcome::Done { acknowledged: false, .. } },
+                Action::Finished(_)
+            ]
+        ),
+        "{after:?}"
+    );
+}
+
+/// The answer to a notify sent with the read was lost: the notify goes out on its own. A
+/// read that failed has its lease cancelled as usual, whatever its notify was answered.
+#[test]
+fn a_lost_answer_or_a_failed_read_falls_back_to_the_separate_control() {
+    let (mut m, _, now) = connected(&[vec![5]], &[vec![9]]);
+    assert!(m.notify_with_read(0));
+    m.read_finished_notified(0, now, ReadResult::Ok { bytes: BLOCK_BYTES }, None);
+    assert_eq!(m.poll_action(), Some(Action::Notify(0)));
+    m.control_answered(0, now, ControlAnswer::Acknowledged);
+    assert!(matches!(
+        m.poll_action(),
+        Some(Action::Report { child: 0, outcome: ChildOutcome::Done { acknowledged: true, .. } })
+    ));
+
+    let (mut m, _, now) = connected(&[vec![5]], &[vec![9]]);
+    m.read_finished_notified(0, now, ReadResult::Failed(timeout("p")), Some(ControlAnswer::NotAcknowledged));
+    assert_eq!(m.poll_action(), Some(Action::CancelLease(0)));
 }

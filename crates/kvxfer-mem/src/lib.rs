@@ -24,6 +24,9 @@ use std::sync::Arc;
 
 use kvxfer_core::{BlockId, BlockLayout};
 
+mod crc;
+pub use crc::crc32c_append;
+
 /// Errors of registered memory.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -342,7 +345,7 @@ impl KvMemory {
         for (start, count) in runs {
             for c in self.run_chunks(start, count) {
                 // SAFETY: forwarded contract.
-                crc = crc32c::crc32c_append(crc, unsafe { self.chunk(c) });
+                crc = crc32c_append(crc, unsafe { self.chunk(c) });
             }
         }
         crc
@@ -355,7 +358,7 @@ impl KvMemory {
     pub unsafe fn crc32c_chunks(&self, chunks: &[Chunk]) -> u32 {
         chunks.iter().fold(0, |crc, &c| {
             // SAFETY: forwarded contract.
-            crc32c::crc32c_append(crc, unsafe { self.chunk(c) })
+            crate::crc32c_append(crc, unsafe { self.chunk(c) })
         })
     }
 

@@ -230,6 +230,19 @@ impl Connection {
         }
     }
 
+    /// Sends two frames in one write.
+    async fn send_both(&mut self, a: &Frame, b: &Frame) -> Result<(), ClientError> {
+        self.scratch.clear();
+        a.encode(&mut self.scratch);
+        b.encode(&mut self.scratch);
+        let io = self.stream.write_all(&self.scratch);
+        match tokio::time::timeout(self.limits.io_timeout, io).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(self.frame_err(FrameError::Io(e))),
+            Err(_) => Err(self.frame_err(FrameError::Timeout)),
+        }
+    }
+
     pub(crate) async fn recv(&mut self) -> Result<Frame, ClientError> {
         let io = frame::read_frame(&mut self.stream, self.limits.max_frame_len, &mut self.buf);
         match tokio::time::timeout(self.limits.io_timeout, io).await {
@@ -278,8 +291,8 @@ impl Connection {
         runs: &[BlockRun],
         dest: &KvMemory,
     ) -> Result<u64, ClientError> {
-        // SAFETY: forwarded contract.
-        unsafe { self.read_group_into(id, token, 0, runs, dest) }.await
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.read_payload(id, token, 0, runs, dest, None) }.await
     }
 
     /// [`Self::read_into`] for KV-cache group `group`: the runs name group-local blocks on
@@ -295,9 +308,69 @@ impl Connection {
         runs: &[BlockRun],
         dest: &KvMemory,
     ) -> Result<u64, ClientError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.read_payload(id, token, group, runs, dest, None) }.await
+    }
+
+    /// [`Self::read_into`] with the notify of lease `id` by `consumer` written right behind
+    /// the read request, in the same write: the prefill side serves the read, then takes the
+    /// notify, so the read's payload and the notify's answer come back in one round trip
+    /// instead of two. Returns the read's result and, when the connection is still in step
+    /// (the read succeeded or was refused), the notify's answer.
+    ///
+    /// The prefill side counts the notify before this side has checked the payload's CRC:
+    /// a payload that fails the check still fails the read (the caller must not use its
+    /// blocks), but the lease is then counted as pulled rather than released. Use it only
+    /// when nothing but this read needs the lease.
+    ///
+    /// # Safety
+    /// As for [`Self::read_into`].
+    pub async unsafe fn read_into_then_notify(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        runs: &[BlockRun],
+        dest: &KvMemory,
+        consumer: &str,
+    ) -> (Result<u64, ClientError>, Option<Result<v1::NotifyAck, ClientError>>) {
+        let notify = v1::Notify {
+            remote_request_id: id.to_owned(),
+            lease_token: token.to_vec(),
+            consumer_id: consumer.to_owned(),
+        };
+        // SAFETY: the caller's contract, passed on.
+        let read = unsafe { self.read_payload(id, token, 0, runs, dest, Some(notify)) }.await;
+        if read.as_ref().is_err_and(|e| !e.connection_usable()) {
+            return (read, None);
+        }
+        let answer = match self.recv().await {
+            Ok(Frame::NotifyAck(a)) => Ok(a),
+            Ok(Frame::Error(e)) => Err(self.refused(e)),
+            Ok(other) => Err(self.unexpected(&other)),
+            Err(e) => Err(e),
+        };
+        (read, Some(answer))
+    }
+
+    /// The body of [`Self::read_into`]; with `notify`, that frame goes out with the request.
+    ///
+    /// # Safety
+    /// As for [`Self::read_into`].
+    async unsafe fn read_payload(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        group: u32,
+        runs: &[BlockRun],
+        dest: &KvMemory,
+        notify: Option<v1::Notify>,
+    ) -> Result<u64, ClientError> {
         self.payload_started = false;
         let (seq, req) = self.request(id, token, group, runs);
-        self.send(&Frame::ReadRequest(req)).await?;
+        match notify {
+            None => self.send(&Frame::ReadRequest(req)).await?,
+            Some(n) => self.send_both(&Frame::ReadRequest(req), &Frame::Notify(n)).await?,
+        }
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
         match self.recv().await? {
             Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {}
@@ -592,7 +665,7 @@ async fn read_vectored_with_progress(
         let mut n = n;
         while n > 0 {
             let take = (spans[at].len() - off).min(n);
-            crc = crc32c::crc32c_append(crc, &spans[at][off..off + take]);
+            crc = kvxfer_mem::crc32c_append(crc, &spans[at][off..off + take]);
             off += take;
             n -= take;
             if off == spans[at].len() {
@@ -623,7 +696,7 @@ async fn read_exact_with_progress(
             return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
         }
         if let Some(c) = crc.as_deref_mut() {
-            *c = crc32c::crc32c_append(*c, &buf[pos..pos + n]);
+            *c = kvxfer_mem::crc32c_append(*c, &buf[pos..pos + n]);
         }
         pos += n;
     }

@@ -136,6 +136,6 @@ fn payload_crc(
         // SAFETY: `guard` pins the lease and `begin_group_read` checked every block of
         // `ranges` against it and against `mem`'s group (a head slice lies inside each
         // block); the owner does not write leased blocks (kvxfer-mem's access contract).
-        crc32c::crc32c_append(crc, unsafe { mem.chunk(c) })
+        kvxfer_mem::crc32c_append(crc, unsafe { mem.chunk(c) })
     })
 }

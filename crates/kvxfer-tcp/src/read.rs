@@ -258,7 +258,7 @@ pub(crate) async fn serve_read(
         // (the access contract of kvxfer-mem). The slices die before `guard` is dropped.
         let bytes = unsafe { mem.chunk(c) };
         for piece in bytes.chunks(CRC_GROUP) {
-            crc = crc32c::crc32c_append(crc, piece);
+            crc = kvxfer_mem::crc32c_append(crc, piece);
             io.push(IoSlice::new(piece));
             group += piece.len();
             if group >= CRC_GROUP || io.len() >= MAX_IOV {

@@ -60,6 +60,14 @@ pub struct AgentConfig {
     /// Data connections a decode agent opens to one prefill agent (pulls of different
     /// children run in parallel over them). Reused across pulls.
     pub connections_per_peer: usize,
+    /// Decode side, TCP: a child that its own read alone settles (no blocks shared with a
+    /// sibling) sends its notify right behind its read request, so a hand-off takes one
+    /// round trip instead of two. The prefill side then counts the lease pulled once it has
+    /// sent the payload, before this side has received and checked it: a payload that
+    /// fails its CRC or never arrives (this process dies, the connection breaks) still
+    /// fails the child, but its lease ends as pulled instead of released or expired. Off
+    /// by default.
+    pub notify_with_read: bool,
     /// How often a decode agent heartbeats pending pulls; `None`: the shortest lease ttl of
     /// the pull / 6. Never more often than every 100 ms (a hand-off may state a ttl of 1 ms;
     /// the decode side does not spin on it).
@@ -119,6 +127,7 @@ impl AgentConfig {
             worker_threads: 2,
             shutdown_grace: Duration::from_secs(5),
             connections_per_peer: 2,
+            notify_with_read: false,
             heartbeat_interval: None,
             tp_size: 1,
             protocol_version: kvxfer_proto::PROTOCOL_VERSION,
@@ -290,6 +299,13 @@ impl AgentConfig {
     /// Sets the number of data connections per peer (at least 1).
     pub fn connections_per_peer(mut self, n: usize) -> Self {
         self.connections_per_peer = n.max(1);
+        self
+    }
+
+    /// Sets [`Self::notify_with_read`]: one round trip per hand-off over TCP, the lease
+    /// counted pulled once its payload was sent.
+    pub fn notify_with_read(mut self, on: bool) -> Self {
+        self.notify_with_read = on;
         self
     }
 

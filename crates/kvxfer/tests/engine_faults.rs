@@ -566,6 +566,14 @@ fn a_heartbeat_cut_short_by_the_end_of_the_reads_does_not_garble_the_notify() {
 /// "already pulled" / "already released" count as acknowledged / released.
 #[test]
 fn notify_and_cancel_whose_replies_were_lost_are_retried_and_acknowledged() {
+    // With the notify sent on its own, and sent behind the read (its lost answer makes the
+    // notify go again on its own, counted as a retry).
+    for with_read in [false, true] {
+        lost_replies_are_retried(with_read);
+    }
+}
+
+fn lost_replies_are_retried(with_read: bool) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let layout = BlockLayout::single(64, BLOCK).expect("layout");
     let notifies = AtomicUsize::new(0);
@@ -577,6 +585,12 @@ fn notify_and_cancel_whose_replies_were_lost_are_retried_and_acknowledged() {
                 answer_read(s, mem, body);
             }
         } else if ty == v1::FrameType::Notify as u8 {
+            // A notify sent behind child 1's read (`notify_with_read`) waits for that read, as
+            // on a real prefill side (frames of a connection are taken in order): never
+            // answered here.
+            if v1::Notify::decode(body).expect("notify").remote_request_id == "1_F" {
+                return Flow::Continue;
+            }
             if notifies.fetch_add(1, Ordering::SeqCst) == 0 {
                 return Flow::Close; // applied, answer lost
             }
@@ -593,7 +607,10 @@ fn notify_and_cancel_whose_replies_were_lost_are_retried_and_acknowledged() {
         }
         Flow::Continue
     });
-    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)), layout);
+    let decode = decode_unkeyed(
+        AgentConfig::new("decode").io_timeout(Duration::from_secs(5)).notify_with_read(with_read),
+        layout,
+    );
     let result = fake_result(port, "lossy", &[vec![1, 2], vec![3, 4]]);
     let handle = decode.submit(result, vec![vec![5, 6], vec![7, 8]]).expect("submit");
     handle.cancel_child(1);
@@ -775,4 +792,64 @@ fn a_tiny_lease_ttl_does_not_make_the_decode_side_heartbeat_in_a_loop() {
     eprintln!("{count} heartbeats while a read was held {held:?} (at most {bound})");
     assert!(count <= bound, "{count} heartbeats in {held:?}");
     assert!(count >= 1, "heartbeats still go out");
+}
+
+/// With `notify_with_read`, over TCP, a child that nothing else settles sends its notify
+/// right behind its read request on the same connection (one round trip); children sharing
+/// blocks (one read, then a copy) notify on the control connection once settled. Every
+/// child is done and acknowledged, every byte right. Without it, every notify goes on the
+/// control connection.
+#[test]
+fn a_child_alone_notifies_with_its_read_and_shared_children_on_the_control_connection() {
+    for on in [true, false] {
+        notifies_with_read(on);
+    }
+}
+
+fn notifies_with_read(on: bool) {
+    use std::sync::Mutex;
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let frames: std::sync::Arc<Mutex<Vec<(usize, u8, String)>>> = Default::default();
+    let seen = frames.clone();
+    let port = scripted_prefill(layout.clone(), "piggy", move |conn, s, ty, body, mem| {
+        let id = if ty == v1::FrameType::ReadRequest as u8 {
+            v1::ReadRequest::decode(body).expect("read").remote_request_id
+        } else if ty == v1::FrameType::Notify as u8 {
+            v1::Notify::decode(body).expect("notify").remote_request_id
+        } else {
+            String::new()
+        };
+        seen.lock().expect("frames").push((conn, ty, id));
+        if ty == v1::FrameType::ReadRequest as u8 {
+            answer_read(s, mem, body);
+        } else {
+            answer_control(s, ty, body);
+        }
+        Flow::Continue
+    });
+    let config = AgentConfig::new("decode").io_timeout(Duration::from_secs(5)).notify_with_read(on);
+    let decode = decode_unkeyed(config, layout);
+    // Children 0 and 1 share remote block 1 (read once, copied); child 2 stands alone.
+    let result = fake_result(port, "piggy", &[vec![1, 2], vec![1, 3], vec![9, 10]]);
+    let report =
+        decode.submit(result, vec![vec![20, 21], vec![22, 23], vec![24, 25]]).expect("submit").wait();
+    for c in &report.children {
+        assert!(matches!(c.outcome, ChildOutcome::Done { acknowledged: true, .. }), "{report:?}");
+    }
+    assert!(verify(&decode, &[1, 2, 1, 3, 9, 10], &[20, 21, 22, 23, 24, 25]));
+    let frames = frames.lock().expect("frames").clone();
+    let (read_ty, notify_ty) = (v1::FrameType::ReadRequest as u8, v1::FrameType::Notify as u8);
+    let at = |ty: u8, id: &str| frames.iter().position(|f| f.1 == ty && f.2 == id).expect("frame seen");
+    // Child 2 (when on): its notify is the very next frame on its read's connection.
+    let (read, notify) = (at(read_ty, "2_F"), at(notify_ty, "2_F"));
+    let conn = frames[read].0;
+    let next_on_conn = frames.iter().skip(read + 1).position(|f| f.0 == conn).map(|k| k + read + 1);
+    assert_eq!(next_on_conn == Some(notify), on, "{frames:?}");
+    // Children 0 and 1 (and 2 when off): notified on a connection that carries no read.
+    let separate: &[&str] = if on { &["0_F", "1_F"] } else { &["0_F", "1_F", "2_F"] };
+    for &id in separate {
+        let conn = frames[at(notify_ty, id)].0;
+        assert!(!frames.iter().any(|f| f.0 == conn && f.1 == read_ty), "{id}: {frames:?}");
+    }
+    assert_eq!(frames.iter().filter(|f| f.1 == notify_ty).count(), 3, "one notify per child: {frames:?}");
 }

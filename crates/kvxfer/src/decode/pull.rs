@@ -39,6 +39,8 @@ pub(crate) enum Path {
 /// What one of the pull's concurrent I/O futures reports.
 enum Event {
     Read(usize, ReadResult),
+    /// A read with its notify pipelined behind it, and the notify's answer (if it came).
+    ReadNotified(usize, ReadResult, Option<ControlAnswer>),
     Control(usize, ControlAnswer),
     Heartbeat(bool),
 }
@@ -60,6 +62,9 @@ pub(crate) struct Pull {
     /// answer within the io timeout): later notifies and cancels of this pull are skipped
     /// instead of each waiting out a timeout.
     reachable: AtomicBool,
+    /// Per child: a notify went out with its read but its answer was lost, so the notify
+    /// sent on its own is a retry (a "duplicate" answer then means counted).
+    notify_answer_lost: Vec<AtomicBool>,
     /// One-sided reads the transport could not stop, and the blocks they hold.
     #[cfg(feature = "ucx")]
     held: Arc<crate::ucx::HeldReads>,
@@ -74,6 +79,7 @@ impl Pull {
         channels: PullChannels,
         started: Instant,
     ) -> Self {
+        let children_len = children.len();
         Pull {
             #[cfg(feature = "ucx")]
             held: Arc::new(crate::ucx::HeldReads::new(inner.busy.clone(), inner.reclaimed_tx.clone())),
@@ -85,6 +91,7 @@ impl Pull {
             channels,
             started,
             reachable: AtomicBool::new(true),
+            notify_answer_lost: (0..children_len).map(|_| AtomicBool::new(false)).collect(),
         }
     }
 
@@ -143,7 +150,13 @@ impl Pull {
                         let Some((layout, path)) = &path else { continue };
                         let token = CancellationToken::new();
                         read_aborts[i] = Some(token.clone());
-                        io.push(Box::pin(this.read(&peer, i, layout, *path, token)));
+                        // Over TCP, when configured, a child that nothing else settles sends
+                        // its notify with its read: one round trip.
+                        let with_notify = this.inner.config.notify_with_read
+                            && *path == Path::Tcp
+                            && this.inner.memory.num_groups() == 1
+                            && machine.notify_with_read(i);
+                        io.push(Box::pin(this.read(&peer, i, layout, *path, token, with_notify)));
                     }
                     Action::AbortRead(i) => {
                         if let Some(t) = &read_aborts[i] {
@@ -179,6 +192,7 @@ impl Pull {
                     let now = Instant::now();
                     match event {
                         Event::Read(i, r) => machine.read_finished(i, now, r),
+                        Event::ReadNotified(i, r, a) => machine.read_finished_notified(i, now, r, a),
                         Event::Control(i, a) => machine.control_answered(i, now, a),
                         Event::Heartbeat(reachable) => machine.heartbeat_answered(now, reachable),
                     }
@@ -332,7 +346,8 @@ impl Pull {
         Ok(Path::Tcp)
     }
 
-    /// Reads child `i`'s wire runs; a TCP read stops when `abort` is cancelled.
+    /// Reads child `i`'s wire runs; a TCP read stops when `abort` is cancelled. With
+    /// `with_notify` (TCP only), the child's notify goes out behind the read request.
     async fn read(
         &self,
         peer: &Peer,
@@ -340,6 +355,7 @@ impl Pull {
         remote: &[BlockLayout],
         path: Path,
         abort: CancellationToken,
+        with_notify: bool,
     ) -> Event {
         let child = &self.children[i];
         let runs = &self.wire[i];
@@ -380,7 +396,7 @@ impl Pull {
         let read = async {
             let (_permit, mut conn, mut reused) = match peer.checkout(&self.inner).await {
                 Ok(c) => c,
-                Err(e) => return ReadResult::Failed(e),
+                Err(e) => return (ReadResult::Failed(e), None),
             };
             let id = child.remote_request_id();
             let mut total = 0u64;
@@ -388,20 +404,34 @@ impl Pull {
             loop {
                 let Some((group, runs)) = by_group.get(next_group) else {
                     peer.checkin::<u64>(conn, &Ok(total));
-                    return ReadResult::Ok { bytes: total };
+                    return (ReadResult::Ok { bytes: total }, None);
                 };
                 let Some(dest) = self.inner.memory.group(*group as usize) else {
                     peer.checkin::<u64>(conn, &Ok(total));
                     let detail = format!("no local memory for KV-cache group {group}");
-                    return ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail });
+                    return (
+                        ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail }),
+                        None,
+                    );
                 };
-                // SAFETY: the local blocks of `runs` were claimed by this pull in `submit` (no
-                // other pull writes them; the caller does not touch them until their report,
-                // which the machine sends only after this read ended), and `submit` checked
-                // them against their group's layout (`dest`).
-                #[allow(unsafe_code)]
-                let r =
-                    unsafe { conn.read_group_into(id, child.token().as_bytes(), *group, runs, dest) }.await;
+                let (token, consumer) = (child.token().as_bytes(), &self.inner.consumer_id);
+                // The local blocks of `runs` were claimed by this pull in `submit` (no other
+                // pull writes them; the caller does not touch them until their report, which
+                // the machine sends only after this read ended), and `submit` checked them
+                // against their group's layout (`dest`). The notify rides with the read only
+                // for a single-group cache (checked where the read starts): group 0's read is
+                // then the child's only one.
+                let (r, notified) = if with_notify {
+                    // SAFETY: exclusive, in-layout destination blocks (above).
+                    #[allow(unsafe_code)]
+                    let r = unsafe { conn.read_into_then_notify(id, token, runs, dest, consumer) }.await;
+                    r
+                } else {
+                    // SAFETY: exclusive, in-layout destination blocks (above).
+                    #[allow(unsafe_code)]
+                    let r = unsafe { conn.read_group_into(id, token, *group, runs, dest) }.await;
+                    (r, None)
+                };
                 // A pooled connection the peer closed before answering (its idle close racing
                 // our request): nothing reached the blocks, so the read is made once more on a
                 // fresh connection.
@@ -410,10 +440,38 @@ impl Pull {
                     add(&self.inner.counters.read_retries, 1);
                     conn = match peer.connect(&self.inner).await {
                         Ok(c) => c,
-                        Err(e) => return ReadResult::Failed(e),
+                        Err(e) => return (ReadResult::Failed(e), None),
                     };
                     reused = false;
                     continue;
+                }
+                if with_notify {
+                    // The connection is back in step only if the notify's answer was read too.
+                    match &notified {
+                        Some(Err(e)) if !e.connection_usable() => drop(conn),
+                        None => drop(conn),
+                        _ => peer.checkin(conn, &r),
+                    }
+                    debug!(remote_request_id = %id, result = ?r, ?notified, "child read");
+                    // A notify whose answer was lost (the connection broke after the payload) is
+                    // sent again on its own (`None`); an answer, even a refusal, is final.
+                    let lost =
+                        notified.as_ref().is_some_and(|n| n.as_ref().is_err_and(|e| !e.connection_usable()));
+                    if lost && r.is_ok() {
+                        // The prefill side may have counted it: the notify on its own retries it.
+                        self.notify_answer_lost[i].store(true, Ordering::Relaxed);
+                        add(&self.inner.counters.control_retries, 1);
+                    }
+                    let answer =
+                        notified.filter(|_| !lost).map(|n| notify_answer(&n.map(ControlReply::Notify), 1));
+                    if let Some(a) = answer.filter(|a| r.is_ok() && *a != ControlAnswer::Acknowledged) {
+                        warn!(remote_request_id = %id, answer = ?a, "notification sent with the read not acknowledged");
+                    }
+                    let r = match r {
+                        Ok(bytes) => ReadResult::Ok { bytes },
+                        Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+                    };
+                    return (r, answer);
                 }
                 debug!(remote_request_id = %id, group, result = ?r, "child read");
                 match r {
@@ -424,15 +482,18 @@ impl Pull {
                     Err(_) => {
                         peer.checkin(conn, &r);
                         return match r {
-                            Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
-                            Ok(_) => ReadResult::Ok { bytes: total },
+                            Err(e) => (ReadResult::Failed(read_error(&e, &self.inner, id)), None),
+                            Ok(_) => (ReadResult::Ok { bytes: total }, None),
                         };
                     }
                 }
             }
         };
         tokio::select! {
-            r = read => Event::Read(i, r),
+            (r, answer) = read => match with_notify {
+                true => Event::ReadNotified(i, r, answer),
+                false => Event::Read(i, r),
+            },
             // Dropping the read drops its connection mid-transfer: it is never reused.
             () = abort.cancelled() => Event::Read(i, ReadResult::Aborted),
         }
@@ -594,16 +655,10 @@ impl Pull {
         let r = self.control(peer, ControlOp::Notify { id, token, consumer }).await;
         let answer = match &r {
             None => ControlAnswer::Unreachable,
-            Some((Ok(ControlReply::Notify(ack)), attempts)) => match LeaseOutcome::try_from(ack.outcome) {
-                // ALREADY_PULLED: an earlier attempt (whose answer was lost) ended the lease.
-                Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted | LeaseOutcome::AlreadyPulled) => {
-                    ControlAnswer::Acknowledged
-                }
-                // Our consumer id was counted by an earlier attempt of this notify.
-                Ok(LeaseOutcome::Duplicate) if *attempts > 1 => ControlAnswer::Acknowledged,
-                _ => ControlAnswer::NotAcknowledged,
-            },
-            Some(_) => ControlAnswer::NotAcknowledged,
+            Some((reply, attempts)) => {
+                let earlier = u32::from(self.notify_answer_lost[i].load(Ordering::Relaxed));
+                notify_answer(reply, attempts + earlier)
+            }
         };
         if answer != ControlAnswer::Acknowledged {
             warn!(remote_request_id = %child.remote_request_id(), result = ?r, "notification not acknowledged");
@@ -632,6 +687,22 @@ impl Pull {
             }
         };
         Event::Control(i, answer)
+    }
+}
+
+/// What a notify's reply after `attempts` attempts says.
+fn notify_answer(reply: &Result<ControlReply, ClientError>, attempts: u32) -> ControlAnswer {
+    match reply {
+        Ok(ControlReply::Notify(ack)) => match LeaseOutcome::try_from(ack.outcome) {
+            // ALREADY_PULLED: an earlier attempt (whose answer was lost) ended the lease.
+            Ok(LeaseOutcome::Pulled | LeaseOutcome::Counted | LeaseOutcome::AlreadyPulled) => {
+                ControlAnswer::Acknowledged
+            }
+            // Our consumer id was counted by an earlier attempt of this notify.
+            Ok(LeaseOutcome::Duplicate) if attempts > 1 => ControlAnswer::Acknowledged,
+            _ => ControlAnswer::NotAcknowledged,
+        },
+        _ => ControlAnswer::NotAcknowledged,
     }
 }
 

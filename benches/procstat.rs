@@ -1,0 +1,34 @@
+//! What this process holds, read from `/proc/self`: resident memory (now and peak) and open
+//! file descriptors — for the many-requests workload's "no growth with concurrency" figures.
+
+/// A `kB` field of `/proc/self/status` (e.g. `VmRSS`, `VmHWM`), in KiB; 0 when unreadable.
+fn status_kib(field: &str) -> u64 {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Resident memory now, KiB.
+pub(crate) fn rss_kib() -> u64 {
+    status_kib("VmRSS")
+}
+
+/// Peak resident memory since the process started or since [`reset_peak_rss`], KiB.
+pub(crate) fn peak_rss_kib() -> u64 {
+    status_kib("VmHWM")
+}
+
+/// Resets the peak resident memory to the current one (Linux ≥ 4.0: writing `5` to
+/// `/proc/self/clear_refs`); `false` when the kernel refused.
+pub(crate) fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// Open file descriptors of this process (entries of `/proc/self/fd`, less the one the
+/// listing itself holds); 0 when unreadable.
+pub(crate) fn open_fds() -> u64 {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count().saturating_sub(1) as u64).unwrap_or(0)
+}
