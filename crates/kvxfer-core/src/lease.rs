@@ -47,6 +47,19 @@ use crate::BlockId;
 /// What a deadline too far in the future for an `Instant` becomes (about a century).
 const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// The refusal of `ranges` naming blocks at or past `num_blocks` (at most
+/// [`MAX_IDS_SHOWN`] of them), if any does.
+fn out_of_range(id: &str, ranges: &[BlockRange], num_blocks: u32) -> Option<ReadRefused> {
+    let ids: Vec<BlockId> = ranges
+        .iter()
+        .filter(|r| u64::from(r.start) + u64::from(r.count) > u64::from(num_blocks))
+        .flat_map(|r| r.iter_u64().filter(|&b| b >= u64::from(num_blocks)))
+        .map(|b| u32::try_from(b).unwrap_or(u32::MAX))
+        .take(MAX_IDS_SHOWN)
+        .collect();
+    (!ids.is_empty()).then(|| ReadRefused::OutOfRange { request: id.to_owned(), ids, num_blocks })
+}
+
 /// `now + d`, saturating at [`FAR_FUTURE`] from now (and at `now` on a platform whose
 /// `Instant` cannot even hold that).
 fn deadline_after(now: Instant, d: Duration) -> Instant {
@@ -1197,19 +1210,8 @@ impl LeaseTable {
             let groups = self.config.num_groups();
             return refused(ReadRefused::NoSuchGroup { request: id.to_owned(), group, groups });
         };
-        let out_of_range: Vec<BlockId> = ranges
-            .iter()
-            .filter(|r| u64::from(r.start) + u64::from(r.count) > u64::from(num_blocks))
-            .flat_map(|r| r.iter_u64().filter(|&b| b >= u64::from(num_blocks)))
-            .map(|b| u32::try_from(b).unwrap_or(u32::MAX))
-            .take(MAX_IDS_SHOWN)
-            .collect();
-        if !out_of_range.is_empty() {
-            return refused(ReadRefused::OutOfRange {
-                request: id.to_owned(),
-                ids: out_of_range,
-                num_blocks,
-            });
+        if let Some(r) = out_of_range(id, ranges, num_blocks) {
+            return refused(r);
         }
         // In the group, so below `base + num_blocks`, which fits a block id.
         let flat: Vec<BlockRange> =
@@ -1254,19 +1256,8 @@ impl LeaseTable {
             return refused(ReadRefused::BadSize { request: id.to_owned(), requested, leased });
         }
         let num_blocks = self.config.flat_blocks();
-        let out_of_range: Vec<BlockId> = ranges
-            .iter()
-            .filter(|r| u64::from(r.start) + u64::from(r.count) > u64::from(num_blocks))
-            .flat_map(|r| r.iter_u64().filter(|&b| b >= u64::from(num_blocks)))
-            .map(|b| u32::try_from(b).unwrap_or(u32::MAX))
-            .take(MAX_IDS_SHOWN)
-            .collect();
-        if !out_of_range.is_empty() {
-            return refused(ReadRefused::OutOfRange {
-                request: id.to_owned(),
-                ids: out_of_range,
-                num_blocks,
-            });
+        if let Some(r) = out_of_range(id, ranges, num_blocks) {
+            return refused(r);
         }
         let held = lease.sorted_blocks();
         let not_leased: Vec<BlockId> = ranges

@@ -131,6 +131,37 @@ pub struct Connection {
 }
 
 impl Connection {
+    /// Waits for the answer to read `seq`: its `ReadResponse` announcing `expected` bytes
+    /// (anything else is refused, naming what came), then marks the payload started.
+    /// Returns the progress timeout and the overall deadline of the payload: it must arrive
+    /// by then, not only make progress every `io_timeout` — a peer trickling bytes cannot
+    /// hold the pull for ever.
+    async fn await_read_response(
+        &mut self,
+        seq: u64,
+        expected: u64,
+    ) -> Result<(Duration, std::time::Instant), ClientError> {
+        match self.recv().await? {
+            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {}
+            Frame::ReadResponse(resp) => {
+                return Err(ClientError::Integrity {
+                    peer: self.peer.clone(),
+                    seq,
+                    detail: format!(
+                        "answered as read {} with {} bytes, expected read {seq} with {expected}",
+                        resp.seq, resp.payload_len
+                    ),
+                })
+            }
+            Frame::Error(e) if e.seq == seq => return Err(self.refused(e)),
+            other => return Err(self.unexpected(&other)),
+        }
+        self.payload_started = true;
+        let deadline =
+            crate::instant_after(std::time::Instant::now(), self.limits.transfer_deadline(expected));
+        Ok((self.limits.io_timeout, deadline))
+    }
+
     /// Connects to `addr` without a cluster key, sends `hello` and waits for the answer. A
     /// mismatch fails with the peer's message, which names both sides' values.
     pub async fn connect(addr: &str, hello: &v1::Hello, limits: Limits) -> Result<Self, ClientError> {
@@ -372,28 +403,7 @@ impl Connection {
             Some(n) => self.send_both(&Frame::ReadRequest(req), &Frame::Notify(n)).await?,
         }
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
-        match self.recv().await? {
-            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {}
-            Frame::ReadResponse(resp) => {
-                return Err(ClientError::Integrity {
-                    peer: self.peer.clone(),
-                    seq,
-                    detail: format!(
-                        "answered as read {} with {} bytes, expected read {seq} with {expected}",
-                        resp.seq, resp.payload_len
-                    ),
-                })
-            }
-            Frame::Error(e) if e.seq == seq => return Err(self.refused(e)),
-            other => return Err(self.unexpected(&other)),
-        }
-        self.payload_started = true;
-        let timeout = self.limits.io_timeout;
-        // The payload must arrive by this deadline overall, not only make progress every
-        // `io_timeout`: a peer trickling bytes cannot hold the pull for ever.
-        let deadline = std::time::Instant::now()
-            .checked_add(self.limits.transfer_deadline(expected))
-            .unwrap_or_else(|| std::time::Instant::now() + Duration::from_secs(365 * 24 * 3600));
+        let (timeout, deadline) = self.await_read_response(seq, expected).await?;
         let mut crc = 0;
         for run in runs {
             for c in dest.run_chunks(run.local_start, run.count) {
@@ -451,26 +461,7 @@ impl Connection {
         };
         self.send(&Frame::ReadRequest(req)).await?;
         let expected: u64 = chunks.iter().map(|c| c.len as u64).sum();
-        match self.recv().await? {
-            Frame::ReadResponse(resp) if resp.seq == seq && resp.payload_len == expected => {}
-            Frame::ReadResponse(resp) => {
-                return Err(ClientError::Integrity {
-                    peer: self.peer.clone(),
-                    seq,
-                    detail: format!(
-                        "answered as read {} with {} bytes, expected read {seq} with {expected}",
-                        resp.seq, resp.payload_len
-                    ),
-                })
-            }
-            Frame::Error(e) if e.seq == seq => return Err(self.refused(e)),
-            other => return Err(self.unexpected(&other)),
-        }
-        self.payload_started = true;
-        let timeout = self.limits.io_timeout;
-        let deadline = std::time::Instant::now()
-            .checked_add(self.limits.transfer_deadline(expected))
-            .unwrap_or_else(|| std::time::Instant::now() + Duration::from_secs(365 * 24 * 3600));
+        let (timeout, deadline) = self.await_read_response(seq, expected).await?;
         // SAFETY: the caller guarantees exclusive access to the chunks' bytes, which do not
         // overlap, so these mutable slices are disjoint and unaliased until they drop.
         let mut spans: Vec<&mut [u8]> = chunks.iter().map(|&c| unsafe { dest.chunk_mut(c) }).collect();

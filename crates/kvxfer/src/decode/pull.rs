@@ -541,25 +541,7 @@ impl Pull {
             };
             m.observe_child_pull(kind, self.started.elapsed());
         }
-        match &outcome {
-            ChildOutcome::Done { bytes_delivered, acknowledged } => {
-                add(&c.children_done, 1);
-                add(&c.bytes_delivered, *bytes_delivered);
-                if !acknowledged {
-                    add(&c.notifications_unacknowledged, 1);
-                }
-            }
-            ChildOutcome::Failed { error, .. } => {
-                add(&c.children_failed, 1);
-                warn!(remote_request_id = %id, %error, advice = ?error.advice(), "child pull failed");
-            }
-            ChildOutcome::Cancelled { .. } => add(&c.children_cancelled, 1),
-            ChildOutcome::FailedBlocksHeld { error, .. } => {
-                add(&c.children_failed, 1);
-                add(&c.children_blocks_held, 1);
-                warn!(remote_request_id = %id, %error, "child pull failed; its blocks stay held");
-            }
-        }
+        c.count_report(id, &outcome);
         // The handle may have been dropped: the pull still completes and releases leases.
         let _ = self.channels.reports.send(ChildReport {
             child_index: self.children[i].child_index(),

@@ -821,27 +821,9 @@ impl RankPull {
         i: usize,
         outcome: ChildOutcome,
     ) {
-        let c = &self.inner.counters;
-        match &outcome {
-            ChildOutcome::Done { bytes_delivered, acknowledged } => {
-                add(&c.children_done, 1);
-                add(&c.bytes_delivered, *bytes_delivered);
-                if !acknowledged {
-                    add(&c.notifications_unacknowledged, 1);
-                }
-            }
-            ChildOutcome::Failed { error, .. } => {
-                add(&c.children_failed, 1);
-                warn!(child = i, %error, "child pull failed");
-            }
-            ChildOutcome::FailedBlocksHeld { error, .. } => {
-                add(&c.children_failed, 1);
-                add(&c.children_blocks_held, 1);
-                warn!(child = i, %error, "child pull failed; its blocks stay held");
-            }
-            _ => {}
-        }
         let child = &self.results[0].children()[i];
+        // Cancelled children are counted too (they were not, before the count was shared).
+        self.inner.counters.count_report(child.remote_request_id(), &outcome);
         let _ = reports.send(ChildReport {
             child_index: child.child_index(),
             remote_request_id: child.remote_request_id().to_owned(),

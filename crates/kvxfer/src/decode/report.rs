@@ -140,6 +140,29 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
+    /// Counts one child's report (and logs a failure, naming the child's lease).
+    pub(crate) fn count_report(&self, remote_request_id: &str, outcome: &ChildOutcome) {
+        match outcome {
+            ChildOutcome::Done { bytes_delivered, acknowledged } => {
+                add(&self.children_done, 1);
+                add(&self.bytes_delivered, *bytes_delivered);
+                if !acknowledged {
+                    add(&self.notifications_unacknowledged, 1);
+                }
+            }
+            ChildOutcome::Failed { error, .. } => {
+                add(&self.children_failed, 1);
+                tracing::warn!(remote_request_id, %error, advice = ?error.advice(), "child pull failed");
+            }
+            ChildOutcome::Cancelled { .. } => add(&self.children_cancelled, 1),
+            ChildOutcome::FailedBlocksHeld { error, .. } => {
+                add(&self.children_failed, 1);
+                add(&self.children_blocks_held, 1);
+                tracing::warn!(remote_request_id, %error, "child pull failed; its blocks stay held");
+            }
+        }
+    }
+
     pub(crate) fn snapshot(&self, peers: u64) -> DecodeStats {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         DecodeStats {
