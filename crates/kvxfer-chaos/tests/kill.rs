@@ -72,6 +72,7 @@ impl Node {
     }
 
     /// Sends `signal` (`STOP`, `CONT`) to the process.
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     fn signal(&self, signal: &str) {
         let ok = Command::new("kill")
             .args([&format!("-{signal}"), &self.child.id().to_string()])
