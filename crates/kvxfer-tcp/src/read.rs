@@ -226,15 +226,22 @@ pub(crate) async fn serve_read(
     ctx: &ServeContext,
     req: v1::ReadRequest,
     scratch: &mut Vec<u8>,
-) -> Result<(), FrameError> {
+) -> Result<ReadServed, FrameError> {
+    let refused = ReadServed::Refused(req.remote_request_id.clone());
     let (guard, payload_len, slices) = match begin(ctx, &req) {
         Ok(g) => g,
-        Err(e) => return crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await,
+        Err(e) => {
+            crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await?;
+            return Ok(refused);
+        }
     };
     let ranges = ranges_of(&req);
     let mem = match group_memory(ctx, &req) {
         Ok(m) => m,
-        Err(e) => return crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await,
+        Err(e) => {
+            crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await?;
+            return Ok(refused);
+        }
     };
     scratch.clear();
     Frame::ReadResponse(v1::ReadResponse { seq: req.seq, payload_len }).encode(scratch);
@@ -281,5 +288,13 @@ pub(crate) async fn serve_read(
     ctx.counters.bytes_served_tcp.fetch_add(payload_len, Ordering::Relaxed);
     bump(&ctx.counters.reads_served);
     debug!(remote_request_id = %req.remote_request_id, bytes = payload_len, "read served");
-    Ok(())
+    Ok(ReadServed::Sent)
+}
+
+/// How a read ended (when the connection survived it).
+pub(crate) enum ReadServed {
+    /// Its payload and trailer were sent.
+    Sent,
+    /// It was refused (an error frame was sent instead): the read of this lease id.
+    Refused(String),
 }

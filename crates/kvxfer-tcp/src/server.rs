@@ -141,6 +141,8 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
     // Read guards of one-sided reads; dropped with the connection.
     let mut pins = Pins::default();
     let mut last_frame = Instant::now();
+    // The lease id of a read refused by the frame just before (see `dispatch`).
+    let mut refused_read: Option<String> = None;
     loop {
         // Pins are swept on every iteration, not only when the socket is quiet: a peer that
         // always has a frame queued must not keep its pins past their deadline.
@@ -181,9 +183,16 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
         crate::arm::wait_for_arm(ctx, &f).await;
         let now = Instant::now();
         last_frame = now;
-        match dispatch(ctx, &mut pins, f, now) {
+        let after_refused = refused_read.take();
+        match dispatch(ctx, &mut pins, f, now, after_refused.as_deref()) {
             Action::Reply(reply) => write_reply(stream, ctx, &reply, &mut scratch).await?,
-            Action::Read(req) => crate::read::serve_read(stream, ctx, req, &mut scratch).await?,
+            Action::Read(req) => {
+                if let crate::read::ReadServed::Refused(id) =
+                    crate::read::serve_read(stream, ctx, req, &mut scratch).await?
+                {
+                    refused_read = Some(id);
+                }
+            }
             Action::Close { code, message } => return refuse(stream, ctx, code, message, 0).await,
         }
     }
@@ -206,9 +215,23 @@ enum Action {
 
 /// One frame from the peer in, what to do about it out: every decision of the connection
 /// loop that needs no I/O (lease-table changes, pins, counters and logs included).
-fn dispatch(ctx: &ServeContext, pins: &mut Pins, f: Frame, now: Instant) -> Action {
+/// `after_refused` is the lease id of a read the frame just before asked for and was
+/// refused: a notify of that lease right behind it (a decode agent sending its notify with
+/// its read, `AgentConfig::notify_with_read`) is not counted — nothing was sent — and is
+/// answered unrecognized; the decode side then cancels the lease as for any failed read.
+fn dispatch(
+    ctx: &ServeContext,
+    pins: &mut Pins,
+    f: Frame,
+    now: Instant,
+    after_refused: Option<&str>,
+) -> Action {
     let reply = match f {
         Frame::ReadRequest(req) => return Action::Read(req),
+        Frame::Notify(n) if after_refused == Some(n.remote_request_id.as_str()) => {
+            debug!(remote_request_id = %n.remote_request_id, "notification behind a refused read; not counted");
+            Frame::NotifyAck(v1::NotifyAck { outcome: v1::LeaseOutcome::Unrecognized as i32, remaining: 0 })
+        }
         Frame::Pin(req) => pins.pin(ctx, &req, now),
         Frame::Unpin(u) => pins.unpin(ctx, &u),
         Frame::Notify(n) => crate::control::notify(ctx, &n, now),

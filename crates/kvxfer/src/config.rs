@@ -65,10 +65,11 @@ pub struct AgentConfig {
     /// round trip instead of two. The prefill side then counts the lease pulled once it has
     /// sent the payload, before this side has received and checked it: a payload that
     /// fails its CRC or never arrives (this process dies, the connection breaks) still
-    /// fails the child, but its lease ends as pulled instead of released or expired — and
-    /// so does a read the prefill side refused (e.g. blocks outside the lease): the notify
-    /// behind it is still counted, with nothing sent. Used only for single-group caches and
-    /// plain `submit` pulls (not `submit_ranks`). Off by default.
+    /// fails the child, but its lease ends as pulled instead of released or expired. (A
+    /// read the prefill side refused, e.g. blocks outside the lease, does not count the
+    /// notify behind it: nothing was sent, and the lease is released by the usual cancel.)
+    /// Used only for single-group caches and plain `submit` pulls (not `submit_ranks`). Off
+    /// by default.
     pub notify_with_read: bool,
     /// How often a decode agent heartbeats pending pulls; `None`: the shortest lease ttl of
     /// the pull / 6. Never more often than every 100 ms (a hand-off may state a ttl of 1 ms;

@@ -132,6 +132,24 @@ fn a_read_of_blocks_outside_the_lease_is_refused() {
     assert!(e.to_string().contains("BlockOutOfRange"), "{e}");
 }
 
+/// A notify sent with its read (`notify_with_read`) whose read is refused is not counted:
+/// nothing was sent, so the lease is released by the decode side's cancel, not ended
+/// pulled.
+#[test]
+fn a_notify_behind_a_refused_read_is_not_counted() {
+    let prefill = prefill(16, TTL);
+    let config = AgentConfig::new("decode").transport(kvxfer::TransportChoice::Tcp).notify_with_read(true);
+    let decode = decode_with(config, layout());
+    let mut wire = prefill.lease_parent("W", vec![vec![1, 2]], 1, None).expect("lease").to_wire();
+    wire.children[0].remote_block_ids = vec![1, 9];
+    let report = decode.submit_wire(wire, vec![vec![5, 6]]).expect("submit").wait();
+    let e = error_of(&report, 0);
+    assert!(matches!(e, PullError::Refused { .. }), "{e:?}");
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(10));
+    assert_eq!(ends[0].kind, kvxfer::EndKind::Released, "{ends:?}");
+    assert_eq!(prefill.stats().leases.pulled, 0);
+}
+
 #[test]
 fn a_peer_answering_out_of_protocol_is_a_protocol_error() {
     // A fake prefill (no key): a good handshake, then a notify ack where a read answer belongs.
