@@ -20,7 +20,30 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
 mod tests {
     use super::crc32c_append;
 
-    /// Matches the reference implementation on every split of buffers around the folding
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(24))]
+        /// The sizes the data path uses (256 KiB CRC groups, blocks up to MiBs), at any
+        /// offset into the buffer (alignment) and resumed at any split: same value as the
+        /// reference.
+        #[test]
+        fn matches_the_crc32c_crate_on_large_unaligned_buffers(
+            len in 0usize..(4 << 20),
+            offset in 0usize..64,
+            split_frac in 0.0f64..1.0,
+            seed in proptest::prelude::any::<u32>(),
+        ) {
+            let data: Vec<u8> = (0..(len + offset) as u32)
+                .map(|i| (i.wrapping_add(seed).wrapping_mul(2_654_435_761) >> 13) as u8)
+                .collect();
+            let buf = &data[offset..];
+            let split = ((len as f64) * split_frac) as usize;
+            let want = crc32c::crc32c(buf);
+            proptest::prop_assert_eq!(crc32c_append(0, buf), want);
+            proptest::prop_assert_eq!(crc32c_append(crc32c_append(0, &buf[..split]), &buf[split..]), want);
+        }
+    }
+
+    /// Matches the reference implementation on splits of buffers around the folding
     /// widths (16, 64, 256 bytes and up), and the check value of the CRC catalogue.
     #[test]
     fn matches_the_crc32c_crate_at_every_split() {
