@@ -55,6 +55,23 @@ pub(crate) fn start_initiator(config: &UcxConfig, memory: &Arc<KvMemory>) -> Res
 
 /// Starts the UCX side of an agent when its config wants it: `None` for `tcp`, and under
 /// `auto` when UCX cannot start here (logged); an error when UCX was required.
+/// [`start_if_wanted`] on `handle`'s blocking pool: UCX starts a thread and waits for it to
+/// set up, which must not happen on a runtime thread.
+pub(crate) async fn start_off_runtime<T: Send + 'static>(
+    handle: &tokio::runtime::Handle,
+    config: &crate::AgentConfig,
+    start: impl FnOnce(&UcxConfig) -> Result<T, UcxError> + Send + 'static,
+) -> Result<Option<T>, crate::Error> {
+    if config.transport == crate::TransportChoice::Tcp {
+        return Ok(None);
+    }
+    let c = config.clone();
+    match handle.spawn_blocking(move || start_if_wanted(&c, start)).await {
+        Ok(r) => r,
+        Err(e) => Err(crate::Error::Unsupported(format!("starting UCX failed: {e}"))),
+    }
+}
+
 pub(crate) fn start_if_wanted<T>(
     config: &crate::AgentConfig,
     start: impl FnOnce(&UcxConfig) -> Result<T, UcxError>,

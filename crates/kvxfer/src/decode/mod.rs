@@ -193,17 +193,9 @@ impl DecodeAgent {
         let memory = Arc::new(memory);
         #[cfg(feature = "ucx")]
         let ucx = {
-            // UCX starts a thread and waits for it to set up: not on a runtime thread.
-            let (c, m) = (config.clone(), memory.clone());
-            let start = move || crate::ucx::start_if_wanted(&c, |u| crate::ucx::start_initiator(u, &m));
-            if config.transport == crate::TransportChoice::Tcp {
-                None
-            } else {
-                match handle.spawn_blocking(start).await {
-                    Ok(r) => r?,
-                    Err(e) => return Err(Error::Unsupported(format!("starting UCX failed: {e}"))),
-                }
-            }
+            let m = memory.clone();
+            crate::ucx::start_off_runtime(&handle, &config, move |u| crate::ucx::start_initiator(u, &m))
+                .await?
         };
         Self::build(
             handle,
