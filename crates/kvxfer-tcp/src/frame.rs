@@ -73,6 +73,19 @@ pub enum FrameError {
     Idle,
 }
 
+impl FrameError {
+    /// The error code a peer whose frame could not be read is answered with before the
+    /// connection closes; `None` when the peer is gone or silent (nobody to tell).
+    pub(crate) fn answer_code(&self) -> Option<v1::ErrorCode> {
+        match self {
+            FrameError::TooLarge { .. } => Some(v1::ErrorCode::FrameTooLarge),
+            FrameError::UnknownType(_) => Some(v1::ErrorCode::UnknownFrameType),
+            FrameError::Malformed { .. } | FrameError::Empty => Some(v1::ErrorCode::Malformed),
+            FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle => None,
+        }
+    }
+}
+
 impl Frame {
     /// The frame's type.
     pub fn frame_type(&self) -> FrameType {

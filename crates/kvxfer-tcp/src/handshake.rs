@@ -440,12 +440,7 @@ async fn frame_error<S: AsyncWrite + Unpin>(
     ctx: &ServeContext,
     e: FrameError,
 ) -> Result<(), FrameError> {
-    let code = match &e {
-        FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
-        FrameError::UnknownType(_) => ErrorCode::UnknownFrameType,
-        FrameError::Malformed { .. } | FrameError::Empty => ErrorCode::Malformed,
-        FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle => return Err(e),
-    };
+    let Some(code) = e.answer_code() else { return Err(e) };
     bump(&ctx.counters.protocol_errors);
     if let Some(suppressed) = ctx.counters.warnings.allow() {
         warn!(error = %e, suppressed, "closing connection after a protocol error in the handshake");

@@ -253,13 +253,8 @@ pub(crate) async fn protocol_error(
     ctx: &ServeContext,
     e: FrameError,
 ) -> Result<(), FrameError> {
-    let code = match &e {
-        FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
-        FrameError::UnknownType(_) => ErrorCode::UnknownFrameType,
-        FrameError::Malformed { .. } | FrameError::Empty => ErrorCode::Malformed,
-        // The peer is gone or silent: nobody to tell.
-        FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle => return Err(e),
-    };
+    // A peer that is gone or silent: nobody to tell.
+    let Some(code) = e.answer_code() else { return Err(e) };
     bump(&ctx.counters.protocol_errors);
     if let Some(suppressed) = ctx.counters.warnings.allow() {
         warn!(error = %e, suppressed, "closing connection after a protocol error");
