@@ -180,6 +180,23 @@ pub(crate) fn metrics_config(c: AgentConfig, metrics: &Option<String>) -> Result
     }
 }
 
+/// The configuration of a decode agent named `name` for `run` (transport, connections,
+/// notify-with-read, threads, UCX options, payload verification, metrics).
+pub(crate) fn decode_config(run: &RunArgs, name: String) -> Result<AgentConfig, String> {
+    let c = ucx_config(
+        AgentConfig::new(name)
+            .transport(run.transport)
+            .connections_per_peer(run.connections)
+            .notify_with_read(run.notify_with_read)
+            .worker_threads(run.worker_threads),
+        &run.ucx_tls,
+        run.ucx_peer_failure,
+    )?
+    .ucx_verify_payloads(run.ucx_verify_payloads)
+    .map_err(|e| e.to_string())?;
+    metrics_config(c, &run.metrics)
+}
+
 pub(crate) fn ucx_config(
     c: AgentConfig,
     tls: &Option<String>,

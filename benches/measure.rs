@@ -5,12 +5,12 @@ use std::io::IsTerminal;
 use std::time::Instant;
 
 use kvxfer::blocking::DecodeAgent;
-use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, KvMemory};
+use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory};
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
 use crate::baselines::{raw_tcp_gib_per_s, RawRtt};
-use crate::cli::{ucx_config, RunArgs};
+use crate::cli::RunArgs;
 use crate::source::LeaseSource;
 
 /// Blocks per child so that every parent's children together move `total` bytes.
@@ -82,18 +82,7 @@ pub(crate) fn run_block_size(
     let consumers = run.expected_consumers.max(1);
     let decoders = (0..consumers)
         .map(|i| {
-            let c = ucx_config(
-                AgentConfig::new(format!("bench-decode-{i}"))
-                    .transport(run.transport)
-                    .connections_per_peer(run.connections)
-                    .notify_with_read(run.notify_with_read)
-                    .worker_threads(run.worker_threads),
-                &run.ucx_tls,
-                run.ucx_peer_failure,
-            )?
-            .ucx_verify_payloads(run.ucx_verify_payloads)
-            .map_err(|e| e.to_string())?;
-            let c = crate::cli::metrics_config(c, &run.metrics)?;
+            let c = crate::cli::decode_config(run, format!("bench-decode-{i}"))?;
             DecodeAgent::start(c, KvMemory::alloc(layout.clone()).map_err(|e| e.to_string())?)
                 .map_err(|e| e.to_string())
         })

@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use futures::stream::{FuturesUnordered, StreamExt};
 use kvxfer::blocking::DecodeAgent;
-use kvxfer::{AgentConfig, BlockId, BlockLayout, ChildOutcome, KvMemory, PullReport};
+use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PullReport};
 use kvxfer_mem::pattern;
 use serde_json::{json, Value};
 
-use crate::cli::{ucx_config, RunArgs};
+use crate::cli::RunArgs;
 use crate::measure::{cpu_seconds, percentile};
 use crate::procstat::{open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
 use crate::report::human;
@@ -92,18 +92,7 @@ pub(crate) fn run_level(
     let slots = u32::try_from(c).map_err(|e| e.to_string())?;
     source.setup(block, 2 * slots * per_parent)?;
     let layout = BlockLayout::single(slots * per_parent, block).map_err(|e| e.to_string())?;
-    let config = ucx_config(
-        AgentConfig::new("bench-decode-many")
-            .transport(run.transport)
-            .connections_per_peer(run.connections)
-            .notify_with_read(run.notify_with_read)
-            .worker_threads(run.worker_threads),
-        &run.ucx_tls,
-        run.ucx_peer_failure,
-    )?
-    .ucx_verify_payloads(run.ucx_verify_payloads)
-    .map_err(|e| e.to_string())?;
-    let config = crate::cli::metrics_config(config, &run.metrics)?;
+    let config = crate::cli::decode_config(run, "bench-decode-many".into())?;
     let decoder = DecodeAgent::start(config, KvMemory::alloc(layout).map_err(|e| e.to_string())?)
         .map_err(|e| e.to_string())?;
     // Peak RSS and fds from here on: what the agent and the requests in flight hold.
