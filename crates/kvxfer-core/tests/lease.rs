@@ -11,15 +11,18 @@ use kvxfer_core::{
 
 const TTL: Duration = Duration::from_secs(30);
 
-fn table() -> Arc<LeaseTable> {
-    let engine = EngineInfo {
+fn engine() -> EngineInfo {
+    EngineInfo {
         engine_id: "prefill-0".into(),
         host: "127.0.0.1".into(),
         port: 5559,
         tp_size: 1,
         incarnation: 0,
-    };
-    Arc::new(LeaseTable::new(LeaseConfig::new(engine, 1024), [42; 32]))
+    }
+}
+
+fn table() -> Arc<LeaseTable> {
+    Arc::new(LeaseTable::new(LeaseConfig::new(engine(), 1024), [42; 32]))
 }
 
 fn ended(t: &LeaseTable) -> Vec<LeaseEnd> {
@@ -207,14 +210,7 @@ fn a_child_naming_a_block_twice_is_refused_but_siblings_may_share_blocks() {
 /// blocks; id 1 twice in group 1 is refused, naming the group.
 #[test]
 fn a_duplicate_block_is_named_with_its_group() {
-    let engine = EngineInfo {
-        engine_id: "prefill-0".into(),
-        host: "127.0.0.1".into(),
-        port: 5559,
-        tp_size: 1,
-        incarnation: 0,
-    };
-    let mut config = LeaseConfig::new(engine, 16);
+    let mut config = LeaseConfig::new(engine(), 16);
     config.other_group_blocks = vec![8];
     let t = LeaseTable::new(config, [7; 32]);
     let t0 = Instant::now();
