@@ -2,19 +2,16 @@
 //! each with the bytes the pair names, every byte verified; without blocks per child, a
 //! bulk n sweep keeps `--total-bytes`.
 
+mod support;
+
 use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvxfer-bench");
+use support::{json_lines, BIN};
 
 fn bench(args: &[&str]) -> Vec<serde_json::Value> {
-    let out = Command::new(BIN)
-        .args(["--transport", "tcp", "--iters", "1", "--warmup", "0", "--json"])
-        .args(args)
-        .output()
-        .expect("run kvxfer-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "kvxfer-bench failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    stdout.lines().map(|l| serde_json::from_str(l).expect("json line")).collect()
+    json_lines(
+        Command::new(BIN).args(["--transport", "tcp", "--iters", "1", "--warmup", "0", "--json"]).args(args),
+    )
 }
 
 #[test]
