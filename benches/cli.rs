@@ -23,7 +23,7 @@ pub(crate) enum Mode {
         #[arg(long)]
         peer: String,
         #[command(flatten)]
-        run: RunArgs,
+        run: Box<RunArgs>,
     },
 }
 
@@ -120,9 +120,56 @@ pub(crate) struct RunArgs {
     /// measure what metrics cost; needs the `cluster` feature.
     #[arg(long)]
     pub(crate) metrics: Option<String>,
+    /// Cost-growth sweep: one run per value, each as `--n` (e.g. 1,2,8,32,128).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) sweep_n: Vec<u32>,
+    /// Cost-growth sweep: one run per value (and per --sweep-n value) with this many blocks
+    /// per child: `--blocks-per-child` in the many-requests mode; in the bulk mode, one run
+    /// per block size with `--total-bytes` = n × parents × this × the block size. Without
+    /// it, a bulk `--sweep-n` keeps `--total-bytes` (fewer blocks per child as n grows).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) sweep_blocks_per_child: Vec<u32>,
     /// The many-requests workload (`--concurrency`).
     #[command(flatten)]
     pub(crate) workload: crate::workload::WorkloadArgs,
+}
+
+impl RunArgs {
+    /// The runs of the cost-growth sweep (`--sweep-n`, `--sweep-blocks-per-child`), every n
+    /// with every blocks-per-child value; just this run without them.
+    pub(crate) fn sweep(&self) -> Result<Vec<RunArgs>, String> {
+        if self.sweep_n.is_empty() && self.sweep_blocks_per_child.is_empty() {
+            return Ok(vec![self.clone()]);
+        }
+        let ns = if self.sweep_n.is_empty() { vec![self.n] } else { self.sweep_n.clone() };
+        let mut runs = Vec::new();
+        for &n in &ns {
+            let mut with_n = self.clone();
+            (with_n.n, with_n.sweep_n, with_n.sweep_blocks_per_child) = (n, Vec::new(), Vec::new());
+            if self.sweep_blocks_per_child.is_empty() {
+                runs.push(with_n);
+                continue;
+            }
+            for &bpc in &self.sweep_blocks_per_child {
+                let mut r = with_n.clone();
+                r.workload.blocks_per_child = bpc;
+                if !r.workload.concurrency.is_empty() {
+                    runs.push(r);
+                    continue;
+                }
+                for &block in &self.block_bytes {
+                    let total = [u64::from(n.max(1)), u64::from(self.parents.max(1)), u64::from(bpc.max(1))]
+                        .into_iter()
+                        .try_fold(block, u64::checked_mul)
+                        .ok_or_else(|| format!("n = {n} x {bpc} blocks of {block} bytes overflows"))?;
+                    let mut b = r.clone();
+                    (b.block_bytes, b.total_bytes) = (vec![block], total);
+                    runs.push(b);
+                }
+            }
+        }
+        Ok(runs)
+    }
 }
 
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {

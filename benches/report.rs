@@ -41,17 +41,23 @@ fn raw_ucx_baseline(
     Ok(None)
 }
 
-/// The many-requests workload when `--concurrency` was given, else the bulk sweep.
+/// The many-requests workload when `--concurrency` was given, else the bulk sweep; once per
+/// run of a cost-growth sweep.
 pub(crate) fn bench_any(
     run: &RunArgs,
     source: &mut dyn LeaseSource,
     processes: &str,
 ) -> Result<bool, String> {
-    if run.workload.concurrency.is_empty() {
-        bench(run, source, processes)
-    } else {
-        crate::workload::bench_many(run, source, processes)
+    let mut all_ok = true;
+    // One run, or each run of a cost-growth sweep (`--sweep-n`, `--sweep-blocks-per-child`).
+    for run in &run.sweep()? {
+        all_ok &= if run.workload.concurrency.is_empty() {
+            bench(run, source, processes)?
+        } else {
+            crate::workload::bench_many(run, source, processes)?
+        };
     }
+    Ok(all_ok)
 }
 
 /// Measures every block size of `run` and reports each; `Ok(false)` when a check failed.

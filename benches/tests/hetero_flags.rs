@@ -1,31 +1,30 @@
 //! `--prefill-tp` / `--decode-tp` / `--block-ratio`: one process, head-slice pulls measured
 //! beside the whole-block path, every byte verified.
 
+mod support;
+
 use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvxfer-bench");
+use support::{json_lines, BIN};
 
 fn hetero(prefill_tp: &str, decode_tp: &str, ratio: &str) -> Vec<serde_json::Value> {
-    let out = Command::new(BIN)
-        .args(["--prefill-tp", prefill_tp, "--decode-tp", decode_tp, "--block-ratio", ratio])
-        .args([
-            "--block-bytes",
-            "64K",
-            "--total-bytes",
-            "8M",
-            "--n",
-            "2",
-            "--iters",
-            "1",
-            "--warmup",
-            "0",
-            "--json",
-        ])
-        .output()
-        .expect("run kvxfer-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "kvxfer-bench failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    stdout.lines().map(|l| serde_json::from_str(l).expect("json line")).collect()
+    json_lines(
+        Command::new(BIN)
+            .args(["--prefill-tp", prefill_tp, "--decode-tp", decode_tp, "--block-ratio", ratio])
+            .args([
+                "--block-bytes",
+                "64K",
+                "--total-bytes",
+                "8M",
+                "--n",
+                "2",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--json",
+            ]),
+    )
 }
 
 #[test]

@@ -31,9 +31,9 @@ class LeaseError(KvxferError):
     """A lease could not be made or armed."""
 
     kind: str
-    """'already_leased', 'blocks_out_of_range', 'no_blocks', 'no_consumers',
-    'too_many_children', 'bad_child_index', 'child_count_mismatch', 'id_mismatch',
-    'zero_token', 'token_reused', 'wrong_engine' or 'other'."""
+    """'already_leased', 'blocks_out_of_range', 'no_blocks', 'duplicate_block',
+    'no_consumers', 'too_many_children', 'bad_child_index', 'child_count_mismatch',
+    'id_mismatch', 'zero_token', 'token_reused', 'wrong_engine' or 'other'."""
 
 class ParamsError(KvxferError):
     """A ``kv_transfer_params`` dict could not be read or turned into a hand-off."""

@@ -80,6 +80,21 @@ def test_children_that_do_not_fit_together_are_refused_before_any_io(prefill, de
     assert pull.wait(timeout=30)[0]["outcome"] == "done"
 
 
+def test_a_child_naming_a_block_twice_is_refused_and_siblings_may_share(prefill):
+    with pytest.raises(kvxfer.LeaseError) as e:
+        prefill.lease_parent("G", [[1, 1]])
+    assert e.value.kind == "duplicate_block" and "block 1 " in str(e.value), str(e.value)
+    with pytest.raises(kvxfer.LeaseError) as e:
+        prefill.lease_parent("G2", [[2], [3, 4, 3]])  # nothing of the parent is leased
+    assert e.value.kind == "duplicate_block" and "block 3 " in str(e.value), str(e.value)
+    assert prefill.stats()["leases"]["live"] == 0
+    # Two children sharing a prefix block: legal, each hand-off lists it once.
+    shared = prefill.lease_parent("S", [[5, 6], [5, 7]])
+    assert [h.to_params()["remote_block_ids"] for h in shared] == [[5, 6], [5, 7]]
+    for h in shared:
+        prefill.cancel(h)
+
+
 def test_bad_leases_are_lease_errors(prefill):
     with pytest.raises(kvxfer.LeaseError) as e:
         prefill.lease("R", 0, 1, [SHAPE[1]])

@@ -52,6 +52,18 @@ pub enum LeaseError {
     /// A lease must have at least one block.
     #[error("lease for request {0} names no blocks")]
     NoBlocks(String),
+    /// One KV-cache group's block list names the same block more than once (its end would
+    /// hand the block back twice). Different children may share blocks; one child may not
+    /// list one twice.
+    #[error("lease for request {request}: block {block} of KV-cache group {group} is listed more than once")]
+    DuplicateBlock {
+        /// The request id.
+        request: String,
+        /// The KV-cache group whose list repeats it (0: the first or only group).
+        group: u32,
+        /// The block named twice (the smallest such id).
+        block: BlockId,
+    },
     /// Not one block list per KV-cache group of the layout (or more groups' blocks than
     /// block ids can number).
     #[error("lease for request {request}: {got} KV-cache group block lists given, the layout has {expected} groups")]

@@ -60,6 +60,17 @@ fn out_of_range(id: &str, ranges: &[BlockRange], num_blocks: u32) -> Option<Read
     (!ids.is_empty()).then(|| ReadRefused::OutOfRange { request: id.to_owned(), ids, num_blocks })
 }
 
+/// The smallest block `blocks` names more than once, if any. A strictly increasing list
+/// (what an engine's allocator usually hands out) is checked in one pass without copying.
+fn repeated_block(blocks: &[BlockId]) -> Option<BlockId> {
+    if blocks.windows(2).all(|w| w[0] < w[1]) {
+        return None;
+    }
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
+}
+
 /// `now + d`, saturating at [`FAR_FUTURE`] from now (and at `now` on a platform whose
 /// `Instant` cannot even hold that).
 fn deadline_after(now: Instant, d: Duration) -> Instant {
@@ -645,8 +656,9 @@ impl LeaseTable {
     }
 
     /// Checks everything about `req` that does not depend on the table's contents (child
-    /// index, `n` against `max_children`, blocks, consumers): what [`Self::lease`] checks
-    /// before it looks for a live lease of the same id. Returns the request id.
+    /// index, `n` against `max_children`, blocks in range and none listed twice in one
+    /// group, consumers): what [`Self::lease`] checks before it looks for a live lease of
+    /// the same id. Returns the request id.
     pub fn validate(&self, req: &LeaseRequest) -> Result<String, LeaseError> {
         let id = child_request_id(&req.parent_request_id, req.child_index, req.n);
         if req.n > self.config.max_children {
@@ -681,6 +693,10 @@ impl LeaseTable {
             if blocks.iter().any(|&b| b >= num_blocks) {
                 let ids = blocks.iter().copied().filter(|&b| b >= num_blocks).take(MAX_IDS_SHOWN);
                 return Err(LeaseError::BlocksOutOfRange { request: id, ids: ids.collect(), num_blocks });
+            }
+            if let Some(block) = repeated_block(blocks) {
+                let group = u32::try_from(group).unwrap_or(u32::MAX);
+                return Err(LeaseError::DuplicateBlock { request: id, group, block });
             }
         }
         Ok(id)

@@ -11,15 +11,18 @@ use kvxfer_core::{
 
 const TTL: Duration = Duration::from_secs(30);
 
-fn table() -> Arc<LeaseTable> {
-    let engine = EngineInfo {
+fn engine() -> EngineInfo {
+    EngineInfo {
         engine_id: "prefill-0".into(),
         host: "127.0.0.1".into(),
         port: 5559,
         tp_size: 1,
         incarnation: 0,
-    };
-    Arc::new(LeaseTable::new(LeaseConfig::new(engine, 1024), [42; 32]))
+    }
+}
+
+fn table() -> Arc<LeaseTable> {
+    Arc::new(LeaseTable::new(LeaseConfig::new(engine(), 1024), [42; 32]))
 }
 
 fn ended(t: &LeaseTable) -> Vec<LeaseEnd> {
@@ -173,6 +176,50 @@ fn leases_are_refused_when_malformed() {
     t.lease(LeaseRequest::new("R", 0, 1, vec![1]), t0).expect("lease");
     assert!(matches!(t.lease(LeaseRequest::new("R", 0, 1, vec![2]), t0), Err(LeaseError::AlreadyLeased(_))));
     assert_eq!(t.stats().leased, 1);
+}
+
+/// A child whose block list names a block twice was leased, and its end then listed the
+/// block twice (an owner freeing the list would free it twice). Refused now, naming the
+/// block; siblings sharing a block (a shared prefix) stay legal, and so does the same id
+/// in two KV-cache groups (two different blocks).
+#[test]
+fn a_child_naming_a_block_twice_is_refused_but_siblings_may_share_blocks() {
+    let t = table();
+    let t0 = Instant::now();
+    assert_eq!(
+        t.lease(LeaseRequest::new("G", 0, 1, vec![1, 1]), t0).map(drop),
+        Err(LeaseError::DuplicateBlock { request: "G".into(), group: 0, block: 1 })
+    );
+    assert_eq!(
+        t.lease(LeaseRequest::new("H", 1, 2, vec![9, 3, 5, 3]), t0).map(drop),
+        Err(LeaseError::DuplicateBlock { request: "1_H".into(), group: 0, block: 3 })
+    );
+    assert_eq!(t.stats().leased, 0, "nothing was leased");
+    assert!(ended(&t).is_empty());
+    // Two children of one parent sharing block 7: both leased, each end lists it once.
+    let a = t.lease(LeaseRequest::new("S", 0, 2, vec![7, 8]), t0).expect("lease child 0");
+    let b = t.lease(LeaseRequest::new("S", 1, 2, vec![7, 9]), t0).expect("lease child 1");
+    assert_eq!(t.notify(a.remote_request_id(), a.token().as_bytes(), "d", t0), NotifyOutcome::Pulled);
+    assert_eq!(t.notify(b.remote_request_id(), b.token().as_bytes(), "d", t0), NotifyOutcome::Pulled);
+    let mut blocks: Vec<Vec<u32>> = ended(&t).iter().map(|e| e.blocks.to_vec()).collect();
+    blocks.sort();
+    assert_eq!(blocks, vec![vec![7, 8], vec![7, 9]]);
+}
+
+/// The duplicate check is per KV-cache group: id 1 in group 0 and in group 1 are two
+/// blocks; id 1 twice in group 1 is refused, naming the group.
+#[test]
+fn a_duplicate_block_is_named_with_its_group() {
+    let mut config = LeaseConfig::new(engine(), 16);
+    config.other_group_blocks = vec![8];
+    let t = LeaseTable::new(config, [7; 32]);
+    let t0 = Instant::now();
+    t.lease(LeaseRequest::grouped("A", 0, 1, vec![vec![1, 2], vec![1, 2]]), t0)
+        .expect("same ids, two groups");
+    assert_eq!(
+        t.lease(LeaseRequest::grouped("B", 0, 1, vec![vec![3], vec![4, 5, 4]]), t0).map(drop),
+        Err(LeaseError::DuplicateBlock { request: "B".into(), group: 1, block: 4 })
+    );
 }
 
 #[test]

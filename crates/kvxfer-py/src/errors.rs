@@ -101,6 +101,7 @@ fn lease_kind(e: &kvxfer_core::LeaseError) -> &'static str {
         L::AlreadyLeased(_) => "already_leased",
         L::BlocksOutOfRange { .. } => "blocks_out_of_range",
         L::NoBlocks(_) => "no_blocks",
+        L::DuplicateBlock { .. } => "duplicate_block",
         L::NoConsumers(_) => "no_consumers",
         L::TooManyChildren { .. } => "too_many_children",
         L::BadChildIndex { .. } => "bad_child_index",
