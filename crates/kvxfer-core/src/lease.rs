@@ -746,6 +746,19 @@ impl LeaseTable {
         self.insert(expected, req, Some(token), now)
     }
 
+    /// The deadline a lease made at `now` with time-to-live `ttl` gets (`None`: the default
+    /// ttl; clamped to the maximum lifetime) — what a driver compares with the deadline its
+    /// timer is armed for, to wake the timer only when a new lease would expire first.
+    pub fn deadline_for(&self, ttl: Option<Duration>, now: Instant) -> Instant {
+        deadline_after(now, self.ttl_for(ttl))
+    }
+
+    /// A lease's time-to-live: the one asked for, or the default, clamped to the maximum
+    /// lifetime.
+    fn ttl_for(&self, ttl: Option<Duration>) -> Duration {
+        ttl.unwrap_or(self.config.default_ttl).min(self.config.max_lifetime)
+    }
+
     /// Inserts a lease (a fresh token, or the one given) and only then builds its hand-off.
     fn insert(
         &self,
@@ -754,7 +767,7 @@ impl LeaseTable {
         given: Option<LeaseToken>,
         now: Instant,
     ) -> Result<(ChildHandoff, u64), LeaseError> {
-        let ttl = req.ttl.unwrap_or(self.config.default_ttl).min(self.config.max_lifetime);
+        let ttl = self.ttl_for(req.ttl);
         let deadline = deadline_after(now, ttl);
         let max_deadline = now.checked_add(self.config.max_lifetime);
         let key: Arc<str> = Arc::from(id);

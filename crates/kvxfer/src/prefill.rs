@@ -43,6 +43,9 @@ struct Shared {
     tracker: Arc<Mutex<ParentTracker>>,
     /// Wakes the expiry task (a new lease may have an earlier deadline).
     wake: Arc<Notify>,
+    /// The deadline the expiry task sleeps until (`None`: none, or being recomputed): a new
+    /// lease wakes it only when it would expire first, not on every lease.
+    expiry_armed: Mutex<Option<Instant>>,
     /// Set by `shutdown`: the accept loop stops.
     stop_accepting: CancellationToken,
     /// Set once reads and pins had their grace: connections close, the expiry task and the
@@ -239,6 +242,7 @@ impl PrefillAgent {
             connections_open,
             tracker: Arc::new(Mutex::new(ParentTracker::with_forget_after(config.max_lease_lifetime))),
             wake: Arc::new(Notify::new()),
+            expiry_armed: Mutex::new(None),
             stop_accepting: CancellationToken::new(),
             stop: CancellationToken::new(),
             events_final: CancellationToken::new(),
@@ -340,12 +344,12 @@ impl PrefillAgent {
         let mut tracker = self.lock_tracker();
         let now = Instant::now();
         tracker.admit(&parent, n, now)?;
+        let deadline = self.shared.table.deadline_for(req.ttl, now);
         let (h, generation) = self.shared.table.lease_with_generation(req, now)?;
         tracker.leased(&parent, n, child, generation, now);
         drop(tracker);
         debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "leased");
-        // The expiry task sleeps until the earliest deadline; this one may be earlier.
-        self.shared.wake.notify_one();
+        self.shared.new_deadline(deadline);
         Ok(h)
     }
 
@@ -368,11 +372,12 @@ impl PrefillAgent {
         let mut tracker = self.lock_tracker();
         let now = Instant::now();
         tracker.admit(&parent, n, now)?;
+        let deadline = self.shared.table.deadline_for(req.ttl, now);
         let (h, generation) = self.shared.table.arm(remote_request_id, req, token, now)?;
         tracker.leased(&parent, n, child, generation, now);
         drop(tracker);
         debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "armed");
-        self.shared.wake.notify_one();
+        self.shared.new_deadline(deadline);
         Ok(h)
     }
 
@@ -749,11 +754,39 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<
     }
 }
 
+impl Shared {
+    fn lock_expiry_armed(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.expiry_armed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A lease with this deadline was made: wakes the expiry task only when it would
+    /// expire before the deadline the task sleeps until (or the task is recomputing it).
+    fn new_deadline(&self, deadline: Instant) {
+        let mut armed = self.lock_expiry_armed();
+        if armed.is_none_or(|a| deadline < a) {
+            *armed = Some(deadline);
+            drop(armed);
+            self.wake.notify_one();
+        }
+    }
+}
+
 /// Sleeps until the table's next deadline (or a new lease wakes it), then expires.
 async fn expiry_loop(shared: Arc<Shared>) {
     let table = &shared.table;
     loop {
+        // Cleared first: a lease made while the deadline is recomputed sees `None` and wakes
+        // this task (the permit is kept), so no earlier deadline is slept past.
+        *shared.lock_expiry_armed() = None;
         let next = table.poll_timeout();
+        {
+            let mut armed = shared.lock_expiry_armed();
+            // A lease made since may have stored its earlier deadline (and woken us).
+            *armed = match (*armed, next) {
+                (Some(a), Some(n)) => Some(a.min(n)),
+                (a, n) => a.or(n),
+            };
+        }
         let sleep = match next {
             Some(t) => tokio::time::sleep_until(t.into()),
             None => tokio::time::sleep(Duration::from_secs(3600)),

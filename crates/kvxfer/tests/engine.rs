@@ -536,3 +536,30 @@ fn children_released_without_pulling_them_end_released_the_others_pulled() {
     assert!(!decode.release(&late.children()[0]));
     assert_eq!(decode.stats().releases_refused, 2);
 }
+
+/// The expiry task sleeps until the earliest deadline and is woken only by a lease that
+/// would expire before it: a lease with a short ttl made after long ones — and after one
+/// with an even later deadline, and one made while the task recomputes after an expiry —
+/// still expires at its own deadline, not at the long leases'.
+#[test]
+fn a_shorter_lease_made_after_longer_ones_expires_at_its_own_deadline() {
+    let prefill = Transport::Tcp.prefill(64, Duration::from_secs(600));
+    let long =
+        prefill.lease(LeaseRequest::new("L", 0, 1, vec![1]).ttl(Duration::from_secs(300))).expect("lease");
+    let longer =
+        prefill.lease(LeaseRequest::new("M", 0, 1, vec![2]).ttl(Duration::from_secs(400))).expect("lease");
+    let started = Instant::now();
+    for round in 0..3u32 {
+        let id = format!("S{round}");
+        let h = prefill
+            .lease(LeaseRequest::new(&id, 0, 1, vec![3 + round]).ttl(Duration::from_millis(150)))
+            .expect("lease");
+        // Not a timing goal: a short lease slept past would end only after 300 s.
+        let ends = wait_ends(&prefill, 1, Duration::from_secs(20));
+        assert_eq!((&*ends[0].parent_request_id, ends[0].kind), (id.as_str(), EndKind::Expired), "{ends:?}");
+        assert_eq!(&*ends[0].remote_request_id, h.remote_request_id());
+    }
+    assert!(started.elapsed() < Duration::from_secs(300));
+    assert!(prefill.events().try_recv().is_err(), "the long leases are still live");
+    drop((long, longer));
+}
