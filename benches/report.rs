@@ -41,13 +41,14 @@ fn raw_ucx_baseline(
     Ok(None)
 }
 
-/// The many-requests workload when `--concurrency` was given, else the bulk sweep.
+/// The many-requests workload when `--concurrency` or `--rate` was given, else the bulk
+/// sweep.
 pub(crate) fn bench_any(
     run: &RunArgs,
     source: &mut dyn LeaseSource,
     processes: &str,
 ) -> Result<bool, String> {
-    if run.workload.concurrency.is_empty() {
+    if !run.workload.any() {
         bench(run, source, processes)
     } else {
         crate::workload::bench_many(run, source, processes)

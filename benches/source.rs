@@ -24,6 +24,21 @@ pub(crate) trait LeaseSource {
         blocks: Vec<Vec<BlockId>>,
         consumers: u32,
     ) -> Result<PrefillResult, String>;
+    /// Leases several parents (name and children's blocks each) at once: in two processes,
+    /// one control round trip for all of them.
+    fn lease_many(
+        &mut self,
+        parents: Vec<(String, Vec<Vec<BlockId>>)>,
+        consumers: u32,
+    ) -> Result<Vec<PrefillResult>, String> {
+        parents.into_iter().map(|(p, blocks)| self.lease(&p, blocks, consumers)).collect()
+    }
+    /// Raw TCP GiB/s of `total` bytes over `connections` sockets from the prefill side to
+    /// this process, written as kvxfer's server writes and read `read_span` bytes at a time
+    /// (see [`crate::baselines`]): two threads of this process, or the `serve` process.
+    fn raw_tcp_gib_per_s(&mut self, total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
+        crate::baselines::raw_tcp_gib_per_s(total, connections, read_span)
+    }
     /// Prefill-side stats (bytes served, leases) as JSON.
     fn stats(&mut self) -> Value;
     /// Registers `bytes` of filled memory as a bare UCX target on the prefill side (kept
@@ -95,6 +110,13 @@ pub(crate) fn start_prefill(config: AgentConfig, block: u64, blocks: u32) -> Res
     PrefillAgent::start(config, "127.0.0.1:0", mem).map_err(|e| e.to_string())
 }
 
+/// A lease as `serve` sends it: the wire `PrefillResult`, hex-encoded.
+fn result_from_hex(hex: &str) -> Result<PrefillResult, String> {
+    let bytes = hex::decode(hex).map_err(|e| format!("serve sent bad hex: {e}"))?;
+    let wire = kvxfer_proto::v1::PrefillResult::decode(bytes.as_slice()).map_err(|e| e.to_string())?;
+    PrefillResult::from_wire(wire).map_err(|e| e.to_string())
+}
+
 /// A `serve` process, driven over its control socket (one JSON object per line).
 pub(crate) struct RemoteSource {
     reader: BufReader<TcpStream>,
@@ -151,10 +173,27 @@ impl LeaseSource for RemoteSource {
     ) -> Result<PrefillResult, String> {
         let v =
             self.call(json!({"op": "lease", "parent": parent, "blocks": blocks, "consumers": consumers}))?;
-        let hex = v.get("result").and_then(Value::as_str).ok_or("serve sent no result")?;
-        let bytes = hex::decode(hex).map_err(|e| format!("serve sent bad hex: {e}"))?;
-        let wire = kvxfer_proto::v1::PrefillResult::decode(bytes.as_slice()).map_err(|e| e.to_string())?;
-        PrefillResult::from_wire(wire).map_err(|e| e.to_string())
+        result_from_hex(v.get("result").and_then(Value::as_str).ok_or("serve sent no result")?)
+    }
+    fn lease_many(
+        &mut self,
+        parents: Vec<(String, Vec<Vec<BlockId>>)>,
+        consumers: u32,
+    ) -> Result<Vec<PrefillResult>, String> {
+        let count = parents.len();
+        let parents: Vec<Value> =
+            parents.into_iter().map(|(parent, blocks)| json!({"parent": parent, "blocks": blocks})).collect();
+        let v = self.call(json!({"op": "lease_many", "parents": parents, "consumers": consumers}))?;
+        let results = v.get("results").and_then(Value::as_array).ok_or("serve sent no results")?;
+        if results.len() != count {
+            return Err(format!("serve leased {} parents of {count}", results.len()));
+        }
+        results.iter().map(|r| result_from_hex(r.as_str().ok_or("serve sent a non-string result")?)).collect()
+    }
+    fn raw_tcp_gib_per_s(&mut self, total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
+        let v = self.call(json!({"op": "raw_tcp_source", "bytes": total, "connections": connections}))?;
+        let addr = v.get("addr").and_then(Value::as_str).ok_or("serve sent no raw source address")?;
+        crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)
     }
     fn stats(&mut self) -> Value {
         self.call(json!({"op": "stats"})).unwrap_or(Value::Null)
