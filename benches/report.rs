@@ -104,6 +104,10 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
             });
             if run.baseline {
                 j["raw_tcp_gib_per_s"] = json!(raw);
+                // Where the raw runs ran (two processes: from `serve` to `pull`, as kvxfer's
+                // bytes move) and their write size (kvxfer's server's).
+                j["raw_tcp_processes"] = json!(processes);
+                j["raw_tcp_write_bytes"] = json!(crate::baselines::RAW_WRITE_BYTES);
                 j["memcpy_gib_per_s"] = json!(mem);
                 j["ratio_vs_raw_tcp"] = json!(ratio(raw));
                 j["ratio_vs_memcpy"] = json!(ratio(mem));

@@ -197,19 +197,78 @@ fn next_until(
     }
 }
 
-/// Leases taken ahead of need, `batch` parents per call of the source.
+/// Leases taken ahead of need, `batch` parents per call of the source; the next batch is
+/// asked for while the last one is used (in two processes, its control round trip overlaps
+/// the pulls), so the submitting thread waits only when the pool runs dry.
 struct LeasePool {
     ready: VecDeque<(usize, PrefillResult)>,
+    /// The remote slots of the batch under way.
+    under_way: Option<Vec<usize>>,
     batch: usize,
     seq: u64,
+    /// Seconds the submitting thread spent in lease calls (sending, waiting, decoding).
     calls_secs: f64,
     leased: u64,
 }
 
 impl LeasePool {
-    /// One parent's lease over a free remote slot, leasing up to `batch` (at most
-    /// `wanted`, at least one) when none is ready; `None` when no remote slot is free.
-    #[allow(clippy::too_many_arguments)]
+    /// Collects the batch under way if it arrived (waits for it when `wait`).
+    fn collect(&mut self, source: &mut dyn LeaseSource, wait: bool) -> Result<(), String> {
+        if self.under_way.is_none() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let got = source.lease_many_recv(wait)?;
+        self.calls_secs += t0.elapsed().as_secs_f64();
+        if let Some(results) = got {
+            let slots = self.under_way.take().unwrap_or_default();
+            self.leased += results.len() as u64;
+            self.ready.extend(slots.into_iter().zip(results));
+        }
+        Ok(())
+    }
+
+    /// Asks for the next batch (at most `wanted` parents, over free remote slots) when fewer
+    /// than a batch are ready and none is under way.
+    fn top_up(
+        &mut self,
+        source: &mut dyn LeaseSource,
+        free_remote: &mut VecDeque<usize>,
+        wanted: usize,
+        tag: &str,
+        n: u32,
+        ids: &dyn Fn(usize, u32) -> Vec<BlockId>,
+    ) -> Result<(), String> {
+        if self.under_way.is_some() || self.ready.len() >= self.batch {
+            return Ok(());
+        }
+        let k = self.batch.min(wanted).min(free_remote.len());
+        if k == 0 {
+            return Ok(());
+        }
+        let slots: Vec<usize> = free_remote.drain(..k).collect();
+        let parents: Vec<(String, Vec<Vec<BlockId>>)> = slots
+            .iter()
+            .map(|&r| {
+                self.seq += 1;
+                (format!("many-{tag}-{}", self.seq), (0..n).map(|k| ids(r, k)).collect())
+            })
+            .collect();
+        let t0 = Instant::now();
+        let sent = source.lease_many_send(parents, 1)?;
+        self.calls_secs += t0.elapsed().as_secs_f64();
+        match sent {
+            Some(results) => {
+                self.leased += results.len() as u64;
+                self.ready.extend(slots.into_iter().zip(results));
+            }
+            None => self.under_way = Some(slots),
+        }
+        Ok(())
+    }
+
+    /// One parent's lease, asking for (and waiting for) a batch when none is ready; `None`
+    /// when no remote slot is free.
     fn take(
         &mut self,
         source: &mut dyn LeaseSource,
@@ -220,23 +279,8 @@ impl LeasePool {
         ids: &dyn Fn(usize, u32) -> Vec<BlockId>,
     ) -> Result<Option<(usize, PrefillResult)>, String> {
         if self.ready.is_empty() {
-            let k = self.batch.min(wanted.max(1)).min(free_remote.len());
-            if k == 0 {
-                return Ok(None);
-            }
-            let slots: Vec<usize> = free_remote.drain(..k).collect();
-            let parents: Vec<(String, Vec<Vec<BlockId>>)> = slots
-                .iter()
-                .map(|&r| {
-                    self.seq += 1;
-                    (format!("many-{tag}-{}", self.seq), (0..n).map(|k| ids(r, k)).collect())
-                })
-                .collect();
-            let t0 = Instant::now();
-            let results = source.lease_many(parents, 1)?;
-            self.calls_secs += t0.elapsed().as_secs_f64();
-            self.leased += results.len() as u64;
-            self.ready.extend(slots.into_iter().zip(results));
+            self.top_up(source, free_remote, wanted.max(1), tag, n, ids)?;
+            self.collect(source, true)?;
         }
         Ok(self.ready.pop_front())
     }
@@ -278,9 +322,12 @@ pub(crate) fn run_level(
     let mut free_remote: VecDeque<usize> = (0..2 * c).collect();
     let mut last_remote: Vec<Option<usize>> = vec![None; c];
     let mut in_flight: FuturesUnordered<Finished> = FuturesUnordered::new();
+    // Up to two batches ahead (one ready, one under way) besides the c parents in flight:
+    // the 2c remote slots hold them when a batch is at most c / 2.
     let mut pool = LeasePool {
         ready: VecDeque::new(),
-        batch: (w.lease_batch.max(1) as usize).min(c),
+        under_way: None,
+        batch: (w.lease_batch.max(1) as usize).min((c / 2).max(1)),
         seq: 0,
         calls_secs: 0.0,
         leased: 0,
@@ -375,6 +422,17 @@ pub(crate) fn run_level(
                 }
             }
         }
+        // Ask for the next batch ahead of need, and collect it once it is here.
+        let wanted = match level {
+            Level::Closed(_) if Instant::now() < end => pool.batch,
+            Level::Closed(_) => 0,
+            Level::Open { rate, .. } if next_arrival < end => {
+                ((end - next_arrival).as_secs_f64() * rate).ceil() as usize
+            }
+            Level::Open { .. } => 0,
+        };
+        pool.collect(source, false)?;
+        pool.top_up(source, &mut free_remote, wanted, &tag, n, &ids)?;
         let next = match next_until(&mut in_flight, &waker, wait_until) {
             None => continue,
             Some(None) => break,
