@@ -123,6 +123,9 @@ pub(crate) struct Loaded {
     pub(crate) lease_call_us: f64,
     /// Open loop: submission time − scheduled arrival, us: p50, p99, max.
     pub(crate) submit_lag_us: [f64; 3],
+    /// Per-child latency from the parent's submission (not its start), us: p50, p99, p999 —
+    /// the engine's part of the hand-off, without the submitting thread's lateness.
+    pub(crate) service_us: [f64; 3],
     /// Open loop: arrivals that found the in-flight cap reached and waited for a slot.
     pub(crate) cap_waits: u64,
     /// Open loop: most arrivals waiting at once.
@@ -148,8 +151,8 @@ impl Loaded {
 }
 
 /// A finished parent: its local and remote slot, when it started (the scheduled arrival in
-/// the open loop), its report.
-type Finished = Pin<Box<dyn Future<Output = (usize, usize, Instant, PullReport)>>>;
+/// the open loop), when it was submitted, its report.
+type Finished = Pin<Box<dyn Future<Output = (usize, usize, Instant, Instant, PullReport)>>>;
 
 /// The prefill process's CPU seconds as its stats report them.
 fn prefill_cpu(source: &mut dyn LeaseSource) -> Option<f64> {
@@ -171,7 +174,7 @@ fn next_until(
     in_flight: &mut FuturesUnordered<Finished>,
     waker: &std::task::Waker,
     until: Option<Instant>,
-) -> Option<Option<(usize, usize, Instant, PullReport)>> {
+) -> Option<Option<(usize, usize, Instant, Instant, PullReport)>> {
     if in_flight.is_empty() {
         if let Some(t) = until {
             std::thread::sleep(t.saturating_duration_since(Instant::now()));
@@ -353,7 +356,7 @@ pub(crate) fn run_level(
     let mut submit_lag = Vec::new();
 
     let (mut cpu0, mut pcpu0, mut cpu1, mut pcpu1) = (None, None, None, None);
-    let (mut child_lat, mut req_lat) = (Vec::new(), Vec::new());
+    let (mut child_lat, mut req_lat, mut service_lat) = (Vec::new(), Vec::new(), Vec::new());
     let (mut requests, mut bytes) = (0u64, 0u64);
     let (mut fds_max, mut next_fd_sample) = (fds_before, start);
     let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr()) && !run.json && !run.csv;
@@ -438,7 +441,7 @@ pub(crate) fn run_level(
             Some(None) => break,
             Some(Some(done)) => done,
         };
-        let (local, remote, started, report) = next;
+        let (local, remote, started, submitted, report) = next;
         for ch in &report.children {
             if !matches!(ch.outcome, ChildOutcome::Done { .. }) {
                 return Err(format!(
@@ -464,6 +467,12 @@ pub(crate) fn run_level(
                 report.children.iter().map(|ch| ch.completed_at.duration_since(started).as_secs_f64() * 1e6),
             );
             req_lat.push(done_at.duration_since(started).as_secs_f64() * 1e6);
+            service_lat.extend(
+                report
+                    .children
+                    .iter()
+                    .map(|ch| ch.completed_at.duration_since(submitted).as_secs_f64() * 1e6),
+            );
         }
         last_remote[local] = Some(remote);
         free_local.push(local);
@@ -510,6 +519,7 @@ pub(crate) fn run_level(
     child_lat.sort_by(f64::total_cmp);
     req_lat.sort_by(f64::total_cmp);
     submit_lag.sort_by(f64::total_cmp);
+    service_lat.sort_by(f64::total_cmp);
     let secs = w.duration.max(0.01);
     let per_req = |s: f64| s * 1e6 / (requests.max(1) as f64);
     Ok(Loaded {
@@ -531,6 +541,11 @@ pub(crate) fn run_level(
             percentile(&submit_lag, 0.5),
             percentile(&submit_lag, 0.99),
             submit_lag.last().copied().unwrap_or(0.0),
+        ],
+        service_us: [
+            percentile(&service_lat, 0.5),
+            percentile(&service_lat, 0.99),
+            percentile(&service_lat, 0.999),
         ],
         cap_waits,
         max_backlog,
@@ -557,11 +572,12 @@ fn submit(
     n: u32,
     ids: &dyn Fn(usize, u32) -> Vec<BlockId>,
 ) -> Result<(), String> {
+    let submitted = Instant::now();
     let h = decoder
         .as_async()
         .submit(result, (0..n).map(|k| ids(local, k)).collect())
         .map_err(|e| e.to_string())?;
-    in_flight.push(Box::pin(async move { (local, remote, started, h.finished().await) }));
+    in_flight.push(Box::pin(async move { (local, remote, started, submitted, h.finished().await) }));
     Ok(())
 }
 
@@ -622,6 +638,7 @@ pub(crate) fn bench_many(
                         "requests": l.requests, "requests_per_s": l.requests_per_s, "gib_per_s": l.gib_per_s,
                         "p50_us": l.child_us[0], "p99_us": l.child_us[1], "p999_us": l.child_us[2], "max_us": l.child_us[3],
                         "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],
+                        "service_p50_us": l.service_us[0], "service_p99_us": l.service_us[1], "service_p999_us": l.service_us[2],
                         "submit_lag_p50_us": offered.map(|_| l.submit_lag_us[0]),
                         "submit_lag_p99_us": offered.map(|_| l.submit_lag_us[1]),
                         "submit_lag_max_us": offered.map(|_| l.submit_lag_us[2]),
