@@ -14,6 +14,8 @@ pub(crate) struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+// Parsed once per process: the size of `Pull`'s options does not matter.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Mode {
     /// The prefill side of a two-process run: leases on request and serves the blocks.
     Serve(ServeArgs),

@@ -152,7 +152,10 @@ impl Loaded {
 
 /// A finished parent: its local and remote slot, when it started (the scheduled arrival in
 /// the open loop), when it was submitted, its report.
-type Finished = Pin<Box<dyn Future<Output = (usize, usize, Instant, Instant, PullReport)>>>;
+type Finished = Pin<Box<dyn Future<Output = Done>>>;
+
+/// What a [`Finished`] gives: local slot, remote slot, started, submitted, report.
+type Done = (usize, usize, Instant, Instant, PullReport);
 
 /// The prefill process's CPU seconds as its stats report them.
 fn prefill_cpu(source: &mut dyn LeaseSource) -> Option<f64> {
@@ -174,7 +177,7 @@ fn next_until(
     in_flight: &mut FuturesUnordered<Finished>,
     waker: &std::task::Waker,
     until: Option<Instant>,
-) -> Option<Option<(usize, usize, Instant, Instant, PullReport)>> {
+) -> Option<Option<Done>> {
     if in_flight.is_empty() {
         if let Some(t) = until {
             std::thread::sleep(t.saturating_duration_since(Instant::now()));
