@@ -211,7 +211,11 @@ struct LeasePool {
     /// The remote slots of the batch under way.
     under_way: Option<Vec<usize>>,
     batch: usize,
+    /// Names the parents: `many-{tag}-{seq}`.
+    tag: String,
     seq: u64,
+    /// The children's remote blocks of a parent leased over a remote slot.
+    children: Box<dyn Fn(usize) -> Vec<Vec<BlockId>>>,
     /// Seconds the submitting thread spent in lease calls (sending, waiting, decoding).
     calls_secs: f64,
     leased: u64,
@@ -228,10 +232,15 @@ impl LeasePool {
         self.calls_secs += t0.elapsed().as_secs_f64();
         if let Some(results) = got {
             let slots = self.under_way.take().unwrap_or_default();
-            self.leased += results.len() as u64;
-            self.ready.extend(slots.into_iter().zip(results));
+            self.landed(slots, results);
         }
         Ok(())
+    }
+
+    /// Leases of `slots` arrived: ready to take.
+    fn landed(&mut self, slots: Vec<usize>, results: Vec<PrefillResult>) {
+        self.leased += results.len() as u64;
+        self.ready.extend(slots.into_iter().zip(results));
     }
 
     /// Asks for the next batch (at most `wanted` parents, over free remote slots) when fewer
@@ -241,9 +250,6 @@ impl LeasePool {
         source: &mut dyn LeaseSource,
         free_remote: &mut VecDeque<usize>,
         wanted: usize,
-        tag: &str,
-        n: u32,
-        ids: &dyn Fn(usize, u32) -> Vec<BlockId>,
     ) -> Result<(), String> {
         if self.under_way.is_some() || self.ready.len() >= self.batch {
             return Ok(());
@@ -257,17 +263,14 @@ impl LeasePool {
             .iter()
             .map(|&r| {
                 self.seq += 1;
-                (format!("many-{tag}-{}", self.seq), (0..n).map(|k| ids(r, k)).collect())
+                (format!("many-{}-{}", self.tag, self.seq), (self.children)(r))
             })
             .collect();
         let t0 = Instant::now();
         let sent = source.lease_many_send(parents, 1)?;
         self.calls_secs += t0.elapsed().as_secs_f64();
         match sent {
-            Some(results) => {
-                self.leased += results.len() as u64;
-                self.ready.extend(slots.into_iter().zip(results));
-            }
+            Some(results) => self.landed(slots, results),
             None => self.under_way = Some(slots),
         }
         Ok(())
@@ -280,12 +283,9 @@ impl LeasePool {
         source: &mut dyn LeaseSource,
         free_remote: &mut VecDeque<usize>,
         wanted: usize,
-        tag: &str,
-        n: u32,
-        ids: &dyn Fn(usize, u32) -> Vec<BlockId>,
     ) -> Result<Option<(usize, PrefillResult)>, String> {
         if self.ready.is_empty() {
-            self.top_up(source, free_remote, wanted.max(1), tag, n, ids)?;
+            self.top_up(source, free_remote, wanted.max(1))?;
             self.collect(source, true)?;
         }
         Ok(self.ready.pop_front())
@@ -316,7 +316,7 @@ pub(crate) fn run_level(
     // Peak RSS and fds from here on: what the agent and the requests in flight hold.
     let peak_reset = reset_peak_rss();
     let (rss_before, fds_before) = (rss_kib(), open_fds());
-    let ids = |slot: usize, child: u32| -> Vec<BlockId> {
+    let ids = move |slot: usize, child: u32| -> Vec<BlockId> {
         let first = slot as u32 * per_parent + child * bpc;
         (first..first + bpc).collect()
     };
@@ -334,7 +334,9 @@ pub(crate) fn run_level(
         ready: VecDeque::new(),
         under_way: None,
         batch: (w.lease_batch.max(1) as usize).min((c / 2).max(1)),
+        tag,
         seq: 0,
+        children: Box::new(move |r| (0..n).map(|k| ids(r, k)).collect()),
         calls_secs: 0.0,
         leased: 0,
     };
@@ -385,7 +387,7 @@ pub(crate) fn run_level(
                     let Some(local) = free_local.pop() else { break };
                     let wanted = pool.batch;
                     let Some((remote, result)) =
-                        pool.take(source, &mut free_remote, wanted, &tag, n, &ids)?
+                        pool.take(source, &mut free_remote, wanted)?
                     else {
                         free_local.push(local);
                         break;
@@ -402,7 +404,7 @@ pub(crate) fn run_level(
                     }
                     let Some(local) = free_local.pop() else { break };
                     let due = ((end - next_arrival).as_secs_f64() * rate).ceil() as usize;
-                    let Some((remote, result)) = pool.take(source, &mut free_remote, due, &tag, n, &ids)?
+                    let Some((remote, result)) = pool.take(source, &mut free_remote, due)?
                     else {
                         free_local.push(local);
                         break;
@@ -438,7 +440,7 @@ pub(crate) fn run_level(
             Level::Open { .. } => 0,
         };
         pool.collect(source, false)?;
-        pool.top_up(source, &mut free_remote, wanted, &tag, n, &ids)?;
+        pool.top_up(source, &mut free_remote, wanted)?;
         let next = match next_until(&mut in_flight, &waker, wait_until) {
             None => continue,
             Some(None) => break,
