@@ -40,7 +40,7 @@ use serde_json::{json, Value};
 
 use crate::cli::RunArgs;
 use crate::measure::{cpu_seconds, percentile};
-use crate::procstat::{open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
+use crate::procstat::{involuntary_switches, open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
 use crate::report::human;
 use crate::source::LeaseSource;
 
@@ -131,6 +131,9 @@ pub(crate) struct Loaded {
     /// Open loop: most arrivals waiting at once.
     pub(crate) max_backlog: u64,
     pub(crate) prefill_cpu_us_per_request: Option<f64>,
+    /// Involuntary context switches of this process's threads per measured second: how
+    /// often the machine took the CPU from a runnable thread (a loaded machine's tail).
+    pub(crate) preempted_per_s: f64,
     pub(crate) rss_before_mib: f64,
     pub(crate) rss_peak_mib: f64,
     pub(crate) kv_mib: f64,
@@ -361,6 +364,7 @@ pub(crate) fn run_level(
     let mut submit_lag = Vec::new();
 
     let (mut cpu0, mut pcpu0, mut cpu1, mut pcpu1) = (None, None, None, None);
+    let (mut preempted0, mut preempted1) = (0, 0);
     let (mut child_lat, mut req_lat, mut service_lat) = (Vec::new(), Vec::new(), Vec::new());
     let (mut requests, mut bytes) = (0u64, 0u64);
     let (mut fds_max, mut next_fd_sample) = (fds_before, start);
@@ -369,10 +373,12 @@ pub(crate) fn run_level(
         let now = Instant::now();
         if cpu0.is_none() && now >= warm {
             cpu0 = Some(cpu_seconds());
+            preempted0 = involuntary_switches();
             pcpu0 = if processes == "2" { prefill_cpu(source) } else { None };
         }
         if cpu1.is_none() && now >= end {
             cpu1 = Some(cpu_seconds());
+            preempted1 = involuntary_switches();
             pcpu1 = if processes == "2" { prefill_cpu(source) } else { None };
             if show_progress {
                 eprintln!("\r{} B blocks, {level:?}: draining   ", human(block));
@@ -386,9 +392,7 @@ pub(crate) fn run_level(
                     let started = Instant::now();
                     let Some(local) = free_local.pop() else { break };
                     let wanted = pool.batch;
-                    let Some((remote, result)) =
-                        pool.take(source, &mut free_remote, wanted)?
-                    else {
+                    let Some((remote, result)) = pool.take(source, &mut free_remote, wanted)? else {
                         free_local.push(local);
                         break;
                     };
@@ -404,8 +408,7 @@ pub(crate) fn run_level(
                     }
                     let Some(local) = free_local.pop() else { break };
                     let due = ((end - next_arrival).as_secs_f64() * rate).ceil() as usize;
-                    let Some((remote, result)) = pool.take(source, &mut free_remote, due)?
-                    else {
+                    let Some((remote, result)) = pool.take(source, &mut free_remote, due)? else {
                         free_local.push(local);
                         break;
                     };
@@ -492,6 +495,7 @@ pub(crate) fn run_level(
     if cpu1.is_none() {
         std::thread::sleep(end.saturating_duration_since(Instant::now()));
         cpu1 = Some(cpu_seconds());
+        preempted1 = involuntary_switches();
         pcpu1 = if processes == "2" { prefill_cpu(source) } else { None };
     }
     if cap_waits > 0 {
@@ -555,6 +559,7 @@ pub(crate) fn run_level(
         cap_waits,
         max_backlog,
         prefill_cpu_us_per_request: pcpu.map(per_req),
+        preempted_per_s: preempted1.saturating_sub(preempted0) as f64 / secs,
         rss_before_mib: rss_before as f64 / 1024.0,
         rss_peak_mib: if peak_reset { rss_peak as f64 / 1024.0 } else { f64::NAN },
         kv_mib: (u64::from(slots * per_parent) * block) as f64 / f64::from(1u32 << 20),
@@ -631,29 +636,32 @@ pub(crate) fn bench_many(
                 Level::Open { rate, cap } => ("open", None, Some(rate), Some(cap)),
             };
             if run.json {
-                println!(
-                    "{}",
-                    json!({
-                        "mode": mode, "transport": transport, "processes": processes, "block_bytes": block,
-                        "concurrency": concurrency, "offered_per_s": offered, "max_in_flight": cap,
-                        "arrivals": offered.map(|_| format!("{:?}", w.arrivals).to_lowercase()),
-                        "n": run.n, "blocks_per_child": w.blocks_per_child,
-                        "duration_s": w.duration, "connections": run.connections,
-                        "notify_with_read": run.notify_with_read, "lease_batch": w.lease_batch,
-                        "requests": l.requests, "requests_per_s": l.requests_per_s, "gib_per_s": l.gib_per_s,
-                        "p50_us": l.child_us[0], "p99_us": l.child_us[1], "p999_us": l.child_us[2], "max_us": l.child_us[3],
-                        "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],
-                        "service_p50_us": l.service_us[0], "service_p99_us": l.service_us[1], "service_p999_us": l.service_us[2],
-                        "submit_lag_p50_us": offered.map(|_| l.submit_lag_us[0]),
-                        "submit_lag_p99_us": offered.map(|_| l.submit_lag_us[1]),
-                        "submit_lag_max_us": offered.map(|_| l.submit_lag_us[2]),
-                        "cap_waits": offered.map(|_| l.cap_waits), "max_backlog": offered.map(|_| l.max_backlog),
-                        "cpu_us_per_request": l.cpu_us_per_request, "lease_call_us": l.lease_call_us,
-                        "prefill_cpu_us_per_request": l.prefill_cpu_us_per_request,
-                        "rss_before_mib": l.rss_before_mib, "rss_peak_mib": l.rss_peak_mib, "kv_mib": l.kv_mib,
-                        "fds_before": l.fds_before, "fds_max": l.fds_max, "verified": l.verified, "prefill": l.prefill,
-                    })
-                );
+                let mut j = json!({
+                    "mode": mode, "transport": transport, "processes": processes, "block_bytes": block,
+                    "concurrency": concurrency, "n": run.n, "blocks_per_child": w.blocks_per_child,
+                    "duration_s": w.duration, "connections": run.connections,
+                    "notify_with_read": run.notify_with_read, "lease_batch": w.lease_batch,
+                    "requests": l.requests, "requests_per_s": l.requests_per_s, "gib_per_s": l.gib_per_s,
+                    "p50_us": l.child_us[0], "p99_us": l.child_us[1], "p999_us": l.child_us[2], "max_us": l.child_us[3],
+                    "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],
+                    "service_p50_us": l.service_us[0], "service_p99_us": l.service_us[1], "service_p999_us": l.service_us[2],
+                    "cpu_us_per_request": l.cpu_us_per_request, "lease_call_us": l.lease_call_us,
+                    "prefill_cpu_us_per_request": l.prefill_cpu_us_per_request,
+                    "involuntary_switches_per_s": l.preempted_per_s,
+                    "rss_before_mib": l.rss_before_mib, "rss_peak_mib": l.rss_peak_mib, "kv_mib": l.kv_mib,
+                    "fds_before": l.fds_before, "fds_max": l.fds_max, "verified": l.verified, "prefill": l.prefill,
+                });
+                // The open loop's own figures (null in the closed loop).
+                let open = |v: Value| if offered.is_some() { v } else { Value::Null };
+                j["offered_per_s"] = json!(offered);
+                j["max_in_flight"] = json!(cap);
+                j["arrivals"] = open(json!(format!("{:?}", w.arrivals).to_lowercase()));
+                j["submit_lag_p50_us"] = open(json!(l.submit_lag_us[0]));
+                j["submit_lag_p99_us"] = open(json!(l.submit_lag_us[1]));
+                j["submit_lag_max_us"] = open(json!(l.submit_lag_us[2]));
+                j["cap_waits"] = open(json!(l.cap_waits));
+                j["max_backlog"] = open(json!(l.max_backlog));
+                println!("{j}");
             } else {
                 println!(
                     "{:>6} {:>10} {:>10.0} {:>8.3} {:>9.0} {:>9.0} {:>9.0} {:>9.1} {:>10.1} {:>9.1} {:>9} {:>6} {:>9} {:>8}",
