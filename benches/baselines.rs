@@ -1,20 +1,40 @@
-//! The machine's ceilings, measured in the same run: raw TCP on 127.0.0.1 (bandwidth and a
-//! one-block round trip) and memcpy.
+//! The machine's ceilings, measured in the same run: raw TCP on 127.0.0.1 (bandwidth, in
+//! this process or from the `serve` process of a two-process run, and a one-block round
+//! trip) and memcpy.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use crate::measure::percentile;
 
-/// Raw TCP: `connections` sockets on 127.0.0.1 moving `total` bytes from one buffer to
-/// another, `block`-sized writes and reads, no protocol. Buffers are allocated and touched
-/// and connections made before the clock starts.
-pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, block: u64) -> Result<f64, String> {
-    use std::sync::{Arc, Barrier};
+/// Bytes per write of the raw TCP baseline: kvxfer's server sends a read's payload in
+/// vectored writes of about this many bytes (`CRC_GROUP` in kvxfer-tcp's `read.rs`: each
+/// group is checksummed, then written; the header rides with the first, the CRC trailer
+/// with the last).
+pub(crate) const RAW_WRITE_BYTES: usize = 256 * 1024;
+
+/// Sends `src` as kvxfer's server sends a payload: writes of [`RAW_WRITE_BYTES`].
+fn write_like_kvxfer(s: &mut TcpStream, src: &[u8]) -> std::io::Result<()> {
+    src.chunks(RAW_WRITE_BYTES).try_for_each(|c| s.write_all(c))
+}
+
+/// Fills `dst` as kvxfer's client fills a child's blocks: `read_span` bytes at a time (one
+/// read's contiguous run), each read taking as much as the socket holds.
+fn read_like_kvxfer(s: &mut TcpStream, dst: &mut [u8], read_span: u64) -> std::io::Result<()> {
+    let span = (read_span as usize).max(4096);
+    dst.chunks_mut(span).try_for_each(|c| s.read_exact(c))
+}
+
+/// Raw TCP, one process: `connections` sockets on 127.0.0.1 moving `total` bytes from one
+/// buffer to another, written as kvxfer's server writes ([`RAW_WRITE_BYTES`]) and read
+/// `read_span` bytes at a time (kvxfer's read of one child), no protocol, a sender and a
+/// receiver thread per socket. Buffers are allocated and touched and connections made
+/// before the clock starts.
+pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
     let connections = connections.max(1);
     let per = (total / connections as u64) as usize;
-    let chunk = (block as usize).clamp(4096, 1 << 21);
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let clients: Vec<TcpStream> = (0..connections)
@@ -31,28 +51,88 @@ pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, block: u64) -> R
         threads.push(std::thread::spawn(move || {
             let src = vec![0x5au8; per];
             start.wait();
-            for c in src.chunks(chunk) {
-                if s.write_all(c).is_err() {
-                    return;
-                }
-            }
+            let _ = write_like_kvxfer(&mut s, &src);
         }));
     }
-    for mut s in clients {
-        let start = start.clone();
-        threads.push(std::thread::spawn(move || {
-            let mut dst = vec![1u8; per];
-            start.wait();
-            for c in dst.chunks_mut(chunk) {
-                if s.read_exact(c).is_err() {
-                    return;
-                }
-            }
-            std::hint::black_box(&dst);
-        }));
-    }
+    let readers = receive(clients, per, read_span, &start);
+    threads.extend(readers);
     start.wait();
     let t0 = Instant::now();
+    for t in threads {
+        t.join().map_err(|_| "raw tcp thread panicked".to_string())?;
+    }
+    Ok((per * connections) as f64 / f64::from(1u32 << 30) / t0.elapsed().as_secs_f64())
+}
+
+/// Receiver threads, one per socket, each filling `per` bytes once `start` opens; a socket
+/// with a `serve` source at the other end is first sent one byte (its go).
+fn receive(
+    sockets: Vec<TcpStream>,
+    per: usize,
+    read_span: u64,
+    start: &Arc<Barrier>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    sockets
+        .into_iter()
+        .map(|mut s| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                let mut dst = vec![1u8; per];
+                start.wait();
+                let _ = read_like_kvxfer(&mut s, &mut dst, read_span);
+                std::hint::black_box(&dst);
+            })
+        })
+        .collect()
+}
+
+/// The `serve` half of the two-process raw TCP baseline: listens on 127.0.0.1, and for
+/// each of `connections` sockets accepted sends its share of `total` bytes (buffers
+/// allocated and touched before this returns) as kvxfer's server writes, once the socket's
+/// peer sent one byte. Returns the address to connect to.
+pub(crate) fn raw_tcp_source(total: u64, connections: usize) -> Result<String, String> {
+    let connections = connections.max(1);
+    let per = (total / connections as u64) as usize;
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?.to_string();
+    let sources: Vec<Vec<u8>> = (0..connections).map(|_| vec![0x5au8; per]).collect();
+    std::thread::spawn(move || {
+        for src in sources {
+            let Ok((mut s, _)) = listener.accept() else { return };
+            std::thread::spawn(move || {
+                let mut go = [0u8; 1];
+                if s.read_exact(&mut go).is_ok() {
+                    let _ = write_like_kvxfer(&mut s, &src);
+                }
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// The pull half of the two-process raw TCP baseline: connects `connections` sockets to a
+/// [`raw_tcp_source`] at `addr`, and reads `total` bytes from them (`read_span` at a time)
+/// into touched buffers; the clock starts when the go bytes are sent.
+pub(crate) fn raw_tcp_sink_gib_per_s(
+    addr: &str,
+    total: u64,
+    connections: usize,
+    read_span: u64,
+) -> Result<f64, String> {
+    let connections = connections.max(1);
+    let per = (total / connections as u64) as usize;
+    let sockets: Vec<TcpStream> = (0..connections)
+        .map(|_| TcpStream::connect(addr).map_err(|e| format!("raw source {addr}: {e}")))
+        .collect::<Result<_, _>>()?;
+    let mut goes =
+        sockets.iter().map(TcpStream::try_clone).collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+    let start = Arc::new(Barrier::new(connections + 1));
+    let threads = receive(sockets, per, read_span, &start);
+    start.wait();
+    let t0 = Instant::now();
+    for g in &mut goes {
+        g.write_all(&[1]).map_err(|e| e.to_string())?;
+    }
     for t in threads {
         t.join().map_err(|_| "raw tcp thread panicked".to_string())?;
     }

@@ -14,6 +14,8 @@ pub(crate) struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+// Parsed once per process: the size of `Pull`'s options does not matter.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Mode {
     /// The prefill side of a two-process run: leases on request and serves the blocks.
     Serve(ServeArgs),
@@ -153,7 +155,7 @@ impl RunArgs {
             for &bpc in &self.sweep_blocks_per_child {
                 let mut r = with_n.clone();
                 r.workload.blocks_per_child = bpc;
-                if !r.workload.concurrency.is_empty() {
+                if r.workload.any() {
                     runs.push(r);
                     continue;
                 }

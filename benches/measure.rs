@@ -9,7 +9,7 @@ use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory};
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
-use crate::baselines::{raw_tcp_gib_per_s, RawRtt};
+use crate::baselines::RawRtt;
 use crate::cli::RunArgs;
 use crate::source::LeaseSource;
 
@@ -147,7 +147,11 @@ pub(crate) fn run_block_size(
             if let Some(r) = raw_rtt.as_mut() {
                 raw_rtt_us.extend(r.sample(rtt_per_iter)?);
                 // The bandwidth ceiling interleaved too, so each iteration has its own.
-                raw_tcp_runs.push(raw_tcp_gib_per_s(iter_bytes, run.connections, block)?);
+                raw_tcp_runs.push(source.raw_tcp_gib_per_s(
+                    iter_bytes,
+                    run.connections,
+                    u64::from(bpc) * block,
+                )?);
             }
         }
     }

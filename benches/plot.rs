@@ -76,13 +76,45 @@ pub(crate) fn svg_plot(path: &str, transport: &str, rows: &[PlotRow]) -> Result<
 }
 
 /// Draws the many-requests workload into an SVG file at `path`: per-child hand-off latency
-/// (p50, p99, p999; log scale) against the parents in flight (log scale), one set of lines
-/// per block size.
+/// (p50, p99, p999; log scale) against the parents in flight (closed loop, log scale) and,
+/// in a second panel below, against the parents offered per second (open loop, log scale);
+/// one set of lines per block size.
 pub(crate) fn svg_latency_plot(
     path: &str,
     transport: &str,
     rows: &[crate::workload::Loaded],
 ) -> Result<(), String> {
+    use crate::workload::Level;
+    let (w, h) = (720.0, 420.0);
+    let closed: Vec<&crate::workload::Loaded> =
+        rows.iter().filter(|r| matches!(r.level, Level::Closed(_))).collect();
+    let open: Vec<&crate::workload::Loaded> =
+        rows.iter().filter(|r| matches!(r.level, Level::Open { .. })).collect();
+    let panels: Vec<(&[&crate::workload::Loaded], String)> = [
+        (closed.as_slice(), "parents in flight (C), closed loop".to_owned()),
+        (
+            open.as_slice(),
+            "parents offered per second, open loop (latency from scheduled arrival)".to_owned(),
+        ),
+    ]
+    .into_iter()
+    .filter(|(r, _)| !r.is_empty())
+    .collect();
+    let total_h = h * panels.len().max(1) as f64;
+    let mut svg = format!(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{total_h}' font-family='sans-serif' font-size='12'>\n\
+         <rect width='100%' height='100%' fill='white'/>\n"
+    );
+    for (i, (rows, xlabel)) in panels.iter().enumerate() {
+        svg += &latency_panel(rows, transport, xlabel, h * i as f64);
+    }
+    svg += "</svg>\n";
+    std::fs::write(path, svg).map_err(|e| format!("writing {path}: {e}"))
+}
+
+/// One panel of [`svg_latency_plot`] (720 x 420, `top` pixels down): latency quantiles of
+/// `rows` against their level (`Loaded::x`), both on log scales.
+fn latency_panel(rows: &[&crate::workload::Loaded], transport: &str, xlabel: &str, top: f64) -> String {
     let (w, h, m) = (720.0, 420.0, 70.0);
     let lat = |v: f64| v.max(1.0).log10();
     let ys: Vec<f64> = rows.iter().flat_map(|r| r.child_us[..3].iter().map(|&v| lat(v))).collect();
@@ -90,27 +122,29 @@ pub(crate) fn svg_latency_plot(
         ys.iter().copied().fold(f64::MAX, f64::min).floor(),
         ys.iter().copied().fold(f64::MIN, f64::max).ceil().max(1.0),
     );
-    let xs: Vec<f64> = rows.iter().map(|r| f64::from(r.concurrency.max(1)).log2()).collect();
+    let xs: Vec<f64> = rows.iter().map(|r| r.x().max(1.0).log2()).collect();
     let (x0, x1) = (xs.iter().copied().fold(f64::MAX, f64::min), xs.iter().copied().fold(f64::MIN, f64::max));
     let px = |x: f64| m + if x1 > x0 { (x - x0) / (x1 - x0) * (w - 2.0 * m) } else { (w - 2.0 * m) / 2.0 };
-    let py = |y: f64| h - m - if y1 > y0 { (y - y0) / (y1 - y0) * (h - 2.0 * m) } else { 0.0 };
+    let py = |y: f64| top + h - m - if y1 > y0 { (y - y0) / (y1 - y0) * (h - 2.0 * m) } else { 0.0 };
+    let (bottom, mid) = (top + h - m, top + h / 2.0);
     let mut svg = format!(
-        "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>\n\
-         <rect width='100%' height='100%' fill='white'/>\n\
-         <line x1='{m}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{m}' y1='{m}' x2='{m}' y2='{}' stroke='black'/>\n\
-         <text x='{}' y='{}' text-anchor='middle'>parents in flight (C)</text>\
-         <text x='15' y='{}' transform='rotate(-90 15 {})' text-anchor='middle'>hand-off latency, us ({transport})</text>\n",
-        h - m, w - m, h - m, h - m, w / 2.0, h - 15.0, h / 2.0, h / 2.0
+        "<line x1='{m}' y1='{bottom}' x2='{}' y2='{bottom}' stroke='black'/><line x1='{m}' y1='{}' x2='{m}' y2='{bottom}' stroke='black'/>\n\
+         <text x='{}' y='{}' text-anchor='middle'>{xlabel}</text>\
+         <text x='15' y='{mid}' transform='rotate(-90 15 {mid})' text-anchor='middle'>hand-off latency, us ({transport})</text>\n",
+        w - m,
+        top + m,
+        w / 2.0,
+        top + h - 15.0,
     );
-    let mut seen_c = Vec::new();
+    let mut seen_x = Vec::new();
     for (i, r) in rows.iter().enumerate() {
-        if !seen_c.contains(&r.concurrency) {
-            seen_c.push(r.concurrency);
+        if !seen_x.contains(&r.x().to_bits()) {
+            seen_x.push(r.x().to_bits());
             svg += &format!(
                 "<text x='{}' y='{}' text-anchor='middle'>{}</text>\n",
                 px(xs[i]),
-                h - m + 18.0,
-                r.concurrency
+                bottom + 18.0,
+                r.x()
             );
         }
     }
@@ -144,12 +178,11 @@ pub(crate) fn svg_latency_plot(
             svg += &format!(
                 "<text x='{}' y='{}' fill='{color}'>{} blocks, {q}</text>\n",
                 w - m - 150.0,
-                m + 16.0 * legend,
+                top + m + 16.0 * legend,
                 human(*block)
             );
             legend += 1.0;
         }
     }
-    svg += "</svg>\n";
-    std::fs::write(path, svg).map_err(|e| format!("writing {path}: {e}"))
+    svg
 }

@@ -32,3 +32,19 @@ pub(crate) fn reset_peak_rss() -> bool {
 pub(crate) fn open_fds() -> u64 {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count().saturating_sub(1) as u64).unwrap_or(0)
 }
+
+/// Involuntary context switches of every thread of this process so far (the sum of
+/// `nonvoluntary_ctxt_switches` over `/proc/self/task/*/status`; threads that exited are not
+/// counted): how often the scheduler took the CPU from a runnable thread.
+pub(crate) fn involuntary_switches() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .sum()
+}

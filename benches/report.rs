@@ -41,8 +41,8 @@ fn raw_ucx_baseline(
     Ok(None)
 }
 
-/// The many-requests workload when `--concurrency` was given, else the bulk sweep; once per
-/// run of a cost-growth sweep.
+/// The many-requests workload when `--concurrency` or `--rate` was given, else the bulk
+/// sweep; once per run of a cost-growth sweep.
 pub(crate) fn bench_any(
     run: &RunArgs,
     source: &mut dyn LeaseSource,
@@ -51,7 +51,7 @@ pub(crate) fn bench_any(
     let mut all_ok = true;
     // One run, or each run of a cost-growth sweep (`--sweep-n`, `--sweep-blocks-per-child`).
     for run in &run.sweep()? {
-        all_ok &= if run.workload.concurrency.is_empty() {
+        all_ok &= if !run.workload.any() {
             bench(run, source, processes)?
         } else {
             crate::workload::bench_many(run, source, processes)?
@@ -109,6 +109,10 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
             });
             if run.baseline {
                 j["raw_tcp_gib_per_s"] = json!(raw);
+                // Where the raw runs ran (two processes: from `serve` to `pull`, as kvxfer's
+                // bytes move) and their write size (kvxfer's server's).
+                j["raw_tcp_processes"] = json!(processes);
+                j["raw_tcp_write_bytes"] = json!(crate::baselines::RAW_WRITE_BYTES);
                 j["memcpy_gib_per_s"] = json!(mem);
                 j["ratio_vs_raw_tcp"] = json!(ratio(raw));
                 j["ratio_vs_memcpy"] = json!(ratio(mem));

@@ -1,5 +1,6 @@
 //! `kvxfer-bench serve`: the prefill process of a two-process run, answering one JSON
-//! request per line (setup, lease, stats, quit) on its control socket.
+//! request per line (setup, lease, lease_many, stats, raw_tcp_source, quit) on its control
+//! socket.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -53,6 +54,15 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                             None => json!({"error": "lease needs blocks"}),
                         }
                     }
+                    Some("lease_many") => lease_many(&mut source, &req),
+                    Some("raw_tcp_source") => {
+                        let bytes = req["bytes"].as_u64().unwrap_or(0);
+                        let connections = req["connections"].as_u64().unwrap_or(1) as usize;
+                        match crate::baselines::raw_tcp_source(bytes, connections) {
+                            Ok(addr) => json!({"addr": addr}),
+                            Err(e) => json!({"error": e}),
+                        }
+                    }
                     Some("stats") => source.stats(),
                     #[cfg(feature = "ucx")]
                     Some("raw_ucx_target") => {
@@ -83,4 +93,25 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// `lease_many`: every parent of the request leased (`consumers` each), their results in
+/// order; the first refusal is the answer.
+fn lease_many(source: &mut LocalSource, req: &Value) -> Value {
+    let consumers = u32::try_from(req["consumers"].as_u64().unwrap_or(1)).unwrap_or(1);
+    let Some(parents) = req["parents"].as_array() else {
+        return json!({"error": "lease_many needs parents"});
+    };
+    let mut results = Vec::with_capacity(parents.len());
+    for p in parents {
+        let parent = p["parent"].as_str().unwrap_or("bench");
+        let Ok(blocks) = serde_json::from_value::<Vec<Vec<BlockId>>>(p["blocks"].clone()) else {
+            return json!({"error": "lease_many: a parent without blocks"});
+        };
+        match source.lease(parent, blocks, consumers) {
+            Ok(r) => results.push(Value::String(hex::encode(r.to_wire().encode_to_vec()))),
+            Err(e) => return json!({"error": e}),
+        }
+    }
+    json!({"results": results})
 }

@@ -24,6 +24,38 @@ pub(crate) trait LeaseSource {
         blocks: Vec<Vec<BlockId>>,
         consumers: u32,
     ) -> Result<PrefillResult, String>;
+    /// Leases several parents (name and children's blocks each) at once: in two processes,
+    /// one control round trip for all of them.
+    fn lease_many(
+        &mut self,
+        parents: Vec<(String, Vec<Vec<BlockId>>)>,
+        consumers: u32,
+    ) -> Result<Vec<PrefillResult>, String> {
+        parents.into_iter().map(|(p, blocks)| self.lease(&p, blocks, consumers)).collect()
+    }
+    /// Starts leasing several parents without waiting for them where that is possible (a
+    /// `serve` process: the request is sent, the answer read by [`Self::lease_many_recv`]):
+    /// `Some(results)` when they are already here, `None` when they are under way. At most
+    /// one batch is under way at a time.
+    fn lease_many_send(
+        &mut self,
+        parents: Vec<(String, Vec<Vec<BlockId>>)>,
+        consumers: u32,
+    ) -> Result<Option<Vec<PrefillResult>>, String> {
+        self.lease_many(parents, consumers).map(Some)
+    }
+    /// The results of the batch [`Self::lease_many_send`] left under way: `None` while they
+    /// have not arrived and `wait` is false (or when none is under way).
+    fn lease_many_recv(&mut self, wait: bool) -> Result<Option<Vec<PrefillResult>>, String> {
+        let _ = wait;
+        Ok(None)
+    }
+    /// Raw TCP GiB/s of `total` bytes over `connections` sockets from the prefill side to
+    /// this process, written as kvxfer's server writes and read `read_span` bytes at a time
+    /// (see [`crate::baselines`]): two threads of this process, or the `serve` process.
+    fn raw_tcp_gib_per_s(&mut self, total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
+        crate::baselines::raw_tcp_gib_per_s(total, connections, read_span)
+    }
     /// Prefill-side stats (bytes served, leases) as JSON.
     fn stats(&mut self) -> Value;
     /// Registers `bytes` of filled memory as a bare UCX target on the prefill side (kept
@@ -95,10 +127,21 @@ pub(crate) fn start_prefill(config: AgentConfig, block: u64, blocks: u32) -> Res
     PrefillAgent::start(config, "127.0.0.1:0", mem).map_err(|e| e.to_string())
 }
 
+/// A lease as `serve` sends it: the wire `PrefillResult`, hex-encoded.
+fn result_from_hex(hex: &str) -> Result<PrefillResult, String> {
+    let bytes = hex::decode(hex).map_err(|e| format!("serve sent bad hex: {e}"))?;
+    let wire = kvxfer_proto::v1::PrefillResult::decode(bytes.as_slice()).map_err(|e| e.to_string())?;
+    PrefillResult::from_wire(wire).map_err(|e| e.to_string())
+}
+
 /// A `serve` process, driven over its control socket (one JSON object per line).
 pub(crate) struct RemoteSource {
     reader: BufReader<TcpStream>,
     writer: TcpStream,
+    /// Parents of a `lease_many` request sent and not yet answered.
+    leasing: Option<usize>,
+    /// Its answer, when another request had to read it first.
+    lease_answer: Option<Result<Value, String>>,
 }
 
 impl RemoteSource {
@@ -117,13 +160,27 @@ impl RemoteSource {
         // One request and one answer per line, each waited for: no Nagle delay.
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
         let writer = stream.try_clone().map_err(|e| e.to_string())?;
-        Ok(RemoteSource { reader: BufReader::new(stream), writer })
+        Ok(RemoteSource { reader: BufReader::new(stream), writer, leasing: None, lease_answer: None })
     }
 
-    /// One request, one answer (a JSON `error` becomes `Err`).
+    /// One request, one answer (a JSON `error` becomes `Err`). A `lease_many` answer still
+    /// due is read first and kept for [`LeaseSource::lease_many_recv`].
     fn call(&mut self, req: Value) -> Result<Value, String> {
+        if self.leasing.is_some() && self.lease_answer.is_none() {
+            self.lease_answer = Some(self.answer());
+        }
+        self.send(&req)?;
+        self.answer()
+    }
+
+    /// Sends one request.
+    fn send(&mut self, req: &Value) -> Result<(), String> {
         // One write per request (a line written in pieces would wait on the delayed ACK).
-        self.writer.write_all(format!("{req}\n").as_bytes()).map_err(|e| format!("to serve: {e}"))?;
+        self.writer.write_all(format!("{req}\n").as_bytes()).map_err(|e| format!("to serve: {e}"))
+    }
+
+    /// Reads one answer (a JSON `error` becomes `Err`).
+    fn answer(&mut self) -> Result<Value, String> {
         let mut line = String::new();
         self.reader.read_line(&mut line).map_err(|e| format!("from serve: {e}"))?;
         let v: Value = serde_json::from_str(&line).map_err(|e| format!("from serve: {e}: {line:?}"))?;
@@ -131,6 +188,26 @@ impl RemoteSource {
             Some(e) => Err(format!("serve: {e}")),
             None => Ok(v),
         }
+    }
+
+    /// Whether an answer (or its start) can be read without waiting.
+    fn answer_ready(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        if !self.reader.buffer().is_empty() {
+            return true;
+        }
+        let mut fd = libc::pollfd { fd: self.reader.get_ref().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd for an open socket, and a zero timeout.
+        unsafe { libc::poll(&mut fd, 1, 0) > 0 }
+    }
+
+    /// The results of a `lease_many` answer for `count` parents.
+    fn lease_results(v: Value, count: usize) -> Result<Vec<PrefillResult>, String> {
+        let results = v.get("results").and_then(Value::as_array).ok_or("serve sent no results")?;
+        if results.len() != count {
+            return Err(format!("serve leased {} parents of {count}", results.len()));
+        }
+        results.iter().map(|r| result_from_hex(r.as_str().ok_or("serve sent a non-string result")?)).collect()
     }
 
     /// Tells the `serve` process to exit.
@@ -141,7 +218,10 @@ impl RemoteSource {
 
 impl LeaseSource for RemoteSource {
     fn setup(&mut self, block: u64, blocks: u32) -> Result<(), String> {
-        self.call(json!({"op": "setup", "block_bytes": block, "blocks": blocks})).map(drop)
+        let r = self.call(json!({"op": "setup", "block_bytes": block, "blocks": blocks})).map(drop);
+        // A batch still under way leased from the agent this replaced: dropped with it.
+        (self.leasing, self.lease_answer) = (None, None);
+        r
     }
     fn lease(
         &mut self,
@@ -151,10 +231,47 @@ impl LeaseSource for RemoteSource {
     ) -> Result<PrefillResult, String> {
         let v =
             self.call(json!({"op": "lease", "parent": parent, "blocks": blocks, "consumers": consumers}))?;
-        let hex = v.get("result").and_then(Value::as_str).ok_or("serve sent no result")?;
-        let bytes = hex::decode(hex).map_err(|e| format!("serve sent bad hex: {e}"))?;
-        let wire = kvxfer_proto::v1::PrefillResult::decode(bytes.as_slice()).map_err(|e| e.to_string())?;
-        PrefillResult::from_wire(wire).map_err(|e| e.to_string())
+        result_from_hex(v.get("result").and_then(Value::as_str).ok_or("serve sent no result")?)
+    }
+    fn lease_many(
+        &mut self,
+        parents: Vec<(String, Vec<Vec<BlockId>>)>,
+        consumers: u32,
+    ) -> Result<Vec<PrefillResult>, String> {
+        match self.lease_many_send(parents, consumers)? {
+            Some(results) => Ok(results),
+            None => self.lease_many_recv(true)?.ok_or_else(|| "serve sent no lease answer".into()),
+        }
+    }
+    fn lease_many_send(
+        &mut self,
+        parents: Vec<(String, Vec<Vec<BlockId>>)>,
+        consumers: u32,
+    ) -> Result<Option<Vec<PrefillResult>>, String> {
+        if self.leasing.is_some() {
+            return Err("a lease_many batch is already under way".into());
+        }
+        let count = parents.len();
+        let parents: Vec<Value> =
+            parents.into_iter().map(|(parent, blocks)| json!({"parent": parent, "blocks": blocks})).collect();
+        self.send(&json!({"op": "lease_many", "parents": parents, "consumers": consumers}))?;
+        self.leasing = Some(count);
+        Ok(None)
+    }
+    fn lease_many_recv(&mut self, wait: bool) -> Result<Option<Vec<PrefillResult>>, String> {
+        let Some(count) = self.leasing else { return Ok(None) };
+        let answer = match self.lease_answer.take() {
+            Some(a) => a,
+            None if wait || self.answer_ready() => self.answer(),
+            None => return Ok(None),
+        };
+        self.leasing = None;
+        Self::lease_results(answer?, count).map(Some)
+    }
+    fn raw_tcp_gib_per_s(&mut self, total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
+        let v = self.call(json!({"op": "raw_tcp_source", "bytes": total, "connections": connections}))?;
+        let addr = v.get("addr").and_then(Value::as_str).ok_or("serve sent no raw source address")?;
+        crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)
     }
     fn stats(&mut self) -> Value {
         self.call(json!({"op": "stats"})).unwrap_or(Value::Null)

@@ -1,40 +1,85 @@
-//! The many-requests workload (`--concurrency 1,16,256,1024`): C parents in flight at once,
-//! each of `--n` children of `--blocks-per-child` blocks, a new parent leased and submitted
-//! as soon as one finishes (closed loop), for `--duration` seconds after `--warmup-secs`.
-//! Reported per block size and C: requests/s, GiB/s, per-child hand-off latency
-//! (p50/p99/p999), CPU per request, peak RSS and open file descriptors.
+//! The many-requests workload, in two modes, each parent of `--n` children of
+//! `--blocks-per-child` blocks, measured for `--duration` seconds after `--warmup-secs`:
 //!
-//! Memory: the decode agent owns C parents' worth of blocks (one slot per parent in
-//! flight); the prefill side 2C parents' worth, handed out first-in first-out, so a decode
-//! slot reads other remote blocks on each reuse and the final check (every slot against
-//! the pattern of the blocks it last pulled) cannot pass on stale data.
+//! - closed loop (`--concurrency 1,16,256,1024`): C parents in flight, a new one started as
+//!   soon as one finishes; its latency counts from when its turn came (its lease included);
+//! - open loop (`--rate 500,2000`): parents arrive on a fixed schedule (or Poisson,
+//!   `--arrivals poisson`) at R per second whatever the system does; latency counts from
+//!   the *scheduled* arrival, so a submitter that falls behind, or a full in-flight cap
+//!   (`--max-in-flight`), shows in the tail instead of being hidden (no coordinated
+//!   omission). Arrivals are never dropped: one that finds the cap reached waits, and the
+//!   waits are reported (`cap_waits`, `max_backlog`).
+//!
+//! Each child's hand-off ends at [`kvxfer::ChildReport::completed_at`], stamped by the pull
+//! task when its outcome was decided (not when this thread polled it). Leases are taken
+//! `--lease-batch` parents per control round trip ahead of need (in two processes, one JSON
+//! exchange with `serve` per batch), so the submitting thread measures the engine rather
+//! than the bench's own control channel. Reported per block size and level: requests/s,
+//! GiB/s, per-child latency (p50/p99/p999), CPU per request, peak RSS and open fds.
+//!
+//! Memory: the decode agent owns one parent's blocks per slot (C, or the in-flight cap);
+//! the prefill side twice as many, handed out first-in first-out, so a decode slot reads
+//! other remote blocks on each reuse and the final check (every slot against the pattern
+//! of the blocks it last pulled) cannot pass on stale data.
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use futures::stream::{FuturesUnordered, StreamExt};
+use futures::task::ArcWake;
 use kvxfer::blocking::DecodeAgent;
-use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PullReport};
+use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, PullReport};
 use kvxfer_mem::pattern;
+use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::cli::RunArgs;
 use crate::measure::{cpu_seconds, percentile};
-use crate::procstat::{open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
+use crate::procstat::{involuntary_switches, open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
 use crate::report::human;
 use crate::source::LeaseSource;
+
+/// How open-loop arrivals are spaced.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Arrivals {
+    /// Exactly 1/R apart.
+    Fixed,
+    /// Exponentially distributed gaps of mean 1/R (seeded by `--seed`).
+    Poisson,
+}
 
 /// Options of the many-requests workload.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct WorkloadArgs {
-    /// Many-requests mode: keep this many parents in flight (a list, e.g. 1,16,256,1024),
-    /// a new one arriving as soon as one finishes; replaces the bulk iterations.
+    /// Many-requests mode, closed loop: keep this many parents in flight (a list, e.g.
+    /// 1,16,256,1024), a new one started as soon as one finishes; replaces the bulk
+    /// iterations.
     #[arg(long, value_delimiter = ',')]
     pub(crate) concurrency: Vec<u32>,
-    /// Measured seconds per concurrency level (many-requests mode).
+    /// Many-requests mode, open loop: parents arriving per second (a list, e.g. 500,2000),
+    /// whatever the system does; latency counts from each parent's scheduled arrival.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) rate: Vec<f64>,
+    /// Open loop: spacing of the arrivals.
+    #[arg(long, value_enum, default_value_t = Arrivals::Fixed)]
+    pub(crate) arrivals: Arrivals,
+    /// Open loop: parents in flight at most (the decode blocks held); an arrival that finds
+    /// it reached waits (never dropped) and is counted in `cap_waits`.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) max_in_flight: u32,
+    /// Seed of the Poisson arrivals.
+    #[arg(long, default_value_t = 15)]
+    pub(crate) seed: u64,
+    /// Parents leased per control round trip, ahead of need (1: one lease per parent, taken
+    /// when its turn comes, as before).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) lease_batch: u32,
+    /// Measured seconds per level (many-requests mode).
     #[arg(long, default_value_t = 5.0)]
     pub(crate) duration: f64,
     /// Unmeasured seconds before them (many-requests mode).
@@ -45,22 +90,50 @@ pub(crate) struct WorkloadArgs {
     pub(crate) blocks_per_child: u32,
 }
 
-/// What one (block size, concurrency) measured.
+impl WorkloadArgs {
+    /// Whether a many-requests level was asked for.
+    pub(crate) fn any(&self) -> bool {
+        !self.concurrency.is_empty() || !self.rate.is_empty()
+    }
+}
+
+/// One level of the workload.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Level {
+    /// This many parents in flight, each started when one finishes.
+    Closed(u32),
+    /// Parents arriving at this rate per second, at most `cap` in flight.
+    Open { rate: f64, cap: u32 },
+}
+
+/// What one (block size, level) measured.
 pub(crate) struct Loaded {
     pub(crate) block: u64,
-    pub(crate) concurrency: u32,
+    pub(crate) level: Level,
     pub(crate) requests: u64,
     pub(crate) requests_per_s: f64,
     pub(crate) gib_per_s: f64,
     /// Per-child hand-off latency quantiles, us: p50, p99, p999, max.
     pub(crate) child_us: [f64; 4],
-    /// Per-request latency (lease → last child's report) quantiles, us: p50, p99.
+    /// Per-request latency (start → last child's completion) quantiles, us: p50, p99.
     pub(crate) request_us: [f64; 2],
     pub(crate) cpu_us_per_request: f64,
-    /// Mean time of one lease call (in two processes, a control round trip to `serve`):
-    /// the submitting thread's own cost, which bounds requests/s at C parents in flight.
+    /// Mean time of the lease calls per parent (in two processes, control round trips to
+    /// `serve`, `--lease-batch` parents each): the submitting thread's own cost.
     pub(crate) lease_call_us: f64,
+    /// Open loop: submission time − scheduled arrival, us: p50, p99, max.
+    pub(crate) submit_lag_us: [f64; 3],
+    /// Per-child latency from the parent's submission (not its start), us: p50, p99, p999 —
+    /// the engine's part of the hand-off, without the submitting thread's lateness.
+    pub(crate) service_us: [f64; 3],
+    /// Open loop: arrivals that found the in-flight cap reached and waited for a slot.
+    pub(crate) cap_waits: u64,
+    /// Open loop: most arrivals waiting at once.
+    pub(crate) max_backlog: u64,
     pub(crate) prefill_cpu_us_per_request: Option<f64>,
+    /// Involuntary context switches of this process's threads per measured second: how
+    /// often the machine took the CPU from a runnable thread (a loaded machine's tail).
+    pub(crate) preempted_per_s: f64,
     pub(crate) rss_before_mib: f64,
     pub(crate) rss_peak_mib: f64,
     pub(crate) kv_mib: f64,
@@ -70,24 +143,172 @@ pub(crate) struct Loaded {
     pub(crate) prefill: Value,
 }
 
-type Finished = Pin<Box<dyn Future<Output = (usize, usize, Instant, (PullReport, Vec<Instant>))>>>;
+impl Loaded {
+    /// The level's x value in tables and plots: C (closed) or parents/s offered (open).
+    pub(crate) fn x(&self) -> f64 {
+        match self.level {
+            Level::Closed(c) => f64::from(c),
+            Level::Open { rate, .. } => rate,
+        }
+    }
+}
+
+/// A finished parent: its local and remote slot, when it started (the scheduled arrival in
+/// the open loop), when it was submitted, its report.
+type Finished = Pin<Box<dyn Future<Output = Done>>>;
+
+/// What a [`Finished`] gives: local slot, remote slot, started, submitted, report.
+type Done = (usize, usize, Instant, Instant, PullReport);
 
 /// The prefill process's CPU seconds as its stats report them.
 fn prefill_cpu(source: &mut dyn LeaseSource) -> Option<f64> {
     source.stats().get("cpu_seconds").and_then(Value::as_f64)
 }
 
-/// Runs one (block size, concurrency) level.
+/// Wakes the submitting thread when a pull finishes.
+struct Unpark(std::thread::Thread);
+
+impl ArcWake for Unpark {
+    fn wake_by_ref(arc_self: &Arc<Self>) {
+        arc_self.0.unpark();
+    }
+}
+
+/// The next finished parent, waiting at most until `until` (for ever when `None`): `None`
+/// on timeout, `Some(None)` when nothing is in flight.
+fn next_until(
+    in_flight: &mut FuturesUnordered<Finished>,
+    waker: &std::task::Waker,
+    until: Option<Instant>,
+) -> Option<Option<Done>> {
+    if in_flight.is_empty() {
+        if let Some(t) = until {
+            std::thread::sleep(t.saturating_duration_since(Instant::now()));
+            return None;
+        }
+        return Some(None);
+    }
+    let mut cx = Context::from_waker(waker);
+    loop {
+        if let Poll::Ready(r) = in_flight.poll_next_unpin(&mut cx) {
+            return Some(r);
+        }
+        match until {
+            None => std::thread::park(),
+            Some(t) => {
+                let now = Instant::now();
+                if now >= t {
+                    return None;
+                }
+                std::thread::park_timeout(t - now);
+            }
+        }
+    }
+}
+
+/// Leases taken ahead of need, `batch` parents per call of the source; the next batch is
+/// asked for while the last one is used (in two processes, its control round trip overlaps
+/// the pulls), so the submitting thread waits only when the pool runs dry.
+struct LeasePool {
+    ready: VecDeque<(usize, PrefillResult)>,
+    /// The remote slots of the batch under way.
+    under_way: Option<Vec<usize>>,
+    batch: usize,
+    /// Names the parents: `many-{tag}-{seq}`.
+    tag: String,
+    seq: u64,
+    /// The children's remote blocks of a parent leased over a remote slot.
+    children: Box<dyn Fn(usize) -> Vec<Vec<BlockId>>>,
+    /// Seconds the submitting thread spent in lease calls (sending, waiting, decoding).
+    calls_secs: f64,
+    leased: u64,
+}
+
+impl LeasePool {
+    /// Collects the batch under way if it arrived (waits for it when `wait`).
+    fn collect(&mut self, source: &mut dyn LeaseSource, wait: bool) -> Result<(), String> {
+        if self.under_way.is_none() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let got = source.lease_many_recv(wait)?;
+        self.calls_secs += t0.elapsed().as_secs_f64();
+        if let Some(results) = got {
+            let slots = self.under_way.take().unwrap_or_default();
+            self.landed(slots, results);
+        }
+        Ok(())
+    }
+
+    /// Leases of `slots` arrived: ready to take.
+    fn landed(&mut self, slots: Vec<usize>, results: Vec<PrefillResult>) {
+        self.leased += results.len() as u64;
+        self.ready.extend(slots.into_iter().zip(results));
+    }
+
+    /// Asks for the next batch (at most `wanted` parents, over free remote slots) when fewer
+    /// than a batch are ready and none is under way.
+    fn top_up(
+        &mut self,
+        source: &mut dyn LeaseSource,
+        free_remote: &mut VecDeque<usize>,
+        wanted: usize,
+    ) -> Result<(), String> {
+        if self.under_way.is_some() || self.ready.len() >= self.batch {
+            return Ok(());
+        }
+        let k = self.batch.min(wanted).min(free_remote.len());
+        if k == 0 {
+            return Ok(());
+        }
+        let slots: Vec<usize> = free_remote.drain(..k).collect();
+        let parents: Vec<(String, Vec<Vec<BlockId>>)> = slots
+            .iter()
+            .map(|&r| {
+                self.seq += 1;
+                (format!("many-{}-{}", self.tag, self.seq), (self.children)(r))
+            })
+            .collect();
+        let t0 = Instant::now();
+        let sent = source.lease_many_send(parents, 1)?;
+        self.calls_secs += t0.elapsed().as_secs_f64();
+        match sent {
+            Some(results) => self.landed(slots, results),
+            None => self.under_way = Some(slots),
+        }
+        Ok(())
+    }
+
+    /// One parent's lease, asking for (and waiting for) a batch when none is ready; `None`
+    /// when no remote slot is free.
+    fn take(
+        &mut self,
+        source: &mut dyn LeaseSource,
+        free_remote: &mut VecDeque<usize>,
+        wanted: usize,
+    ) -> Result<Option<(usize, PrefillResult)>, String> {
+        if self.ready.is_empty() {
+            self.top_up(source, free_remote, wanted.max(1))?;
+            self.collect(source, true)?;
+        }
+        Ok(self.ready.pop_front())
+    }
+}
+
+/// Runs one (block size, level).
 pub(crate) fn run_level(
     run: &RunArgs,
     source: &mut dyn LeaseSource,
     block: u64,
-    concurrency: u32,
+    level: Level,
     processes: &str,
 ) -> Result<Loaded, String> {
     let w = &run.workload;
     let (n, bpc) = (run.n.max(1), w.blocks_per_child.max(1));
-    let c = concurrency.max(1) as usize;
+    let c = match level {
+        Level::Closed(c) => c.max(1),
+        Level::Open { cap, .. } => cap.max(1),
+    } as usize;
     let per_parent = n * bpc;
     let slots = u32::try_from(c).map_err(|e| e.to_string())?;
     source.setup(block, 2 * slots * per_parent)?;
@@ -98,60 +319,137 @@ pub(crate) fn run_level(
     // Peak RSS and fds from here on: what the agent and the requests in flight hold.
     let peak_reset = reset_peak_rss();
     let (rss_before, fds_before) = (rss_kib(), open_fds());
-    let ids = |slot: usize, child: u32| -> Vec<BlockId> {
+    let ids = move |slot: usize, child: u32| -> Vec<BlockId> {
         let first = slot as u32 * per_parent + child * bpc;
         (first..first + bpc).collect()
+    };
+    let tag = match level {
+        Level::Closed(c) => format!("{block}-c{c}"),
+        Level::Open { rate, .. } => format!("{block}-r{rate}"),
     };
     let mut free_local: Vec<usize> = (0..c).rev().collect();
     let mut free_remote: VecDeque<usize> = (0..2 * c).collect();
     let mut last_remote: Vec<Option<usize>> = vec![None; c];
     let mut in_flight: FuturesUnordered<Finished> = FuturesUnordered::new();
+    // Up to two batches ahead (one ready, one under way) besides the c parents in flight:
+    // the 2c remote slots hold them when a batch is at most c / 2.
+    let mut pool = LeasePool {
+        ready: VecDeque::new(),
+        under_way: None,
+        batch: (w.lease_batch.max(1) as usize).min((c / 2).max(1)),
+        tag,
+        seq: 0,
+        children: Box::new(move |r| (0..n).map(|k| ids(r, k)).collect()),
+        calls_secs: 0.0,
+        leased: 0,
+    };
+    let waker = futures::task::waker(Arc::new(Unpark(std::thread::current())));
 
     let start = Instant::now();
     let warm = start + Duration::from_secs_f64(w.warmup_secs.max(0.0));
     let end = warm + Duration::from_secs_f64(w.duration.max(0.01));
+    // Open loop: the arrival schedule.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(w.seed);
+    let mut gap = |rate: f64| -> Duration {
+        let mean = 1.0 / rate.max(1e-3);
+        match w.arrivals {
+            Arrivals::Fixed => Duration::from_secs_f64(mean),
+            Arrivals::Poisson => Duration::from_secs_f64(-mean * (1.0 - rng.random::<f64>()).ln()),
+        }
+    };
+    let mut next_arrival = start;
+    let (mut cap_waits, mut max_backlog) = (0u64, 0u64);
+    // The last moment an arrival was due while the cap was reached.
+    let mut cap_blocked_upto: Option<Instant> = None;
+    let mut submit_lag = Vec::new();
+
     let (mut cpu0, mut pcpu0, mut cpu1, mut pcpu1) = (None, None, None, None);
-    let (mut child_lat, mut req_lat) = (Vec::new(), Vec::new());
+    let (mut preempted0, mut preempted1) = (0, 0);
+    let (mut child_lat, mut req_lat, mut service_lat) = (Vec::new(), Vec::new(), Vec::new());
     let (mut requests, mut bytes) = (0u64, 0u64);
     let (mut fds_max, mut next_fd_sample) = (fds_before, start);
-    let mut seq = 0u64;
-    let mut lease_secs = 0.0f64;
     let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr()) && !run.json && !run.csv;
     loop {
         let now = Instant::now();
         if cpu0.is_none() && now >= warm {
             cpu0 = Some(cpu_seconds());
+            preempted0 = involuntary_switches();
             pcpu0 = if processes == "2" { prefill_cpu(source) } else { None };
         }
         if cpu1.is_none() && now >= end {
             cpu1 = Some(cpu_seconds());
+            preempted1 = involuntary_switches();
             pcpu1 = if processes == "2" { prefill_cpu(source) } else { None };
             if show_progress {
-                eprintln!("\r{} B blocks, C = {concurrency}: draining   ", human(block));
+                eprintln!("\r{} B blocks, {level:?}: draining   ", human(block));
             }
         }
-        while now < end && in_flight.len() < c {
-            let (Some(local), Some(remote)) = (free_local.pop(), free_remote.pop_front()) else { break };
-            seq += 1;
-            let lease_start = Instant::now();
-            let result = source.lease(
-                &format!("many-{block}-{concurrency}-{seq}"),
-                (0..n).map(|k| ids(remote, k)).collect(),
-                1,
-            )?;
-            lease_secs += lease_start.elapsed().as_secs_f64();
-            let h = decoder
-                .as_async()
-                .submit(result, (0..n).map(|k| ids(local, k)).collect())
-                .map_err(|e| e.to_string())?;
-            in_flight.push(Box::pin(async move { (local, remote, lease_start, h.finished_timed().await) }));
+        // Start what is due.
+        let mut wait_until = None;
+        match level {
+            Level::Closed(_) => {
+                while Instant::now() < end && in_flight.len() < c {
+                    let started = Instant::now();
+                    let Some(local) = free_local.pop() else { break };
+                    let wanted = pool.batch;
+                    let Some((remote, result)) = pool.take(source, &mut free_remote, wanted)? else {
+                        free_local.push(local);
+                        break;
+                    };
+                    submit(&decoder, &mut in_flight, result, local, remote, started, n, &ids)?;
+                }
+            }
+            Level::Open { rate, .. } => {
+                while next_arrival < end && next_arrival <= Instant::now() {
+                    if in_flight.len() >= c {
+                        // Every arrival due by now waits for a slot.
+                        cap_blocked_upto = Some(Instant::now());
+                        break;
+                    }
+                    let Some(local) = free_local.pop() else { break };
+                    let due = ((end - next_arrival).as_secs_f64() * rate).ceil() as usize;
+                    let Some((remote, result)) = pool.take(source, &mut free_remote, due)? else {
+                        free_local.push(local);
+                        break;
+                    };
+                    let scheduled = next_arrival;
+                    submit(&decoder, &mut in_flight, result, local, remote, scheduled, n, &ids)?;
+                    if scheduled >= warm {
+                        submit_lag.push(scheduled.elapsed().as_secs_f64() * 1e6);
+                    }
+                    if cap_blocked_upto.is_some_and(|t| scheduled <= t) {
+                        cap_waits += 1;
+                    }
+                    next_arrival += gap(rate);
+                    // Arrivals overdue now (waiting for a slot, or for this thread); exact
+                    // for fixed spacing, about right for Poisson.
+                    let now = Instant::now();
+                    if next_arrival <= now {
+                        max_backlog = max_backlog.max(((now - next_arrival).as_secs_f64() * rate) as u64 + 1);
+                    }
+                }
+                if next_arrival < end && in_flight.len() < c {
+                    wait_until = Some(next_arrival);
+                }
+            }
         }
-        let Some((local, remote, lease_start, (report, arrived))) =
-            futures::executor::block_on(in_flight.next())
-        else {
-            break;
+        // Ask for the next batch ahead of need, and collect it once it is here.
+        let wanted = match level {
+            Level::Closed(_) if Instant::now() < end => pool.batch,
+            Level::Closed(_) => 0,
+            Level::Open { rate, .. } if next_arrival < end => {
+                ((end - next_arrival).as_secs_f64() * rate).ceil() as usize
+            }
+            Level::Open { .. } => 0,
         };
-        let done_at = Instant::now();
+        pool.collect(source, false)?;
+        pool.top_up(source, &mut free_remote, wanted)?;
+        let next = match next_until(&mut in_flight, &waker, wait_until) {
+            None => continue,
+            Some(None) => break,
+            Some(Some(done)) => done,
+        };
+        let (local, remote, started, submitted, report) = next;
         for ch in &report.children {
             if !matches!(ch.outcome, ChildOutcome::Done { .. }) {
                 return Err(format!(
@@ -160,21 +458,53 @@ pub(crate) fn run_level(
                 ));
             }
         }
-        if done_at >= warm && done_at < end {
+        let done_at = report.children.iter().map(|ch| ch.completed_at).max().unwrap_or(started);
+        let completed_in_window = done_at >= warm && done_at < end;
+        if completed_in_window {
             requests += 1;
             bytes += report.delivered_bytes;
-            child_lat.extend(arrived.iter().map(|a| a.duration_since(lease_start).as_secs_f64() * 1e6));
-            if let Some(last) = arrived.iter().max() {
-                req_lat.push(last.duration_since(lease_start).as_secs_f64() * 1e6);
-            }
+        }
+        // Latency samples: closed loop, the parents that finished in the window (as
+        // throughput); open loop, every parent *scheduled* in it, however late it finished.
+        let sampled = match level {
+            Level::Closed(_) => completed_in_window,
+            Level::Open { .. } => started >= warm && started < end,
+        };
+        if sampled {
+            child_lat.extend(
+                report.children.iter().map(|ch| ch.completed_at.duration_since(started).as_secs_f64() * 1e6),
+            );
+            req_lat.push(done_at.duration_since(started).as_secs_f64() * 1e6);
+            service_lat.extend(
+                report
+                    .children
+                    .iter()
+                    .map(|ch| ch.completed_at.duration_since(submitted).as_secs_f64() * 1e6),
+            );
         }
         last_remote[local] = Some(remote);
         free_local.push(local);
         free_remote.push_back(remote);
-        if done_at >= next_fd_sample {
+        let now = Instant::now();
+        if now >= next_fd_sample {
             fds_max = fds_max.max(open_fds());
-            next_fd_sample = done_at + Duration::from_millis(20);
+            next_fd_sample = now + Duration::from_millis(20);
         }
+    }
+    // The measured window is over even when the last pull finished before its end.
+    if cpu1.is_none() {
+        std::thread::sleep(end.saturating_duration_since(Instant::now()));
+        cpu1 = Some(cpu_seconds());
+        preempted1 = involuntary_switches();
+        pcpu1 = if processes == "2" { prefill_cpu(source) } else { None };
+    }
+    if cap_waits > 0 {
+        eprintln!(
+            "kvxfer-bench: {} B blocks, {level:?}: the in-flight cap was reached; {cap_waits} arrivals \
+             waited for a slot (most overdue at once: {max_backlog}); their latency counts from their \
+             scheduled arrival",
+            human(block)
+        );
     }
     let cpu = cpu1.zip(cpu0).map(|(b, a)| b - a).unwrap_or(0.0);
     let pcpu = pcpu1.zip(pcpu0).map(|(b, a)| b - a);
@@ -197,11 +527,13 @@ pub(crate) fn run_level(
     drop(decoder);
     child_lat.sort_by(f64::total_cmp);
     req_lat.sort_by(f64::total_cmp);
+    submit_lag.sort_by(f64::total_cmp);
+    service_lat.sort_by(f64::total_cmp);
     let secs = w.duration.max(0.01);
     let per_req = |s: f64| s * 1e6 / (requests.max(1) as f64);
     Ok(Loaded {
         block,
-        concurrency,
+        level,
         requests,
         requests_per_s: requests as f64 / secs,
         gib_per_s: bytes as f64 / f64::from(1u32 << 30) / secs,
@@ -213,8 +545,21 @@ pub(crate) fn run_level(
         ],
         request_us: [percentile(&req_lat, 0.5), percentile(&req_lat, 0.99)],
         cpu_us_per_request: per_req(cpu),
-        lease_call_us: lease_secs * 1e6 / (seq.max(1) as f64),
+        lease_call_us: pool.calls_secs * 1e6 / (pool.leased.max(1) as f64),
+        submit_lag_us: [
+            percentile(&submit_lag, 0.5),
+            percentile(&submit_lag, 0.99),
+            submit_lag.last().copied().unwrap_or(0.0),
+        ],
+        service_us: [
+            percentile(&service_lat, 0.5),
+            percentile(&service_lat, 0.99),
+            percentile(&service_lat, 0.999),
+        ],
+        cap_waits,
+        max_backlog,
         prefill_cpu_us_per_request: pcpu.map(per_req),
+        preempted_per_s: preempted1.saturating_sub(preempted0) as f64 / secs,
         rss_before_mib: rss_before as f64 / 1024.0,
         rss_peak_mib: if peak_reset { rss_peak as f64 / 1024.0 } else { f64::NAN },
         kv_mib: (u64::from(slots * per_parent) * block) as f64 / f64::from(1u32 << 20),
@@ -225,21 +570,49 @@ pub(crate) fn run_level(
     })
 }
 
-/// Runs every (block size, concurrency) level of `run` and reports each; `Ok(false)` when
-/// a check failed.
+/// Submits one leased parent into local slot `local`, to report with its start time.
+#[allow(clippy::too_many_arguments)]
+fn submit(
+    decoder: &DecodeAgent,
+    in_flight: &mut FuturesUnordered<Finished>,
+    result: PrefillResult,
+    local: usize,
+    remote: usize,
+    started: Instant,
+    n: u32,
+    ids: &dyn Fn(usize, u32) -> Vec<BlockId>,
+) -> Result<(), String> {
+    let submitted = Instant::now();
+    let h = decoder
+        .as_async()
+        .submit(result, (0..n).map(|k| ids(local, k)).collect())
+        .map_err(|e| e.to_string())?;
+    in_flight.push(Box::pin(async move { (local, remote, started, submitted, h.finished().await) }));
+    Ok(())
+}
+
+/// Runs every (block size, level) of `run` — closed-loop levels first, then open-loop ones
+/// — and reports each; `Ok(false)` when a check failed.
 pub(crate) fn bench_many(
     run: &RunArgs,
     source: &mut dyn LeaseSource,
     processes: &str,
 ) -> Result<bool, String> {
     let transport = run.transport.to_string();
+    let w = &run.workload;
+    let levels: Vec<Level> = w
+        .concurrency
+        .iter()
+        .map(|&c| Level::Closed(c))
+        .chain(w.rate.iter().map(|&rate| Level::Open { rate, cap: w.max_in_flight }))
+        .collect();
     let mut all_ok = true;
     let mut rows = Vec::new();
     if !run.json {
         println!(
-            "{:>6} {:>5} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>6} {:>8}",
+            "{:>6} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>6} {:>9} {:>8}",
             "block",
-            "C",
+            "C | rate/s",
             "requests/s",
             "GiB/s",
             "p50 us",
@@ -250,35 +623,53 @@ pub(crate) fn bench_many(
             "KV MiB",
             "fds max",
             "fds0",
+            "cap waits",
             "verified"
         );
     }
     for &block in &run.block_bytes {
-        for &c in &run.workload.concurrency {
-            let l = run_level(run, source, block, c, processes)?;
+        for &level in &levels {
+            let l = run_level(run, source, block, level, processes)?;
             all_ok &= l.verified != Some(false);
+            let (mode, concurrency, offered, cap) = match l.level {
+                Level::Closed(c) => ("many", Some(c), None, None),
+                Level::Open { rate, cap } => ("open", None, Some(rate), Some(cap)),
+            };
             if run.json {
-                println!(
-                    "{}",
-                    json!({
-                        "mode": "many", "transport": transport, "processes": processes, "block_bytes": block,
-                        "concurrency": l.concurrency, "n": run.n, "blocks_per_child": run.workload.blocks_per_child,
-                        "duration_s": run.workload.duration, "connections": run.connections,
-                        "notify_with_read": run.notify_with_read,
-                        "requests": l.requests, "requests_per_s": l.requests_per_s, "gib_per_s": l.gib_per_s,
-                        "p50_us": l.child_us[0], "p99_us": l.child_us[1], "p999_us": l.child_us[2], "max_us": l.child_us[3],
-                        "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],
-                        "cpu_us_per_request": l.cpu_us_per_request, "lease_call_us": l.lease_call_us,
-                        "prefill_cpu_us_per_request": l.prefill_cpu_us_per_request,
-                        "rss_before_mib": l.rss_before_mib, "rss_peak_mib": l.rss_peak_mib, "kv_mib": l.kv_mib,
-                        "fds_before": l.fds_before, "fds_max": l.fds_max, "verified": l.verified, "prefill": l.prefill,
-                    })
-                );
+                let mut j = json!({
+                    "mode": mode, "transport": transport, "processes": processes, "block_bytes": block,
+                    "concurrency": concurrency, "n": run.n, "blocks_per_child": w.blocks_per_child,
+                    "duration_s": w.duration, "connections": run.connections,
+                    "notify_with_read": run.notify_with_read, "lease_batch": w.lease_batch,
+                    "requests": l.requests, "requests_per_s": l.requests_per_s, "gib_per_s": l.gib_per_s,
+                    "p50_us": l.child_us[0], "p99_us": l.child_us[1], "p999_us": l.child_us[2], "max_us": l.child_us[3],
+                    "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],
+                    "service_p50_us": l.service_us[0], "service_p99_us": l.service_us[1], "service_p999_us": l.service_us[2],
+                    "cpu_us_per_request": l.cpu_us_per_request, "lease_call_us": l.lease_call_us,
+                    "prefill_cpu_us_per_request": l.prefill_cpu_us_per_request,
+                    "involuntary_switches_per_s": l.preempted_per_s,
+                    "rss_before_mib": l.rss_before_mib, "rss_peak_mib": l.rss_peak_mib, "kv_mib": l.kv_mib,
+                    "fds_before": l.fds_before, "fds_max": l.fds_max, "verified": l.verified, "prefill": l.prefill,
+                });
+                // The open loop's own figures (null in the closed loop).
+                let open = |v: Value| if offered.is_some() { v } else { Value::Null };
+                j["offered_per_s"] = json!(offered);
+                j["max_in_flight"] = json!(cap);
+                j["arrivals"] = open(json!(format!("{:?}", w.arrivals).to_lowercase()));
+                j["submit_lag_p50_us"] = open(json!(l.submit_lag_us[0]));
+                j["submit_lag_p99_us"] = open(json!(l.submit_lag_us[1]));
+                j["submit_lag_max_us"] = open(json!(l.submit_lag_us[2]));
+                j["cap_waits"] = open(json!(l.cap_waits));
+                j["max_backlog"] = open(json!(l.max_backlog));
+                println!("{j}");
             } else {
                 println!(
-                    "{:>6} {:>5} {:>10.0} {:>8.3} {:>9.0} {:>9.0} {:>9.0} {:>9.1} {:>10.1} {:>9.1} {:>9} {:>6} {:>8}",
+                    "{:>6} {:>10} {:>10.0} {:>8.3} {:>9.0} {:>9.0} {:>9.0} {:>9.1} {:>10.1} {:>9.1} {:>9} {:>6} {:>9} {:>8}",
                     human(l.block),
-                    l.concurrency,
+                    match l.level {
+                        Level::Closed(c) => format!("C={c}"),
+                        Level::Open { rate, .. } => format!("{rate}/s"),
+                    },
                     l.requests_per_s,
                     l.gib_per_s,
                     l.child_us[0],
@@ -289,6 +680,7 @@ pub(crate) fn bench_many(
                     l.kv_mib,
                     l.fds_max,
                     l.fds_before,
+                    offered.map(|_| l.cap_waits.to_string()).unwrap_or_else(|| "-".into()),
                     l.verified.map(|v| v.to_string()).unwrap_or_else(|| "skipped".into()),
                 );
             }

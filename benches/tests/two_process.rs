@@ -62,6 +62,21 @@ fn tcp_across_two_processes() {
     two_processes(&["--transport", "tcp"]);
 }
 
+/// `--baseline` in two processes: the raw TCP runs go from the `serve` process to `pull`.
+#[test]
+fn raw_tcp_baseline_across_two_processes() {
+    let (_serve, addr) = serve(&["--transport", "tcp"]);
+    let rows = pull(&addr, &["--transport", "tcp", "--baseline"]);
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_eq!(r["verified"], true, "{r}");
+        assert_eq!(r["raw_tcp_processes"], "2", "{r}");
+        let runs = r["raw_tcp_runs"].as_array().expect("raw runs");
+        assert_eq!(runs.len(), 2, "{r}");
+        assert!(runs.iter().all(|v| v.as_f64().is_some_and(|g| g > 0.0)), "{r}");
+    }
+}
+
 #[cfg(feature = "ucx")]
 #[test]
 fn ucx_over_tcp_across_two_processes() {
@@ -86,6 +101,12 @@ fn many_requests_over_tcp_across_two_processes() {
             "2",
             "--concurrency",
             "1,8",
+            "--rate",
+            "200",
+            "--max-in-flight",
+            "8",
+            "--lease-batch",
+            "3",
             "--duration",
             "0.3",
             "--warmup-secs",
@@ -98,10 +119,17 @@ fn many_requests_over_tcp_across_two_processes() {
     assert!(out.status.success(), "pull failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<serde_json::Value> =
         stdout.lines().map(|l| serde_json::from_str(l).expect("json line")).collect();
-    assert_eq!(rows.len(), 2, "{stdout}");
-    for (r, c) in rows.iter().zip([1, 8]) {
-        assert_eq!(r["mode"], "many", "{r}");
-        assert_eq!(r["concurrency"], c, "{r}");
+    assert_eq!(rows.len(), 3, "{stdout}");
+    for (r, c) in rows.iter().zip([1, 8, 8]) {
+        if r["mode"] == "open" {
+            // The open loop: 200 parents/s offered, at most 8 in flight.
+            assert_eq!(r["offered_per_s"], 200.0, "{r}");
+            assert_eq!(r["max_in_flight"], c, "{r}");
+            assert!(r["cap_waits"].as_u64().is_some() && r["submit_lag_p99_us"].as_f64().is_some(), "{r}");
+        } else {
+            assert_eq!(r["mode"], "many", "{r}");
+            assert_eq!(r["concurrency"], c, "{r}");
+        }
         assert_eq!(r["verified"], true, "{r}");
         // The decode side holds c parents of 2 children of 2 blocks of 16 KiB.
         assert_eq!(r["kv_mib"].as_f64(), Some(f64::from(c) * 4.0 * 16.0 / 1024.0), "{r}");

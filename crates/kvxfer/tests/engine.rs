@@ -38,8 +38,18 @@ fn pull_n(t: Transport, n: u32, seed: u64) {
     shuffle(&mut handoffs, seed ^ 0xaa);
     let result = PrefillResult::new("R", n, handoffs).expect("complete result");
 
-    let report = decode.submit(result, local.clone()).expect("submit").wait();
+    let submitted = Instant::now();
+    let (report, arrived) = decode.submit(result, local.clone()).expect("submit").wait_timed();
     assert!(report.all_done(), "{report:?}");
+    // Each child's completion is stamped by the pull, after the submit and before its
+    // report reached this thread.
+    for (c, at) in report.children.iter().zip(&arrived) {
+        assert!(
+            submitted <= c.completed_at && c.completed_at <= *at,
+            "child {} stamped out of order",
+            c.child_index
+        );
+    }
     for i in 0..n as usize {
         assert!(verify(&decode, &remote[i], &local[i]), "child {i} bytes");
     }

@@ -547,6 +547,7 @@ impl Pull {
             child_index: self.children[i].child_index(),
             remote_request_id: id.to_owned(),
             outcome,
+            completed_at: std::time::Instant::now(),
         });
     }
 

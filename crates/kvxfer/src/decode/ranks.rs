@@ -828,6 +828,7 @@ impl RankPull {
             child_index: child.child_index(),
             remote_request_id: child.remote_request_id().to_owned(),
             outcome,
+            completed_at: std::time::Instant::now(),
         });
     }
 }

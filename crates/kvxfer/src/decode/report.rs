@@ -33,6 +33,10 @@ pub struct ChildReport {
     pub remote_request_id: String,
     /// How it ended.
     pub outcome: ChildOutcome,
+    /// When the pull task decided `outcome` (the child's last byte checked and its notify
+    /// answered, or its failure known), stamped where it happened: for hand-off latency
+    /// figures that do not depend on when the caller got round to polling the report.
+    pub completed_at: Instant,
 }
 
 /// All children's reports of one pull.
@@ -337,6 +341,7 @@ impl PullHandle {
                 error: PullError::Shutdown,
                 invalid_local_blocks: blocks.clone(),
             },
+            completed_at: Instant::now(),
         })
     }
 }
