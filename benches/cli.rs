@@ -64,14 +64,14 @@ pub(crate) struct RunArgs {
     /// `AgentConfig::notify_with_read`).
     #[arg(long)]
     pub(crate) notify_with_read: bool,
-    /// TCP: poll the socket this many µs for an answer before parking
-    /// (`AgentConfig::busy_poll`; 0: off).
-    #[arg(long, default_value_t = 0)]
-    pub(crate) busy_poll_us: u64,
     /// Drive the async `DecodeAgent` on a runtime of the bench's own: each pull submitted
     /// and awaited by a task on it (as an engine on tokio would), not the blocking facade.
     #[arg(long)]
     pub(crate) async_submit: bool,
+    /// With --async-submit: a current-thread runtime, driven by the bench's thread while it
+    /// waits for each pull (no thread hand-offs on the decode side at all).
+    #[arg(long, requires = "async_submit")]
+    pub(crate) current_thread: bool,
     /// Block sizes to sweep, e.g. 4K,64K,256K,2M.
     #[arg(long, value_delimiter = ',', default_value = "64K,2M", value_parser = parse_size)]
     pub(crate) block_bytes: Vec<u64>,
@@ -196,7 +196,6 @@ pub(crate) fn decode_config(run: &RunArgs, name: String) -> Result<AgentConfig, 
             .transport(run.transport)
             .connections_per_peer(run.connections)
             .notify_with_read(run.notify_with_read)
-            .busy_poll(std::time::Duration::from_micros(run.busy_poll_us))
             .worker_threads(run.worker_threads),
         &run.ucx_tls,
         run.ucx_peer_failure,

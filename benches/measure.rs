@@ -46,6 +46,10 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[idx.min(sorted.len() - 1)]
 }
 
+/// Runs moving less than this per iteration are latency runs: their raw TCP bandwidth runs
+/// are taken after the iterations, not between them (the raw round trips stay interleaved).
+const LATENCY_RUN_BYTES: u64 = 4 << 20;
+
 /// What one block size measured.
 pub(crate) struct Measured {
     pub(crate) bytes: u64,
@@ -106,6 +110,9 @@ pub(crate) fn run_block_size(
     // Raw round trips interleaved with the iterations: ~200 in all, at least one per iteration.
     let mut raw_rtt = if run.baseline { Some(RawRtt::start(block)?) } else { None };
     let rtt_per_iter = (200 / run.iters.max(1)).max(1) as usize;
+    // Iterations this small measure hand-off latency more than bandwidth.
+    let latency_run = run.total_bytes < LATENCY_RUN_BYTES;
+    let mut latency_iter_bytes = Vec::new();
     let mut raw_rtt_us = Vec::new();
     let (mut iter_gib_per_s, mut raw_tcp_runs) = (Vec::new(), Vec::new());
     for iter in 0..run.warmup + run.iters {
@@ -155,10 +162,21 @@ pub(crate) fn run_block_size(
             iter_gib_per_s.push(iter_bytes as f64 / f64::from(1u32 << 30) / secs.max(1e-9));
             if let Some(r) = raw_rtt.as_mut() {
                 raw_rtt_us.extend(r.sample(rtt_per_iter)?);
-                // The bandwidth ceiling interleaved too, so each iteration has its own.
-                raw_tcp_runs.push(raw_tcp_gib_per_s(iter_bytes, run.connections, block)?);
+                // The bandwidth ceiling interleaved too, so each iteration has its own —
+                // except in a latency run, see below.
+                if !latency_run {
+                    raw_tcp_runs.push(raw_tcp_gib_per_s(iter_bytes, run.connections, block)?);
+                } else {
+                    latency_iter_bytes.push(iter_bytes);
+                }
             }
         }
+    }
+    // A latency run's bandwidth ceilings, one per measured iteration, after all of them: a
+    // raw run between two hand-offs (threads started, connections made) delayed the next
+    // hand-off about 4x (p50 ~200 µs against ~50 µs without, one process, load 10).
+    for iter_bytes in latency_iter_bytes {
+        raw_tcp_runs.push(raw_tcp_gib_per_s(iter_bytes, run.connections, block)?);
     }
     if show_progress {
         eprintln!();
@@ -218,16 +236,19 @@ pub(crate) fn run_block_size(
 
 /// A decode agent as the bench drives it: the blocking facade (the caller's thread submits
 /// and waits), or with `--async-submit` the async agent on a runtime of the bench's own,
-/// each pull submitted and awaited by a task on that runtime (as an engine on tokio would).
+/// each pull submitted and awaited by a task on that runtime (as an engine on tokio would);
+/// with `--current-thread` that runtime is a current-thread one, driven by the bench's
+/// thread while it waits (the pull, its I/O and its reports all on that one thread).
 enum Decoder {
     Blocking(DecodeAgent),
     Async { agent: Arc<kvxfer::DecodeAgent>, runtime: tokio::runtime::Runtime },
 }
 
 /// A submitted pull: waited for on the caller's thread, or the task that submitted it.
-pub(crate) enum Submitted {
+enum Submitted<'a> {
     Blocking(Instant, kvxfer::blocking::PullHandle),
-    Async(tokio::runtime::Handle, tokio::task::JoinHandle<Result<Timed, String>>),
+    /// Waited for with `Runtime::block_on`, which also drives a current-thread runtime.
+    Async(&'a tokio::runtime::Runtime, tokio::task::JoinHandle<Result<Timed, String>>),
 }
 
 /// When a pull was submitted, its report, and when each child's report arrived.
@@ -238,12 +259,16 @@ impl Decoder {
         if !run.async_submit {
             return DecodeAgent::start(config, memory).map(Decoder::Blocking).map_err(|e| e.to_string());
         }
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(run.worker_threads.max(1))
-            .thread_name("bench-decode")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
+        let runtime = if run.current_thread {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()
+        } else {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(run.worker_threads.max(1))
+                .thread_name("bench-decode")
+                .enable_all()
+                .build()
+        }
+        .map_err(|e| e.to_string())?;
         let agent = runtime.block_on(kvxfer::DecodeAgent::start(config, memory)).map_err(|e| e.to_string())?;
         Ok(Decoder::Async { agent: Arc::new(agent), runtime })
     }
@@ -255,7 +280,7 @@ impl Decoder {
         }
     }
 
-    fn submit(&self, result: PrefillResult, blocks: Vec<Vec<BlockId>>) -> Result<Submitted, String> {
+    fn submit(&self, result: PrefillResult, blocks: Vec<Vec<BlockId>>) -> Result<Submitted<'_>, String> {
         match self {
             Decoder::Blocking(d) => {
                 let at = Instant::now();
@@ -264,26 +289,26 @@ impl Decoder {
             }
             Decoder::Async { agent, runtime } => {
                 let agent = agent.clone();
-                let task = runtime.spawn(async move {
+                let pull = async move {
                     let at = Instant::now();
                     let h = agent.submit(result, blocks).map_err(|e| e.to_string())?;
                     let (report, arrived) = h.finished_timed().await;
                     Ok((at, report, arrived))
-                });
-                Ok(Submitted::Async(runtime.handle().clone(), task))
+                };
+                Ok(Submitted::Async(runtime, runtime.spawn(pull)))
             }
         }
     }
 }
 
-impl Submitted {
+impl Submitted<'_> {
     fn wait(self) -> Result<Timed, String> {
         match self {
             Submitted::Blocking(at, h) => {
                 let (report, arrived) = h.wait_timed();
                 Ok((at, report, arrived))
             }
-            Submitted::Async(handle, task) => handle.block_on(task).map_err(|e| e.to_string())?,
+            Submitted::Async(runtime, task) => runtime.block_on(task).map_err(|e| e.to_string())?,
         }
     }
 }

@@ -100,7 +100,7 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 "expected_consumers": run.expected_consumers, "notify_with_read": run.notify_with_read,
                 "gib_per_s": m.gib_per_s, "blocks_per_s": m.blocks_per_s, "p50_us": m.p50_us, "p99_us": m.p99_us,
                 "max_us": m.max_us, "cpu_s_per_gib": m.cpu_s_per_gib, "verified": m.verified, "prefill": m.prefill,
-                "busy_poll_us": run.busy_poll_us, "async_submit": run.async_submit,
+                "async_submit": run.async_submit, "current_thread": run.current_thread,
                 // Submit → report: the hand-off without the bench's lease request.
                 "submit_p10_us": m.submit_us[0], "submit_p50_us": m.submit_us[1], "submit_p99_us": m.submit_us[2],
             });

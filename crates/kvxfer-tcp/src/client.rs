@@ -128,9 +128,6 @@ pub struct Connection {
     next_seq: u64,
     ack: v1::HelloAck,
     payload_started: bool,
-    /// How long a wait for an answer polls the socket before parking (see
-    /// [`Self::set_busy_poll`]); zero: never.
-    busy_poll: Duration,
 }
 
 impl Connection {
@@ -210,7 +207,6 @@ impl Connection {
             next_seq: 1,
             ack: v1::HelloAck::default(),
             payload_started: false,
-            busy_poll: Duration::ZERO,
         };
         c.ack = crate::handshake::initiate(&mut c.stream, &c.peer, hello, key, &c.limits).await?;
         Ok(c)
@@ -278,41 +274,7 @@ impl Connection {
         }
     }
 
-    /// Makes every wait for an answer first poll the socket without blocking for up to `d`
-    /// (a `MSG_PEEK` per try, on the calling thread) before parking on the runtime's event
-    /// loop: an answer expected within microseconds is then taken without two context
-    /// switches (park, wake). The poll holds the runtime thread for at most `d` per answer;
-    /// zero (the default) turns it off. Limits and timeouts are unchanged: the poll only
-    /// delays the park, and the answer is read as before.
-    pub fn set_busy_poll(&mut self, d: Duration) {
-        self.busy_poll = d;
-    }
-
-    /// Polls the socket (non-blocking peeks) until a byte is readable, the peer closed, or
-    /// the busy-poll budget is spent; returns whether data (or the close) is there.
-    fn poll_readable(&self) -> bool {
-        if self.busy_poll.is_zero() {
-            return false;
-        }
-        let sock = socket2::SockRef::from(&self.stream);
-        let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
-        let start = std::time::Instant::now();
-        loop {
-            // The socket is non-blocking (tokio's): WouldBlock means nothing yet.
-            match sock.peek(&mut probe) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                // Data, the peer's close, or an error the read below reports.
-                _ => return true,
-            }
-            if start.elapsed() >= self.busy_poll {
-                return false;
-            }
-            std::hint::spin_loop();
-        }
-    }
-
     pub(crate) async fn recv(&mut self) -> Result<Frame, ClientError> {
-        self.poll_readable();
         let io = frame::read_frame(&mut self.stream, self.limits.max_frame_len, &mut self.buf);
         match tokio::time::timeout(self.limits.io_timeout, io).await {
             Ok(Ok(f)) => Ok(f),

@@ -4,10 +4,6 @@ use std::time::Duration;
 
 use kvxfer_tcp::{ClusterKey, Limits};
 
-/// The longest [`AgentConfig::busy_poll`] accepted: a poll holds a runtime thread, so it stays
-/// in the range of one round trip on one machine.
-pub const MAX_BUSY_POLL: Duration = Duration::from_micros(200);
-
 /// Which data path an agent offers and a decode agent pulls with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TransportChoice {
@@ -75,12 +71,6 @@ pub struct AgentConfig {
     /// Used only for single-group caches and plain `submit` pulls (not `submit_ranks`). Off
     /// by default.
     pub notify_with_read: bool,
-    /// Decode side, TCP: how long a wait for the prefill side's answer (a read's header, a
-    /// notify's answer) polls its socket without blocking before parking on the runtime's
-    /// event loop. An answer arriving within it costs no park and wake-up; the poll holds
-    /// a runtime thread (and a core) for up to this long per answer. Zero (the default):
-    /// off. At most [`MAX_BUSY_POLL`].
-    pub busy_poll: Duration,
     /// How often a decode agent heartbeats pending pulls; `None`: the shortest lease ttl of
     /// the pull / 6. Never more often than every 100 ms (a hand-off may state a ttl of 1 ms;
     /// the decode side does not spin on it).
@@ -141,7 +131,6 @@ impl AgentConfig {
             shutdown_grace: Duration::from_secs(5),
             connections_per_peer: 2,
             notify_with_read: false,
-            busy_poll: Duration::ZERO,
             heartbeat_interval: None,
             tp_size: 1,
             protocol_version: kvxfer_proto::PROTOCOL_VERSION,
@@ -320,12 +309,6 @@ impl AgentConfig {
     /// counted pulled once its payload was sent.
     pub fn notify_with_read(mut self, on: bool) -> Self {
         self.notify_with_read = on;
-        self
-    }
-
-    /// Sets [`Self::busy_poll`] (capped at [`MAX_BUSY_POLL`]).
-    pub fn busy_poll(mut self, d: Duration) -> Self {
-        self.busy_poll = d.min(MAX_BUSY_POLL);
         self
     }
 

@@ -59,7 +59,7 @@ mod runtime;
 #[cfg(feature = "ucx")]
 mod ucx;
 
-pub use config::{AgentConfig, TransportChoice, MAX_BUSY_POLL};
+pub use config::{AgentConfig, TransportChoice};
 pub use decode::{ChildReport, DecodeAgent, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
 pub use error::{Error, SubmitError};
 pub use kvxfer_core::pull::{Advice, ChildOutcome, MismatchField, PullError};

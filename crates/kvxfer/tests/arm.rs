@@ -93,17 +93,8 @@ fn a_notify_before_the_arm_waits_and_ends_the_lease_pulled_once_armed() {
 
 #[test]
 fn a_pull_of_children_not_armed_yet_reads_each_once_it_is_armed() {
-    // Also with the decode side polling for answers: a read answered long after the poll
-    // gave up (it waits for its lease) is taken once the socket wakes the runtime.
-    for busy_poll in [Duration::ZERO, kvxfer::MAX_BUSY_POLL] {
-        pull_of_children_not_armed_yet(busy_poll);
-    }
-}
-
-fn pull_of_children_not_armed_yet(busy_poll: Duration) {
     let prefill = prefill_armed_within(Duration::from_secs(60));
-    let config = AgentConfig::new("decode").io_timeout(Duration::from_secs(30)).busy_poll(busy_poll);
-    let decode = decode_with(config, layout());
+    let decode = decode_with(AgentConfig::new("decode").io_timeout(Duration::from_secs(30)), layout());
     let blocks = [vec![2, 3], vec![4, 5]];
     let tokens = [minted(), minted()];
     let handoffs = (0..2u32)

@@ -138,7 +138,7 @@ impl Inner {
 
     pub(crate) async fn connect(&self, addr: &str) -> Result<Connection, ClientError> {
         let key = self.config.cluster_key.as_ref();
-        let mut c = match Connection::connect_with_key(addr, &self.hello, key, self.config.limits).await {
+        let c = match Connection::connect_with_key(addr, &self.hello, key, self.config.limits).await {
             Ok(c) => c,
             Err(e) => {
                 if let ClientError::Auth { reason, .. } = &e {
@@ -149,7 +149,6 @@ impl Inner {
             }
         };
         add(&self.counters.connections_opened, 1);
-        c.set_busy_poll(self.config.busy_poll.min(crate::MAX_BUSY_POLL));
         Ok(c)
     }
 
