@@ -2,9 +2,8 @@
 //! bandwidth, CPU time, and every pulled byte checked.
 
 use std::io::IsTerminal;
-use std::time::Instant;
-
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvxfer::blocking::DecodeAgent;
 use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, PullReport};
@@ -269,7 +268,8 @@ impl Decoder {
                 .build()
         }
         .map_err(|e| e.to_string())?;
-        let agent = runtime.block_on(kvxfer::DecodeAgent::start(config, memory)).map_err(|e| e.to_string())?;
+        let agent =
+            runtime.block_on(kvxfer::DecodeAgent::start(config, memory)).map_err(|e| e.to_string())?;
         Ok(Decoder::Async { agent: Arc::new(agent), runtime })
     }
 

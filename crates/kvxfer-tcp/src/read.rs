@@ -270,7 +270,8 @@ async fn write_all_vectored_more(
                     }
                 }
             };
-            let n = tokio::time::timeout(timeout.min(left), send).await.map_err(|_| FrameError::Timeout)??;
+            let n =
+                tokio::time::timeout(timeout.min(left), send).await.map_err(|_| FrameError::Timeout)??;
             if n == 0 {
                 return Err(FrameError::Io(std::io::ErrorKind::WriteZero.into()));
             }
@@ -388,7 +389,8 @@ mod tests {
 
     fn notify(id: &str) -> Vec<u8> {
         let mut out = Vec::new();
-        let n = v1::Notify { remote_request_id: id.into(), lease_token: vec![7; 16], consumer_id: "d/0".into() };
+        let n =
+            v1::Notify { remote_request_id: id.into(), lease_token: vec![7; 16], consumer_id: "d/0".into() };
         Frame::Notify(n).encode(&mut out);
         out
     }
@@ -425,7 +427,8 @@ mod tests {
 
         let (mut client, server) = pair().await;
         let mut cancel = Vec::new();
-        Frame::Cancel(v1::Cancel { remote_request_id: "0_P".into(), lease_token: vec![7; 16] }).encode(&mut cancel);
+        Frame::Cancel(v1::Cancel { remote_request_id: "0_P".into(), lease_token: vec![7; 16] })
+            .encode(&mut cancel);
         client.write_all(&cancel).await.expect("write");
         readable(&server, cancel.len()).await;
         assert!(!notify_follows(&server, "0_P", 1 << 20), "a cancel is not a notify");

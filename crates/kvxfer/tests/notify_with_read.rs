@@ -32,7 +32,8 @@ fn every_child_is_reported_once_and_every_lease_ends_once() {
     for p in 0..parents {
         let remote = vec![vec![1, 2], vec![1, 3], vec![9, 10]];
         let result = prefill.lease_parent(&format!("P{p}"), remote, 1, None).expect("lease");
-        let report = decode.submit(result, vec![vec![20, 21], vec![22, 23], vec![24, 25]]).expect("submit").wait();
+        let report =
+            decode.submit(result, vec![vec![20, 21], vec![22, 23], vec![24, 25]]).expect("submit").wait();
         assert_eq!(report.children.len(), 3, "{report:?}");
         for (i, c) in report.children.iter().enumerate() {
             assert_eq!(c.child_index, i as u32, "one report per child: {report:?}");
@@ -71,7 +72,10 @@ fn a_refused_read_beside_a_served_one_ends_each_lease_once() {
         matches!(&report.children[0].outcome, ChildOutcome::Failed { error: PullError::Refused { .. }, .. }),
         "{report:?}"
     );
-    assert!(matches!(report.children[1].outcome, ChildOutcome::Done { acknowledged: true, .. }), "{report:?}");
+    assert!(
+        matches!(report.children[1].outcome, ChildOutcome::Done { acknowledged: true, .. }),
+        "{report:?}"
+    );
     assert!(verify(&decode, &[3], &[7]));
     let ends = wait_ends(&prefill, 2, Duration::from_secs(10));
     assert_eq!((ends[0].kind, ends[1].kind), (EndKind::Released, EndKind::Pulled), "{ends:?}");
