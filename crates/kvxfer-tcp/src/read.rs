@@ -198,17 +198,19 @@ const CRC_GROUP: usize = 256 * 1024;
 const MAX_IOV: usize = 512;
 
 /// Writes all of `slices`: each write must make progress within `timeout`, and all of them
-/// finish by `deadline` (the read's overall deadline), else [`FrameError::Timeout`].
+/// finish by `deadline` (the read's overall deadline), else [`FrameError::Timeout`]. With
+/// `more`, see [`write_some`].
 async fn write_all_vectored(
     stream: &mut TcpStream,
     slices: &mut [IoSlice<'_>],
     timeout: Duration,
     deadline: Instant,
+    more: bool,
 ) -> Result<(), FrameError> {
     let mut rest = slices;
     while !rest.is_empty() {
         let left = deadline.saturating_duration_since(Instant::now());
-        let n = tokio::time::timeout(timeout.min(left), stream.write_vectored(rest))
+        let n = tokio::time::timeout(timeout.min(left), write_some(stream, rest, more))
             .await
             .map_err(|_| FrameError::Timeout)??;
         if n == 0 {
@@ -217,6 +219,30 @@ async fn write_all_vectored(
         IoSlice::advance_slices(&mut rest, n);
     }
     Ok(())
+}
+
+/// One vectored write. With `more`, on Linux, it tells the kernel more follows
+/// (`MSG_MORE`): a last segment shorter than a full one waits for the next write — the
+/// notify's answer right behind — and leaves with it in one segment, so the decode side is
+/// woken once for the end of the payload and the answer instead of twice. (The kernel sends
+/// it anyway after 200 ms; the answer follows within microseconds.)
+async fn write_some(stream: &mut TcpStream, slices: &[IoSlice<'_>], more: bool) -> std::io::Result<usize> {
+    #[cfg(target_os = "linux")]
+    if more {
+        loop {
+            stream.writable().await?;
+            let sock = socket2::SockRef::from(&*stream);
+            let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
+            match stream
+                .try_io(tokio::io::Interest::WRITABLE, || sock.send_vectored_with_flags(slices, flags))
+            {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                r => return r,
+            }
+        }
+    }
+    let _ = more;
+    stream.write_vectored(slices).await
 }
 
 /// Whether the next frame already waiting on `stream` is a notify of lease `id`: a decode
@@ -239,48 +265,6 @@ pub(crate) fn notify_follows(stream: &TcpStream, id: &str, max_frame_len: u32) -
         crate::frame::decode_all(&buf[..n], max_frame_len),
         Ok((frames, _)) if matches!(frames.first(), Some(Frame::Notify(n)) if n.remote_request_id == id)
     )
-}
-
-/// Writes all of `slices` like [`write_all_vectored`], but tells the kernel more follows
-/// (`MSG_MORE`): a last segment shorter than a full one waits for the next write — the
-/// notify's answer right behind — and leaves with it in one segment, so the decode side
-/// is woken once for the end of the payload and the answer instead of twice. (The kernel
-/// sends it anyway after 200 ms; the answer follows within microseconds.) Elsewhere than
-/// Linux, a plain write.
-async fn write_all_vectored_more(
-    stream: &mut TcpStream,
-    slices: &mut [IoSlice<'_>],
-    timeout: Duration,
-    deadline: Instant,
-) -> Result<(), FrameError> {
-    #[cfg(target_os = "linux")]
-    {
-        let mut rest = slices;
-        while !rest.is_empty() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let send = async {
-                loop {
-                    stream.writable().await?;
-                    let sock = socket2::SockRef::from(&*stream);
-                    match stream.try_io(tokio::io::Interest::WRITABLE, || {
-                        sock.send_vectored_with_flags(rest, libc::MSG_MORE | libc::MSG_NOSIGNAL)
-                    }) {
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                        r => return r,
-                    }
-                }
-            };
-            let n =
-                tokio::time::timeout(timeout.min(left), send).await.map_err(|_| FrameError::Timeout)??;
-            if n == 0 {
-                return Err(FrameError::Io(std::io::ErrorKind::WriteZero.into()));
-            }
-            IoSlice::advance_slices(&mut rest, n);
-        }
-        Ok(())
-    }
-    #[cfg(not(target_os = "linux"))]
-    write_all_vectored(stream, slices, timeout, deadline).await
 }
 
 /// Serves one `ReadRequest`: a `ReadResponse` header, the payload and its CRC-32C trailer,
@@ -337,7 +321,7 @@ pub(crate) async fn serve_read(
             io.push(IoSlice::new(piece));
             group += piece.len();
             if group >= CRC_GROUP || io.len() >= MAX_IOV {
-                write_all_vectored(stream, &mut io, io_timeout, deadline)
+                write_all_vectored(stream, &mut io, io_timeout, deadline, false)
                     .await
                     .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
                 io.clear();
@@ -347,11 +331,7 @@ pub(crate) async fn serve_read(
     }
     trailer.copy_from_slice(&crc.to_be_bytes());
     io.push(IoSlice::new(&trailer));
-    let last = if answer_follows {
-        write_all_vectored_more(stream, &mut io, io_timeout, deadline).await
-    } else {
-        write_all_vectored(stream, &mut io, io_timeout, deadline).await
-    };
+    let last = write_all_vectored(stream, &mut io, io_timeout, deadline, answer_follows).await;
     last.inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
     drop(io);
     drop(guard);
