@@ -66,6 +66,14 @@ pub(crate) struct RunArgs {
     /// `AgentConfig::notify_with_read`).
     #[arg(long)]
     pub(crate) notify_with_read: bool,
+    /// Drive the async `DecodeAgent` on a runtime of the bench's own: each pull submitted
+    /// and awaited by a task on it (as an engine on tokio would), not the blocking facade.
+    #[arg(long)]
+    pub(crate) async_submit: bool,
+    /// With --async-submit: a current-thread runtime, driven by the bench's thread while it
+    /// waits for each pull (no thread hand-offs on the decode side at all).
+    #[arg(long, requires = "async_submit")]
+    pub(crate) current_thread: bool,
     /// Block sizes to sweep, e.g. 4K,64K,256K,2M.
     #[arg(long, value_delimiter = ',', default_value = "64K,2M", value_parser = parse_size)]
     pub(crate) block_bytes: Vec<u64>,

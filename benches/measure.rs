@@ -2,10 +2,11 @@
 //! bandwidth, CPU time, and every pulled byte checked.
 
 use std::io::IsTerminal;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvxfer::blocking::DecodeAgent;
-use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory};
+use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, PullReport};
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
@@ -44,6 +45,10 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[idx.min(sorted.len() - 1)]
 }
 
+/// Runs moving less than this per iteration are latency runs: their raw TCP bandwidth runs
+/// are taken after the iterations, not between them (the raw round trips stay interleaved).
+const LATENCY_RUN_BYTES: u64 = 4 << 20;
+
 /// What one block size measured.
 pub(crate) struct Measured {
     pub(crate) bytes: u64,
@@ -58,6 +63,12 @@ pub(crate) struct Measured {
     pub(crate) cpu_s_per_gib: f64,
     pub(crate) verified: Option<bool>,
     pub(crate) prefill: Value,
+    /// Submit → report (the hand-off as the decode engine sees it, without the lease
+    /// request): p10, p50, p99 in µs.
+    pub(crate) submit_us: [f64; 3],
+    /// `--baseline`: per measured hand-off, its submit → report time over the raw round trip
+    /// sampled right after its iteration; p10, p50, p90 of those paired ratios.
+    pub(crate) paired_ratio: Option<[f64; 3]>,
     /// `--baseline`: raw TCP one-block round trips (us), taken between the iterations.
     pub(crate) raw_rtt_us: Vec<f64>,
     /// kvxfer's GiB/s in each measured iteration.
@@ -83,20 +94,24 @@ pub(crate) fn run_block_size(
     let decoders = (0..consumers)
         .map(|i| {
             let c = crate::cli::decode_config(run, format!("bench-decode-{i}"))?;
-            DecodeAgent::start(c, KvMemory::alloc(layout.clone()).map_err(|e| e.to_string())?)
-                .map_err(|e| e.to_string())
+            Decoder::start(run, c, KvMemory::alloc(layout.clone()).map_err(|e| e.to_string())?)
         })
         .collect::<Result<Vec<_>, String>>()?;
     let ids = |p: u32, c: u32| -> Vec<BlockId> {
         let first = (p * n + c) * bpc;
         (first..first + bpc).collect()
     };
-    let mut latencies = Vec::new();
+    let (mut latencies, mut submit_latencies) = (Vec::new(), Vec::new());
+    // Per measured iteration: (first index in `submit_latencies`, count).
+    let mut iter_spans: Vec<(usize, usize)> = Vec::new();
     let (mut seconds, mut bytes, mut cpu) = (0.0f64, 0u64, 0.0f64);
     let show_progress = std::io::stderr().is_terminal() && !run.json && !run.csv;
     // Raw round trips interleaved with the iterations: ~200 in all, at least one per iteration.
     let mut raw_rtt = if run.baseline { Some(RawRtt::start(block)?) } else { None };
     let rtt_per_iter = (200 / run.iters.max(1)).max(1) as usize;
+    // Iterations this small measure hand-off latency more than bandwidth.
+    let latency_run = run.total_bytes < LATENCY_RUN_BYTES;
+    let mut latency_iter_bytes = Vec::new();
     let mut raw_rtt_us = Vec::new();
     let (mut iter_gib_per_s, mut raw_tcp_runs) = (Vec::new(), Vec::new());
     for iter in 0..run.warmup + run.iters {
@@ -116,14 +131,12 @@ pub(crate) fn run_block_size(
                 consumers,
             )?;
             for d in &decoders {
-                let h = d
-                    .submit(result.clone(), (0..n).map(|c| ids(p, c)).collect())
-                    .map_err(|e| e.to_string())?;
-                handles.push((lease_start, h));
+                handles.push((lease_start, d.submit(result.clone(), (0..n).map(|c| ids(p, c)).collect())?));
             }
         }
+        let span_start = submit_latencies.len();
         for (lease_start, h) in handles {
-            let (report, arrived) = h.wait_timed();
+            let (submitted, report, arrived) = h.wait()?;
             for (c, at) in report.children.iter().zip(arrived) {
                 if !matches!(c.outcome, ChildOutcome::Done { .. }) {
                     return Err(format!(
@@ -133,6 +146,7 @@ pub(crate) fn run_block_size(
                 }
                 if measured {
                     latencies.push(at.duration_since(lease_start).as_secs_f64() * 1e6);
+                    submit_latencies.push(at.duration_since(submitted).as_secs_f64() * 1e6);
                 }
             }
             if measured {
@@ -140,20 +154,32 @@ pub(crate) fn run_block_size(
             }
         }
         if measured {
+            iter_spans.push((span_start, submit_latencies.len() - span_start));
             let (secs, iter_bytes) = (t0.elapsed().as_secs_f64(), bytes - bytes_before);
             seconds += secs;
             cpu += cpu_seconds() - cpu0;
             iter_gib_per_s.push(iter_bytes as f64 / f64::from(1u32 << 30) / secs.max(1e-9));
             if let Some(r) = raw_rtt.as_mut() {
                 raw_rtt_us.extend(r.sample(rtt_per_iter)?);
-                // The bandwidth ceiling interleaved too, so each iteration has its own.
-                raw_tcp_runs.push(source.raw_tcp_gib_per_s(
-                    iter_bytes,
-                    run.connections,
-                    u64::from(bpc) * block,
-                )?);
+                // The bandwidth ceiling interleaved too, so each iteration has its own —
+                // except in a latency run, see below.
+                if !latency_run {
+                    raw_tcp_runs.push(source.raw_tcp_gib_per_s(
+                        iter_bytes,
+                        run.connections,
+                        u64::from(bpc) * block,
+                    )?);
+                } else {
+                    latency_iter_bytes.push(iter_bytes);
+                }
             }
         }
+    }
+    // A latency run's bandwidth ceilings, one per measured iteration, after all of them: a
+    // raw run between two hand-offs (threads started, connections made) delayed the next
+    // hand-off about 4x (p50 ~200 µs against ~50 µs without, one process, load 10).
+    for iter_bytes in latency_iter_bytes {
+        raw_tcp_runs.push(source.raw_tcp_gib_per_s(iter_bytes, run.connections, u64::from(bpc) * block)?);
     }
     if show_progress {
         eprintln!();
@@ -175,7 +201,22 @@ pub(crate) fn run_block_size(
         }
         Some(ok)
     };
+    // Each hand-off against the raw round trips taken right after its iteration (the same
+    // moment's machine), before the samples are sorted.
+    let paired_ratio = (!raw_rtt_us.is_empty()).then(|| {
+        let mut ratios = Vec::with_capacity(submit_latencies.len());
+        for (k, &(first, count)) in iter_spans.iter().enumerate() {
+            let Some(raw) = raw_rtt_us.get(k * rtt_per_iter..(k + 1) * rtt_per_iter) else { continue };
+            let mut raw = raw.to_vec();
+            raw.sort_by(f64::total_cmp);
+            let r = percentile(&raw, 0.5);
+            ratios.extend(submit_latencies[first..first + count].iter().map(|l| l / r));
+        }
+        ratios.sort_by(f64::total_cmp);
+        [percentile(&ratios, 0.1), percentile(&ratios, 0.5), percentile(&ratios, 0.9)]
+    });
     latencies.sort_by(f64::total_cmp);
+    submit_latencies.sort_by(f64::total_cmp);
     let gib = bytes as f64 / f64::from(1u32 << 30);
     Ok(Measured {
         bytes: bytes / u64::from(run.iters.max(1)),
@@ -185,6 +226,8 @@ pub(crate) fn run_block_size(
         p50_us: percentile(&latencies, 0.5),
         p99_us: percentile(&latencies, 0.99),
         max_us: latencies.last().copied().unwrap_or(0.0),
+        submit_us: [0.1, 0.5, 0.99].map(|p| percentile(&submit_latencies, p)),
+        paired_ratio,
         cpu_s_per_gib: cpu / gib.max(1e-12),
         verified,
         prefill: source.stats(),
@@ -192,4 +235,92 @@ pub(crate) fn run_block_size(
         iter_gib_per_s,
         raw_tcp_runs,
     })
+}
+
+/// A decode agent as the bench drives it: the blocking facade (the caller's thread submits
+/// and waits), or with `--async-submit` the async agent on a runtime of the bench's own,
+/// each pull submitted and awaited by a task on that runtime (as an engine on tokio would);
+/// with `--current-thread` that runtime is a current-thread one, driven by the bench's
+/// thread while it waits (the pull, its I/O and its reports all on that one thread).
+enum Decoder {
+    Blocking(DecodeAgent),
+    Async { agent: Arc<kvxfer::DecodeAgent>, runtime: tokio::runtime::Runtime },
+}
+
+/// A submitted pull: waited for on the caller's thread, or the task that submitted it.
+enum Submitted<'a> {
+    Blocking(Instant, kvxfer::blocking::PullHandle),
+    /// Waited for with `Runtime::block_on`, which also drives a current-thread runtime.
+    Async(&'a tokio::runtime::Runtime, tokio::task::JoinHandle<Result<Timed, String>>),
+}
+
+/// When a pull was submitted, its report, and when each child's report arrived.
+type Timed = (Instant, PullReport, Vec<Instant>);
+
+impl Decoder {
+    fn start(run: &RunArgs, config: kvxfer::AgentConfig, memory: KvMemory) -> Result<Self, String> {
+        if !run.async_submit {
+            return DecodeAgent::start(config, memory).map(Decoder::Blocking).map_err(|e| e.to_string());
+        }
+        let runtime = if run.current_thread {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()
+        } else {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(run.worker_threads.max(1))
+                .thread_name("bench-decode")
+                .enable_all()
+                .build()
+        }
+        .map_err(|e| e.to_string())?;
+        let agent =
+            runtime.block_on(kvxfer::DecodeAgent::start(config, memory)).map_err(|e| e.to_string())?;
+        Ok(Decoder::Async { agent: Arc::new(agent), runtime })
+    }
+
+    fn memory(&self) -> &Arc<KvMemory> {
+        match self {
+            Decoder::Blocking(d) => d.memory(),
+            Decoder::Async { agent, .. } => agent.memory(),
+        }
+    }
+
+    fn submit(&self, result: PrefillResult, blocks: Vec<Vec<BlockId>>) -> Result<Submitted<'_>, String> {
+        match self {
+            Decoder::Blocking(d) => {
+                let at = Instant::now();
+                let h = d.submit(result, blocks).map_err(|e| e.to_string())?;
+                Ok(Submitted::Blocking(at, h))
+            }
+            Decoder::Async { agent, runtime } => {
+                let agent = agent.clone();
+                let pull = async move {
+                    let at = Instant::now();
+                    let h = agent.submit(result, blocks).map_err(|e| e.to_string())?;
+                    let (report, arrived) = h.finished_timed().await;
+                    Ok((at, report, arrived))
+                };
+                Ok(Submitted::Async(runtime, runtime.spawn(pull)))
+            }
+        }
+    }
+}
+
+impl Submitted<'_> {
+    fn wait(self) -> Result<Timed, String> {
+        match self {
+            Submitted::Blocking(at, h) => {
+                let (report, arrived) = h.wait_timed();
+                Ok((at, report, arrived))
+            }
+            Submitted::Async(runtime, task) => runtime.block_on(task).map_err(|e| e.to_string())?,
+        }
+    }
+}
+
+impl Drop for Decoder {
+    fn drop(&mut self) {
+        if let Decoder::Async { agent, runtime } = self {
+            runtime.block_on(agent.shutdown());
+        }
+    }
 }

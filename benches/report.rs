@@ -106,6 +106,9 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 "expected_consumers": run.expected_consumers, "notify_with_read": run.notify_with_read,
                 "gib_per_s": m.gib_per_s, "blocks_per_s": m.blocks_per_s, "p50_us": m.p50_us, "p99_us": m.p99_us,
                 "max_us": m.max_us, "cpu_s_per_gib": m.cpu_s_per_gib, "verified": m.verified, "prefill": m.prefill,
+                "async_submit": run.async_submit, "current_thread": run.current_thread,
+                // Submit → report: the hand-off without the bench's lease request.
+                "submit_p10_us": m.submit_us[0], "submit_p50_us": m.submit_us[1], "submit_p99_us": m.submit_us[2],
             });
             if run.baseline {
                 j["raw_tcp_gib_per_s"] = json!(raw);
@@ -133,6 +136,10 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 // Taken between kvxfer's iterations; the spread says how far to trust the ratio.
                 j["raw_tcp_rtt_one_block_us"] = rtt_dist;
                 j["p50_vs_raw_rtt_p50"] = json!(rtt.map(|r| m.p50_us / r));
+                j["submit_p50_vs_raw_rtt_p50"] = json!(rtt.map(|r| m.submit_us[1] / r));
+                // Each hand-off over the raw round trip taken right after its iteration.
+                j["submit_vs_raw_rtt_paired"] =
+                    json!(m.paired_ratio.map(|[p10, p50, p90]| json!({"p10": p10, "p50": p50, "p90": p90})));
                 if let Some(mut rates) = raw_ucx {
                     rates.sort_by(f64::total_cmp);
                     let median = percentile(&rates, 0.5);

@@ -198,17 +198,19 @@ const CRC_GROUP: usize = 256 * 1024;
 const MAX_IOV: usize = 512;
 
 /// Writes all of `slices`: each write must make progress within `timeout`, and all of them
-/// finish by `deadline` (the read's overall deadline), else [`FrameError::Timeout`].
+/// finish by `deadline` (the read's overall deadline), else [`FrameError::Timeout`]. With
+/// `more`, see [`write_some`].
 async fn write_all_vectored(
     stream: &mut TcpStream,
     slices: &mut [IoSlice<'_>],
     timeout: Duration,
     deadline: Instant,
+    more: bool,
 ) -> Result<(), FrameError> {
     let mut rest = slices;
     while !rest.is_empty() {
         let left = deadline.saturating_duration_since(Instant::now());
-        let n = tokio::time::timeout(timeout.min(left), stream.write_vectored(rest))
+        let n = tokio::time::timeout(timeout.min(left), write_some(stream, rest, more))
             .await
             .map_err(|_| FrameError::Timeout)??;
         if n == 0 {
@@ -219,13 +221,63 @@ async fn write_all_vectored(
     Ok(())
 }
 
+/// One vectored write. With `more`, on Linux, it tells the kernel more follows
+/// (`MSG_MORE`): a last segment shorter than a full one waits for the next write — the
+/// notify's answer right behind — and leaves with it in one segment, so the decode side is
+/// woken once for the end of the payload and the answer instead of twice. (The kernel sends
+/// it anyway after 200 ms; the answer follows within microseconds.)
+async fn write_some(stream: &mut TcpStream, slices: &[IoSlice<'_>], more: bool) -> std::io::Result<usize> {
+    #[cfg(target_os = "linux")]
+    if more {
+        loop {
+            stream.writable().await?;
+            let sock = socket2::SockRef::from(&*stream);
+            let flags = libc::MSG_MORE | libc::MSG_NOSIGNAL;
+            match stream
+                .try_io(tokio::io::Interest::WRITABLE, || sock.send_vectored_with_flags(slices, flags))
+            {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                r => return r,
+            }
+        }
+    }
+    let _ = more;
+    stream.write_vectored(slices).await
+}
+
+/// Whether the next frame already waiting on `stream` is a notify of lease `id`: a decode
+/// agent that sends its notify with its read (`notify_with_read`) puts both in one write, so
+/// the notify is there as soon as the read is. Looks without taking anything (a peek that
+/// never waits: `false` when nothing, or not all of that frame, is there yet).
+pub(crate) fn notify_follows(stream: &TcpStream, id: &str, max_frame_len: u32) -> bool {
+    // A notify is its id, a 16-byte token and the consumer id: ids over this size are
+    // simply not recognised here (the read is then answered as any other).
+    let mut buf = [0u8; 512];
+    let mut rb = tokio::io::ReadBuf::new(&mut buf);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // The serve task is running, so replacing its read waker with a no-op one is harmless:
+    // its next read registers its own again before waiting.
+    let n = match stream.poll_peek(&mut cx, &mut rb) {
+        std::task::Poll::Ready(Ok(n)) => n,
+        _ => return false,
+    };
+    matches!(
+        crate::frame::decode_all(&buf[..n], max_frame_len),
+        Ok((frames, _)) if matches!(frames.first(), Some(Frame::Notify(n)) if n.remote_request_id == id)
+    )
+}
+
 /// Serves one `ReadRequest`: a `ReadResponse` header, the payload and its CRC-32C trailer,
-/// or an error frame when the read is refused (the connection goes on).
+/// or an error frame when the read is refused (the connection goes on). With
+/// `answer_follows` (its notify is already waiting behind it, see [`notify_follows`]), the
+/// last write tells the kernel more follows, so the end of the payload leaves together with
+/// the notify's answer.
 pub(crate) async fn serve_read(
     stream: &mut TcpStream,
     ctx: &ServeContext,
     req: v1::ReadRequest,
     scratch: &mut Vec<u8>,
+    answer_follows: bool,
 ) -> Result<ReadServed, FrameError> {
     let refused = ReadServed::Refused(req.remote_request_id.clone());
     let (guard, payload_len, slices) = match begin(ctx, &req) {
@@ -269,7 +321,7 @@ pub(crate) async fn serve_read(
             io.push(IoSlice::new(piece));
             group += piece.len();
             if group >= CRC_GROUP || io.len() >= MAX_IOV {
-                write_all_vectored(stream, &mut io, io_timeout, deadline)
+                write_all_vectored(stream, &mut io, io_timeout, deadline, false)
                     .await
                     .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
                 io.clear();
@@ -279,9 +331,8 @@ pub(crate) async fn serve_read(
     }
     trailer.copy_from_slice(&crc.to_be_bytes());
     io.push(IoSlice::new(&trailer));
-    write_all_vectored(stream, &mut io, io_timeout, deadline)
-        .await
-        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
+    let last = write_all_vectored(stream, &mut io, io_timeout, deadline, answer_follows).await;
+    last.inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
     drop(io);
     drop(guard);
     ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);
@@ -297,4 +348,69 @@ pub(crate) enum ReadServed {
     Sent,
     /// It was refused (an error frame was sent instead): the read of this lease id.
     Refused(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::notify_follows;
+    use crate::frame::Frame;
+    use kvxfer_proto::v1;
+
+    /// A connected pair on 127.0.0.1: (the decode side's end, the prefill side's end).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let client = TcpStream::connect(listener.local_addr().expect("addr")).await.expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        (client, server)
+    }
+
+    fn notify(id: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        let n =
+            v1::Notify { remote_request_id: id.into(), lease_token: vec![7; 16], consumer_id: "d/0".into() };
+        Frame::Notify(n).encode(&mut out);
+        out
+    }
+
+    /// Waits until `n` bytes are readable on `s` (peeking, nothing taken).
+    async fn readable(s: &TcpStream, n: usize) {
+        let mut buf = vec![0u8; n];
+        while s.peek(&mut buf).await.expect("peek") < n {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_notify_of_the_same_lease_waiting_behind_the_read_is_seen_without_taking_it() {
+        let (mut client, server) = pair().await;
+        assert!(!notify_follows(&server, "0_P", 1 << 20), "nothing is waiting");
+        let bytes = notify("0_P");
+        client.write_all(&bytes).await.expect("write");
+        readable(&server, bytes.len()).await;
+        assert!(notify_follows(&server, "0_P", 1 << 20));
+        assert!(!notify_follows(&server, "1_P", 1 << 20), "another lease's notify");
+        assert!(!notify_follows(&server, "0_P", 8), "a frame over the limit is not parsed");
+        // Still there for the connection loop to read.
+        assert!(notify_follows(&server, "0_P", 1 << 20));
+    }
+
+    #[tokio::test]
+    async fn half_a_notify_or_another_frame_is_not_a_notify_following() {
+        let (mut client, server) = pair().await;
+        let bytes = notify("0_P");
+        client.write_all(&bytes[..bytes.len() - 3]).await.expect("write");
+        readable(&server, bytes.len() - 3).await;
+        assert!(!notify_follows(&server, "0_P", 1 << 20), "not all of it is there yet");
+
+        let (mut client, server) = pair().await;
+        let mut cancel = Vec::new();
+        Frame::Cancel(v1::Cancel { remote_request_id: "0_P".into(), lease_token: vec![7; 16] })
+            .encode(&mut cancel);
+        client.write_all(&cancel).await.expect("write");
+        readable(&server, cancel.len()).await;
+        assert!(!notify_follows(&server, "0_P", 1 << 20), "a cancel is not a notify");
+    }
 }

@@ -187,8 +187,9 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
         match dispatch(ctx, &mut pins, f, now, after_refused.as_deref()) {
             Action::Reply(reply) => write_reply(stream, ctx, &reply, &mut scratch).await?,
             Action::Read(req) => {
+                let answer_follows = crate::read::notify_follows(stream, &req.remote_request_id, max);
                 if let crate::read::ReadServed::Refused(id) =
-                    crate::read::serve_read(stream, ctx, req, &mut scratch).await?
+                    crate::read::serve_read(stream, ctx, req, &mut scratch, answer_follows).await?
                 {
                     refused_read = Some(id);
                 }
