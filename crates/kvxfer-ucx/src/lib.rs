@@ -4,7 +4,9 @@
 //! `ucp_mem_map`, packs an rkey per region and publishes them with its worker address
 //! ([`TargetInfo`], carried in the handshake). A [`UcxInitiator`] (decode side) maps its own
 //! regions, creates an endpoint per peer from that address, unpacks the rkeys, and reads
-//! with `ucp_get_nbx` straight into its registered blocks.
+//! with `ucp_get_nbx` straight into its registered blocks. Regions inside a [`UcxBuffer`]
+//! (memory UCX allocated) are served through shared memory, one-sided; others, with UCX
+//! 1.13 over shared memory, by the target's thread answering emulated gets.
 //!
 //! UCX workers are single-threaded here (`UCS_THREAD_MODE_SINGLE`): every UCX object of a
 //! target or initiator lives on one thread that owns it, progresses the worker, and sleeps on
