@@ -105,7 +105,7 @@ impl Context {
             ),
             address: null_mut(),
             length: len,
-            flags: u32::from(sys::UCP_MEM_MAP_ALLOCATE),
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
             ..Default::default()
         };
         let mut allocations = self.allocations.lock().unwrap_or_else(|p| p.into_inner());
