@@ -120,10 +120,21 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
            "fds": crate::procstat::open_fds()})
 }
 
-/// A prefill agent over `blocks` blocks of `block` bytes, filled with the test pattern.
+/// A prefill agent over `blocks` blocks of `block` bytes, filled with the test pattern; in
+/// memory UCX allocated when the agent may use UCX (`kvxfer::ucx_region`).
 pub(crate) fn start_prefill(config: AgentConfig, block: u64, blocks: u32) -> Result<PrefillAgent, String> {
     let layout = BlockLayout::single(blocks, block).map_err(|e| e.to_string())?;
-    let mem = pattern::alloc_filled(layout).map_err(|e| e.to_string())?;
+    let mem = match config.transport {
+        #[cfg(feature = "ucx")]
+        kvxfer::TransportChoice::Ucx | kvxfer::TransportChoice::Auto => {
+            let ucx = config.ucx.clone();
+            pattern::alloc_filled_in(layout, &mut |len| {
+                kvxfer::ucx_region(&ucx, len).map_err(|_| kvxfer_mem::MemError::Alloc(len))
+            })
+        }
+        _ => pattern::alloc_filled(layout),
+    }
+    .map_err(|e| e.to_string())?;
     PrefillAgent::start(config, "127.0.0.1:0", mem).map_err(|e| e.to_string())
 }
 

@@ -274,10 +274,20 @@ impl KvMemory {
 
     /// Owned, zeroed regions for every segment of `layout`.
     pub fn alloc(layout: BlockLayout) -> Result<Self, MemError> {
+        Self::alloc_in(layout, &mut Region::alloc)
+    }
+
+    /// Regions for every segment of `layout` from `alloc`, called with each segment's
+    /// length (for memory a transport wants to allocate itself, e.g. UCX shared memory:
+    /// `kvxfer::ucx_region`).
+    pub fn alloc_in(
+        layout: BlockLayout,
+        alloc: &mut dyn FnMut(usize) -> Result<Region, MemError>,
+    ) -> Result<Self, MemError> {
         let regions = (0..layout.segments().len())
             .map(|s| {
                 let need = layout.region_len(s).unwrap_or(0);
-                Region::alloc(usize::try_from(need).map_err(|_| MemError::Alloc(usize::MAX))?)
+                alloc(usize::try_from(need).map_err(|_| MemError::Alloc(usize::MAX))?)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Self::new(layout, regions)
@@ -521,7 +531,15 @@ pub mod pattern {
     /// New memory of `layout` with every block holding its pattern: what a prefill cache
     /// looks like in tests, the loopback example, the benchmark and the fault tools.
     pub fn alloc_filled(layout: BlockLayout) -> Result<KvMemory, MemError> {
-        let mem = KvMemory::alloc(layout)?;
+        alloc_filled_in(layout, &mut super::Region::alloc)
+    }
+
+    /// [`alloc_filled`] over regions from `alloc` ([`KvMemory::alloc_in`]).
+    pub fn alloc_filled_in(
+        layout: BlockLayout,
+        alloc: &mut dyn FnMut(usize) -> Result<super::Region, MemError>,
+    ) -> Result<KvMemory, MemError> {
+        let mem = KvMemory::alloc_in(layout, alloc)?;
         let mut buf = vec![0u8; mem.layout().block_bytes() as usize];
         for b in 0..mem.layout().num_blocks() {
             fill(b, &mut buf);

@@ -4,7 +4,9 @@
 //! `ucp_mem_map`, packs an rkey per region and publishes them with its worker address
 //! ([`TargetInfo`], carried in the handshake). A [`UcxInitiator`] (decode side) maps its own
 //! regions, creates an endpoint per peer from that address, unpacks the rkeys, and reads
-//! with `ucp_get_nbx` straight into its registered blocks.
+//! with `ucp_get_nbx` straight into its registered blocks. Regions inside a [`UcxBuffer`]
+//! (memory UCX allocated) are served through shared memory, one-sided; others, with UCX
+//! 1.13 over shared memory, by the target's thread answering emulated gets.
 //!
 //! UCX workers are single-threaded here (`UCS_THREAD_MODE_SINGLE`): every UCX object of a
 //! target or initiator lives on one thread that owns it, progresses the worker, and sleeps on
@@ -46,6 +48,73 @@ pub struct UcxConfig {
 impl Default for UcxConfig {
     fn default() -> Self {
         UcxConfig { tls: None, peer_failure_handling: true, verify_payloads: false }
+    }
+}
+
+/// Memory allocated by UCX for a target's regions (`ucp_mem_map` with
+/// `UCP_MEM_MAP_ALLOCATE`, from the process's shared context for the transports of the
+/// [`UcxConfig`] it was allocated with).
+///
+/// Why: UCX 1.13 serves a `ucp_get_nbx` from memory it merely registered with *active
+/// messages* over its shared-memory transports (the target's thread copies every fragment
+/// into a reply; its CMA transport is never chosen for gets). Memory it allocated itself
+/// lies in shared memory (sysv or posix) that a peer on the same host maps, so the peer's
+/// gets are plain copies on the peer's side and the target's thread stays idle. A
+/// [`UcxTarget`] started with the same transports serves any region inside such a buffer
+/// that way; other regions are registered as before.
+///
+/// The contents start unspecified (UCX may fall back to heap memory). The memory is
+/// released when the buffer is dropped, so keep it alive (for instance in a target's
+/// `keep_alive`) until every target serving it is dropped.
+pub struct UcxBuffer {
+    ctx: Arc<raw::Context>,
+    memh: usize,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is an allocation of a thread-safe context (see `raw::Context`) and
+// its address; access to the bytes is the user's business, as for any raw allocation.
+unsafe impl Send for UcxBuffer {}
+// SAFETY: as above; `&UcxBuffer` only hands out the address and length.
+unsafe impl Sync for UcxBuffer {}
+
+impl UcxBuffer {
+    /// Allocates at least `len` bytes (a whole number of pages) for the transports of
+    /// `config`.
+    pub fn alloc(config: &UcxConfig, len: usize) -> Result<Self, UcxError> {
+        let ctx = raw::Context::shared(config)?;
+        let (ptr, len, memh) = ctx.allocate(len)?;
+        Ok(UcxBuffer { ctx, memh: memh as usize, ptr, len })
+    }
+
+    /// The start address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length in bytes (what UCX allocated: at least what was asked for).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty (never: an empty allocation is refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for UcxBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxBuffer").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
+impl Drop for UcxBuffer {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from `allocate` on this context and is freed once; the
+        // owner's contract (struct docs) is that no target serves the memory any more.
+        unsafe { self.ctx.free(self.memh as ucx_sys::ucp_mem_h) };
     }
 }
 

@@ -1,8 +1,9 @@
 //! The unsafe part: UCX handles and the two thread loops that own them.
 //!
 //! - `error`: [`UcxError`] and the status check of every UCX call.
-//! - `handles`: RAII handles of the context, the worker (and the [`Signal`] that wakes
-//!   it), memory maps, and `setup`, which makes them.
+//! - `handles`: RAII handles of the context (shared per transport set, with the memory it
+//!   allocates), the worker (and the [`Signal`] that wakes it), memory maps, and `setup`,
+//!   which makes them.
 //! - `endpoint`: an initiator's endpoint to one target with its rkeys, and the checks of a
 //!   peer's target info.
 //! - `target`: the prefill side's thread loop ([`run_target`]).
@@ -16,6 +17,6 @@ mod target;
 
 pub use endpoint::{MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN};
 pub use error::UcxError;
-pub(crate) use handles::Signal;
+pub(crate) use handles::{Context, Signal};
 pub(crate) use initiator::run_initiator;
 pub(crate) use target::run_target;

@@ -67,6 +67,8 @@ pub use kvxfer_core::pull::{Advice, ChildOutcome, MismatchField, PullError};
 pub use kvxfer_ucx::UcxConfig;
 pub use prefill::{LeaseEnds, PrefillAgent, PrefillStats};
 pub use runtime::wait_for_teardown;
+#[cfg(feature = "ucx")]
+pub use ucx::ucx_region;
 
 pub use kvxfer_core::{
     BlockId, BlockLayout, ChildHandoff, ChildState, EndKind, KvTransferParams, LeaseEnd, LeaseRequest,

@@ -20,10 +20,14 @@ use crate::TransportChoice;
 
 use kvxfer_core::plan::BlockRun;
 use kvxfer_core::BlockLayout;
-use kvxfer_mem::KvMemory;
+use std::ptr::NonNull;
+
+use kvxfer_mem::{KvMemory, Region};
 use kvxfer_proto::v1;
 use kvxfer_proto::Message;
-use kvxfer_ucx::{GetPiece, RegionInfo, Span, TargetInfo, UcxConfig, UcxError, UcxInitiator, UcxTarget};
+use kvxfer_ucx::{
+    GetPiece, RegionInfo, Span, TargetInfo, UcxBuffer, UcxConfig, UcxError, UcxInitiator, UcxTarget,
+};
 
 /// Every region of every KV-cache group, group 0's first: region `r` of the offer (and of
 /// the initiator's mapping) is segment `r - first` of the group whose regions start at
@@ -36,6 +40,29 @@ fn spans(memory: &KvMemory) -> Vec<Span> {
 /// groups before it (the same on both sides, whose groups have the same segment counts).
 pub(crate) fn region_base(memory: &KvMemory, group: usize) -> usize {
     memory.group_layouts().take(group).map(|l| l.segments().len()).sum()
+}
+
+/// A zeroed region of `len` bytes in memory UCX allocated for the transports of `config`
+/// ([`kvxfer_ucx::UcxBuffer`]): give a prefill agent whose UCX settings are `config` its KV
+/// cache in such regions (`KvMemory::alloc_in`) and a decode agent on the same host reads
+/// them through shared memory with one-sided copies, instead of UCX 1.13's active-message
+/// emulation of gets from merely registered memory, which needs the prefill side's UCX
+/// thread to copy every fragment (BENCHMARKING.md, UCX shared memory). Other regions work
+/// as before.
+pub fn ucx_region(config: &UcxConfig, len: usize) -> Result<Region, crate::Error> {
+    if len == 0 {
+        return Ok(Region::alloc(0)?);
+    }
+    let buffer = UcxBuffer::alloc(config, len)?;
+    let ptr = NonNull::new(buffer.as_ptr())
+        .ok_or_else(|| crate::Error::Unsupported("UCX allocated a null region".into()))?;
+    // SAFETY: the buffer holds at least `len` bytes at `ptr` (UcxBuffer::alloc checked),
+    // valid for writes until it is dropped, and nobody else has its address yet.
+    unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+    // SAFETY: the memory stays valid for reads and writes from any thread while the
+    // buffer lives, and the region owns the buffer (keep-alive), so as long as the region.
+    // The access contract is the caller's, as for any region.
+    Ok(unsafe { Region::borrowed(ptr, len, Some(Box::new(buffer))) })
 }
 
 /// Maps a prefill agent's regions for remote reads.

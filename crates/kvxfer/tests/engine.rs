@@ -573,3 +573,34 @@ fn a_shorter_lease_made_after_longer_ones_expires_at_its_own_deadline() {
     assert!(prefill.events().try_recv().is_err(), "the long leases are still live");
     drop((long, longer));
 }
+
+/// A prefill KV cache in memory UCX allocated (`kvxfer::ucx_region`, what lets UCX 1.13
+/// serve shared-memory gets one-sided): pulled over UCX shared memory byte-exact, every
+/// byte one-sided, and the agents and their memory shut down cleanly.
+#[cfg(feature = "ucx")]
+#[test]
+fn ucx_shm_pull_from_ucx_allocated_prefill_memory() {
+    let t = Transport::UcxShm;
+    let config = keyed(t.config(AgentConfig::new("prefill").io_timeout(Duration::from_secs(5))));
+    let ucx = config.ucx.clone();
+    let layout = BlockLayout::single(96, BLOCK).expect("layout");
+    let mem = kvxfer_mem::pattern::alloc_filled_in(layout, &mut |len| {
+        Ok(kvxfer::ucx_region(&ucx, len).expect("UCX-allocated region"))
+    })
+    .expect("patterned memory");
+    let prefill = kvxfer::blocking::PrefillAgent::start(config, "127.0.0.1:0", mem).expect("prefill agent");
+    let decode = t.decode(96);
+    let remote: Vec<Vec<BlockId>> = (0..4).map(|i| (i * 12..i * 12 + 12).rev().collect()).collect();
+    let local: Vec<Vec<BlockId>> = (0..4).map(|i| (48 + i * 12..60 + i * 12).collect()).collect();
+    let result = prefill.lease_parent("U", remote.clone(), 1, None).expect("lease");
+    let report = decode.submit(result, local.clone()).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    for (r, l) in remote.iter().zip(&local) {
+        assert!(verify(&decode, r, l), "child bytes");
+    }
+    let bytes = 48 * BLOCK;
+    assert_eq!(decode.stats().bytes_pulled_ucx, bytes);
+    eventually("served bytes counted", || prefill.stats().server.bytes_served_one_sided == bytes);
+    drop(decode);
+    drop(prefill);
+}

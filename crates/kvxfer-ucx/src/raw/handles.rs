@@ -5,7 +5,7 @@
 
 use std::ffi::{c_void, CString};
 use std::ptr::{null, null_mut};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use tracing::warn;
@@ -14,8 +14,31 @@ use ucx_sys as sys;
 use super::error::{check, UcxError};
 use crate::{Span, UcxConfig};
 
-/// A UCX context (`ucp_context_h`) with RMA and wakeup features.
-pub(super) struct Context(pub(super) sys::ucp_context_h);
+/// A UCX context (`ucp_context_h`) with RMA and wakeup features, shared by the workers
+/// and allocations of any thread (created with `mt_workers_shared`), with the memory it
+/// allocated itself ([`Context::allocate`]).
+pub(crate) struct Context {
+    raw: sys::ucp_context_h,
+    /// The regions this context allocated and still holds. The lock also serialises
+    /// kvxfer's context-level calls (map, unmap, rkey pack) across threads.
+    allocations: Mutex<Vec<Allocated>>,
+}
+
+// SAFETY: the context is created with `mt_workers_shared`, so UCX guards its context-level
+// state for workers and calls on several threads; kvxfer's own context-level calls (map,
+// unmap, rkey pack) are also serialised by `allocations`' lock. Workers made from it stay
+// on their owning threads.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+/// A region a context allocated: where it is and its memory handle.
+#[derive(Clone, Copy)]
+struct Allocated {
+    base: usize,
+    len: usize,
+    memh: usize,
+}
 
 impl Context {
     /// A context with the transports of `config`.
@@ -33,27 +56,118 @@ impl Context {
                 })?;
             }
             let params = sys::ucp_params_t {
-                field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES),
+                field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED),
                 features: u64::from(sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP),
+                mt_workers_shared: 1,
                 ..Default::default()
             };
             let mut ctx: sys::ucp_context_h = null_mut();
             // SAFETY: `params` is initialised for the fields in its mask, `cfg` is a live
             // config, `ctx` is valid for a write.
             check("ucp_init", unsafe { sys::ucp_init(&params, cfg, &mut ctx) })?;
-            Ok(Context(ctx))
+            Ok(Context { raw: ctx, allocations: Mutex::new(Vec::new()) })
         })();
         // SAFETY: `cfg` came from ucp_config_read and is released once.
         unsafe { sys::ucp_config_release(cfg) };
         result
     }
+
+    /// The process's shared context for `config`'s transports: the one already in use for
+    /// them (by a target or allocations), else a new one. Memory allocated from it
+    /// ([`Context::allocate`]) is what a target of the same transports can serve one-sided.
+    pub(crate) fn shared(config: &UcxConfig) -> Result<Arc<Self>, UcxError> {
+        type SharedContexts = Mutex<Vec<(Option<String>, Weak<Context>)>>;
+        static SHARED: OnceLock<SharedContexts> = OnceLock::new();
+        let mut shared = SHARED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+        shared.retain(|(_, ctx)| ctx.strong_count() > 0);
+        if let Some(ctx) = shared.iter().find(|(tls, _)| *tls == config.tls).and_then(|(_, c)| c.upgrade()) {
+            return Ok(ctx);
+        }
+        let ctx = Arc::new(Context::new(config)?);
+        shared.push((config.tls.clone(), Arc::downgrade(&ctx)));
+        Ok(ctx)
+    }
+
+    /// Allocates `len` bytes with `ucp_mem_map(UCP_MEM_MAP_ALLOCATE)`: UCX places them in
+    /// memory its shared-memory transports can map into a peer (sysv or posix shared
+    /// memory), so a peer's `ucp_get_nbx` from them is a copy on the peer's side rather
+    /// than an active message this process must serve. Returns the address and the memory
+    /// handle; [`Context::free`] releases them.
+    pub(crate) fn allocate(&self, len: usize) -> Result<(*mut u8, usize, sys::ucp_mem_h), UcxError> {
+        if len == 0 {
+            return Err(UcxError::other("ucp_mem_map", "cannot allocate an empty region"));
+        }
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: u64::from(
+                sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+            ),
+            address: null_mut(),
+            length: len,
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        let mut allocations = self.allocations.lock().unwrap_or_else(|p| p.into_inner());
+        let mut memh: sys::ucp_mem_h = null_mut();
+        // SAFETY: live context; a null address with ALLOCATE asks UCX to choose one;
+        // `memh` valid for a write.
+        check("ucp_mem_map(ALLOCATE)", unsafe { sys::ucp_mem_map(self.raw, &params, &mut memh) })?;
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: u64::from(sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH),
+            ..Default::default()
+        };
+        // SAFETY: `memh` was just mapped; `attr` is valid for writes of its masked fields.
+        let queried = check("ucp_mem_query", unsafe { sys::ucp_mem_query(memh, &mut attr) });
+        if let Err(e) = queried.and_then(|()| {
+            if attr.address.is_null() || attr.length < len {
+                Err(UcxError::other("ucp_mem_map(ALLOCATE)", "UCX returned less memory than asked for"))
+            } else {
+                Ok(())
+            }
+        }) {
+            // SAFETY: the handle was mapped above and is released once, unused.
+            unsafe { sys::ucp_mem_unmap(self.raw, memh) };
+            return Err(e);
+        }
+        let base = attr.address.cast::<u8>();
+        allocations.push(Allocated { base: base as usize, len: attr.length, memh: memh as usize });
+        Ok((base, attr.length, memh))
+    }
+
+    /// Releases memory from [`Context::allocate`].
+    ///
+    /// # Safety
+    /// `memh` came from `allocate` on this context and is freed once; nothing (no region
+    /// handed to a target, no peer's read in flight on a live target) uses the memory any
+    /// more.
+    pub(crate) unsafe fn free(&self, memh: sys::ucp_mem_h) {
+        let mut allocations = self.allocations.lock().unwrap_or_else(|p| p.into_inner());
+        allocations.retain(|a| a.memh != memh as usize);
+        // SAFETY: per the contract, a live handle of this context, released once.
+        let st = unsafe { sys::ucp_mem_unmap(self.raw, memh) };
+        if st != sys::UCS_OK {
+            warn!(status = st, "ucp_mem_unmap of an allocation failed");
+        }
+    }
+
+    /// The memory handle of this context's allocation that holds all of `span`, if any.
+    fn allocation_holding(&self, span: Span) -> Option<sys::ucp_mem_h> {
+        let (start, end) = (span.ptr as usize, (span.ptr as usize).checked_add(span.len)?);
+        let allocations = self.allocations.lock().unwrap_or_else(|p| p.into_inner());
+        allocations
+            .iter()
+            .find(|a| a.base <= start && end <= a.base + a.len)
+            .map(|a| a.memh as sys::ucp_mem_h)
+    }
 }
 
 impl Drop for Context {
     fn drop(&mut self) {
-        // SAFETY: the context is live, and every worker and memory map made from it was
-        // dropped before it (field order in the thread loops).
-        unsafe { sys::ucp_cleanup(self.0) };
+        // SAFETY: the context is live, and every worker, memory map and allocation made
+        // from it was dropped before it (the thread loops drop their maps and worker before
+        // their `Arc` of it; an allocation holds an `Arc` until it is freed).
+        unsafe { sys::ucp_cleanup(self.raw) };
     }
 }
 
@@ -74,7 +188,7 @@ impl Worker {
         };
         let mut raw: sys::ucp_worker_h = null_mut();
         // SAFETY: live context, initialised params, `raw` valid for a write.
-        check("ucp_worker_create", unsafe { sys::ucp_worker_create(ctx.0, &params, &mut raw) })?;
+        check("ucp_worker_create", unsafe { sys::ucp_worker_create(ctx.raw, &params, &mut raw) })?;
         let mut efd = -1;
         // SAFETY: live worker created with the wakeup feature; `efd` valid for a write.
         if let Err(e) = check("ucp_worker_get_efd", unsafe { sys::ucp_worker_get_efd(raw, &mut efd) }) {
@@ -189,10 +303,13 @@ impl Signal {
     }
 }
 
-/// A registered region (`ucp_mem_map` over memory someone else owns).
+/// A registered region: `ucp_mem_map` over memory someone else owns, or a region the
+/// context allocated itself (then the map only borrows the allocation's handle).
 pub(super) struct MemMap {
-    ctx: sys::ucp_context_h,
+    ctx: Arc<Context>,
     memh: sys::ucp_mem_h,
+    /// Whether this map made `memh` (and unmaps it when dropped).
+    owned: bool,
     /// Start address of the region.
     pub(super) base: u64,
     /// Length of the region in bytes.
@@ -200,13 +317,18 @@ pub(super) struct MemMap {
 }
 
 impl MemMap {
-    /// Maps `span`.
+    /// Maps `span`: with the handle of the context's allocation that holds it, if there is
+    /// one (so peers read it through shared memory), else a new registration.
     ///
     /// # Safety
     /// `span` stays valid until this map is dropped.
-    unsafe fn new(ctx: &Context, span: Span) -> Result<Self, UcxError> {
+    unsafe fn new(ctx: &Arc<Context>, span: Span) -> Result<Self, UcxError> {
         if span.len == 0 {
             return Err(UcxError::other("ucp_mem_map", "cannot register an empty region"));
+        }
+        let (base, len) = (span.ptr as u64, span.len as u64);
+        if let Some(memh) = ctx.allocation_holding(span) {
+            return Ok(MemMap { ctx: ctx.clone(), memh, owned: false, base, len });
         }
         let params = sys::ucp_mem_map_params_t {
             field_mask: u64::from(sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH),
@@ -215,17 +337,20 @@ impl MemMap {
             ..Default::default()
         };
         let mut memh: sys::ucp_mem_h = null_mut();
+        let _serial = ctx.allocations.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: live context; the span is valid (caller); `memh` valid for a write.
-        check("ucp_mem_map", unsafe { sys::ucp_mem_map(ctx.0, &params, &mut memh) })?;
-        Ok(MemMap { ctx: ctx.0, memh, base: span.ptr as u64, len: span.len as u64 })
+        check("ucp_mem_map", unsafe { sys::ucp_mem_map(ctx.raw, &params, &mut memh) })?;
+        Ok(MemMap { ctx: ctx.clone(), memh, owned: true, base, len })
     }
 
     /// The region's packed rkey, for a peer to unpack.
     pub(super) fn packed_rkey(&self) -> Result<Vec<u8>, UcxError> {
         let mut buf: *mut c_void = null_mut();
         let mut size = 0usize;
-        // SAFETY: live context and memory handle; out-pointers valid.
-        check("ucp_rkey_pack", unsafe { sys::ucp_rkey_pack(self.ctx, self.memh, &mut buf, &mut size) })?;
+        let _serial = self.ctx.allocations.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: live context and memory handle (an allocation's handle outlives the map:
+        // `run_target`'s keep-alive contract); out-pointers valid.
+        check("ucp_rkey_pack", unsafe { sys::ucp_rkey_pack(self.ctx.raw, self.memh, &mut buf, &mut size) })?;
         // SAFETY: UCX returned `size` readable bytes, copied before release.
         let bytes = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) }.to_vec();
         // SAFETY: buffer from ucp_rkey_pack, released once.
@@ -236,9 +361,13 @@ impl MemMap {
 
 impl Drop for MemMap {
     fn drop(&mut self) {
-        // SAFETY: live handle of a live context (contexts outlive their maps); no request
-        // uses the region any more (all gets completed before shutdown).
-        let st = unsafe { sys::ucp_mem_unmap(self.ctx, self.memh) };
+        if !self.owned {
+            return; // The allocation's owner unmaps it (`Context::free`).
+        }
+        let _serial = self.ctx.allocations.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: live handle of a live context (held by `self.ctx`); no request uses the
+        // region any more (all gets completed before shutdown).
+        let st = unsafe { sys::ucp_mem_unmap(self.ctx.raw, self.memh) };
         if st != sys::UCS_OK {
             warn!(status = st, "ucp_mem_unmap failed");
         }
@@ -246,15 +375,18 @@ impl Drop for MemMap {
 }
 
 /// What a target and an initiator both start with: a context, a worker, and their regions
-/// mapped.
+/// mapped. A target (`shared`) uses the process's shared context for its transports, so
+/// regions allocated from it ([`Context::allocate`]) are served through shared memory; an
+/// initiator gets a context of its own.
 ///
 /// # Safety
 /// Every span stays valid until the returned maps are dropped.
 pub(super) unsafe fn setup(
     config: &UcxConfig,
     regions: &[Span],
-) -> Result<(Context, Worker, Vec<MemMap>), UcxError> {
-    let ctx = Context::new(config)?;
+    shared: bool,
+) -> Result<(Arc<Context>, Worker, Vec<MemMap>), UcxError> {
+    let ctx = if shared { Context::shared(config)? } else { Arc::new(Context::new(config)?) };
     let worker = Worker::new(&ctx)?;
     let mut maps = Vec::with_capacity(regions.len());
     for &span in regions {

@@ -152,7 +152,7 @@ pub(crate) fn run_initiator(
     ready: InitiatorReady,
 ) {
     // SAFETY: as in run_target, for the initiator's own regions.
-    let (ctx, worker, maps) = match unsafe { setup(config, &regions) } {
+    let (ctx, worker, maps) = match unsafe { setup(config, &regions, false) } {
         Ok(s) => s,
         Err(e) => {
             let _ = ready.send(Err(e));
