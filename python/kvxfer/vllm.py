@@ -44,7 +44,12 @@ How it maps onto vLLM:
   full attention and sliding window) each group's layers are registered as one memory group;
   ``request_finished``'s per-group block ids become nested ``remote_block_ids`` (one list per
   group), and the decode side pulls every group into its per-group local blocks (a prefix
-  hit trims each group's list to its tail). Without a ``kv_cache_config`` (older vLLM) a
+  hit trims each group's list to its tail). A sliding-window group's list starts with vLLM's
+  null block (id 0) in place of the blocks that slid out of the window: those entries are
+  dropped from the hand-off and the lease (a lease holds each real block once), their count
+  travels as ``kvxfer_skipped_blocks``, and the decode side leaves its local blocks at those
+  positions alone (a local block straddling the window's edge — possible only with a block
+  ratio — is recomputed). Without a ``kv_cache_config`` (older vLLM) a
   request with blocks in more than one group is computed locally (``bad_params``).
 - **Aborts.** A decode request aborted while its pull runs is cancelled (its lease ends
   released) and its blocks are freed when the pull reports. One aborted before its pull
@@ -192,6 +197,28 @@ def _all_ids(blocks: Any) -> list[int]:
     if _nested(blocks):
         return [int(b) for g in blocks for b in g]
     return [int(b) for b in (blocks or ())]
+
+
+# vLLM's null block: the block pool's first block, never given to a request's tokens. A
+# sliding-window group's block list holds it in place of the blocks that slid out of the
+# window (``SlidingWindowManager.remove_skipped_blocks``), so the list starts with repeats.
+NULL_BLOCK_ID = 0
+
+
+def _strip_null_prefix(blocks: Any) -> tuple[Any, Any]:
+    """``blocks`` (flat or per group) without the leading null-block entries of each list,
+    and how many were dropped (an int, or one per group): a lease holds real blocks only,
+    each once, and the decode side keeps its blocks aligned by that count."""
+    def strip(ids: list[int]) -> tuple[list[int], int]:
+        k = 0
+        while k < len(ids) - 1 and ids[k] == NULL_BLOCK_ID:
+            k += 1
+        return ids[k:], k
+
+    if _nested(blocks):
+        pairs = [strip(list(g)) for g in blocks]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    return strip(list(blocks))
 
 
 def _local_blocks(blocks: Any, num_groups: int = 1) -> Any:
@@ -637,9 +664,10 @@ class KvxferConnector(_Base):
             self._counters["bad_params"] += 1
             logger.error("kvxfer: cannot lease the blocks of %s (%s); freed now, the decode side computes", rid, e)
             return False, None
+        blocks, skipped = _strip_null_prefix(blocks)
         if not _all_ids(blocks):
             return False, None
-        return True, self._mint(rid, params, blocks)
+        return True, self._mint(rid, params, blocks, skipped)
 
     def _prefill_params(self, rid: str, params: Any) -> Optional[dict[str, Any]]:
         """A prefill request's own ``kv_transfer_params`` dict (vLLM's per-child list form:
@@ -659,8 +687,9 @@ class KvxferConnector(_Base):
             return None
         return params
 
-    def _mint(self, rid: str, params: dict[str, Any], blocks: Any) -> dict[str, Any]:
-        """The child's hand-off (minted id and token), queued for the workers to arm."""
+    def _mint(self, rid: str, params: dict[str, Any], blocks: Any, skipped: Any = 0) -> dict[str, Any]:
+        """The child's hand-off (minted id and token), queued for the workers to arm.
+        ``skipped``: the null-block entries dropped from the head of each block list."""
         parent, index, n = self._child_of(rid, params)
         decode_tp = _int_or_none(params.get("kvxfer_decode_tp_size")) or self.decode_tp_size
         # As kvxfer_core::expected_consumers: a wider decode engine reads every prefill
@@ -684,6 +713,8 @@ class KvxferConnector(_Base):
         }
         if self.block_size:
             out["kvxfer_block_size"] = self.block_size
+        if any(skipped) if isinstance(skipped, list) else skipped:
+            out["kvxfer_skipped_blocks"] = skipped
         rank0 = self._ranks.get(0)
         if rank0 is not None:
             out["remote_host"] = rank0.host
@@ -909,7 +940,14 @@ class KvxferConnector(_Base):
                 if child_index is None:
                     raise TypeError(f"kvxfer_child_index is {p.get('kvxfer_child_index')!r}, not an int")
                 ratio = self._block_ratio(p)
-                remote = self._pulled_blocks(p.get("remote_block_ids"), local, ratio)
+                remote, pulled_into = self._pulled_blocks(
+                    p.get("remote_block_ids"), local, ratio, p.get("kvxfer_skipped_blocks") or 0
+                )
+                if not _all_ids(pulled_into):
+                    # Every local block lies outside the prefill side's sliding window.
+                    self._release(views)
+                    self._done_recving.add(rid)
+                    continue
                 views = [dict(v, remote_block_ids=remote) for v in views]
                 hetero = len(views) > 1 or ratio != 1 or int(p.get("tp_size") or 1) != self.tp_size
             except (ValueError, TypeError) as e:
@@ -923,46 +961,63 @@ class KvxferConnector(_Base):
                 len(views),
                 hetero,
             )
-            groups.setdefault(key, []).append((rid, views, local, child_index))
+            groups.setdefault(key, []).append((rid, views, local, child_index, pulled_into))
         for (_, _, _, num_ranks, hetero), members in groups.items():
             try:
                 if not hetero:
-                    pull = self._decode.submit([m[1][0] for m in members], [m[2] for m in members])
+                    pull = self._decode.submit([m[1][0] for m in members], [m[4] for m in members])
                 else:
                     ranks = [[m[1][r] for m in members] for r in range(num_ranks)]
-                    pull = self._decode.submit_ranks(ranks, [m[2] for m in members])
+                    pull = self._decode.submit_ranks(ranks, [m[4] for m in members])
             except kvxfer.KvxferError as e:
-                for rid, views, local, _ in members:
+                for rid, views, local, _, _ in members:
                     self._pulling.pop(str(views[0].get("remote_request_id")), None)
                     self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
-            for rid, _, _, child_index in members:
+            for rid, _, _, child_index, _ in members:
                 self._pulls[rid] = (pull, child_index)
                 self._by_child[(pull.id, child_index)] = rid
 
-    def _pulled_blocks(self, remote: Any, local: Any, ratio: int = 1) -> Any:
-        """The remote blocks to pull into ``local`` (per KV-cache group when nested; ``ratio``
-        remote blocks per local block): where the head of the prompt is in the local prefix
-        cache (fewer local blocks), the tail."""
+    def _pulled_blocks(self, remote: Any, local: Any, ratio: int = 1, skipped: Any = 0) -> tuple[Any, Any]:
+        """The remote blocks to pull and the local blocks they go to (per KV-cache group when
+        nested; ``ratio`` remote blocks per local block): where the head of the prompt is in
+        the local prefix cache (fewer local blocks), the tail; local blocks at positions the
+        prefill side had slid out of its window (``skipped``) are left alone."""
         if self.num_groups > 1:
             if not (_nested(remote) and _nested(local) and len(remote) == len(local) == self.num_groups):
                 raise ValueError(f"the hand-off and the local blocks must list {self.num_groups} KV-cache groups")
-            return [self._tail(list(r), list(l), ratio) for r, l in zip(remote, local)]
+            skips = skipped if isinstance(skipped, list) else [skipped] * self.num_groups
+            if len(skips) != self.num_groups:
+                raise ValueError(f"kvxfer_skipped_blocks lists {len(skips)} groups, this model has {self.num_groups}")
+            pairs = [self._tail(list(r), list(l), ratio, k) for r, l, k in zip(remote, local, skips)]
+            return [p[0] for p in pairs], [p[1] for p in pairs]
         remote = list(remote or [])
         if remote and isinstance(remote[0], list):
             if len(remote) > 1 and any(remote[1:]):
                 raise ValueError(f"the hand-off lists {len(remote)} KV-cache groups, this model has one")
             remote = remote[0]
-        return self._tail(remote, list(local), ratio)
+        if isinstance(skipped, list):
+            skipped = skipped[0] if skipped else 0
+        return self._tail(remote, list(local), ratio, skipped)
 
     @staticmethod
-    def _tail(remote: list[int], local: list[int], ratio: int = 1) -> list[int]:
-        """The remote blocks of one group to pull into ``local`` (``ratio`` remote blocks per
-        local block): all, or the tail past the local blocks found in the prefix cache."""
-        needed = -(-len(remote) // ratio)
+    def _tail(remote: list[int], local: list[int], ratio: int = 1, skipped: Any = 0) -> tuple[list[int], list[int]]:
+        """The remote blocks of one group to pull and the local blocks they go to (``ratio``
+        remote blocks per local block): all, or the tail past the local blocks found in the
+        prefix cache. ``remote`` lacks its first ``skipped`` positions (null blocks on the
+        prefill side, outside its sliding window): local blocks wholly there are not pulled."""
+        k = _int_or_none(skipped)
+        if k is None or k < 0:
+            raise ValueError(f"kvxfer_skipped_blocks is {skipped!r}, not a count")
+        needed = -(-(k + len(remote)) // ratio)
         if len(local) > needed:
-            raise ValueError(f"{len(local)} local blocks for {len(remote)} remote blocks (block ratio {ratio})")
-        return remote[(needed - len(local)) * ratio :]
+            raise ValueError(f"{len(local)} local blocks for {k + len(remote)} remote blocks (block ratio {ratio})")
+        start = (needed - len(local)) * ratio  # the first local block's first remote position
+        head = max(0, k - start)  # remote positions of the local blocks with no KV remotely
+        idle = min(head // ratio, len(local))  # local blocks wholly outside the window
+        if head % ratio and idle < len(local):
+            raise ValueError(f"a local block straddles the edge of the {k} remote blocks outside the sliding window")
+        return remote[start + idle * ratio - k :], local[idle:]
 
     def _fail(self, rid: str, local: Any, why: str) -> None:
         self._counters["submit_failures"] += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvxfer.vllm import KvxferConnector
 from vllm_base_mirror import Request
 from vllm_sim import BLOCK_SIZE, Instance, full_heads, same_blocks, same_group_blocks
 
@@ -187,3 +188,47 @@ def test_mla_prefill_tp1_to_decode_tp2_every_rank_gets_the_whole_latent():
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_sliding_window_group_with_null_blocks_is_leased_without_them_and_pulled_aligned():
+    # vLLM swaps the blocks that slid out of a window for its null block (id 0), so the
+    # window group's list starts with repeats of it: leased as they were, the lease table
+    # refuses the repeats (duplicate_block) and the request is recomputed.
+    prefill = Instance("kv_producer", "window-prefill", seed=5, groups=2)
+    decode = Instance("kv_consumer", "window-decode", groups=2)
+    try:
+        _, params = prefill.finish_prefill(prefill_request("W"), [[1, 2, 3], [0, 0, 22]])
+        assert params["remote_block_ids"] == [[1, 2, 3], [22]]
+        assert params["kvxfer_skipped_blocks"] == [0, 2]
+        prefill.step()
+        assert prefill.worker.stats()["arm_failures"] == 0
+        req = Request("WD", list(PROMPT), kv_transfer_params=params)
+        local = decode.add_decode(req)
+        assert [len(g) for g in local] == [3, 3]
+        decode.run_until("WD received", lambda: "WD" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        # The window group's first two local blocks are outside the window: not written.
+        assert same_group_blocks(prefill.caches, [[1, 2, 3], [22]], decode.caches, [local[0], local[1][2:]], 2)
+        prefill.run_until("W handed back", lambda: "W" in prefill.sending)
+        assert leases(prefill) == {"pulled": 1, "released": 0, "expired": 0, "live": 0}
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_the_tail_keeps_positions_past_the_skipped_head():
+    tail = KvxferConnector._tail
+    # No skip: as before.
+    assert tail([1, 2, 3], [7, 8, 9]) == ([1, 2, 3], [7, 8, 9])
+    assert tail([1, 2, 3], [9]) == ([3], [9])
+    # Two positions skipped remotely: the local blocks there are left alone.
+    assert tail([22], [7, 8, 9], 1, 2) == ([22], [9])
+    assert tail([21, 22], [8, 9], 1, 2) == ([21, 22], [8, 9])
+    # A prefix hit past the skipped head pulls the tail only.
+    assert tail([21, 22, 23], [9], 1, 2) == ([23], [9])
+    # Block ratio 2 (two remote blocks per local one), aligned and straddling the edge.
+    assert tail([23, 24], [8, 9], 2, 2) == ([23, 24], [9])
+    with pytest.raises(ValueError, match="straddles"):
+        tail([22, 23, 24], [7, 8], 2, 1)
+    with pytest.raises(ValueError, match="not a count"):
+        tail([1], [7], 1, -1)
