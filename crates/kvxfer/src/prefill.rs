@@ -771,7 +771,7 @@ impl Shared {
     }
 }
 
-/// Sleeps until the table's next deadline (or a new lease wakes it), then expires.
+/// Sleeps until the table's next deadline (or a lease that expires sooner wakes it), then expires.
 async fn expiry_loop(shared: Arc<Shared>) {
     let table = &shared.table;
     loop {

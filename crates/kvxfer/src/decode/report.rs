@@ -26,6 +26,7 @@ pub struct Reclaimed {
 
 /// One child's report.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChildReport {
     /// The child index.
     pub child_index: u32,
