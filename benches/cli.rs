@@ -46,6 +46,9 @@ pub(crate) struct ServeArgs {
     /// Serve this many runs, then exit (0: until told to quit).
     #[arg(long, default_value_t = 0)]
     pub(crate) runs: u32,
+    /// Runtime threads of the prefill agent (`AgentConfig::worker_threads`).
+    #[arg(long, default_value_t = 2)]
+    pub(crate) worker_threads: usize,
 }
 
 #[derive(Args, Debug, Clone)]

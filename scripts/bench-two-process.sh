@@ -15,12 +15,12 @@ if [ -z "$bin" ]; then
     bin=target/release/kvxfer-bench
 fi
 
-# The serve side takes the transport flags; everything else is for pull.
+# The serve side takes the transport flags and --worker-threads (pull takes them too).
 serve_args=()
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[$i]}" in
-        --transport|--ucx-tls) serve_args+=("${args[$i]}" "${args[$((i + 1))]}") ;;
+        --transport|--ucx-tls|--worker-threads) serve_args+=("${args[$i]}" "${args[$((i + 1))]}") ;;
         --ucx-peer-failure) serve_args+=("${args[$i]}") ;;
     esac
 done

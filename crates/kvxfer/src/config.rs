@@ -52,7 +52,10 @@ pub struct AgentConfig {
     /// Frame size limit and I/O timeout of every connection.
     pub limits: Limits,
     /// Worker threads of the runtime a blocking agent ([`crate::blocking`]) owns; the async
-    /// agents run on their caller's runtime and start none.
+    /// agents run on their caller's runtime and start none. Default 2: more throughput per
+    /// agent under load (bulk and many-request runs); 1 costs fewer context switches and
+    /// less CPU per hand-off and gives lower one-block latency (tokio wakes an idle sibling
+    /// worker on events), so latency-bound agents on a tight core budget may prefer it.
     pub worker_threads: usize,
     /// How long `shutdown` lets reads in flight (and, on a prefill agent, open pins) finish
     /// before it cuts them. Default 5 s.
