@@ -589,6 +589,7 @@ impl DecodeAgent {
             read_retries,
             leases_released,
             releases_refused,
+            ucx_endpoints,
         } = agent.stats();
         let d = PyDict::new(py);
         for (k, v) in [
@@ -613,6 +614,7 @@ impl DecodeAgent {
             ("integrity_failures_tcp", integrity_failures_tcp),
             ("leases_released", leases_released),
             ("releases_refused", releases_refused),
+            ("ucx_endpoints", ucx_endpoints),
         ] {
             d.set_item(k, v)?;
         }
