@@ -1,7 +1,8 @@
 //! RAII handles of the UCX objects both sides own: the context, the worker (and the
 //! [`Signal`] that wakes it from other threads), and memory maps; and [`setup`], which makes
 //! all three. Each handle releases its object in `Drop`; the thread loops drop them in the
-//! order UCX needs (maps, worker, context).
+//! order UCX needs (maps, worker, then their `Arc` of the context, which a shared context's
+//! last holder — maybe another thread, or a `UcxBuffer`'s drop — cleans up).
 
 use std::ffi::{c_void, CString};
 use std::ptr::{null, null_mut};
