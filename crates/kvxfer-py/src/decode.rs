@@ -562,7 +562,8 @@ impl DecodeAgent {
     /// Counters (every field of the engine's `DecodeStats`): pulls, children done / failed /
     /// cancelled, bytes pulled and delivered, unacknowledged notifications, connections,
     /// control and read retries, integrity failures, leases released without pulling
-    /// (`leases_released`, `releases_refused`), and the queued-lease heartbeats (`keeper_*`).
+    /// (`leases_released`, `releases_refused`), UCX endpoints held open (`ucx_endpoints`), and
+    /// the queued-lease heartbeats (`keeper_*`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (agent, _) = self.agent(py)?;
         // Destructured in full: a counter added to the engine fails to compile here until
