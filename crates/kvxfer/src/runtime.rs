@@ -130,11 +130,11 @@ pub(crate) fn spawn_teardown(f: impl FnOnce() + Send + 'static) {
 
 /// Waits, up to `timeout`, until every teardown the agents left to threads of their own
 /// has finished — UCX workers destroyed and their threads joined after an agent was dropped
-/// or shut down on a runtime thread, and UCX-allocated memory ([`crate::ucx_region`])
-/// released after its last owner let go of it there. Returns whether none is left. Call it before the
-/// process exits after dropping agents from async code: UCX's own exit handlers must not
-/// run while one of its workers is still being destroyed (that can crash the exit). The
-/// blocking agents' `Drop` calls it (bounded by 10 s).
+/// or shut down on a runtime thread, and UCX-allocated memory (`ucx_region`)
+/// released after its last owner let go of it there. Returns whether none is left. Call it
+/// before the process exits after dropping agents from async code: UCX's own exit handlers
+/// must not run while one of its workers is still being destroyed (that can crash the
+/// exit). The blocking agents' `Drop` calls it (bounded by 10 s).
 pub fn wait_for_teardown(timeout: Duration) -> bool {
     let deadline = instant_after(Instant::now(), timeout);
     let mut n = TEARDOWNS.0.lock().unwrap_or_else(PoisonError::into_inner);
