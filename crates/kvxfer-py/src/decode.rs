@@ -562,7 +562,8 @@ impl DecodeAgent {
     /// Counters (every field of the engine's `DecodeStats`): pulls, children done / failed /
     /// cancelled, bytes pulled and delivered, unacknowledged notifications, connections,
     /// control and read retries, integrity failures, leases released without pulling
-    /// (`leases_released`, `releases_refused`), and the queued-lease heartbeats (`keeper_*`).
+    /// (`leases_released`, `releases_refused`), UCX endpoints held open (`ucx_endpoints`), and
+    /// the queued-lease heartbeats (`keeper_*`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (agent, _) = self.agent(py)?;
         // Destructured in full: a counter added to the engine fails to compile here until
@@ -589,6 +590,7 @@ impl DecodeAgent {
             read_retries,
             leases_released,
             releases_refused,
+            ucx_endpoints,
         } = agent.stats();
         let d = PyDict::new(py);
         for (k, v) in [
@@ -613,6 +615,7 @@ impl DecodeAgent {
             ("integrity_failures_tcp", integrity_failures_tcp),
             ("leases_released", leases_released),
             ("releases_refused", releases_refused),
+            ("ucx_endpoints", ucx_endpoints),
         ] {
             d.set_item(k, v)?;
         }

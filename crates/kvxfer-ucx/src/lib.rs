@@ -8,17 +8,24 @@
 //! (memory UCX allocated) are served through shared memory, one-sided; others, with UCX
 //! 1.13 over shared memory, by the target's thread answering emulated gets.
 //!
-//! UCX workers are single-threaded here (`UCS_THREAD_MODE_SINGLE`): every UCX object of a
-//! target or initiator lives on one thread that owns it, progresses the worker, and sleeps on
-//! the worker's event fd (`ucp_worker_arm` + `poll`) when idle; other threads talk to it
-//! through a channel and wake it with `ucp_worker_signal`. Objects are released in a fixed
-//! order on that thread: rkeys, endpoints, memory maps, worker, context — so no rkey
-//! outlives its endpoint, no endpoint its worker, and no mapped region its completions.
+//! UCX workers are single-threaded here (`UCS_THREAD_MODE_SINGLE`): a target's or
+//! initiator's worker, endpoints, rkeys and memory maps live on one thread that owns them,
+//! progresses the worker, and sleeps on the worker's event fd (`ucp_worker_arm` + `poll`)
+//! when idle; other threads talk to it through a channel and wake it with
+//! `ucp_worker_signal`. That thread releases them in a fixed order — rkeys, endpoints,
+//! memory maps, worker — so no rkey outlives its endpoint, no endpoint its worker, and no
+//! mapped region its completions. The *context* is not always the thread's own: targets
+//! share the process's context for their transport set with [`UcxBuffer`] allocations (only
+//! if UCX reports it thread-safe, `UCS_THREAD_MODE_MULTI`; else each target has its own and
+//! `UcxBuffer::alloc` fails), so it is cleaned up (`ucp_cleanup`) by whichever holder lets
+//! go of it last — a target's thread, or the thread dropping the last `UcxBuffer` — and an
+//! allocation is unmapped by its buffer's drop, not by the targets that serve it. An
+//! initiator's context is its own, created and cleaned up on its thread.
 
 mod raw;
 
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -65,7 +72,16 @@ impl Default for UcxConfig {
 ///
 /// The contents start unspecified (UCX may fall back to heap memory). The memory is
 /// released when the buffer is dropped, so keep it alive (for instance in a target's
-/// `keep_alive`) until every target serving it is dropped.
+/// `keep_alive`) until every target serving it is dropped. The drop unmaps it, and the
+/// last holder of the shared context also cleans that up (`ucp_cleanup`): do not let it
+/// run while the process exits (kvxfer's regions hand it to a tracked teardown thread).
+///
+/// Shared-memory rkeys outlive the target: a peer's initiator that unpacked an rkey of
+/// this memory has the shared-memory segment mapped into its own process until it closes
+/// that endpoint ([`UcxInitiator::disconnect`]), so the pages stay allocated after this
+/// buffer is dropped or this process exits, and the peer's raw gets through the rkey keep
+/// succeeding — reading stale bytes — with no error from UCX. kvxfer's own reads are
+/// checked by their pin, and its decode side disconnects a peer it forgets.
 pub struct UcxBuffer {
     ctx: Arc<raw::Context>,
     memh: usize,
@@ -82,8 +98,15 @@ unsafe impl Sync for UcxBuffer {}
 impl UcxBuffer {
     /// Allocates at least `len` bytes (a whole number of pages) for the transports of
     /// `config`.
+    ///
+    /// Fails if UCX gives no thread-safe context (a UCX built without multi-threading
+    /// support): the memory could then not be shared with targets' threads, so use ordinary
+    /// memory (served by emulated gets) instead.
     pub fn alloc(config: &UcxConfig, len: usize) -> Result<Self, UcxError> {
-        let ctx = raw::Context::shared(config)?;
+        let ctx = match raw::Context::shared(config)? {
+            raw::SharedContext::Shared(ctx) => ctx,
+            raw::SharedContext::SingleThreaded(_) => return Err(UcxError::not_thread_safe()),
+        };
         let (ptr, len, memh) = ctx.allocate(len)?;
         Ok(UcxBuffer { ctx, memh: memh as usize, ptr, len })
     }
@@ -254,10 +277,15 @@ enum Command {
 }
 
 /// The decode side: reads peers' regions into its own registered regions.
+///
+/// An endpoint and the rkeys unpacked for it stay until [`UcxInitiator::disconnect`] (or a
+/// `connect` replacing it, or the initiator's drop): over shared memory an rkey maps the
+/// peer's memory into this process, so disconnect peers you forget (see [`UcxBuffer`]).
 pub struct UcxInitiator {
     commands: Sender<Command>,
     stop: Arc<AtomicBool>,
     signal: raw::Signal,
+    endpoints: Arc<AtomicUsize>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -282,16 +310,36 @@ impl UcxInitiator {
         let stop = Arc::new(AtomicBool::new(false));
         let config = config.clone();
         let thread_stop = stop.clone();
+        let endpoints = Arc::new(AtomicUsize::new(0));
+        let thread_endpoints = endpoints.clone();
         let (signal, thread) = spawn("kvxfer-ucx-initiator", move |ready| {
-            raw::run_initiator(&config, regions, keep_alive, &thread_stop, &command_rx, ready)
+            let loop_state = raw::InitiatorLoop {
+                stop: &thread_stop,
+                commands: &command_rx,
+                endpoints: &thread_endpoints,
+            };
+            raw::run_initiator(&config, regions, keep_alive, loop_state, ready)
         })?;
-        Ok(UcxInitiator { commands, stop, signal, thread: Some(thread) })
+        Ok(UcxInitiator { commands, stop, signal, endpoints, thread: Some(thread) })
     }
 
     fn send(&self, c: Command) -> Result<(), Command> {
         self.commands.send(c).map_err(|e| e.0)?;
         self.signal.wake();
         Ok(())
+    }
+
+    /// Endpoints the initiator holds open: one per connected peer, plus those still wiring
+    /// up or closing (as of its thread's last pass; updated after every command).
+    pub fn open_endpoints(&self) -> usize {
+        self.endpoints.load(Ordering::Acquire)
+    }
+
+    /// A handle that disconnects peers of this initiator ([`UcxInitiator::disconnect`]) from
+    /// any thread, for an owner of one peer's endpoint that does not hold the initiator
+    /// (e.g. a peer record that closes its endpoint when dropped).
+    pub fn disconnector(&self) -> Disconnector {
+        Disconnector { commands: self.commands.clone(), signal: self.signal.clone() }
     }
 
     /// Creates (or replaces) the endpoint to `peer` and unpacks its rkeys; `done` runs once
@@ -337,6 +385,29 @@ impl UcxInitiator {
     /// an error (their `done` runs). For a peer that stopped answering.
     pub fn abort(&self, peer: &str) {
         let _ = self.send(Command::Abort { peer: peer.to_owned() });
+    }
+}
+
+/// Disconnects peers of a [`UcxInitiator`] from any thread ([`UcxInitiator::disconnector`]);
+/// does nothing once the initiator has stopped.
+#[derive(Clone)]
+pub struct Disconnector {
+    commands: Sender<Command>,
+    signal: raw::Signal,
+}
+
+impl std::fmt::Debug for Disconnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Disconnector").finish_non_exhaustive()
+    }
+}
+
+impl Disconnector {
+    /// As [`UcxInitiator::disconnect`].
+    pub fn disconnect(&self, peer: &str) {
+        if self.commands.send(Command::Disconnect { peer: peer.to_owned() }).is_ok() {
+            self.signal.wake();
+        }
     }
 }
 

@@ -17,6 +17,6 @@ mod target;
 
 pub use endpoint::{MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN};
 pub use error::UcxError;
-pub(crate) use handles::{Context, Signal};
-pub(crate) use initiator::run_initiator;
+pub(crate) use handles::{Context, SharedContext, Signal};
+pub(crate) use initiator::{run_initiator, InitiatorLoop};
 pub(crate) use target::run_target;

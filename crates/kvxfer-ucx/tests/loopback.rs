@@ -56,9 +56,31 @@ fn run(tls: &str, peer_failure_handling: bool) {
     // SAFETY: as above.
     unsafe { initiator.get("nobody", vec![], Box::new(move |r| tx.send(r).expect("send"))) };
     assert!(rx.recv().expect("reply").expect_err("unknown peer").to_string().contains("no endpoint"));
+
+    // A disconnect from another thread, through a `Disconnector`, closes the endpoint (and
+    // its rkeys): the initiator holds none afterwards and reads from the peer fail.
+    wait_until("one endpoint", || initiator.open_endpoints() == 1);
+    let disconnector = initiator.disconnector();
+    std::thread::spawn(move || disconnector.disconnect("peer")).join().expect("disconnect");
+    wait_until("no endpoint", || initiator.open_endpoints() == 0);
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let piece = vec![GetPiece { local: dst_span.ptr, remote_region: 0, remote_offset: 0, len: 1 }];
+    // SAFETY: as above.
+    unsafe { initiator.get("peer", piece, Box::new(move |r| tx.send(r).expect("send"))) };
+    assert!(rx.recv().expect("reply").expect_err("disconnected").to_string().contains("no endpoint"));
     drop(initiator);
     drop(target);
     drop(dst_buf);
+}
+
+/// Polls `cond` (the initiator's thread updates what it reads) until it holds; panics
+/// after 10 s.
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
 }
 
 #[test]

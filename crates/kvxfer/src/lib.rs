@@ -40,11 +40,13 @@
 // lets callers match on the nested variants directly.
 #![allow(clippy::result_large_err)]
 // The data path's unsafe code lives in kvxfer-mem, kvxfer-tcp and kvxfer-ucx. This crate's
-// eight unsafe call sites: `Connection::read_group_into` and `KvMemory::copy_block` into
+// eleven unsafe blocks (`grep -rnoE '\bunsafe \{' src`, tests aside): the TCP read
+// (`Connection::read_into_then_notify` or `read_group_into`) and `KvMemory::copy_block` into
 // destination blocks the pull has claimed (`decode/pull.rs`), `Connection::read_scatter`
-// into the claimed blocks of a head-slice pull (`decode/ranks.rs`), and five in the UCX
-// glue (`ucx.rs`: starting the target and the initiator over the regions,
-// `UcxInitiator::get`, the CRC of a completed read of whole blocks or of head slices),
+// into the claimed blocks of a head-slice pull (`decode/ranks.rs`), and seven in the UCX
+// glue (`ucx.rs`: zeroing and wrapping UCX-allocated memory in `ucx_region`, starting the
+// target and the initiator over the regions, `UcxInitiator::get`, the CRC of a completed
+// read of whole blocks or of head slices),
 // each with a SAFETY note.
 
 pub mod blocking;

@@ -1,5 +1,6 @@
 //! Runtimes and threads: the small runtime of a blocking agent, and dropping values whose
-//! drop may block (a UCX object joins its thread) off the runtime's threads.
+//! drop may block or is UCX teardown (a UCX object joins its thread; UCX-allocated memory
+//! is unmapped) off the runtime's threads, tracked for [`wait_for_teardown`].
 
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -50,8 +51,10 @@ pub(crate) fn shutdown(rt: Runtime) {
     }
 }
 
-/// A value whose drop may block (a UCX target or initiator joins its thread): dropped on a
-/// short-lived thread of its own when the drop would otherwise run on a runtime thread.
+/// A value whose drop may block or is UCX teardown (a UCX target or initiator joins its
+/// thread; a `UcxBuffer` unmaps its memory and may clean up its context): dropped on a
+/// short-lived `kvxfer-teardown` thread, which [`wait_for_teardown`] waits for, when the
+/// drop would otherwise run on a runtime thread; in place on any other thread.
 #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 pub(crate) struct DropOffRuntime<T: Send + 'static>(Option<T>);
 
@@ -127,10 +130,11 @@ pub(crate) fn spawn_teardown(f: impl FnOnce() + Send + 'static) {
 
 /// Waits, up to `timeout`, until every teardown the agents left to threads of their own
 /// has finished — UCX workers destroyed and their threads joined after an agent was dropped
-/// or shut down on a runtime thread. Returns whether none is left. Call it before the
-/// process exits after dropping agents from async code: UCX's own exit handlers must not
-/// run while one of its workers is still being destroyed (that can crash the exit). The
-/// blocking agents' `Drop` calls it (bounded by 10 s).
+/// or shut down on a runtime thread, and UCX-allocated memory (`ucx_region`)
+/// released after its last owner let go of it there. Returns whether none is left. Call it
+/// before the process exits after dropping agents from async code: UCX's own exit handlers
+/// must not run while one of its workers is still being destroyed (that can crash the
+/// exit). The blocking agents' `Drop` calls it (bounded by 10 s).
 pub fn wait_for_teardown(timeout: Duration) -> bool {
     let deadline = instant_after(Instant::now(), timeout);
     let mut n = TEARDOWNS.0.lock().unwrap_or_else(PoisonError::into_inner);

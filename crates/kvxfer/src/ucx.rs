@@ -49,6 +49,14 @@ pub(crate) fn region_base(memory: &KvMemory, group: usize) -> usize {
 /// emulation of gets from merely registered memory, which needs the prefill side's UCX
 /// thread to copy every fragment (BENCHMARKING.md, UCX shared memory). Other regions work
 /// as before.
+///
+/// Releasing the memory is UCX teardown (`ucp_mem_unmap`, and `ucp_cleanup` of the shared
+/// context by its last holder): when the region is dropped on a tokio runtime's thread
+/// (e.g. the last `KvMemory` of an async agent's shutdown), that runs on a `kvxfer-teardown`
+/// thread, which [`crate::wait_for_teardown`] (and a blocking agent's drop) waits for.
+///
+/// Fails if UCX cannot allocate the memory, or gives no thread-safe context to share it
+/// from ([`UcxBuffer::alloc`]): fall back to ordinary memory then.
 pub fn ucx_region(config: &UcxConfig, len: usize) -> Result<Region, crate::Error> {
     if len == 0 {
         return Ok(Region::alloc(0)?);
@@ -59,10 +67,11 @@ pub fn ucx_region(config: &UcxConfig, len: usize) -> Result<Region, crate::Error
     // SAFETY: the buffer holds at least `len` bytes at `ptr` (UcxBuffer::alloc checked),
     // valid for writes until it is dropped, and nobody else has its address yet.
     unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+    let keep_alive = crate::runtime::DropOffRuntime::new(buffer);
     // SAFETY: the memory stays valid for reads and writes from any thread while the
-    // buffer lives, and the region owns the buffer (keep-alive), so as long as the region.
-    // The access contract is the caller's, as for any region.
-    Ok(unsafe { Region::borrowed(ptr, len, Some(Box::new(buffer))) })
+    // buffer lives, and the region owns the buffer (its keep-alive), so it is valid for as
+    // long as the region is. The access contract is the caller's, as for any region.
+    Ok(unsafe { Region::borrowed(ptr, len, Some(Box::new(keep_alive))) })
 }
 
 /// Maps a prefill agent's regions for remote reads.
@@ -246,7 +255,7 @@ pub(crate) async fn connect(inner: &Inner, peer: &Peer, ack: &v1::HelloAck) -> R
                 return Ok(true);
             }
             let (tx, rx) = tokio::sync::oneshot::channel();
-            init.connect(&peer.addr, info, Box::new(move |r| drop(tx.send(r))));
+            init.connect(&peer.ucx_endpoint, info, Box::new(move |r| drop(tx.send(r))));
             match rx.await {
                 Ok(Ok(())) => {
                     *connected = Some(engine);
@@ -318,7 +327,7 @@ pub(crate) async fn read_child(
     // inside the regions the initiator registered.
     unsafe {
         init.get(
-            &peer.addr,
+            &peer.ucx_endpoint,
             pieces,
             Box::new(move |r| {
                 drop(tx.send(r));
@@ -344,7 +353,7 @@ pub(crate) async fn read_child(
         Ok(Ok(r)) => r.map_err(|e| ucx_err(e.to_string())),
         Ok(Err(_)) => Err(ucx_err("the UCX thread stopped".to_owned())),
         Err(_) => {
-            init.abort(&peer.addr);
+            init.abort(&peer.ucx_endpoint);
             match tokio::time::timeout(io_timeout, &mut rx).await {
                 Ok(_) => Err(ucx_err(format!("UCX read made no progress in {limit:?}; endpoint aborted"))),
                 // UCX still owns the read: its destination blocks are held (reported
@@ -355,7 +364,7 @@ pub(crate) async fn read_child(
                          aborted; its local blocks stay held until it completes"
                     ));
                     // The endpoint may be broken: the next pull makes a new one.
-                    init.disconnect(&peer.addr);
+                    init.disconnect(&peer.ucx_endpoint);
                     *peer.ucx_engine.lock().await = None;
                     // The pin stays held until UCX is done with the read: unpinning now would
                     // tell the prefill side its blocks (and, at its shutdown, its memory and UCX
@@ -391,7 +400,7 @@ pub(crate) async fn read_child(
     });
     if result.is_err() {
         // The endpoint may be broken: the next pull makes a new one.
-        init.disconnect(&peer.addr);
+        init.disconnect(&peer.ucx_endpoint);
         *peer.ucx_engine.lock().await = None;
     }
     let unpinned = conn.unpin(seq, result.is_ok()).await;
@@ -501,5 +510,64 @@ impl HeldReads {
         info!(parent = %reclaimed.parent_request_id, blocks = blocks.len(), "held blocks reclaimed: the stuck read completed");
         // The agent (and every receiver) may be gone: then nobody needs telling.
         let _ = self.reclaimed.send(reclaimed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    /// What a tracing subscriber wrote.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Runs `f` with a debug-level subscriber on this thread only: whether UCX released an
+    /// allocation on this thread meanwhile (`kvxfer_ucx` logs it).
+    fn releases_on_this_thread(f: impl FnOnce()) -> bool {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = out.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        String::from_utf8_lossy(&text).contains("UCX allocation released")
+    }
+
+    /// Releasing UCX-allocated memory is UCX teardown (`ucp_mem_unmap`, maybe
+    /// `ucp_cleanup`): dropped on a runtime's thread (the last `KvMemory` of an async
+    /// agent), it runs on a `kvxfer-teardown` thread that `wait_for_teardown` waits for, so
+    /// a host exiting after that wait does not race it with UCX's exit handlers. On a plain
+    /// thread it runs in place.
+    #[test]
+    fn ucx_region_dropped_on_a_runtime_thread_is_released_on_a_tracked_teardown_thread() {
+        let config = UcxConfig {
+            tls: Some("posix,sysv,cma,self".into()),
+            peer_failure_handling: false,
+            ..Default::default()
+        };
+        let region = ucx_region(&config, 4096).expect("region");
+        assert!(releases_on_this_thread(|| drop(region)), "dropped on a plain thread: released in place");
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let region = ucx_region(&config, 4096).expect("region");
+        assert!(
+            !releases_on_this_thread(|| rt.block_on(async move { drop(region) })),
+            "UCX teardown ran on the runtime's thread"
+        );
+        assert!(crate::wait_for_teardown(Duration::from_secs(10)));
     }
 }

@@ -215,9 +215,16 @@ mod discovery {
                 etcd.client().await.put(key.as_str(), value, Some(options)).await.expect("put");
             })
         };
+        #[cfg(feature = "ucx")]
+        let over_ucx = decode.stats().bytes_pulled_ucx > 0;
+        #[cfg(feature = "ucx")]
+        assert_eq!(decode.stats().ucx_endpoints, u64::from(over_ucx));
         put(record.to_json());
         wait_for("the peer invalidated", || decode.stats().peers_invalidated == 1);
         assert_eq!(decode.stats().peers, 0);
+        // Its UCX endpoint (and the rkeys it unpacked) is closed with it.
+        #[cfg(feature = "ucx")]
+        wait_for("no UCX endpoint to the invalidated peer", || decode.stats().ucx_endpoints == 0);
         // The live agent's hand-offs now name an incarnation etcd says is gone.
         let report =
             decode.submit(prefill.lease_parent("P2", blocks(8, 2), 1, None).expect("lease"), blocks(8, 2));

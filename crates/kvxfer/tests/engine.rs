@@ -604,3 +604,41 @@ fn ucx_shm_pull_from_ucx_allocated_prefill_memory() {
     drop(decode);
     drop(prefill);
 }
+
+/// Over shared memory the rkeys a decode agent unpacks map the prefill's KV cache into the
+/// decode process: prefill agents (on UCX-allocated memory) that stop for good, one after
+/// another on new ports, must not leave their endpoints — and so their pages — attached.
+/// Once the decode side forgets a gone peer, it holds no UCX endpoint to it: never more
+/// endpoints than peers it knows.
+#[cfg(feature = "ucx")]
+#[test]
+fn ucx_shm_endpoints_of_forgotten_prefill_agents_are_closed() {
+    let t = Transport::UcxShm;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let decode =
+        decode_with(t.config(AgentConfig::new("decode").io_timeout(Duration::from_secs(5))), layout.clone());
+    for round in 0..4 {
+        let config = keyed(t.config(AgentConfig::new("prefill").io_timeout(Duration::from_secs(5))));
+        let ucx = config.ucx.clone();
+        let mem = kvxfer_mem::pattern::alloc_filled_in(layout.clone(), &mut |len| {
+            Ok(kvxfer::ucx_region(&ucx, len).expect("UCX-allocated region"))
+        })
+        .expect("patterned memory");
+        let prefill =
+            kvxfer::blocking::PrefillAgent::start(config, "127.0.0.1:0", mem).expect("prefill agent");
+        let result = prefill.lease_parent(&format!("F{round}"), vec![vec![1, 2]], 1, None).expect("lease");
+        let report = decode.submit(result, vec![vec![3, 4]]).expect("submit").wait();
+        assert!(report.all_done(), "round {round}: {report:?}");
+        assert!(verify(&decode, &[1, 2], &[3, 4]));
+        assert!(decode.stats().bytes_pulled_ucx > 0, "round {round}: read over UCX");
+        drop(prefill);
+        // The endpoints of forgotten peers close on the UCX thread, soon after.
+        eventually(&format!("round {round}: no endpoint to a forgotten peer"), || {
+            let s = decode.stats();
+            s.ucx_endpoints <= s.peers
+        });
+        let s = decode.stats();
+        // The one just used, plus at most the previous one (its sockets may still be closing).
+        assert!(s.peers <= 2 && s.ucx_endpoints >= 1, "round {round}: {s:?}");
+    }
+}

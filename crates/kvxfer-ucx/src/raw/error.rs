@@ -29,6 +29,15 @@ impl UcxError {
         Self::other("thread", format!("could not start the UCX thread: {e}"))
     }
 
+    pub(crate) fn not_thread_safe() -> Self {
+        Self::other(
+            "ucp_init",
+            "UCX gave no thread-safe context (thread mode is not UCS_THREAD_MODE_MULTI; a UCX built \
+             without multi-threading support?), so UCX-allocated memory cannot be shared with UCX \
+             targets: use ordinary memory (peers' gets from it are emulated by the target's thread)",
+        )
+    }
+
     pub(crate) fn thread_died() -> Self {
         Self::other("thread", "the UCX thread has stopped")
     }

@@ -1,22 +1,26 @@
 //! RAII handles of the UCX objects both sides own: the context, the worker (and the
 //! [`Signal`] that wakes it from other threads), and memory maps; and [`setup`], which makes
 //! all three. Each handle releases its object in `Drop`; the thread loops drop them in the
-//! order UCX needs (maps, worker, context).
+//! order UCX needs (maps, worker, then their `Arc` of the context, which a shared context's
+//! last holder — maybe another thread, or a `UcxBuffer`'s drop — cleans up).
 
 use std::ffi::{c_void, CString};
 use std::ptr::{null, null_mut};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use tracing::warn;
+use tracing::{debug, warn};
 use ucx_sys as sys;
 
 use super::error::{check, UcxError};
 use crate::{Span, UcxConfig};
 
-/// A UCX context (`ucp_context_h`) with RMA and wakeup features, shared by the workers
-/// and allocations of any thread (created with `mt_workers_shared`), with the memory it
-/// allocated itself ([`Context::allocate`]).
+/// A UCX context (`ucp_context_h`) with RMA and wakeup features, with the memory it
+/// allocated itself ([`Context::allocate`]). Either the process's shared context for a
+/// transport set ([`Context::shared`]: created with `mt_workers_shared` and used by the
+/// workers and allocations of any thread only once UCX reported it thread-safe), or a
+/// private one, used only by the thread that made it.
 pub(crate) struct Context {
     raw: sys::ucp_context_h,
     /// The regions this context allocated and still holds. The lock also serialises
@@ -24,10 +28,13 @@ pub(crate) struct Context {
     allocations: Mutex<Vec<Allocated>>,
 }
 
-// SAFETY: the context is created with `mt_workers_shared`, so UCX guards its context-level
-// state for workers and calls on several threads; kvxfer's own context-level calls (map,
-// unmap, rkey pack) are also serialised by `allocations`' lock. Workers made from it stay
-// on their owning threads.
+// SAFETY: a context is used from several threads only when it is the shared context of a
+// transport set, and `Context::shared` shares one only after `ucp_context_query` reported
+// `UCS_THREAD_MODE_MULTI` (UCX then guards its context-level state for workers and calls on
+// several threads); kvxfer's own context-level calls (map, unmap, rkey pack) are also
+// serialised by `allocations`' lock. A private context (the initiator's, or a target's
+// when UCX gives no thread-safe one) is created, used and dropped on one thread. Workers
+// made from either stay on their owning threads.
 unsafe impl Send for Context {}
 // SAFETY: as above.
 unsafe impl Sync for Context {}
@@ -40,9 +47,21 @@ struct Allocated {
     memh: usize,
 }
 
+/// What [`Context::shared`] gives.
+pub(crate) enum SharedContext {
+    /// The process's thread-safe context for the transport set.
+    Shared(Arc<Context>),
+    /// UCX made the context without thread safety (its thread mode is not
+    /// `UCS_THREAD_MODE_MULTI`, e.g. a UCX built without `--enable-mt`): not shared, usable
+    /// as a private context of the calling thread.
+    SingleThreaded(Context),
+}
+
 impl Context {
-    /// A context with the transports of `config`.
-    fn new(config: &UcxConfig) -> Result<Self, UcxError> {
+    /// A context with the transports of `config`; `multi_threaded` asks UCX for one its
+    /// workers on several threads may share (`mt_workers_shared`; check the mode UCX gave
+    /// with [`Context::thread_mode`]).
+    fn new(config: &UcxConfig, multi_threaded: bool) -> Result<Self, UcxError> {
         let mut cfg: *mut sys::ucp_config_t = null_mut();
         // SAFETY: null prefix and file name select the defaults; `cfg` is valid for a write.
         check("ucp_config_read", unsafe { sys::ucp_config_read(null(), null(), &mut cfg) })?;
@@ -55,10 +74,14 @@ impl Context {
                     sys::ucp_config_modify(cfg, c"TLS".as_ptr(), value.as_ptr())
                 })?;
             }
+            let mut field_mask = sys::UCP_PARAM_FIELD_FEATURES;
+            if multi_threaded {
+                field_mask |= sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+            }
             let params = sys::ucp_params_t {
-                field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED),
+                field_mask: u64::from(field_mask),
                 features: u64::from(sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP),
-                mt_workers_shared: 1,
+                mt_workers_shared: i32::from(multi_threaded),
                 ..Default::default()
             };
             let mut ctx: sys::ucp_context_h = null_mut();
@@ -72,20 +95,40 @@ impl Context {
         result
     }
 
+    /// The thread mode UCX gave this context (`ucp_params_t` says the mode asked for with
+    /// `mt_workers_shared` may not be the one granted).
+    fn thread_mode(&self) -> Result<sys::ucs_thread_mode_t, UcxError> {
+        let mut attr = sys::ucp_context_attr_t {
+            field_mask: u64::from(sys::UCP_ATTR_FIELD_THREAD_MODE),
+            ..Default::default()
+        };
+        // SAFETY: live context; `attr` is valid for writes of its masked fields.
+        check("ucp_context_query", unsafe { sys::ucp_context_query(self.raw, &mut attr) })?;
+        Ok(attr.thread_mode)
+    }
+
     /// The process's shared context for `config`'s transports: the one already in use for
-    /// them (by a target or allocations), else a new one. Memory allocated from it
-    /// ([`Context::allocate`]) is what a target of the same transports can serve one-sided.
-    pub(crate) fn shared(config: &UcxConfig) -> Result<Arc<Self>, UcxError> {
+    /// them (by a target or allocations), else a new one — if UCX makes it thread-safe.
+    /// Memory allocated from it ([`Context::allocate`]) is what a target of the same
+    /// transports can serve one-sided. Transport lists name the same set when they hold
+    /// the same transports, in any order or repeated ([`transport_set`]).
+    pub(crate) fn shared(config: &UcxConfig) -> Result<SharedContext, UcxError> {
         type SharedContexts = Mutex<Vec<(Option<String>, Weak<Context>)>>;
         static SHARED: OnceLock<SharedContexts> = OnceLock::new();
+        let key = transport_set(config.tls.as_deref());
         let mut shared = SHARED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
         shared.retain(|(_, ctx)| ctx.strong_count() > 0);
-        if let Some(ctx) = shared.iter().find(|(tls, _)| *tls == config.tls).and_then(|(_, c)| c.upgrade()) {
-            return Ok(ctx);
+        if let Some(ctx) = shared.iter().find(|(tls, _)| *tls == key).and_then(|(_, c)| c.upgrade()) {
+            return Ok(SharedContext::Shared(ctx));
         }
-        let ctx = Arc::new(Context::new(config)?);
-        shared.push((config.tls.clone(), Arc::downgrade(&ctx)));
-        Ok(ctx)
+        let ctx = Context::new(config, true)?;
+        let mode = ctx.thread_mode()?;
+        if mode != sys::UCS_THREAD_MODE_MULTI {
+            return Ok(SharedContext::SingleThreaded(ctx));
+        }
+        let ctx = Arc::new(ctx);
+        shared.push((key, Arc::downgrade(&ctx)));
+        Ok(SharedContext::Shared(ctx))
     }
 
     /// Allocates `len` bytes with `ucp_mem_map(UCP_MEM_MAP_ALLOCATE)`: UCX places them in
@@ -148,6 +191,8 @@ impl Context {
         let st = unsafe { sys::ucp_mem_unmap(self.raw, memh) };
         if st != sys::UCS_OK {
             warn!(status = st, "ucp_mem_unmap of an allocation failed");
+        } else {
+            debug!("UCX allocation released");
         }
     }
 
@@ -376,8 +421,9 @@ impl Drop for MemMap {
 
 /// What a target and an initiator both start with: a context, a worker, and their regions
 /// mapped. A target (`shared`) uses the process's shared context for its transports, so
-/// regions allocated from it ([`Context::allocate`]) are served through shared memory; an
-/// initiator gets a context of its own.
+/// regions allocated from it ([`Context::allocate`]) are served through shared memory —
+/// unless UCX gives no thread-safe context: then, as an initiator always does, it gets a
+/// context of its own.
 ///
 /// # Safety
 /// Every span stays valid until the returned maps are dropped.
@@ -386,7 +432,20 @@ pub(super) unsafe fn setup(
     regions: &[Span],
     shared: bool,
 ) -> Result<(Arc<Context>, Worker, Vec<MemMap>), UcxError> {
-    let ctx = if shared { Context::shared(config)? } else { Arc::new(Context::new(config)?) };
+    let ctx = if shared {
+        match Context::shared(config)? {
+            SharedContext::Shared(ctx) => ctx,
+            SharedContext::SingleThreaded(ctx) => {
+                warn!(
+                    "UCX gave no thread-safe context (not UCS_THREAD_MODE_MULTI): this target uses a \
+                     context of its own, so it cannot serve UCX-allocated memory one-sided"
+                );
+                Arc::new(ctx)
+            }
+        }
+    } else {
+        Arc::new(Context::new(config, false)?)
+    };
     let worker = Worker::new(&ctx)?;
     let mut maps = Vec::with_capacity(regions.len());
     for &span in regions {
@@ -394,4 +453,116 @@ pub(super) unsafe fn setup(
         maps.push(unsafe { MemMap::new(&ctx, span) }?);
     }
     Ok((ctx, worker, maps))
+}
+
+/// Logs a target's regions that are not UCX-allocated memory of its context (registered
+/// ordinary memory, or memory allocated for another transport set): a peer on the same
+/// host can read those over shared memory only by gets the target's thread emulates (see
+/// [`crate::UcxBuffer`]). At warn level the first time in the process, at debug level
+/// after. Returns how many there are.
+pub(super) fn note_emulated_regions(config: &UcxConfig, maps: &[MemMap]) -> usize {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    let emulated = maps.iter().filter(|m| m.owned).count();
+    if emulated == 0 || !may_use_shared_memory(config.tls.as_deref()) {
+        return emulated;
+    }
+    let tls = config.tls.as_deref().unwrap_or("UCX's default");
+    if WARNED.swap(true, Ordering::Relaxed) {
+        debug!(emulated, regions = maps.len(), tls, "UCX target serves regions UCX did not allocate");
+    } else {
+        warn!(
+            emulated,
+            regions = maps.len(),
+            tls,
+            "a UCX target serves regions that are not UCX-allocated memory of its context \
+             (kvxfer_ucx::UcxBuffer / kvxfer::ucx_region with the same transports): peers on this \
+             host read them by gets this target's thread emulates, several times slower \
+             (logged once per process)"
+        );
+    }
+    emulated
+}
+
+/// Whether a transport list (`UCX_TLS` syntax; `None`: UCX's default) may use UCX's
+/// shared-memory transports.
+fn may_use_shared_memory(tls: Option<&str>) -> bool {
+    let Some(tls) = tls else { return true };
+    let tls = tls.trim();
+    tls.starts_with('^')
+        || tls.split(',').map(str::trim).any(|t| matches!(t, "all" | "sm" | "shm" | "mm" | "posix" | "sysv"))
+}
+
+/// The key of a transport list in the shared-context registry: its transports trimmed,
+/// sorted and deduplicated (a leading `^`, "all but", kept in front), so spellings of one
+/// set share one context. `None` (UCX's default, or `UCX_TLS`) stays its own key.
+fn transport_set(tls: Option<&str>) -> Option<String> {
+    let tls = tls?.trim();
+    let (prefix, list) = match tls.strip_prefix('^') {
+        Some(rest) => ("^", rest),
+        None => ("", tls),
+    };
+    let mut names: Vec<&str> = list.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
+    names.sort_unstable();
+    names.dedup();
+    Some(format!("{prefix}{}", names.join(",")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::UcxBuffer;
+
+    fn config(tls: &str) -> UcxConfig {
+        UcxConfig { tls: Some(tls.into()), peer_failure_handling: false, ..UcxConfig::default() }
+    }
+
+    #[test]
+    fn spellings_of_one_transport_set_share_a_key() {
+        let key = |t: &str| transport_set(Some(t));
+        assert_eq!(key("posix,sysv,cma,self"), key("self, cma,sysv,posix,posix"));
+        assert_eq!(key("sysv,,posix"), Some("posix,sysv".into()));
+        assert_eq!(key("^tcp,cma"), key("^cma,tcp"));
+        assert_ne!(key("^tcp"), key("tcp"));
+        assert_ne!(key("posix,sysv"), key("posix,sysv,cma"));
+        assert_eq!(transport_set(None), None);
+    }
+
+    /// Memory allocated for a transport list is served one-sided (with the allocation's
+    /// handle, no second registration) by a target whose list names the same transports
+    /// in another order; memory UCX did not allocate is counted as served by emulation.
+    #[test]
+    fn a_target_serves_memory_allocated_under_another_spelling_of_its_transports() {
+        const LEN: usize = 64 * 1024;
+        let buffer = UcxBuffer::alloc(&config("sysv,posix,cma,self"), LEN).expect("allocate");
+        let target_config = config("posix, sysv,self,cma,posix");
+        let mut heap = vec![0u8; LEN];
+        let spans = [Span { ptr: buffer.as_ptr(), len: LEN }, Span { ptr: heap.as_mut_ptr(), len: LEN }];
+        // SAFETY: the buffer and `heap` outlive the maps (dropped below, after them).
+        let (ctx, worker, maps) = unsafe { setup(&target_config, &spans, true) }.expect("setup");
+        assert!(!maps[0].owned, "the UCX-allocated region was registered again: gets would be emulated");
+        assert!(maps[1].owned);
+        assert_eq!(note_emulated_regions(&target_config, &maps), 1);
+        drop(maps);
+        drop(worker);
+        drop(ctx);
+        drop(buffer);
+        drop(heap);
+    }
+
+    /// The shared context is used by several threads only if UCX made it thread-safe; the
+    /// system UCX (built with `--enable-mt`) does, so `UcxBuffer` works here.
+    #[test]
+    fn the_shared_context_is_thread_safe_here() {
+        match Context::shared(&config("posix,sysv,self")).expect("context") {
+            SharedContext::Shared(ctx) => {
+                assert_eq!(ctx.thread_mode().expect("query"), sys::UCS_THREAD_MODE_MULTI);
+            }
+            SharedContext::SingleThreaded(ctx) => {
+                panic!("UCX gave thread mode {:?}: not shareable", ctx.thread_mode())
+            }
+        }
+        // A private context asks for no thread safety.
+        let private = Context::new(&config("posix,sysv,self"), false).expect("context");
+        assert_ne!(private.thread_mode().expect("query"), sys::UCS_THREAD_MODE_MULTI);
+    }
 }

@@ -4,7 +4,7 @@
 
 use std::any::Any;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -142,13 +142,20 @@ impl Wiring {
 
 type InitiatorReady = Sender<Result<Signal, UcxError>>;
 
+/// What the initiator's thread shares with its handle: the stop flag, the command queue,
+/// and the count of endpoints it holds open (for `UcxInitiator::open_endpoints`).
+pub(crate) struct InitiatorLoop<'a> {
+    pub(crate) stop: &'a AtomicBool,
+    pub(crate) commands: &'a Receiver<Command>,
+    pub(crate) endpoints: &'a AtomicUsize,
+}
+
 /// The decode side's thread: endpoints, rkeys and gets, all on one worker.
 pub(crate) fn run_initiator(
     config: &UcxConfig,
     regions: Vec<Span>,
     keep_alive: Arc<dyn Any + Send + Sync>,
-    stop: &AtomicBool,
-    commands: &Receiver<Command>,
+    InitiatorLoop { stop, commands, endpoints }: InitiatorLoop<'_>,
     ready: InitiatorReady,
 ) {
     // SAFETY: as in run_target, for the initiator's own regions.
@@ -321,6 +328,7 @@ pub(crate) fn run_initiator(
                 }
             }
             closing = still_closing;
+            endpoints.store(peers.len() + closing.len() + wiring.len(), Ordering::Release);
             if stop.load(Ordering::Acquire) {
                 for w in &mut wiring {
                     w.give_up(|| UcxError::other("connect", "the UCX initiator is stopping"));
@@ -370,6 +378,7 @@ pub(crate) fn run_initiator(
     {
         ep.close(&worker);
     }
+    endpoints.store(0, Ordering::Release);
     drop(maps);
     drop(worker);
     drop(ctx);

@@ -9,7 +9,7 @@ use std::time::Duration;
 use crossbeam_channel::Sender;
 
 use super::error::UcxError;
-use super::handles::{setup, Signal};
+use super::handles::{note_emulated_regions, setup, Signal};
 use crate::{RegionInfo, Span, TargetInfo, UcxConfig};
 
 type TargetReady = Sender<Result<(TargetInfo, Signal), UcxError>>;
@@ -31,6 +31,7 @@ pub(crate) fn run_target(
             return;
         }
     };
+    note_emulated_regions(config, &maps);
     let info = (|| -> Result<TargetInfo, UcxError> {
         Ok(TargetInfo {
             worker_address: worker.address()?,

@@ -114,6 +114,12 @@ impl Inner {
         match peer {
             // A pull may hold its control connection: close them from a task of their own.
             Some(peer) => {
+                // Its UCX endpoint closes now (reads in flight on it finish first), not only
+                // when the last pull using the peer lets go of it (`Peer`'s drop).
+                #[cfg(feature = "ucx")]
+                if let Some(init) = self.ucx() {
+                    init.disconnect(&peer.ucx_endpoint);
+                }
                 tokio::spawn(async move { peer.reset().await });
                 true
             }
@@ -125,13 +131,17 @@ impl Inner {
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
         if !peers.contains_key(addr) {
             // Prefill workers come and go (restarts, scale-down): forget peers no pull uses
-            // whose connections their side has closed, so neither entries nor sockets pile up.
+            // whose connections their side has closed, so neither entries nor sockets pile up
+            // (nor UCX endpoints: a dropped `Peer` closes its own).
             peers.retain(|_, p| Arc::strong_count(p) > 1 || !p.is_gone());
         }
         peers
             .entry(addr.to_owned())
             .or_insert_with(|| {
-                Arc::new(Peer::new(addr, self.config.connections_per_peer, self.config.limits.idle_timeout))
+                let peer = Peer::new(addr, self.config.connections_per_peer, self.config.limits.idle_timeout);
+                #[cfg(feature = "ucx")]
+                let peer = peer.with_ucx(self.ucx().map(kvxfer_ucx::UcxInitiator::disconnector));
+                Arc::new(peer)
             })
             .clone()
     }
@@ -535,7 +545,13 @@ impl DecodeAgent {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> DecodeStats {
-        self.inner.counters.snapshot(self.inner.peer_count())
+        #[allow(unused_mut)]
+        let mut stats = self.inner.counters.snapshot(self.inner.peer_count());
+        #[cfg(feature = "ucx")]
+        {
+            stats.ucx_endpoints = self.inner.ucx().map_or(0, |u| u.open_endpoints() as u64);
+        }
+        stats
     }
 
     /// The engine directory pulls resolve through, when discovery is configured: its

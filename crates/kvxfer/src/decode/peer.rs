@@ -50,6 +50,27 @@ pub(crate) struct Peer {
     /// restarted prefill at the same address gets a new endpoint).
     #[cfg(feature = "ucx")]
     pub(crate) ucx_engine: tokio::sync::Mutex<Option<(String, u64)>>,
+    /// The name of this peer's UCX endpoint in the initiator: the address and a number
+    /// unique to this `Peer`, so a peer forgotten (or invalidated) while a pull still holds
+    /// it closes its own endpoint, never that of a newer `Peer` for the same address.
+    #[cfg(feature = "ucx")]
+    pub(crate) ucx_endpoint: String,
+    /// Closes the UCX endpoint when the peer is dropped (`None` without UCX).
+    #[cfg(feature = "ucx")]
+    ucx_disconnector: Option<kvxfer_ucx::Disconnector>,
+}
+
+/// Closes the peer's UCX endpoint (and so unmaps the prefill side's shared memory its rkeys
+/// attached, see `kvxfer_ucx::UcxBuffer`) once nothing uses the peer any more: it was
+/// forgotten (`Inner::peer`), invalidated by discovery, or the agent is dropped. Reads in
+/// flight on it finish first.
+#[cfg(feature = "ucx")]
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if let Some(d) = &self.ucx_disconnector {
+            d.disconnect(&self.ucx_endpoint);
+        }
+    }
 }
 
 impl Peer {
@@ -64,7 +85,21 @@ impl Peer {
             max_idle: idle_timeout / 2,
             #[cfg(feature = "ucx")]
             ucx_engine: tokio::sync::Mutex::new(None),
+            #[cfg(feature = "ucx")]
+            ucx_endpoint: {
+                static PEERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                format!("{addr}#{}", PEERS.fetch_add(1, Ordering::Relaxed))
+            },
+            #[cfg(feature = "ucx")]
+            ucx_disconnector: None,
         }
+    }
+
+    /// The peer, closing its UCX endpoint with `disconnector` when dropped.
+    #[cfg(feature = "ucx")]
+    pub(crate) fn with_ucx(mut self, disconnector: Option<kvxfer_ucx::Disconnector>) -> Self {
+        self.ucx_disconnector = disconnector;
+        self
     }
 
     /// A data connection for one request: waits for one of the peer's permits, then reuses an

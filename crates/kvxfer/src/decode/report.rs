@@ -117,6 +117,9 @@ pub struct DecodeStats {
     /// Releases the prefill side did not apply: the lease had already been pulled or had
     /// expired, it did not know the lease (or token), or it could not be reached.
     pub releases_refused: u64,
+    /// UCX endpoints the agent holds open (a gauge): one per peer read over UCX that it has
+    /// not forgotten, plus any still wiring up or closing. 0 without UCX.
+    pub ucx_endpoints: u64,
 }
 
 /// The live counters behind [`DecodeStats`].
@@ -191,6 +194,7 @@ impl Counters {
             read_retries: l(&self.read_retries),
             leases_released: l(&self.leases_released),
             releases_refused: l(&self.releases_refused),
+            ucx_endpoints: 0,
             peers,
         }
     }
