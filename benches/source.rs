@@ -138,10 +138,10 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
 /// ucx`; the heap otherwise, also under `auto`, so a TCP run serves from the same kind of
 /// memory its raw TCP baseline sends from (and `auto` never fails for want of UCX memory).
 pub(crate) fn prefill_memory(transport: kvxfer::TransportChoice) -> &'static str {
-    match transport {
-        #[cfg(feature = "ucx")]
-        kvxfer::TransportChoice::Ucx => "ucx_region",
-        _ => "heap",
+    if cfg!(feature = "ucx") && matches!(transport, kvxfer::TransportChoice::Ucx) {
+        "ucx_region"
+    } else {
+        "heap"
     }
 }
 
