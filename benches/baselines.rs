@@ -1,9 +1,10 @@
 //! The machine's ceilings, measured in the same run: raw TCP on 127.0.0.1 (bandwidth, in
 //! this process or from the `serve` process of a two-process run, and a one-block round
-//! trip) and memcpy.
+//! trip, likewise) and memcpy.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
@@ -21,10 +22,32 @@ fn write_like_kvxfer(s: &mut TcpStream, src: &[u8]) -> std::io::Result<()> {
 }
 
 /// Fills `dst` as kvxfer's client fills a child's blocks: `read_span` bytes at a time (one
-/// read's contiguous run), each read taking as much as the socket holds.
-fn read_like_kvxfer(s: &mut TcpStream, dst: &mut [u8], read_span: u64) -> std::io::Result<()> {
+/// read's contiguous run), each read taking as much as the socket holds; the bytes read
+/// (all of `dst`), or the error that stopped it (an early end of stream included).
+fn read_like_kvxfer(s: &mut TcpStream, dst: &mut [u8], read_span: u64) -> std::io::Result<usize> {
     let span = (read_span as usize).max(4096);
-    dst.chunks_mut(span).try_for_each(|c| s.read_exact(c))
+    dst.chunks_mut(span).try_for_each(|c| s.read_exact(c))?;
+    Ok(dst.len())
+}
+
+/// GiB/s of `bytes` moved in `secs`.
+fn gib_per_s(bytes: usize, secs: f64) -> f64 {
+    bytes as f64 / f64::from(1u32 << 30) / secs
+}
+
+/// Joins raw TCP threads: the bytes the receivers read (senders count 0), or the first
+/// error (a failed socket must not pass as a fast one).
+fn join_all(threads: Vec<std::thread::JoinHandle<std::io::Result<usize>>>) -> Result<usize, String> {
+    let mut bytes = 0;
+    let mut first_err = None;
+    for t in threads {
+        match t.join() {
+            Ok(Ok(b)) => bytes += b,
+            Ok(Err(e)) => first_err = first_err.or(Some(format!("raw tcp: {e}"))),
+            Err(_) => first_err = first_err.or(Some("raw tcp thread panicked".into())),
+        }
+    }
+    first_err.map_or(Ok(bytes), Err)
 }
 
 /// Raw TCP, one process: `connections` sockets on 127.0.0.1 moving `total` bytes from one
@@ -51,27 +74,26 @@ pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) 
         threads.push(std::thread::spawn(move || {
             let src = vec![0x5au8; per];
             start.wait();
-            let _ = write_like_kvxfer(&mut s, &src);
+            write_like_kvxfer(&mut s, &src).map(|()| 0)
         }));
     }
     let readers = receive(clients, per, read_span, &start);
     threads.extend(readers);
     start.wait();
     let t0 = Instant::now();
-    for t in threads {
-        t.join().map_err(|_| "raw tcp thread panicked".to_string())?;
-    }
-    Ok((per * connections) as f64 / f64::from(1u32 << 30) / t0.elapsed().as_secs_f64())
+    let read = join_all(threads)?;
+    Ok(gib_per_s(read, t0.elapsed().as_secs_f64()))
 }
 
-/// Receiver threads, one per socket, each filling `per` bytes once `start` opens; a socket
-/// with a `serve` source at the other end is first sent one byte (its go).
+/// Receiver threads, one per socket, each filling `per` bytes once `start` opens and
+/// returning the bytes read or the error that stopped it; a socket with a `serve` source at
+/// the other end is first sent one byte (its go).
 fn receive(
     sockets: Vec<TcpStream>,
     per: usize,
     read_span: u64,
     start: &Arc<Barrier>,
-) -> Vec<std::thread::JoinHandle<()>> {
+) -> Vec<std::thread::JoinHandle<std::io::Result<usize>>> {
     sockets
         .into_iter()
         .map(|mut s| {
@@ -79,8 +101,9 @@ fn receive(
             std::thread::spawn(move || {
                 let mut dst = vec![1u8; per];
                 start.wait();
-                let _ = read_like_kvxfer(&mut s, &mut dst, read_span);
+                let read = read_like_kvxfer(&mut s, &mut dst, read_span);
                 std::hint::black_box(&dst);
+                read
             })
         })
         .collect()
@@ -101,8 +124,9 @@ pub(crate) fn raw_tcp_source(total: u64, connections: usize) -> Result<String, S
             let Ok((mut s, _)) = listener.accept() else { return };
             std::thread::spawn(move || {
                 let mut go = [0u8; 1];
-                if s.read_exact(&mut go).is_ok() {
-                    let _ = write_like_kvxfer(&mut s, &src);
+                // A failure shows on the pull side, whose read then ends early.
+                if let Err(e) = s.read_exact(&mut go).and_then(|()| write_like_kvxfer(&mut s, &src)) {
+                    eprintln!("kvxfer-bench serve: raw tcp source: {e}");
                 }
             });
         }
@@ -130,13 +154,49 @@ pub(crate) fn raw_tcp_sink_gib_per_s(
     let threads = receive(sockets, per, read_span, &start);
     start.wait();
     let t0 = Instant::now();
-    for g in &mut goes {
-        g.write_all(&[1]).map_err(|e| e.to_string())?;
+    let go =
+        goes.iter_mut().try_for_each(|g| g.write_all(&[1])).map_err(|e| format!("raw source {addr}: {e}"));
+    if go.is_err() {
+        // Sockets that got no go would wait for ever: end every receiver's read.
+        goes.iter().for_each(|g| drop(g.shutdown(std::net::Shutdown::Both)));
     }
-    for t in threads {
-        t.join().map_err(|_| "raw tcp thread panicked".to_string())?;
-    }
-    Ok((per * connections) as f64 / f64::from(1u32 << 30) / t0.elapsed().as_secs_f64())
+    let read = join_all(threads);
+    let secs = t0.elapsed().as_secs_f64();
+    go?;
+    Ok(gib_per_s(read?, secs))
+}
+
+/// Requests a [`raw_rtt_responder`] of this process answered (all of them, every block
+/// size): the two-process test checks that the round trips really reached `serve`.
+static RAW_RTT_ROUNDS_SERVED: AtomicU64 = AtomicU64::new(0);
+
+/// Requests the raw round-trip responders of this process have answered so far.
+pub(crate) fn raw_rtt_rounds_served() -> u64 {
+    RAW_RTT_ROUNDS_SERVED.load(Ordering::SeqCst)
+}
+
+/// The server half of [`RawRtt`]: listens on 127.0.0.1, accepts one connection and answers
+/// every 64-byte request on it with `block` bytes until the client hangs up. Returns the
+/// address and the thread; in a two-process run it lives in `serve`, so the round trip
+/// crosses processes as kvxfer's hand-off does.
+pub(crate) fn raw_rtt_responder(block: u64) -> Result<(String, std::thread::JoinHandle<()>), String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?.to_string();
+    let len = usize::try_from(block).map_err(|e| e.to_string())?;
+    let server = std::thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else { return };
+        let _ = s.set_nodelay(true);
+        let data = vec![7u8; len];
+        let mut req = [0u8; 64];
+        while s.read_exact(&mut req).is_ok() {
+            // Counted before the answer, so a client that has its answer sees the count.
+            RAW_RTT_ROUNDS_SERVED.fetch_add(1, Ordering::SeqCst);
+            if s.write_all(&data).is_err() {
+                break;
+            }
+        }
+    });
+    Ok((addr, server))
 }
 
 /// Round trips on 127.0.0.1 of a 64-byte request answered with one `block` of data read
@@ -146,26 +206,25 @@ pub(crate) fn raw_tcp_sink_gib_per_s(
 pub(crate) struct RawRtt {
     client: TcpStream,
     buf: Vec<u8>,
+    /// The responder thread when it runs in this process.
     server: Option<std::thread::JoinHandle<()>>,
 }
 
 impl RawRtt {
-    /// Connects a client to a server thread that answers every 64-byte request with `block`
-    /// bytes (until the client hangs up).
+    /// Connects a client to a responder thread of this process (one-process runs).
     pub(crate) fn start(block: u64) -> Result<Self, String> {
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let len = block as usize;
-        let server = std::thread::spawn(move || {
-            let Ok((mut s, _)) = listener.accept() else { return };
-            let _ = s.set_nodelay(true);
-            let data = vec![7u8; len];
-            let mut req = [0u8; 64];
-            while s.read_exact(&mut req).is_ok() && s.write_all(&data).is_ok() {}
-        });
-        let client = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        let (addr, server) = raw_rtt_responder(block)?;
+        let mut rtt = Self::connect(&addr, block)?;
+        rtt.server = Some(server);
+        Ok(rtt)
+    }
+
+    /// Connects a client to the [`raw_rtt_responder`] at `addr` (in a `serve` process).
+    pub(crate) fn connect(addr: &str, block: u64) -> Result<Self, String> {
+        let client = TcpStream::connect(addr).map_err(|e| format!("raw rtt responder {addr}: {e}"))?;
         client.set_nodelay(true).map_err(|e| e.to_string())?;
-        Ok(RawRtt { client, buf: vec![0u8; len], server: Some(server) })
+        let len = usize::try_from(block).map_err(|e| e.to_string())?;
+        Ok(RawRtt { client, buf: vec![0u8; len], server: None })
     }
 
     /// `rounds` round trips, each in microseconds.
@@ -209,4 +268,34 @@ pub(crate) fn memcpy_gib_per_s(total: u64) -> f64 {
     let secs = t0.elapsed().as_secs_f64();
     std::hint::black_box(&dst);
     total as f64 / f64::from(1u32 << 30) / secs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A raw source that hangs up before sending anything fails the sink's run: it is not
+    /// reported as bytes moved in no time.
+    #[test]
+    fn a_source_that_hangs_up_fails_the_raw_run() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let closer = std::thread::spawn(move || {
+            for _ in 0..2 {
+                let (s, _) = listener.accept().expect("accept");
+                drop(s);
+            }
+        });
+        let got = raw_tcp_sink_gib_per_s(&addr, 2 << 20, 2, 64 << 10);
+        closer.join().expect("closer");
+        assert!(got.is_err(), "a source that sent nothing gave {got:?}");
+    }
+
+    /// A good raw run reads every byte it divides by.
+    #[test]
+    fn a_raw_run_counts_the_bytes_it_read() {
+        let addr = raw_tcp_source(1 << 20, 2).expect("source");
+        let got = raw_tcp_sink_gib_per_s(&addr, 1 << 20, 2, 64 << 10).expect("raw run");
+        assert!(got.is_finite() && got > 0.0, "{got}");
+    }
 }

@@ -117,7 +117,7 @@ pub(crate) struct RunArgs {
     /// Also measure a raw TCP copy and a memcpy of the same bytes, and print the ratios.
     #[arg(long)]
     pub(crate) baseline: bool,
-    /// Skip checking every pulled byte.
+    /// Skip the final check of every destination block (the last pull into each).
     #[arg(long)]
     pub(crate) no_verify: bool,
     /// One JSON object per block size.

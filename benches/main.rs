@@ -5,7 +5,8 @@
 //! kvxfer-bench serve --listen 127.0.0.1:7300                              # prefill process
 //! kvxfer-bench pull --peer 127.0.0.1:7300 --transport ucx --block-bytes 64K,2M
 //! ```
-//! Every pulled byte is checked against the pattern it was filled with unless `--no-verify`.
+//! Every destination block is checked at the end against the pattern its source was filled
+//! with (the last pull into it, every byte) unless `--no-verify`.
 //! Agents authenticate each other with the cluster key in `KVXFER_CLUSTER_KEY` (hex) or
 //! `KVXFER_CLUSTER_KEY_FILE` when one is set (both processes of a two-process run need it).
 //!

@@ -1,5 +1,6 @@
 //! One block size measured: leases, pulls by every decode agent, per-child latencies,
-//! bandwidth, CPU time, and every pulled byte checked.
+//! bandwidth, CPU time, and the final contents of every destination block checked (what
+//! the last iteration pulled; earlier iterations wrote the same blocks and are not checked).
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -10,7 +11,6 @@ use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, PullRe
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
-use crate::baselines::RawRtt;
 use crate::cli::RunArgs;
 use crate::source::LeaseSource;
 
@@ -78,7 +78,8 @@ pub(crate) struct Measured {
 }
 
 /// Measures one block size: `warmup + iters` iterations of every parent leased and
-/// pulled by every decode agent, then every pulled byte checked (unless `--no-verify`).
+/// pulled by every decode agent, then every destination block checked against the pattern
+/// (unless `--no-verify`): every byte of the last iteration's pulls.
 pub(crate) fn run_block_size(
     run: &RunArgs,
     source: &mut dyn LeaseSource,
@@ -106,8 +107,9 @@ pub(crate) fn run_block_size(
     let mut iter_spans: Vec<(usize, usize)> = Vec::new();
     let (mut seconds, mut bytes, mut cpu) = (0.0f64, 0u64, 0.0f64);
     let show_progress = std::io::stderr().is_terminal() && !run.json && !run.csv;
-    // Raw round trips interleaved with the iterations: ~200 in all, at least one per iteration.
-    let mut raw_rtt = if run.baseline { Some(RawRtt::start(block)?) } else { None };
+    // Raw round trips interleaved with the iterations: ~200 in all, at least one per iteration;
+    // to a responder on the prefill side (the `serve` process in a two-process run).
+    let mut raw_rtt = if run.baseline { Some(source.raw_rtt(block)?) } else { None };
     let rtt_per_iter = (200 / run.iters.max(1)).max(1) as usize;
     // Iterations this small measure hand-off latency more than bandwidth.
     let latency_run = run.total_bytes < LATENCY_RUN_BYTES;
@@ -129,6 +131,7 @@ pub(crate) fn run_block_size(
                 &format!("bench-{block}-{iter}-{p}"),
                 (0..n).map(|c| ids(p, c)).collect(),
                 consumers,
+                None,
             )?;
             for d in &decoders {
                 handles.push((lease_start, d.submit(result.clone(), (0..n).map(|c| ids(p, c)).collect())?));

@@ -135,6 +135,9 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 }
                 // Taken between kvxfer's iterations; the spread says how far to trust the ratio.
                 j["raw_tcp_rtt_one_block_us"] = rtt_dist;
+                // Where the round trips ran: to a responder in the prefill process (two
+                // processes: `serve`, as kvxfer's hand-off crosses them).
+                j["raw_rtt_processes"] = json!(processes);
                 j["p50_vs_raw_rtt_p50"] = json!(rtt.map(|r| m.p50_us / r));
                 j["submit_p50_vs_raw_rtt_p50"] = json!(rtt.map(|r| m.submit_us[1] / r));
                 // Each hand-off over the raw round trip taken right after its iteration.

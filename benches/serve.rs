@@ -1,6 +1,6 @@
 //! `kvxfer-bench serve`: the prefill process of a two-process run, answering one JSON
-//! request per line (setup, lease, lease_many, stats, raw_tcp_source, quit) on its control
-//! socket.
+//! request per line (setup, lease, lease_many, stats, raw_tcp_source, raw_rtt_responder,
+//! quit) on its control socket.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -48,7 +48,8 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                         let blocks: Option<Vec<Vec<BlockId>>> =
                             serde_json::from_value(req["blocks"].clone()).ok();
                         let consumers = u32::try_from(req["consumers"].as_u64().unwrap_or(1)).unwrap_or(1);
-                        match blocks.map(|b| source.lease(&parent, b, consumers)) {
+                        let ttl = crate::source::ttl_from_ms(&req);
+                        match blocks.map(|b| source.lease(&parent, b, consumers, ttl)) {
                             Some(Ok(r)) => json!({"result": hex::encode(r.to_wire().encode_to_vec())}),
                             Some(Err(e)) => json!({"error": e}),
                             None => json!({"error": "lease needs blocks"}),
@@ -60,6 +61,13 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                         let connections = req["connections"].as_u64().unwrap_or(1) as usize;
                         match crate::baselines::raw_tcp_source(bytes, connections) {
                             Ok(addr) => json!({"addr": addr}),
+                            Err(e) => json!({"error": e}),
+                        }
+                    }
+                    // The raw one-block round trip's responder, in this process.
+                    Some("raw_rtt_responder") => {
+                        match crate::baselines::raw_rtt_responder(req["block_bytes"].as_u64().unwrap_or(0)) {
+                            Ok((addr, _thread)) => json!({"addr": addr}),
                             Err(e) => json!({"error": e}),
                         }
                     }
@@ -99,6 +107,7 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
 /// order; the first refusal is the answer.
 fn lease_many(source: &mut LocalSource, req: &Value) -> Value {
     let consumers = u32::try_from(req["consumers"].as_u64().unwrap_or(1)).unwrap_or(1);
+    let ttl = crate::source::ttl_from_ms(req);
     let Some(parents) = req["parents"].as_array() else {
         return json!({"error": "lease_many needs parents"});
     };
@@ -108,7 +117,7 @@ fn lease_many(source: &mut LocalSource, req: &Value) -> Value {
         let Ok(blocks) = serde_json::from_value::<Vec<Vec<BlockId>>>(p["blocks"].clone()) else {
             return json!({"error": "lease_many: a parent without blocks"});
         };
-        match source.lease(parent, blocks, consumers) {
+        match source.lease(parent, blocks, consumers, ttl) {
             Ok(r) => results.push(Value::String(hex::encode(r.to_wire().encode_to_vec()))),
             Err(e) => return json!({"error": e}),
         }

@@ -17,12 +17,13 @@ use crate::measure::cpu_seconds;
 pub(crate) trait LeaseSource {
     /// Sets up a prefill agent for `layout`; returns nothing (the result names the agent).
     fn setup(&mut self, block: u64, blocks: u32) -> Result<(), String>;
-    /// Leases one parent; returns its result.
+    /// Leases one parent (for `ttl`, or the prefill agent's default); returns its result.
     fn lease(
         &mut self,
         parent: &str,
         blocks: Vec<Vec<BlockId>>,
         consumers: u32,
+        ttl: Option<Duration>,
     ) -> Result<PrefillResult, String>;
     /// Leases several parents (name and children's blocks each) at once: in two processes,
     /// one control round trip for all of them.
@@ -30,8 +31,9 @@ pub(crate) trait LeaseSource {
         &mut self,
         parents: Vec<(String, Vec<Vec<BlockId>>)>,
         consumers: u32,
+        ttl: Option<Duration>,
     ) -> Result<Vec<PrefillResult>, String> {
-        parents.into_iter().map(|(p, blocks)| self.lease(&p, blocks, consumers)).collect()
+        parents.into_iter().map(|(p, blocks)| self.lease(&p, blocks, consumers, ttl)).collect()
     }
     /// Starts leasing several parents without waiting for them where that is possible (a
     /// `serve` process: the request is sent, the answer read by [`Self::lease_many_recv`]):
@@ -41,8 +43,9 @@ pub(crate) trait LeaseSource {
         &mut self,
         parents: Vec<(String, Vec<Vec<BlockId>>)>,
         consumers: u32,
+        ttl: Option<Duration>,
     ) -> Result<Option<Vec<PrefillResult>>, String> {
-        self.lease_many(parents, consumers).map(Some)
+        self.lease_many(parents, consumers, ttl).map(Some)
     }
     /// The results of the batch [`Self::lease_many_send`] left under way: `None` while they
     /// have not arrived and `wait` is false (or when none is under way).
@@ -55,6 +58,11 @@ pub(crate) trait LeaseSource {
     /// (see [`crate::baselines`]): two threads of this process, or the `serve` process.
     fn raw_tcp_gib_per_s(&mut self, total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
         crate::baselines::raw_tcp_gib_per_s(total, connections, read_span)
+    }
+    /// A raw one-block round trip to the prefill side: a responder thread of this process,
+    /// or of the `serve` process (so it crosses processes as the hand-off does).
+    fn raw_rtt(&mut self, block: u64) -> Result<crate::baselines::RawRtt, String> {
+        crate::baselines::RawRtt::start(block)
     }
     /// Prefill-side stats (bytes served, leases) as JSON.
     fn stats(&mut self) -> Value;
@@ -88,14 +96,18 @@ impl LeaseSource for LocalSource {
         parent: &str,
         blocks: Vec<Vec<BlockId>>,
         consumers: u32,
+        ttl: Option<Duration>,
     ) -> Result<PrefillResult, String> {
         let agent = self.agent.as_ref().ok_or("no prefill agent")?;
-        let r = agent.lease_parent(parent, blocks, consumers, None).map_err(|e| e.to_string())?;
+        let r = agent.lease_parent(parent, blocks, consumers, ttl).map_err(|e| e.to_string())?;
         for _ in agent.events().try_iter() {}
         Ok(r)
     }
     fn stats(&mut self) -> Value {
-        self.agent.as_ref().map(prefill_stats).unwrap_or(Value::Null)
+        let Some(agent) = &self.agent else { return Value::Null };
+        let mut stats = prefill_stats(agent);
+        stats["memory"] = json!(prefill_memory(self.config.transport));
+        stats
     }
     #[cfg(feature = "ucx")]
     fn raw_ucx_target(
@@ -117,16 +129,30 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
            "expired": s.leases.expired, "unrecognized": s.leases.unrecognized, "bytes_served": s.server.bytes_served,
            "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds(),
            "rss_kib": crate::procstat::rss_kib(), "rss_peak_kib": crate::procstat::peak_rss_kib(),
-           "fds": crate::procstat::open_fds()})
+           "fds": crate::procstat::open_fds(),
+           "raw_rtt_rounds_served": crate::baselines::raw_rtt_rounds_served()})
 }
 
-/// A prefill agent over `blocks` blocks of `block` bytes, filled with the test pattern; in
-/// memory UCX allocated when the agent may use UCX (`kvxfer::ucx_region`).
+/// Where [`start_prefill`] puts the prefill KV cache for `transport`: memory UCX allocated
+/// (`kvxfer::ucx_region`, shared memory UCX 1.13 serves one-sided) only for `--transport
+/// ucx`; the heap otherwise, also under `auto`, so a TCP run serves from the same kind of
+/// memory its raw TCP baseline sends from (and `auto` never fails for want of UCX memory).
+pub(crate) fn prefill_memory(transport: kvxfer::TransportChoice) -> &'static str {
+    if cfg!(feature = "ucx") && matches!(transport, kvxfer::TransportChoice::Ucx) {
+        "ucx_region"
+    } else {
+        "heap"
+    }
+}
+
+/// A prefill agent over `blocks` blocks of `block` bytes, filled with the test pattern, in
+/// the memory [`prefill_memory`] names.
 pub(crate) fn start_prefill(config: AgentConfig, block: u64, blocks: u32) -> Result<PrefillAgent, String> {
     let layout = BlockLayout::single(blocks, block).map_err(|e| e.to_string())?;
+    // As `prefill_memory` says.
     let mem = match config.transport {
         #[cfg(feature = "ucx")]
-        kvxfer::TransportChoice::Ucx | kvxfer::TransportChoice::Auto => {
+        kvxfer::TransportChoice::Ucx => {
             let ucx = config.ucx.clone();
             pattern::alloc_filled_in(layout, &mut |len| {
                 kvxfer::ucx_region(&ucx, len).map_err(|_| kvxfer_mem::MemError::Alloc(len))
@@ -136,6 +162,16 @@ pub(crate) fn start_prefill(config: AgentConfig, block: u64, blocks: u32) -> Res
     }
     .map_err(|e| e.to_string())?;
     PrefillAgent::start(config, "127.0.0.1:0", mem).map_err(|e| e.to_string())
+}
+
+/// A lease ttl as the control protocol carries it (`null`: the agent's default).
+fn ttl_ms(ttl: Option<Duration>) -> Option<u64> {
+    ttl.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A lease ttl from a control request's `ttl_ms` (absent or `null`: the agent's default).
+pub(crate) fn ttl_from_ms(req: &Value) -> Option<Duration> {
+    req["ttl_ms"].as_u64().map(Duration::from_millis)
 }
 
 /// A lease as `serve` sends it: the wire `PrefillResult`, hex-encoded.
@@ -239,17 +275,20 @@ impl LeaseSource for RemoteSource {
         parent: &str,
         blocks: Vec<Vec<BlockId>>,
         consumers: u32,
+        ttl: Option<Duration>,
     ) -> Result<PrefillResult, String> {
-        let v =
-            self.call(json!({"op": "lease", "parent": parent, "blocks": blocks, "consumers": consumers}))?;
+        let v = self
+            .call(json!({"op": "lease", "parent": parent, "blocks": blocks, "consumers": consumers,
+                                 "ttl_ms": ttl_ms(ttl)}))?;
         result_from_hex(v.get("result").and_then(Value::as_str).ok_or("serve sent no result")?)
     }
     fn lease_many(
         &mut self,
         parents: Vec<(String, Vec<Vec<BlockId>>)>,
         consumers: u32,
+        ttl: Option<Duration>,
     ) -> Result<Vec<PrefillResult>, String> {
-        match self.lease_many_send(parents, consumers)? {
+        match self.lease_many_send(parents, consumers, ttl)? {
             Some(results) => Ok(results),
             None => self.lease_many_recv(true)?.ok_or_else(|| "serve sent no lease answer".into()),
         }
@@ -258,6 +297,7 @@ impl LeaseSource for RemoteSource {
         &mut self,
         parents: Vec<(String, Vec<Vec<BlockId>>)>,
         consumers: u32,
+        ttl: Option<Duration>,
     ) -> Result<Option<Vec<PrefillResult>>, String> {
         if self.leasing.is_some() {
             return Err("a lease_many batch is already under way".into());
@@ -265,7 +305,9 @@ impl LeaseSource for RemoteSource {
         let count = parents.len();
         let parents: Vec<Value> =
             parents.into_iter().map(|(parent, blocks)| json!({"parent": parent, "blocks": blocks})).collect();
-        self.send(&json!({"op": "lease_many", "parents": parents, "consumers": consumers}))?;
+        self.send(
+            &json!({"op": "lease_many", "parents": parents, "consumers": consumers, "ttl_ms": ttl_ms(ttl)}),
+        )?;
         self.leasing = Some(count);
         Ok(None)
     }
@@ -283,6 +325,11 @@ impl LeaseSource for RemoteSource {
         let v = self.call(json!({"op": "raw_tcp_source", "bytes": total, "connections": connections}))?;
         let addr = v.get("addr").and_then(Value::as_str).ok_or("serve sent no raw source address")?;
         crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)
+    }
+    fn raw_rtt(&mut self, block: u64) -> Result<crate::baselines::RawRtt, String> {
+        let v = self.call(json!({"op": "raw_rtt_responder", "block_bytes": block}))?;
+        let addr = v.get("addr").and_then(Value::as_str).ok_or("serve sent no raw rtt address")?;
+        crate::baselines::RawRtt::connect(addr, block)
     }
     fn stats(&mut self) -> Value {
         self.call(json!({"op": "stats"})).unwrap_or(Value::Null)

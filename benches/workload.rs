@@ -63,7 +63,7 @@ pub(crate) struct WorkloadArgs {
     pub(crate) concurrency: Vec<u32>,
     /// Many-requests mode, open loop: parents arriving per second (a list, e.g. 500,2000),
     /// whatever the system does; latency counts from each parent's scheduled arrival.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = parse_rate)]
     pub(crate) rate: Vec<f64>,
     /// Open loop: spacing of the arrivals.
     #[arg(long, value_enum, default_value_t = Arrivals::Fixed)]
@@ -76,18 +76,84 @@ pub(crate) struct WorkloadArgs {
     #[arg(long, default_value_t = 15)]
     pub(crate) seed: u64,
     /// Parents leased per control round trip, ahead of need (1: one lease per parent, taken
-    /// when its turn comes, as before).
+    /// when its turn comes, as before). The open loop leases at most rate × ttl / 4 parents
+    /// per batch, so no lease waits in the pool for longer than about half its ttl.
     #[arg(long, default_value_t = 64)]
     pub(crate) lease_batch: u32,
+    /// Seconds each bench lease lives unless pulled (the ttl asked of the prefill agent;
+    /// 30 is the agent's default). Leases taken ahead of need are not heartbeated.
+    #[arg(long, default_value_t = 30.0, value_parser = parse_ttl)]
+    pub(crate) lease_ttl: f64,
     /// Measured seconds per level (many-requests mode).
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_parser = parse_secs)]
     pub(crate) duration: f64,
     /// Unmeasured seconds before them (many-requests mode).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = parse_secs)]
     pub(crate) warmup_secs: f64,
     /// Blocks per child (many-requests mode; the bulk mode derives it from --total-bytes).
     #[arg(long, default_value_t = 2)]
     pub(crate) blocks_per_child: u32,
+}
+
+/// Open-loop arrival rates the loop can keep: at least one arrival in 10^6 s, and gaps of at
+/// least a nanosecond (smaller ones round to zero, and the schedule would never advance).
+const RATE_RANGE: std::ops::RangeInclusive<f64> = 1e-6..=1e9;
+
+/// `--rate`: parents per second, finite and in [`RATE_RANGE`] (`inf`, 0 and negative rates
+/// are refused rather than turned into something else).
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let rate: f64 =
+        s.trim().parse().map_err(|_| format!("not a rate: {s:?} (parents per second, e.g. 500)"))?;
+    if !RATE_RANGE.contains(&rate) {
+        return Err(format!(
+            "rate {s} is not a finite number of parents per second from {:e} to {:e}",
+            RATE_RANGE.start(),
+            RATE_RANGE.end()
+        ));
+    }
+    Ok(rate)
+}
+
+/// Seconds: finite and not negative.
+fn parse_secs(s: &str) -> Result<f64, String> {
+    let secs: f64 = s.trim().parse().map_err(|_| format!("not a number of seconds: {s:?}"))?;
+    if !(0.0..1e9).contains(&secs) {
+        return Err(format!("{s} is not a finite, non-negative number of seconds"));
+    }
+    Ok(secs)
+}
+
+/// `--lease-ttl`: seconds, finite and at least a millisecond.
+fn parse_ttl(s: &str) -> Result<f64, String> {
+    let secs = parse_secs(s)?;
+    if secs < 1e-3 {
+        return Err(format!("a lease ttl of {s} s is shorter than a millisecond"));
+    }
+    Ok(secs)
+}
+
+/// Parents to lease per batch: `--lease-batch`, at most `c / 2` (the remote slots hold two
+/// batches besides the parents in flight), and in the open loop at most `rate × ttl / 4`
+/// (at least 1). The pool holds up to two batches, and nothing heartbeats a pooled lease:
+/// at the offered rate its oldest waits about 2 × batch / rate ≤ ttl / 2 before it is used.
+/// When the in-flight cap holds arrivals back, or in the closed loop, the pool (≤ c − 1
+/// leases) drains at the completion rate, c / (a parent's latency): its oldest waits less
+/// than one parent's latency.
+fn lease_batch_size(lease_batch: u32, c: usize, level: Level, ttl: Duration) -> usize {
+    let batch = (lease_batch.max(1) as usize).min((c / 2).max(1));
+    match level {
+        Level::Closed(_) => batch,
+        Level::Open { rate, .. } => batch.min(((rate * ttl.as_secs_f64() / 4.0) as usize).max(1)),
+    }
+}
+
+/// The latest the loop may park waiting for a completion: until the next arrival (`wait`,
+/// `None`: until one completes), but never past a window edge whose readings (CPU,
+/// context switches, the prefill's CPU) are still to be taken, so they are taken at the
+/// edge and not at the next completion (parked at the in-flight cap, that one may come
+/// much later, and the drain's work would count in the window).
+fn park_deadline(wait: Option<Instant>, pending_edges: &[Option<Instant>]) -> Option<Instant> {
+    pending_edges.iter().flatten().copied().chain(wait).min()
 }
 
 impl WorkloadArgs {
@@ -121,13 +187,16 @@ pub(crate) struct Loaded {
     /// Mean time of the lease calls per parent (in two processes, control round trips to
     /// `serve`, `--lease-batch` parents each): the submitting thread's own cost.
     pub(crate) lease_call_us: f64,
-    /// Open loop: submission time − scheduled arrival, us: p50, p99, max.
+    /// Open loop: submission time (when the submit call started) − scheduled arrival, us:
+    /// p50, p99, max.
     pub(crate) submit_lag_us: [f64; 3],
     /// Per-child latency from the parent's submission (not its start), us: p50, p99, p999 —
     /// the engine's part of the hand-off, without the submitting thread's lateness.
     pub(crate) service_us: [f64; 3],
     /// Open loop: arrivals that found the in-flight cap reached and waited for a slot.
     pub(crate) cap_waits: u64,
+    /// How long after the window's end its CPU and context-switch readings were taken, us.
+    pub(crate) end_reading_late_us: f64,
     /// Open loop: most arrivals waiting at once.
     pub(crate) max_backlog: u64,
     pub(crate) prefill_cpu_us_per_request: Option<f64>,
@@ -219,6 +288,8 @@ struct LeasePool {
     seq: u64,
     /// The children's remote blocks of a parent leased over a remote slot.
     children: Box<dyn Fn(usize) -> Vec<Vec<BlockId>>>,
+    /// The ttl each lease is asked for.
+    ttl: Duration,
     /// Seconds the submitting thread spent in lease calls (sending, waiting, decoding).
     calls_secs: f64,
     leased: u64,
@@ -270,7 +341,7 @@ impl LeasePool {
             })
             .collect();
         let t0 = Instant::now();
-        let sent = source.lease_many_send(parents, 1)?;
+        let sent = source.lease_many_send(parents, 1, Some(self.ttl))?;
         self.calls_secs += t0.elapsed().as_secs_f64();
         match sent {
             Some(results) => self.landed(slots, results),
@@ -333,13 +404,15 @@ pub(crate) fn run_level(
     let mut in_flight: FuturesUnordered<Finished> = FuturesUnordered::new();
     // Up to two batches ahead (one ready, one under way) besides the c parents in flight:
     // the 2c remote slots hold them when a batch is at most c / 2.
+    let ttl = Duration::from_secs_f64(w.lease_ttl);
     let mut pool = LeasePool {
         ready: VecDeque::new(),
         under_way: None,
-        batch: (w.lease_batch.max(1) as usize).min((c / 2).max(1)),
+        batch: lease_batch_size(w.lease_batch, c, level, ttl),
         tag,
         seq: 0,
         children: Box::new(move |r| (0..n).map(|k| ids(r, k)).collect()),
+        ttl,
         calls_secs: 0.0,
         leased: 0,
     };
@@ -350,8 +423,9 @@ pub(crate) fn run_level(
     let end = warm + Duration::from_secs_f64(w.duration.max(0.01));
     // Open loop: the arrival schedule.
     let mut rng = rand::rngs::StdRng::seed_from_u64(w.seed);
+    // `rate` is within `RATE_RANGE` (its parser), so the mean gap is a valid duration.
     let mut gap = |rate: f64| -> Duration {
-        let mean = 1.0 / rate.max(1e-3);
+        let mean = 1.0 / rate;
         match w.arrivals {
             Arrivals::Fixed => Duration::from_secs_f64(mean),
             Arrivals::Poisson => Duration::from_secs_f64(-mean * (1.0 - rng.random::<f64>()).ln()),
@@ -365,6 +439,8 @@ pub(crate) fn run_level(
 
     let (mut cpu0, mut pcpu0, mut cpu1, mut pcpu1) = (None, None, None, None);
     let (mut preempted0, mut preempted1) = (0, 0);
+    // How long after the window's end its readings were taken.
+    let mut end_reading_late = Duration::ZERO;
     let (mut child_lat, mut req_lat, mut service_lat) = (Vec::new(), Vec::new(), Vec::new());
     let (mut requests, mut bytes) = (0u64, 0u64);
     let (mut fds_max, mut next_fd_sample) = (fds_before, start);
@@ -377,6 +453,7 @@ pub(crate) fn run_level(
             pcpu0 = if processes == "2" { prefill_cpu(source) } else { None };
         }
         if cpu1.is_none() && now >= end {
+            end_reading_late = now - end;
             cpu1 = Some(cpu_seconds());
             preempted1 = involuntary_switches();
             pcpu1 = if processes == "2" { prefill_cpu(source) } else { None };
@@ -413,9 +490,11 @@ pub(crate) fn run_level(
                         break;
                     };
                     let scheduled = next_arrival;
-                    submit(&decoder, &mut in_flight, result, local, remote, scheduled, n, &ids)?;
+                    let submitted =
+                        submit(&decoder, &mut in_flight, result, local, remote, scheduled, n, &ids)?;
                     if scheduled >= warm {
-                        submit_lag.push(scheduled.elapsed().as_secs_f64() * 1e6);
+                        // Taken as the submit call starts (the service latency's start).
+                        submit_lag.push(submitted.saturating_duration_since(scheduled).as_secs_f64() * 1e6);
                     }
                     if cap_blocked_upto.is_some_and(|t| scheduled <= t) {
                         cap_waits += 1;
@@ -425,7 +504,8 @@ pub(crate) fn run_level(
                     // for fixed spacing, about right for Poisson.
                     let now = Instant::now();
                     if next_arrival <= now {
-                        max_backlog = max_backlog.max(((now - next_arrival).as_secs_f64() * rate) as u64 + 1);
+                        let overdue = ((now - next_arrival).as_secs_f64() * rate) as u64;
+                        max_backlog = max_backlog.max(overdue.saturating_add(1));
                     }
                 }
                 if next_arrival < end && in_flight.len() < c {
@@ -444,7 +524,8 @@ pub(crate) fn run_level(
         };
         pool.collect(source, false)?;
         pool.top_up(source, &mut free_remote, wanted)?;
-        let next = match next_until(&mut in_flight, &waker, wait_until) {
+        let edges = [cpu0.is_none().then_some(warm), cpu1.is_none().then_some(end)];
+        let next = match next_until(&mut in_flight, &waker, park_deadline(wait_until, &edges)) {
             None => continue,
             Some(None) => break,
             Some(Some(done)) => done,
@@ -494,6 +575,7 @@ pub(crate) fn run_level(
     // The measured window is over even when the last pull finished before its end.
     if cpu1.is_none() {
         std::thread::sleep(end.saturating_duration_since(Instant::now()));
+        end_reading_late = end.elapsed();
         cpu1 = Some(cpu_seconds());
         preempted1 = involuntary_switches();
         pcpu1 = if processes == "2" { prefill_cpu(source) } else { None };
@@ -557,6 +639,7 @@ pub(crate) fn run_level(
             percentile(&service_lat, 0.999),
         ],
         cap_waits,
+        end_reading_late_us: end_reading_late.as_secs_f64() * 1e6,
         max_backlog,
         prefill_cpu_us_per_request: pcpu.map(per_req),
         preempted_per_s: preempted1.saturating_sub(preempted0) as f64 / secs,
@@ -570,7 +653,8 @@ pub(crate) fn run_level(
     })
 }
 
-/// Submits one leased parent into local slot `local`, to report with its start time.
+/// Submits one leased parent into local slot `local`, to report with its start time;
+/// returns when the submit call started (the parent's submission time).
 #[allow(clippy::too_many_arguments)]
 fn submit(
     decoder: &DecodeAgent,
@@ -581,14 +665,14 @@ fn submit(
     started: Instant,
     n: u32,
     ids: &dyn Fn(usize, u32) -> Vec<BlockId>,
-) -> Result<(), String> {
+) -> Result<Instant, String> {
     let submitted = Instant::now();
     let h = decoder
         .as_async()
         .submit(result, (0..n).map(|k| ids(local, k)).collect())
         .map_err(|e| e.to_string())?;
     in_flight.push(Box::pin(async move { (local, remote, started, submitted, h.finished().await) }));
-    Ok(())
+    Ok(submitted)
 }
 
 /// Runs every (block size, level) of `run` — closed-loop levels first, then open-loop ones
@@ -646,6 +730,7 @@ pub(crate) fn bench_many(
                     "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],
                     "service_p50_us": l.service_us[0], "service_p99_us": l.service_us[1], "service_p999_us": l.service_us[2],
                     "cpu_us_per_request": l.cpu_us_per_request, "lease_call_us": l.lease_call_us,
+                    "lease_ttl_s": w.lease_ttl, "window_end_reading_late_us": l.end_reading_late_us,
                     "prefill_cpu_us_per_request": l.prefill_cpu_us_per_request,
                     "involuntary_switches_per_s": l.preempted_per_s,
                     "rss_before_mib": l.rss_before_mib, "rss_peak_mib": l.rss_peak_mib, "kv_mib": l.kv_mib,

@@ -1,5 +1,6 @@
 //! The prefill and decode agents in two processes (`kvxfer-bench serve` and `pull`), so
-//! UCX's shared-memory / CMA transports really cross address spaces. Every byte verified.
+//! UCX's shared-memory / CMA transports really cross address spaces. Every destination block
+//! verified (the last pull into it).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -42,12 +43,15 @@ fn pull(addr: &str, extra: &[&str]) -> Vec<serde_json::Value> {
     stdout.lines().map(|l| serde_json::from_str(l).expect("json line")).collect()
 }
 
-fn two_processes(transport_args: &[&str]) {
-    let (_serve, addr) = serve(transport_args);
+/// Runs `serve` with `serve_args` and `pull` with `transport_args` and checks every row;
+/// the prefill side's KV cache must be in `memory`.
+fn two_processes_with(serve_args: &[&str], transport_args: &[&str], memory: &str) {
+    let (_serve, addr) = serve(serve_args);
     let rows = pull(&addr, transport_args);
     assert_eq!(rows.len(), 2);
     for r in &rows {
         assert_eq!(r["verified"], true, "{r}");
+        assert_eq!(r["prefill"]["memory"], memory, "{r}");
         assert_eq!(r["processes"], "2");
         assert_eq!(r["bytes"], 16 << 20);
         assert!(r["gib_per_s"].as_f64().expect("number") > 0.0);
@@ -57,9 +61,21 @@ fn two_processes(transport_args: &[&str]) {
     }
 }
 
+fn two_processes(transport_args: &[&str]) {
+    let ucx = transport_args.contains(&"ucx");
+    two_processes_with(transport_args, transport_args, if ucx { "ucx_region" } else { "heap" });
+}
+
 #[test]
 fn tcp_across_two_processes() {
     two_processes(&["--transport", "tcp"]);
+}
+
+/// `serve`'s default transport (auto) serves a TCP run from the heap, as the raw TCP
+/// baseline sends, even where UCX could allocate the memory.
+#[test]
+fn an_auto_serve_serves_tcp_from_the_heap() {
+    two_processes_with(&[], &["--transport", "tcp"], "heap");
 }
 
 /// `--baseline` in two processes: the raw TCP runs go from the `serve` process to `pull`.
@@ -68,12 +84,26 @@ fn raw_tcp_baseline_across_two_processes() {
     let (_serve, addr) = serve(&["--transport", "tcp"]);
     let rows = pull(&addr, &["--transport", "tcp", "--baseline"]);
     assert_eq!(rows.len(), 2);
+    let mut rounds = 0;
     for r in &rows {
         assert_eq!(r["verified"], true, "{r}");
         assert_eq!(r["raw_tcp_processes"], "2", "{r}");
         let runs = r["raw_tcp_runs"].as_array().expect("raw runs");
         assert_eq!(runs.len(), 2, "{r}");
-        assert!(runs.iter().all(|v| v.as_f64().is_some_and(|g| g > 0.0)), "{r}");
+        assert!(runs.iter().all(|v| v.as_f64().is_some_and(|g| g.is_finite() && g > 0.0)), "{r}");
+        // Each raw run stands beside its iteration: the ratio is kvxfer's rate over it.
+        let per_iter = r["ratio_vs_raw_tcp_per_iter"].as_array().expect("per-iteration ratios");
+        let iters = r["iter_gib_per_s"].as_array().expect("iterations");
+        for ((ratio, kv), raw) in per_iter.iter().zip(iters).zip(runs) {
+            let (ratio, kv, raw) = (ratio.as_f64(), kv.as_f64(), raw.as_f64());
+            assert_eq!(ratio, kv.zip(raw).map(|(k, r)| k / r), "{r}");
+        }
+        // The raw round trips were answered by `serve`, every one of them (counted there,
+        // over both block sizes so far).
+        assert_eq!(r["raw_rtt_processes"], "2", "{r}");
+        rounds += r["raw_tcp_rtt_one_block_us"]["samples"].as_u64().expect("rtt samples");
+        assert!(rounds > 0, "{r}");
+        assert_eq!(r["prefill"]["raw_rtt_rounds_served"], rounds, "{r}");
     }
 }
 
