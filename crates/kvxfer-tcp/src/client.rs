@@ -5,7 +5,7 @@ use std::time::Duration;
 use kvxfer_core::plan::BlockRun;
 use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1::{self, ErrorCode};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::frame::{self, Frame, FrameError};
@@ -123,7 +123,7 @@ pub struct Connection {
     stream: TcpStream,
     peer: String,
     limits: Limits,
-    buf: Vec<u8>,
+    reader: frame::FrameReader,
     scratch: Vec<u8>,
     next_seq: u64,
     ack: v1::HelloAck,
@@ -202,13 +202,14 @@ impl Connection {
             stream,
             peer: addr.to_owned(),
             limits,
-            buf: Vec::new(),
+            reader: frame::FrameReader::new(),
             scratch: Vec::new(),
             next_seq: 1,
             ack: v1::HelloAck::default(),
             payload_started: false,
         };
-        c.ack = crate::handshake::initiate(&mut c.stream, &c.peer, hello, key, &c.limits).await?;
+        c.ack = crate::handshake::initiate_buffered(&mut c.stream, &mut c.reader, &c.peer, hello, key, &c.limits)
+            .await?;
         Ok(c)
     }
 
@@ -235,6 +236,9 @@ impl Connection {
     /// restarted — checked without blocking before a pooled connection is reused. Bytes
     /// nobody asked for also make it unusable.
     pub fn closed_by_peer(&self) -> bool {
+        if !self.reader.buffered().is_empty() {
+            return true;
+        }
         match self.stream.try_read(&mut [0u8; 1]) {
             Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
             Ok(_) => true,
@@ -275,7 +279,7 @@ impl Connection {
     }
 
     pub(crate) async fn recv(&mut self) -> Result<Frame, ClientError> {
-        let io = frame::read_frame(&mut self.stream, self.limits.max_frame_len, &mut self.buf);
+        let io = self.reader.read_frame(&mut self.stream, self.limits.max_frame_len);
         match tokio::time::timeout(self.limits.io_timeout, io).await {
             Ok(Ok(f)) => Ok(f),
             Ok(Err(e)) => Err(self.frame_err(e)),
@@ -405,22 +409,32 @@ impl Connection {
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
         let (timeout, deadline) = self.await_read_response(seq, expected).await?;
         let mut crc = 0;
-        for run in runs {
-            for c in dest.run_chunks(run.local_start, run.count) {
-                // SAFETY: the caller guarantees exclusive access to these destination
-                // blocks for the duration of this call, and that they are in the layout.
-                let dst = unsafe { dest.chunk_mut(c) };
-                read_exact_with_progress(&mut self.stream, dst, timeout, deadline, Some(&mut crc))
-                    .await
-                    .map_err(|e| self.frame_err(e))?;
-            }
+        let chunks: Vec<kvxfer_mem::Chunk> =
+            runs.iter().flat_map(|run| dest.run_chunks(run.local_start, run.count)).collect();
+        for (i, &c) in chunks.iter().enumerate() {
+            // SAFETY: the caller guarantees exclusive access to these destination blocks for
+            // the duration of this call, and that they are in the layout. One chunk's slice
+            // at a time: runs are not known to be disjoint.
+            let dst = unsafe { dest.chunk_mut(c) };
+            let last = i + 1 == chunks.len();
+            let io = (&mut self.stream, &mut self.reader);
+            crc = read_payload_spans(io, &mut [dst], last, crc, (timeout, deadline))
+                .await
+                .map_err(|e| self.frame_err(e))?;
         }
+        let trailer = self.read_trailer(timeout, deadline).await?;
+        check_crc(&self.peer, seq, trailer, crc)?;
+        Ok(expected)
+    }
+
+    /// Reads a payload's CRC-32C trailer (usually buffered already, with the payload's end).
+    async fn read_trailer(&mut self, timeout: Duration, deadline: std::time::Instant) -> Result<u32, ClientError> {
         let mut trailer = [0u8; 4];
-        read_exact_with_progress(&mut self.stream, &mut trailer, timeout, deadline, None)
+        let io = (&mut self.stream, &mut self.reader);
+        read_payload_spans(io, &mut [&mut trailer], true, 0, (timeout, deadline))
             .await
             .map_err(|e| self.frame_err(e))?;
-        check_crc(&self.peer, seq, u32::from_be_bytes(trailer), crc)?;
-        Ok(expected)
+        Ok(u32::from_be_bytes(trailer))
     }
 
     /// Reads heads `what.head_slice = (first, count)` (rank-local; `None`: whole blocks) of
@@ -465,15 +479,13 @@ impl Connection {
         // SAFETY: the caller guarantees exclusive access to the chunks' bytes, which do not
         // overlap, so these mutable slices are disjoint and unaliased until they drop.
         let mut spans: Vec<&mut [u8]> = chunks.iter().map(|&c| unsafe { dest.chunk_mut(c) }).collect();
-        let crc = read_vectored_with_progress(&mut self.stream, &mut spans, timeout, deadline)
+        let io = (&mut self.stream, &mut self.reader);
+        let crc = read_payload_spans(io, &mut spans, true, 0, (timeout, deadline))
             .await
             .map_err(|e| self.frame_err(e))?;
         drop(spans);
-        let mut trailer = [0u8; 4];
-        read_exact_with_progress(&mut self.stream, &mut trailer, timeout, deadline, None)
-            .await
-            .map_err(|e| self.frame_err(e))?;
-        check_crc(&self.peer, seq, u32::from_be_bytes(trailer), crc)?;
+        let trailer = self.read_trailer(timeout, deadline).await?;
+        check_crc(&self.peer, seq, trailer, crc)?;
         Ok(expected)
     }
 
@@ -614,16 +626,20 @@ pub struct SliceSpec<'a> {
 /// Slices filled per vectored read (the kernel caps an iovec list at 1024).
 const SCATTER_SLICES: usize = 64;
 
-/// Fills every span of `spans` in order from `stream` with vectored reads (up to
-/// [`SCATTER_SLICES`] spans per read), failing like [`read_exact_with_progress`]; returns
-/// the CRC-32C of the bytes, taken as they land.
-async fn read_vectored_with_progress(
-    stream: &mut TcpStream,
+/// Fills every span of `spans` in order: first with what `reader` holds (bytes that came
+/// with the response's header), then with vectored reads straight from `stream` (up to
+/// [`SCATTER_SLICES`] spans per read). With `tail` (the spans end the payload), the last
+/// slice of the read that reaches the last span is `reader`'s spare room, so what follows
+/// the payload (its trailer, the next frame) comes in the same call. Each read must make
+/// progress within `timeout` and all must be done by `deadline`, else
+/// [`FrameError::Timeout`]. Returns `crc` with every span byte folded in as it lands.
+async fn read_payload_spans(
+    (stream, reader): (&mut TcpStream, &mut frame::FrameReader),
     spans: &mut [&mut [u8]],
-    timeout: Duration,
-    deadline: std::time::Instant,
+    tail: bool,
+    mut crc: u32,
+    (timeout, deadline): (Duration, std::time::Instant),
 ) -> Result<u32, FrameError> {
-    let mut crc = 0u32;
     // Position: span index and offset in it.
     let (mut at, mut off) = (0usize, 0usize);
     while at < spans.len() {
@@ -632,29 +648,21 @@ async fn read_vectored_with_progress(
             off = 0;
             continue;
         }
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let n = tokio::time::timeout(timeout.min(left), async {
-            loop {
-                stream.readable().await?;
-                let (first, rest) = spans[at..].split_first_mut().expect("a span is left");
-                let mut io: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(SCATTER_SLICES);
-                io.push(std::io::IoSliceMut::new(&mut first[off..]));
-                io.extend(rest.iter_mut().take(SCATTER_SLICES - 1).map(|s| std::io::IoSliceMut::new(s)));
-                match stream.try_read_vectored(&mut io) {
-                    Ok(n) => return Ok(n),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                    Err(e) => return Err(e),
+        let n = match reader.take_into(&mut spans[at][off..]) {
+            0 => {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let read = read_spans_once(stream, reader, &mut spans[at..], off, tail);
+                let n = tokio::time::timeout(timeout.min(left), read).await.map_err(|_| FrameError::Timeout)??;
+                if n == 0 {
+                    return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
                 }
+                n
             }
-        })
-        .await
-        .map_err(|_| FrameError::Timeout)??;
-        if n == 0 {
-            return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
+            n => n,
+        };
         // Fold what landed into the CRC, span by span, advancing the position.
         let mut n = n;
-        while n > 0 {
+        while n > 0 && at < spans.len() {
             let take = (spans[at].len() - off).min(n);
             crc = kvxfer_mem::crc32c_append(crc, &spans[at][off..off + take]);
             off += take;
@@ -668,28 +676,35 @@ async fn read_vectored_with_progress(
     Ok(crc)
 }
 
-/// Fills `buf` from `stream`, failing when no byte arrives for `timeout` or when `deadline`
-/// passes; folds each piece into `crc` as it lands (while it is in cache).
-async fn read_exact_with_progress(
+/// One vectored read into `spans` (the first from `off`), at most [`SCATTER_SLICES`] of them;
+/// with `tail` and all of them in this read, `reader`'s spare room last. Returns the bytes
+/// that landed in the spans; those past them are left in `reader`.
+async fn read_spans_once(
     stream: &mut TcpStream,
-    buf: &mut [u8],
-    timeout: Duration,
-    deadline: std::time::Instant,
-    mut crc: Option<&mut u32>,
-) -> Result<(), FrameError> {
-    let mut pos = 0;
-    while pos < buf.len() {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let n = tokio::time::timeout(timeout.min(left), stream.read(&mut buf[pos..]))
-            .await
-            .map_err(|_| FrameError::Timeout)??;
-        if n == 0 {
-            return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+    reader: &mut frame::FrameReader,
+    spans: &mut [&mut [u8]],
+    off: usize,
+    tail: bool,
+) -> std::io::Result<usize> {
+    loop {
+        stream.readable().await?;
+        let all = spans.len() <= SCATTER_SLICES - 1;
+        let (first, rest) = spans.split_first_mut().expect("a span is left");
+        let mut io: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(SCATTER_SLICES);
+        io.push(std::io::IoSliceMut::new(&mut first[off..]));
+        io.extend(rest.iter_mut().take(SCATTER_SLICES - 2).map(|s| std::io::IoSliceMut::new(s)));
+        let room: usize = io.iter().map(|s| s.len()).sum();
+        if tail && all {
+            io.push(std::io::IoSliceMut::new(reader.spare()));
         }
-        if let Some(c) = crc.as_deref_mut() {
-            *c = kvxfer_mem::crc32c_append(*c, &buf[pos..pos + n]);
+        match stream.try_read_vectored(&mut io) {
+            Ok(n) => {
+                drop(io);
+                reader.filled(n.saturating_sub(room));
+                return Ok(n.min(room));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
         }
-        pos += n;
     }
-    Ok(())
 }

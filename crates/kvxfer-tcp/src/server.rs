@@ -113,8 +113,15 @@ pub(crate) async fn write_reply(
     reply: &Frame,
     scratch: &mut Vec<u8>,
 ) -> Result<(), FrameError> {
+    scratch.clear();
+    reply.encode(scratch);
+    write_bytes(stream, ctx, scratch).await
+}
+
+/// Writes encoded frames as [`write_reply`] does (within `Limits::io_timeout`, else reset).
+async fn write_bytes(stream: &mut TcpStream, ctx: &ServeContext, bytes: &[u8]) -> Result<(), FrameError> {
     let io = ctx.limits.io_timeout;
-    match tokio::time::timeout(io, frame::write_frame(stream, reply, scratch)).await {
+    match tokio::time::timeout(io, stream.write_all(bytes)).await {
         Ok(r) => Ok(r?),
         Err(_) => {
             let _ = socket2::SockRef::from(&*stream).set_linger(Some(std::time::Duration::ZERO));
@@ -127,14 +134,28 @@ pub(crate) async fn write_reply(
     }
 }
 
+/// Answers held back to leave in one write with the answers to the frames behind them are
+/// written at this size at the latest.
+const BATCH_BYTES: usize = 16 * 1024;
+
+/// Writes the answers held back in `batch` (if any) and empties it.
+async fn flush(stream: &mut TcpStream, ctx: &ServeContext, batch: &mut Vec<u8>) -> Result<(), FrameError> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let written = write_bytes(stream, ctx, batch).await;
+    batch.clear();
+    written
+}
+
 async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> Result<(), FrameError> {
     let max = ctx.limits.max_frame_len;
-    let mut buf = Vec::new();
+    let mut reader = frame::FrameReader::new();
     let mut scratch = Vec::new();
 
     // Handshake (authenticated when either side has a cluster key): nothing else is read
     // or said before it succeeded.
-    if crate::handshake::accept(stream, ctx, peer, &mut buf, &mut scratch).await?.is_none() {
+    if crate::handshake::accept_buffered(stream, ctx, peer, &mut reader, &mut scratch).await?.is_none() {
         return Ok(());
     }
 
@@ -143,7 +164,14 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
     let mut last_frame = Instant::now();
     // The lease id of a read refused by the frame just before (see `dispatch`).
     let mut refused_read: Option<String> = None;
+    // Answers not written yet: while whole frames are buffered behind them, answers wait to
+    // leave together (one write for a batch of pipelined frames); written before anything
+    // that may wait.
+    let mut batch: Vec<u8> = Vec::new();
     loop {
+        if !reader.holds_frame(max) {
+            flush(stream, ctx, &mut batch).await?;
+        }
         // Pins are swept on every iteration, not only when the socket is quiet: a peer that
         // always has a frame queued must not keep its pins past their deadline.
         let now = Instant::now();
@@ -154,7 +182,12 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             .earliest_deadline()
             .unwrap_or_else(|| crate::instant_after(last_frame, ctx.limits.idle_timeout));
         let idle = Some(wake.saturating_duration_since(now));
-        let f = match frame::read_frame_timed(stream, max, &mut buf, idle, ctx.limits.io_timeout).await {
+        let read = reader.read_frame_timed(stream, max, idle, ctx.limits.io_timeout).await;
+        if read.is_err() {
+            // The answers to the frames before go out before the connection ends.
+            flush(stream, ctx, &mut batch).await?;
+        }
+        let f = match read {
             Ok(f) => f,
             Err(FrameError::Closed) => return Ok(()),
             Err(FrameError::Idle) => {
@@ -179,22 +212,35 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             }
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
-        // A frame naming a lease that is not armed yet waits (bounded) for it.
+        // A frame naming a lease that is not armed yet waits (bounded) for it: the answers
+        // before it do not.
+        if crate::arm::may_wait(ctx, &f) {
+            flush(stream, ctx, &mut batch).await?;
+        }
         crate::arm::wait_for_arm(ctx, &f).await;
         let now = Instant::now();
         last_frame = now;
         let after_refused = refused_read.take();
         match dispatch(ctx, &mut pins, f, now, after_refused.as_deref()) {
-            Action::Reply(reply) => write_reply(stream, ctx, &reply, &mut scratch).await?,
+            Action::Reply(reply) => {
+                reply.encode(&mut batch);
+                if batch.len() >= BATCH_BYTES {
+                    flush(stream, ctx, &mut batch).await?;
+                }
+            }
             Action::Read(req) => {
-                let answer_follows = crate::read::notify_follows(stream, &req.remote_request_id, max);
+                flush(stream, ctx, &mut batch).await?;
+                let answer_follows = crate::read::notify_follows(stream, &mut reader, &req.remote_request_id, max);
                 if let crate::read::ReadServed::Refused(id) =
                     crate::read::serve_read(stream, ctx, req, &mut scratch, answer_follows).await?
                 {
                     refused_read = Some(id);
                 }
             }
-            Action::Close { code, message } => return refuse(stream, ctx, code, message, 0).await,
+            Action::Close { code, message } => {
+                flush(stream, ctx, &mut batch).await?;
+                return refuse(stream, ctx, code, message, 0).await;
+            }
         }
     }
 }
