@@ -5,7 +5,7 @@ use std::time::Duration;
 use kvxfer_core::plan::BlockRun;
 use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1::{self, ErrorCode};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::frame::{self, Frame, FrameError};
@@ -626,11 +626,16 @@ pub struct SliceSpec<'a> {
 /// Slices filled per vectored read (the kernel caps an iovec list at 1024).
 const SCATTER_SLICES: usize = 64;
 
+/// Payload bytes left at most when a read of them also offers the reader's room for what
+/// follows (see [`read_payload_spans`]).
+const TAIL_WITHIN: usize = 256 * 1024;
+
 /// Fills every span of `spans` in order: first with what `reader` holds (bytes that came
 /// with the response's header), then with vectored reads straight from `stream` (up to
 /// [`SCATTER_SLICES`] spans per read). With `tail` (the spans end the payload), the last
-/// slice of the read that reaches the last span is `reader`'s spare room, so what follows
-/// the payload (its trailer, the next frame) comes in the same call. Each read must make
+/// slice of the read that reaches the last span (within its last [`TAIL_WITHIN`] bytes) is
+/// `reader`'s spare room, so what follows the payload (its trailer, the next frame) comes
+/// in the same call. Each read must make
 /// progress within `timeout` and all must be done by `deadline`, else
 /// [`FrameError::Timeout`]. Returns `crc` with every span byte folded in as it lands.
 async fn read_payload_spans(
@@ -651,7 +656,11 @@ async fn read_payload_spans(
         let n = match reader.take_into(&mut spans[at][off..]) {
             0 => {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
-                let read = read_spans_once(stream, reader, &mut spans[at..], off, tail);
+                // The reader's room rides along only near the payload's end: before that, a
+                // plain read (which tokio knows drained the socket when it comes back short)
+                // saves the would-block call a vectored try costs after each short read.
+                let near_end = tail && spans[at..].iter().map(|s| s.len()).sum::<usize>() - off <= TAIL_WITHIN;
+                let read = read_spans_once(stream, reader, &mut spans[at..], off, near_end);
                 let n = tokio::time::timeout(timeout.min(left), read).await.map_err(|_| FrameError::Timeout)??;
                 if n == 0 {
                     return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
@@ -686,6 +695,9 @@ async fn read_spans_once(
     off: usize,
     tail: bool,
 ) -> std::io::Result<usize> {
+    if spans.len() == 1 && !tail {
+        return stream.read(&mut spans[0][off..]).await;
+    }
     loop {
         stream.readable().await?;
         let all = spans.len() <= SCATTER_SLICES - 1;
@@ -706,5 +718,91 @@ async fn read_spans_once(
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A connected pair on 127.0.0.1: (the decode side's end, the prefill side's end).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let client = TcpStream::connect(listener.local_addr().expect("addr")).await.expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        (client, server)
+    }
+
+    /// Waits until `n` bytes are readable on `s` (peeking, nothing taken).
+    async fn readable(s: &TcpStream, n: usize) {
+        let mut buf = vec![0u8; n];
+        while s.peek(&mut buf).await.expect("peek") < n {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// A response's header, its payload (`split` bytes in the same write as the header, the
+    /// rest later), its trailer and a notify's answer behind it: the payload lands whole in
+    /// the destination spans with its CRC taken over every byte, and the trailer and the
+    /// answer come in the read that ends the payload.
+    async fn payload_split_at(split: usize) {
+        let payload: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let crc = kvxfer_mem::crc32c_append(0, &payload);
+        let mut first = Vec::new();
+        Frame::ReadResponse(v1::ReadResponse { seq: 3, payload_len: payload.len() as u64 }).encode(&mut first);
+        first.extend_from_slice(&payload[..split]);
+        let mut rest = payload[split..].to_vec();
+        rest.extend_from_slice(&crc.to_be_bytes());
+        let mut ack = Vec::new();
+        Frame::NotifyAck(v1::NotifyAck { outcome: 2, remaining: 0 }).encode(&mut ack);
+        rest.extend_from_slice(&ack);
+
+        let (client, mut server) = pair().await;
+        let mut stream = client;
+        let mut reader = frame::FrameReader::new();
+        server.write_all(&first).await.expect("write");
+        readable(&stream, first.len()).await;
+        let resp = reader.read_frame(&mut stream, 1 << 20).await.expect("the response");
+        assert!(matches!(resp, Frame::ReadResponse(r) if r.seq == 3));
+        let head = first.len() - split;
+        assert_eq!(reader.buffered().len(), split.min(frame::READ_WINDOW - head), "payload bytes came with it");
+        server.write_all(&rest).await.expect("write");
+        readable(&stream, first.len().saturating_sub(frame::READ_WINDOW) + rest.len()).await;
+
+        let mut dest = vec![0u8; payload.len()];
+        let (a, b) = dest.split_at_mut(5_000);
+        let limits = (Duration::from_secs(5), std::time::Instant::now() + Duration::from_secs(5));
+        let got = read_payload_spans((&mut stream, &mut reader), &mut [a, b], true, 0, limits).await.expect("payload");
+        assert_eq!(got, crc, "the CRC covers every payload byte, buffered or not");
+        assert_eq!(dest, payload);
+        assert_eq!(reader.buffered().len(), 4 + ack.len(), "trailer and answer came with the payload's end");
+        let mut trailer = [0u8; 4];
+        let got = read_payload_spans((&mut stream, &mut reader), &mut [&mut trailer], true, 0, limits)
+            .await
+            .expect("trailer");
+        assert_eq!((u32::from_be_bytes(trailer), got), (crc, kvxfer_mem::crc32c_append(0, &crc.to_be_bytes())));
+        let answer = reader.read_frame(&mut stream, 1 << 20).await.expect("the answer");
+        assert!(matches!(answer, Frame::NotifyAck(a) if a.outcome == 2));
+    }
+
+    #[tokio::test]
+    async fn a_payload_whose_first_bytes_came_with_its_header_lands_whole() {
+        for split in [0, 1, 4_999, 5_000, 5_001, 8_000, 12_000] {
+            payload_split_at(split).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_payload_cut_short_is_an_error_not_a_hang() {
+        let (client, mut server) = pair().await;
+        let mut stream = client;
+        let mut reader = frame::FrameReader::new();
+        server.write_all(&[1, 2, 3]).await.expect("write");
+        drop(server);
+        let mut dest = vec![0u8; 10];
+        let limits = (Duration::from_secs(5), std::time::Instant::now() + Duration::from_secs(5));
+        let e = read_payload_spans((&mut stream, &mut reader), &mut [&mut dest], true, 0, limits).await;
+        assert!(matches!(e, Err(FrameError::Io(ref io)) if io.kind() == std::io::ErrorKind::UnexpectedEof));
     }
 }

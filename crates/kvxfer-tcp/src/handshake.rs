@@ -741,7 +741,7 @@ pub async fn initiate_buffered<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::server::ServerCounters;
     use kvxfer_core::{BlockLayout, EngineInfo, LeaseConfig, LeaseTable};
@@ -798,7 +798,7 @@ mod tests {
     }
 
     /// An accepting side's context over a small layout.
-    fn ctx(key: Option<ClusterKey>) -> ServeContext {
+    pub(crate) fn ctx(key: Option<ClusterKey>) -> ServeContext {
         let engine = EngineInfo {
             engine_id: "prefill".into(),
             host: "127.0.0.1".into(),
@@ -832,7 +832,8 @@ mod tests {
         }
     }
 
-    fn hello() -> v1::Hello {
+    /// A decode side's hello matching [`ctx`].
+    pub(crate) fn hello() -> v1::Hello {
         v1::Hello {
             protocol_version: PROTOCOL_VERSION,
             engine_id: "decode".into(),

@@ -308,3 +308,79 @@ pub(crate) async fn protocol_error(
     }
     refuse(stream, ctx, code, e.to_string(), 0).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::FrameReader;
+    use crate::handshake::tests::{ctx, hello};
+    use tokio::net::TcpListener;
+
+    /// Frames sent in one write are all answered, in order, and the answers to those before
+    /// a bad frame reach the peer before its error and the close — whether the answers left
+    /// batched or one by one. A notify behind a refused read of its lease is answered
+    /// unrecognized (the read and its notify came in one read of the socket).
+    #[tokio::test]
+    async fn pipelined_frames_are_answered_in_order_before_a_bad_frame_closes() {
+        let mut ctx = ctx(None);
+        ctx.limits.arm_wait = std::time::Duration::ZERO;
+        let ctx = Arc::new(ctx);
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                let (s, _) = listener.accept().await.expect("accept");
+                serve_connection(s, ctx).await;
+            })
+        };
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        let mut reader = FrameReader::new();
+        let limits = crate::Limits::default();
+        crate::handshake::initiate_buffered(&mut client, &mut reader, "prefill", &hello(), None, &limits)
+            .await
+            .expect("handshake");
+
+        let token = vec![3u8; 16];
+        let mut out = Vec::new();
+        let hb = Frame::Heartbeat(v1::Heartbeat { leases: Vec::new() });
+        hb.encode(&mut out);
+        hb.encode(&mut out);
+        Frame::ReadRequest(v1::ReadRequest {
+            seq: 4,
+            remote_request_id: "x".into(),
+            lease_token: token.clone(),
+            ranges: vec![v1::BlockRange { start: 0, count: 1 }],
+            ..Default::default()
+        })
+        .encode(&mut out);
+        Frame::Notify(v1::Notify { remote_request_id: "x".into(), lease_token: token, consumer_id: "d".into() })
+            .encode(&mut out);
+        hb.encode(&mut out);
+        // A frame type nobody knows: the connection's end.
+        out.extend_from_slice(&[0, 0, 0, 1, 200]);
+        client.write_all(&out).await.expect("write");
+
+        let mut answers = Vec::new();
+        loop {
+            match reader.read_frame(&mut client, 1 << 20).await {
+                Ok(f) => answers.push(f),
+                Err(FrameError::Closed) => break,
+                Err(e) => panic!("reading answers: {e}"),
+            }
+        }
+        let kinds: Vec<_> = answers.iter().map(Frame::frame_type).collect();
+        use kvxfer_proto::v1::FrameType as T;
+        assert_eq!(
+            kinds,
+            [T::HeartbeatAck, T::HeartbeatAck, T::Error, T::NotifyAck, T::HeartbeatAck, T::Error],
+            "{answers:?}"
+        );
+        assert!(matches!(&answers[2], Frame::Error(e) if e.seq == 4 && e.code == ErrorCode::UnknownLease as i32));
+        let unrecognized = v1::LeaseOutcome::Unrecognized as i32;
+        assert!(matches!(&answers[3], Frame::NotifyAck(a) if a.outcome == unrecognized));
+        assert!(matches!(&answers[5], Frame::Error(e) if e.code == ErrorCode::UnknownFrameType as i32));
+        serving.await.expect("served");
+        assert_eq!(ctx.counters.protocol_errors.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+}
