@@ -208,8 +208,9 @@ impl Connection {
             ack: v1::HelloAck::default(),
             payload_started: false,
         };
-        c.ack = crate::handshake::initiate_buffered(&mut c.stream, &mut c.reader, &c.peer, hello, key, &c.limits)
-            .await?;
+        c.ack =
+            crate::handshake::initiate_buffered(&mut c.stream, &mut c.reader, &c.peer, hello, key, &c.limits)
+                .await?;
         Ok(c)
     }
 
@@ -428,7 +429,11 @@ impl Connection {
     }
 
     /// Reads a payload's CRC-32C trailer (usually buffered already, with the payload's end).
-    async fn read_trailer(&mut self, timeout: Duration, deadline: std::time::Instant) -> Result<u32, ClientError> {
+    async fn read_trailer(
+        &mut self,
+        timeout: Duration,
+        deadline: std::time::Instant,
+    ) -> Result<u32, ClientError> {
         let mut trailer = [0u8; 4];
         let io = (&mut self.stream, &mut self.reader);
         read_payload_spans(io, &mut [&mut trailer], true, 0, (timeout, deadline))
@@ -659,9 +664,12 @@ async fn read_payload_spans(
                 // The reader's room rides along only near the payload's end: before that, a
                 // plain read (which tokio knows drained the socket when it comes back short)
                 // saves the would-block call a vectored try costs after each short read.
-                let near_end = tail && spans[at..].iter().map(|s| s.len()).sum::<usize>() - off <= TAIL_WITHIN;
+                let near_end =
+                    tail && spans[at..].iter().map(|s| s.len()).sum::<usize>() - off <= TAIL_WITHIN;
                 let read = read_spans_once(stream, reader, &mut spans[at..], off, near_end);
-                let n = tokio::time::timeout(timeout.min(left), read).await.map_err(|_| FrameError::Timeout)??;
+                let n = tokio::time::timeout(timeout.min(left), read)
+                    .await
+                    .map_err(|_| FrameError::Timeout)??;
                 if n == 0 {
                     return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
                 }
@@ -700,7 +708,7 @@ async fn read_spans_once(
     }
     loop {
         stream.readable().await?;
-        let all = spans.len() <= SCATTER_SLICES - 1;
+        let all = spans.len() < SCATTER_SLICES;
         let (first, rest) = spans.split_first_mut().expect("a span is left");
         let mut io: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(SCATTER_SLICES);
         io.push(std::io::IoSliceMut::new(&mut first[off..]));
@@ -750,7 +758,8 @@ mod tests {
         let payload: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         let crc = kvxfer_mem::crc32c_append(0, &payload);
         let mut first = Vec::new();
-        Frame::ReadResponse(v1::ReadResponse { seq: 3, payload_len: payload.len() as u64 }).encode(&mut first);
+        Frame::ReadResponse(v1::ReadResponse { seq: 3, payload_len: payload.len() as u64 })
+            .encode(&mut first);
         first.extend_from_slice(&payload[..split]);
         let mut rest = payload[split..].to_vec();
         rest.extend_from_slice(&crc.to_be_bytes());
@@ -766,14 +775,20 @@ mod tests {
         let resp = reader.read_frame(&mut stream, 1 << 20).await.expect("the response");
         assert!(matches!(resp, Frame::ReadResponse(r) if r.seq == 3));
         let head = first.len() - split;
-        assert_eq!(reader.buffered().len(), split.min(frame::READ_WINDOW - head), "payload bytes came with it");
+        assert_eq!(
+            reader.buffered().len(),
+            split.min(frame::READ_WINDOW - head),
+            "payload bytes came with it"
+        );
         server.write_all(&rest).await.expect("write");
         readable(&stream, first.len().saturating_sub(frame::READ_WINDOW) + rest.len()).await;
 
         let mut dest = vec![0u8; payload.len()];
         let (a, b) = dest.split_at_mut(5_000);
         let limits = (Duration::from_secs(5), std::time::Instant::now() + Duration::from_secs(5));
-        let got = read_payload_spans((&mut stream, &mut reader), &mut [a, b], true, 0, limits).await.expect("payload");
+        let got = read_payload_spans((&mut stream, &mut reader), &mut [a, b], true, 0, limits)
+            .await
+            .expect("payload");
         assert_eq!(got, crc, "the CRC covers every payload byte, buffered or not");
         assert_eq!(dest, payload);
         assert_eq!(reader.buffered().len(), 4 + ack.len(), "trailer and answer came with the payload's end");
@@ -781,7 +796,10 @@ mod tests {
         let got = read_payload_spans((&mut stream, &mut reader), &mut [&mut trailer], true, 0, limits)
             .await
             .expect("trailer");
-        assert_eq!((u32::from_be_bytes(trailer), got), (crc, kvxfer_mem::crc32c_append(0, &crc.to_be_bytes())));
+        assert_eq!(
+            (u32::from_be_bytes(trailer), got),
+            (crc, kvxfer_mem::crc32c_append(0, &crc.to_be_bytes()))
+        );
         let answer = reader.read_frame(&mut stream, 1 << 20).await.expect("the answer");
         assert!(matches!(answer, Frame::NotifyAck(a) if a.outcome == 2));
     }

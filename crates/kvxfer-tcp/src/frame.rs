@@ -359,7 +359,11 @@ impl FrameReader {
     }
 
     /// Reads until the next frame is whole; returns its type byte and body length.
-    async fn wait_whole<R: AsyncRead + Unpin>(&mut self, r: &mut R, max: u32) -> Result<(u8, usize), FrameError> {
+    async fn wait_whole<R: AsyncRead + Unpin>(
+        &mut self,
+        r: &mut R,
+        max: u32,
+    ) -> Result<(u8, usize), FrameError> {
         loop {
             if let Some(whole) = self.next_whole(max)? {
                 return Ok(whole);
@@ -375,7 +379,11 @@ impl FrameReader {
     }
 
     /// Reads one frame of at most `max` bytes (from the buffer when it is there).
-    pub async fn read_frame<R: AsyncRead + Unpin>(&mut self, r: &mut R, max: u32) -> Result<Frame, FrameError> {
+    pub async fn read_frame<R: AsyncRead + Unpin>(
+        &mut self,
+        r: &mut R,
+        max: u32,
+    ) -> Result<Frame, FrameError> {
         self.wait_whole(r, max).await?;
         self.try_frame(max)?.ok_or(FrameError::Closed)
     }
@@ -601,7 +609,10 @@ mod tests {
             sized_frame(30_000, 1).encode(&mut bytes);
             w.write_all(&bytes[..bytes.len() - 1000]).await.expect("write");
             let mut reader = FrameReader::new();
-            assert_eq!(reader.read_frame(&mut r, 16 << 10).await.expect("the small frame"), sized_frame(2, 0));
+            assert_eq!(
+                reader.read_frame(&mut r, 16 << 10).await.expect("the small frame"),
+                sized_frame(2, 0)
+            );
             let e = reader.read_frame(&mut r, 16 << 10).await.expect_err("too large");
             assert!(matches!(e, FrameError::TooLarge { max, .. } if max == 16 << 10), "{e}");
             assert!(reader.buf.len() <= READ_WINDOW, "the buffer did not grow for it");
@@ -634,12 +645,16 @@ mod tests {
 
     #[test]
     fn the_idle_allowance_covers_only_a_frame_not_started() {
-        let runtime =
-            tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().expect("rt");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .expect("rt");
         runtime.block_on(async {
             let (mut w, mut r) = tokio::io::duplex(1024);
             let mut reader = FrameReader::new();
-            let (idle, progress) = (Some(std::time::Duration::from_secs(1)), std::time::Duration::from_secs(5));
+            let (idle, progress) =
+                (Some(std::time::Duration::from_secs(1)), std::time::Duration::from_secs(5));
             let e = reader.read_frame_timed(&mut r, 1 << 20, idle, progress).await.expect_err("idle");
             assert!(matches!(e, FrameError::Idle));
             let mut bytes = Vec::new();

@@ -251,7 +251,12 @@ async fn write_some(stream: &mut TcpStream, slices: &[IoSlice<'_>], more: bool) 
 /// buffered, one read that never waits takes what the socket has (into `reader`, where the
 /// connection loop finds it next). `false` when nothing, or not all of that frame, is
 /// there yet, or the socket failed (the connection loop's next read meets the failure).
-pub(crate) fn notify_follows(stream: &TcpStream, reader: &mut FrameReader, id: &str, max_frame_len: u32) -> bool {
+pub(crate) fn notify_follows(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    id: &str,
+    max_frame_len: u32,
+) -> bool {
     if !reader.holds_frame(max_frame_len) {
         match stream.try_read(reader.spare()) {
             Ok(n) => reader.filled(n),
@@ -428,6 +433,9 @@ mod tests {
             .encode(&mut cancel);
         client.write_all(&cancel).await.expect("write");
         readable(&server, cancel.len()).await;
-        assert!(!notify_follows(&server, &mut FrameReader::new(), "0_P", 1 << 20), "a cancel is not a notify");
+        assert!(
+            !notify_follows(&server, &mut FrameReader::new(), "0_P", 1 << 20),
+            "a cancel is not a notify"
+        );
     }
 }

@@ -230,7 +230,8 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             }
             Action::Read(req) => {
                 flush(stream, ctx, &mut batch).await?;
-                let answer_follows = crate::read::notify_follows(stream, &mut reader, &req.remote_request_id, max);
+                let answer_follows =
+                    crate::read::notify_follows(stream, &mut reader, &req.remote_request_id, max);
                 if let crate::read::ReadServed::Refused(id) =
                     crate::read::serve_read(stream, ctx, req, &mut scratch, answer_follows).await?
                 {
@@ -354,8 +355,12 @@ mod tests {
             ..Default::default()
         })
         .encode(&mut out);
-        Frame::Notify(v1::Notify { remote_request_id: "x".into(), lease_token: token, consumer_id: "d".into() })
-            .encode(&mut out);
+        Frame::Notify(v1::Notify {
+            remote_request_id: "x".into(),
+            lease_token: token,
+            consumer_id: "d".into(),
+        })
+        .encode(&mut out);
         hb.encode(&mut out);
         // A frame type nobody knows: the connection's end.
         out.extend_from_slice(&[0, 0, 0, 1, 200]);
@@ -376,7 +381,9 @@ mod tests {
             [T::HeartbeatAck, T::HeartbeatAck, T::Error, T::NotifyAck, T::HeartbeatAck, T::Error],
             "{answers:?}"
         );
-        assert!(matches!(&answers[2], Frame::Error(e) if e.seq == 4 && e.code == ErrorCode::UnknownLease as i32));
+        assert!(
+            matches!(&answers[2], Frame::Error(e) if e.seq == 4 && e.code == ErrorCode::UnknownLease as i32)
+        );
         let unrecognized = v1::LeaseOutcome::Unrecognized as i32;
         assert!(matches!(&answers[3], Frame::NotifyAck(a) if a.outcome == unrecognized));
         assert!(matches!(&answers[5], Frame::Error(e) if e.code == ErrorCode::UnknownFrameType as i32));
