@@ -732,23 +732,7 @@ async fn read_spans_once(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::net::TcpListener;
-
-    /// A connected pair on 127.0.0.1: (the decode side's end, the prefill side's end).
-    async fn pair() -> (TcpStream, TcpStream) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let client = TcpStream::connect(listener.local_addr().expect("addr")).await.expect("connect");
-        let (server, _) = listener.accept().await.expect("accept");
-        (client, server)
-    }
-
-    /// Waits until `n` bytes are readable on `s` (peeking, nothing taken).
-    async fn readable(s: &TcpStream, n: usize) {
-        let mut buf = vec![0u8; n];
-        while s.peek(&mut buf).await.expect("peek") < n {
-            tokio::task::yield_now().await;
-        }
-    }
+    use crate::read::tests::{pair, readable};
 
     /// A response's header, its payload (`split` bytes in the same write as the header, the
     /// rest later), its trailer and a notify's answer behind it: the payload lands whole in

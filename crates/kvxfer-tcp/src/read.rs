@@ -350,7 +350,7 @@ pub(crate) enum ReadServed {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use tokio::io::AsyncWriteExt;
     use tokio::net::{TcpListener, TcpStream};
 
@@ -359,7 +359,7 @@ mod tests {
     use kvxfer_proto::v1;
 
     /// A connected pair on 127.0.0.1: (the decode side's end, the prefill side's end).
-    async fn pair() -> (TcpStream, TcpStream) {
+    pub(crate) async fn pair() -> (TcpStream, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let client = TcpStream::connect(listener.local_addr().expect("addr")).await.expect("connect");
         let (server, _) = listener.accept().await.expect("accept");
@@ -375,7 +375,7 @@ mod tests {
     }
 
     /// Waits until `n` bytes are readable on `s` (peeking, nothing taken).
-    async fn readable(s: &TcpStream, n: usize) {
+    pub(crate) async fn readable(s: &TcpStream, n: usize) {
         let mut buf = vec![0u8; n];
         while s.peek(&mut buf).await.expect("peek") < n {
             tokio::task::yield_now().await;
