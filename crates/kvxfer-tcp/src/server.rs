@@ -1,5 +1,6 @@
-//! The prefill side of one connection: the handshake, then a loop that reads one frame at
-//! a time and hands it to `dispatch`: reads served from registered memory (`read.rs`), pins
+//! The prefill side of one connection: the handshake, then a loop that takes one frame at a
+//! time from its buffered reader (one read of the socket for all frames that have arrived;
+//! their answers leave together) and hands it to `dispatch`: reads served from registered memory (`read.rs`), pins
 //! for one-sided reads (`pins.rs`), and notify / heartbeat / cancel applied to the lease
 //! table (`control.rs`).
 
