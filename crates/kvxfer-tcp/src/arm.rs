@@ -39,11 +39,16 @@ fn unarmed(ctx: &ServeContext, f: &Frame) -> bool {
     named(f).into_iter().any(|(id, token)| !ctx.table.knows(id, token))
 }
 
+/// Whether [`wait_for_arm`] may wait for `f` (it returns at once when not).
+pub(crate) fn may_wait(ctx: &ServeContext, f: &Frame) -> bool {
+    !ctx.limits.arm_wait.is_zero() && unarmed(ctx, f)
+}
+
 /// Waits until every lease `f` names is known, or `Limits::arm_wait` passed (counted in
 /// `arm_waits` and, when the bound ran out, `arm_wait_expired`). Returns at once for frames
 /// naming no lease, for leases already known, and when `arm_wait` is zero.
 pub(crate) async fn wait_for_arm(ctx: &ServeContext, f: &Frame) {
-    if ctx.limits.arm_wait.is_zero() || !unarmed(ctx, f) {
+    if !may_wait(ctx, f) {
         return;
     }
     bump(&ctx.counters.arm_waits);

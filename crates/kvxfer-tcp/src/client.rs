@@ -123,7 +123,7 @@ pub struct Connection {
     stream: TcpStream,
     peer: String,
     limits: Limits,
-    buf: Vec<u8>,
+    reader: frame::FrameReader,
     scratch: Vec<u8>,
     next_seq: u64,
     ack: v1::HelloAck,
@@ -202,13 +202,15 @@ impl Connection {
             stream,
             peer: addr.to_owned(),
             limits,
-            buf: Vec::new(),
+            reader: frame::FrameReader::new(),
             scratch: Vec::new(),
             next_seq: 1,
             ack: v1::HelloAck::default(),
             payload_started: false,
         };
-        c.ack = crate::handshake::initiate(&mut c.stream, &c.peer, hello, key, &c.limits).await?;
+        c.ack =
+            crate::handshake::initiate_buffered(&mut c.stream, &mut c.reader, &c.peer, hello, key, &c.limits)
+                .await?;
         Ok(c)
     }
 
@@ -235,6 +237,9 @@ impl Connection {
     /// restarted — checked without blocking before a pooled connection is reused. Bytes
     /// nobody asked for also make it unusable.
     pub fn closed_by_peer(&self) -> bool {
+        if !self.reader.buffered().is_empty() {
+            return true;
+        }
         match self.stream.try_read(&mut [0u8; 1]) {
             Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
             Ok(_) => true,
@@ -275,7 +280,7 @@ impl Connection {
     }
 
     pub(crate) async fn recv(&mut self) -> Result<Frame, ClientError> {
-        let io = frame::read_frame(&mut self.stream, self.limits.max_frame_len, &mut self.buf);
+        let io = self.reader.read_frame(&mut self.stream, self.limits.max_frame_len);
         match tokio::time::timeout(self.limits.io_timeout, io).await {
             Ok(Ok(f)) => Ok(f),
             Ok(Err(e)) => Err(self.frame_err(e)),
@@ -405,22 +410,36 @@ impl Connection {
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
         let (timeout, deadline) = self.await_read_response(seq, expected).await?;
         let mut crc = 0;
-        for run in runs {
-            for c in dest.run_chunks(run.local_start, run.count) {
-                // SAFETY: the caller guarantees exclusive access to these destination
-                // blocks for the duration of this call, and that they are in the layout.
-                let dst = unsafe { dest.chunk_mut(c) };
-                read_exact_with_progress(&mut self.stream, dst, timeout, deadline, Some(&mut crc))
-                    .await
-                    .map_err(|e| self.frame_err(e))?;
-            }
+        let chunks: Vec<kvxfer_mem::Chunk> =
+            runs.iter().flat_map(|run| dest.run_chunks(run.local_start, run.count)).collect();
+        for (i, &c) in chunks.iter().enumerate() {
+            // SAFETY: the caller guarantees exclusive access to these destination blocks for
+            // the duration of this call, and that they are in the layout. One chunk's slice
+            // at a time: runs are not known to be disjoint.
+            let dst = unsafe { dest.chunk_mut(c) };
+            let last = i + 1 == chunks.len();
+            let io = (&mut self.stream, &mut self.reader);
+            crc = read_payload_spans(io, &mut [dst], last, crc, (timeout, deadline))
+                .await
+                .map_err(|e| self.frame_err(e))?;
         }
+        let trailer = self.read_trailer(timeout, deadline).await?;
+        check_crc(&self.peer, seq, trailer, crc)?;
+        Ok(expected)
+    }
+
+    /// Reads a payload's CRC-32C trailer (usually buffered already, with the payload's end).
+    async fn read_trailer(
+        &mut self,
+        timeout: Duration,
+        deadline: std::time::Instant,
+    ) -> Result<u32, ClientError> {
         let mut trailer = [0u8; 4];
-        read_exact_with_progress(&mut self.stream, &mut trailer, timeout, deadline, None)
+        let io = (&mut self.stream, &mut self.reader);
+        read_payload_spans(io, &mut [&mut trailer], true, 0, (timeout, deadline))
             .await
             .map_err(|e| self.frame_err(e))?;
-        check_crc(&self.peer, seq, u32::from_be_bytes(trailer), crc)?;
-        Ok(expected)
+        Ok(u32::from_be_bytes(trailer))
     }
 
     /// Reads heads `what.head_slice = (first, count)` (rank-local; `None`: whole blocks) of
@@ -465,15 +484,13 @@ impl Connection {
         // SAFETY: the caller guarantees exclusive access to the chunks' bytes, which do not
         // overlap, so these mutable slices are disjoint and unaliased until they drop.
         let mut spans: Vec<&mut [u8]> = chunks.iter().map(|&c| unsafe { dest.chunk_mut(c) }).collect();
-        let crc = read_vectored_with_progress(&mut self.stream, &mut spans, timeout, deadline)
+        let io = (&mut self.stream, &mut self.reader);
+        let crc = read_payload_spans(io, &mut spans, true, 0, (timeout, deadline))
             .await
             .map_err(|e| self.frame_err(e))?;
         drop(spans);
-        let mut trailer = [0u8; 4];
-        read_exact_with_progress(&mut self.stream, &mut trailer, timeout, deadline, None)
-            .await
-            .map_err(|e| self.frame_err(e))?;
-        check_crc(&self.peer, seq, u32::from_be_bytes(trailer), crc)?;
+        let trailer = self.read_trailer(timeout, deadline).await?;
+        check_crc(&self.peer, seq, trailer, crc)?;
         Ok(expected)
     }
 
@@ -614,16 +631,25 @@ pub struct SliceSpec<'a> {
 /// Slices filled per vectored read (the kernel caps an iovec list at 1024).
 const SCATTER_SLICES: usize = 64;
 
-/// Fills every span of `spans` in order from `stream` with vectored reads (up to
-/// [`SCATTER_SLICES`] spans per read), failing like [`read_exact_with_progress`]; returns
-/// the CRC-32C of the bytes, taken as they land.
-async fn read_vectored_with_progress(
-    stream: &mut TcpStream,
+/// Payload bytes left at most when a read of them also offers the reader's room for what
+/// follows (see [`read_payload_spans`]).
+const TAIL_WITHIN: usize = 256 * 1024;
+
+/// Fills every span of `spans` in order: first with what `reader` holds (bytes that came
+/// with the response's header), then with vectored reads straight from `stream` (up to
+/// [`SCATTER_SLICES`] spans per read). With `tail` (the spans end the payload), the last
+/// slice of the read that reaches the last span (within its last [`TAIL_WITHIN`] bytes) is
+/// `reader`'s spare room, so what follows the payload (its trailer, the next frame) comes
+/// in the same call. Each read must make
+/// progress within `timeout` and all must be done by `deadline`, else
+/// [`FrameError::Timeout`]. Returns `crc` with every span byte folded in as it lands.
+async fn read_payload_spans(
+    (stream, reader): (&mut TcpStream, &mut frame::FrameReader),
     spans: &mut [&mut [u8]],
-    timeout: Duration,
-    deadline: std::time::Instant,
+    tail: bool,
+    mut crc: u32,
+    (timeout, deadline): (Duration, std::time::Instant),
 ) -> Result<u32, FrameError> {
-    let mut crc = 0u32;
     // Position: span index and offset in it.
     let (mut at, mut off) = (0usize, 0usize);
     while at < spans.len() {
@@ -632,29 +658,28 @@ async fn read_vectored_with_progress(
             off = 0;
             continue;
         }
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let n = tokio::time::timeout(timeout.min(left), async {
-            loop {
-                stream.readable().await?;
-                let (first, rest) = spans[at..].split_first_mut().expect("a span is left");
-                let mut io: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(SCATTER_SLICES);
-                io.push(std::io::IoSliceMut::new(&mut first[off..]));
-                io.extend(rest.iter_mut().take(SCATTER_SLICES - 1).map(|s| std::io::IoSliceMut::new(s)));
-                match stream.try_read_vectored(&mut io) {
-                    Ok(n) => return Ok(n),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                    Err(e) => return Err(e),
+        let n = match reader.take_into(&mut spans[at][off..]) {
+            0 => {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                // The reader's room rides along only near the payload's end: before that, a
+                // plain read (which tokio knows drained the socket when it comes back short)
+                // saves the would-block call a vectored try costs after each short read.
+                let near_end =
+                    tail && spans[at..].iter().map(|s| s.len()).sum::<usize>() - off <= TAIL_WITHIN;
+                let read = read_spans_once(stream, reader, &mut spans[at..], off, near_end);
+                let n = tokio::time::timeout(timeout.min(left), read)
+                    .await
+                    .map_err(|_| FrameError::Timeout)??;
+                if n == 0 {
+                    return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
                 }
+                n
             }
-        })
-        .await
-        .map_err(|_| FrameError::Timeout)??;
-        if n == 0 {
-            return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
+            n => n,
+        };
         // Fold what landed into the CRC, span by span, advancing the position.
         let mut n = n;
-        while n > 0 {
+        while n > 0 && at < spans.len() {
             let take = (spans[at].len() - off).min(n);
             crc = kvxfer_mem::crc32c_append(crc, &spans[at][off..off + take]);
             off += take;
@@ -668,28 +693,118 @@ async fn read_vectored_with_progress(
     Ok(crc)
 }
 
-/// Fills `buf` from `stream`, failing when no byte arrives for `timeout` or when `deadline`
-/// passes; folds each piece into `crc` as it lands (while it is in cache).
-async fn read_exact_with_progress(
+/// One vectored read into `spans` (the first from `off`), at most [`SCATTER_SLICES`] of them;
+/// with `tail` and all of them in this read, `reader`'s spare room last. Returns the bytes
+/// that landed in the spans; those past them are left in `reader`.
+async fn read_spans_once(
     stream: &mut TcpStream,
-    buf: &mut [u8],
-    timeout: Duration,
-    deadline: std::time::Instant,
-    mut crc: Option<&mut u32>,
-) -> Result<(), FrameError> {
-    let mut pos = 0;
-    while pos < buf.len() {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let n = tokio::time::timeout(timeout.min(left), stream.read(&mut buf[pos..]))
-            .await
-            .map_err(|_| FrameError::Timeout)??;
-        if n == 0 {
-            return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
-        if let Some(c) = crc.as_deref_mut() {
-            *c = kvxfer_mem::crc32c_append(*c, &buf[pos..pos + n]);
-        }
-        pos += n;
+    reader: &mut frame::FrameReader,
+    spans: &mut [&mut [u8]],
+    off: usize,
+    tail: bool,
+) -> std::io::Result<usize> {
+    if spans.len() == 1 && !tail {
+        return stream.read(&mut spans[0][off..]).await;
     }
-    Ok(())
+    loop {
+        stream.readable().await?;
+        let all = spans.len() < SCATTER_SLICES;
+        let (first, rest) = spans.split_first_mut().expect("a span is left");
+        let mut io: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(SCATTER_SLICES);
+        io.push(std::io::IoSliceMut::new(&mut first[off..]));
+        io.extend(rest.iter_mut().take(SCATTER_SLICES - 2).map(|s| std::io::IoSliceMut::new(s)));
+        let room: usize = io.iter().map(|s| s.len()).sum();
+        if tail && all {
+            io.push(std::io::IoSliceMut::new(reader.spare()));
+        }
+        match stream.try_read_vectored(&mut io) {
+            Ok(n) => {
+                drop(io);
+                reader.filled(n.saturating_sub(room));
+                return Ok(n.min(room));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::read::tests::{pair, readable};
+
+    /// A response's header, its payload (`split` bytes in the same write as the header, the
+    /// rest later), its trailer and a notify's answer behind it: the payload lands whole in
+    /// the destination spans with its CRC taken over every byte, and the trailer and the
+    /// answer come in the read that ends the payload.
+    async fn payload_split_at(split: usize) {
+        let payload: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let crc = kvxfer_mem::crc32c_append(0, &payload);
+        let mut first = Vec::new();
+        Frame::ReadResponse(v1::ReadResponse { seq: 3, payload_len: payload.len() as u64 })
+            .encode(&mut first);
+        first.extend_from_slice(&payload[..split]);
+        let mut rest = payload[split..].to_vec();
+        rest.extend_from_slice(&crc.to_be_bytes());
+        let mut ack = Vec::new();
+        Frame::NotifyAck(v1::NotifyAck { outcome: 2, remaining: 0 }).encode(&mut ack);
+        rest.extend_from_slice(&ack);
+
+        let (client, mut server) = pair().await;
+        let mut stream = client;
+        let mut reader = frame::FrameReader::new();
+        server.write_all(&first).await.expect("write");
+        readable(&stream, first.len()).await;
+        let resp = reader.read_frame(&mut stream, 1 << 20).await.expect("the response");
+        assert!(matches!(resp, Frame::ReadResponse(r) if r.seq == 3));
+        let head = first.len() - split;
+        assert_eq!(
+            reader.buffered().len(),
+            split.min(frame::READ_WINDOW - head),
+            "payload bytes came with it"
+        );
+        server.write_all(&rest).await.expect("write");
+        readable(&stream, first.len().saturating_sub(frame::READ_WINDOW) + rest.len()).await;
+
+        let mut dest = vec![0u8; payload.len()];
+        let (a, b) = dest.split_at_mut(5_000);
+        let limits = (Duration::from_secs(5), std::time::Instant::now() + Duration::from_secs(5));
+        let got = read_payload_spans((&mut stream, &mut reader), &mut [a, b], true, 0, limits)
+            .await
+            .expect("payload");
+        assert_eq!(got, crc, "the CRC covers every payload byte, buffered or not");
+        assert_eq!(dest, payload);
+        assert_eq!(reader.buffered().len(), 4 + ack.len(), "trailer and answer came with the payload's end");
+        let mut trailer = [0u8; 4];
+        let got = read_payload_spans((&mut stream, &mut reader), &mut [&mut trailer], true, 0, limits)
+            .await
+            .expect("trailer");
+        assert_eq!(
+            (u32::from_be_bytes(trailer), got),
+            (crc, kvxfer_mem::crc32c_append(0, &crc.to_be_bytes()))
+        );
+        let answer = reader.read_frame(&mut stream, 1 << 20).await.expect("the answer");
+        assert!(matches!(answer, Frame::NotifyAck(a) if a.outcome == 2));
+    }
+
+    #[tokio::test]
+    async fn a_payload_whose_first_bytes_came_with_its_header_lands_whole() {
+        for split in [0, 1, 4_999, 5_000, 5_001, 8_000, 12_000] {
+            payload_split_at(split).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_payload_cut_short_is_an_error_not_a_hang() {
+        let (client, mut server) = pair().await;
+        let mut stream = client;
+        let mut reader = frame::FrameReader::new();
+        server.write_all(&[1, 2, 3]).await.expect("write");
+        drop(server);
+        let mut dest = vec![0u8; 10];
+        let limits = (Duration::from_secs(5), std::time::Instant::now() + Duration::from_secs(5));
+        let e = read_payload_spans((&mut stream, &mut reader), &mut [&mut dest], true, 0, limits).await;
+        assert!(matches!(e, Err(FrameError::Io(ref io)) if io.kind() == std::io::ErrorKind::UnexpectedEof));
+    }
 }

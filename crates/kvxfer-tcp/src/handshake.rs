@@ -60,7 +60,7 @@ use tracing::{debug, warn};
 use zeroize::Zeroizing;
 
 use crate::client::ClientError;
-use crate::frame::{self, Frame, FrameError, HEADER_LEN};
+use crate::frame::{Frame, FrameError, FrameReader, HEADER_LEN};
 use crate::server::ServeContext;
 use crate::stats::bump;
 use crate::Limits;
@@ -376,14 +376,22 @@ const NEED_KEY: &str = "this agent serves only peers that prove the cluster key"
 const BAD_PROOF: &str = "handshake proof did not verify";
 const NO_KEY_HERE: &str = "this agent has no cluster key and cannot authenticate itself";
 
-/// Reads one frame of at most `max` bytes within `io`.
+/// Reads one frame of at most `max` bytes within `io` through `reader`; with `body`, its
+/// body as received is copied there.
 async fn read_within<S: AsyncRead + Unpin>(
     stream: &mut S,
     max: u32,
     io: Duration,
-    buf: &mut Vec<u8>,
+    reader: &mut FrameReader,
+    body: Option<&mut Vec<u8>>,
 ) -> Result<Frame, FrameError> {
-    tokio::time::timeout(io, frame::read_frame(stream, max, buf)).await.map_err(|_| FrameError::Timeout)?
+    let read = async {
+        match body {
+            Some(body) => reader.read_frame_and_body(stream, max, body).await,
+            None => reader.read_frame(stream, max).await,
+        }
+    };
+    tokio::time::timeout(io, read).await.map_err(|_| FrameError::Timeout)?
 }
 
 /// Writes `bytes` within `io`.
@@ -452,6 +460,9 @@ async fn frame_error<S: AsyncWrite + Unpin>(
 /// key, checks compatibility and answers with the `HelloAck` (followed, when authenticated,
 /// by its MAC in a `HelloProof`) — or refuses (counted) and closes. `Some(hello)` when the
 /// connection may go on. `buf` and `scratch` are working buffers.
+///
+/// `buf` is not used (kept for callers of the earlier signature); bytes the peer sent past
+/// the handshake are dropped (the serving loop uses [`accept_buffered`], which keeps them).
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     ctx: &ServeContext,
@@ -459,9 +470,23 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     buf: &mut Vec<u8>,
     scratch: &mut Vec<u8>,
 ) -> Result<Option<v1::Hello>, FrameError> {
+    let _ = buf;
+    accept_buffered(stream, ctx, peer, &mut FrameReader::new(), scratch).await
+}
+
+/// [`accept`] reading through `reader`, which keeps what the peer sent after the
+/// handshake for the frames that follow.
+pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    ctx: &ServeContext,
+    peer: &str,
+    reader: &mut FrameReader,
+    scratch: &mut Vec<u8>,
+) -> Result<Option<v1::Hello>, FrameError> {
+    let mut hello_body = Vec::new();
     let io = ctx.limits.io_timeout;
     let small = MAX_HANDSHAKE_FRAME_LEN.min(ctx.limits.max_frame_len);
-    let hello = match read_within(stream, small, io, buf).await {
+    let hello = match read_within(stream, small, io, reader, Some(&mut hello_body)).await {
         Ok(Frame::Hello(hello)) => hello,
         Ok(other) => {
             bump(&ctx.counters.handshakes_refused);
@@ -474,8 +499,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
             return Ok(None);
         }
     };
-    // The hello's body as received: what both MACs cover.
-    let hello_body = buf.clone();
+    // `hello_body`, the hello's body as received, is what both MACs cover.
     // With a key: the key, our nonce and the verified proof.
     let proven = match (&ctx.cluster_key, hello.authenticated) {
         (None, false) => None,
@@ -503,7 +527,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
                 .encode(scratch);
             write_within(stream, scratch, io).await?;
             let t = Transcript { nonce_d: &hello.nonce, nonce_p: &nonce_p, hello: &hello_body };
-            match read_within(stream, small, io, buf).await {
+            match read_within(stream, small, io, reader, None).await {
                 Ok(Frame::HelloProof(p)) if key.verify_proof_mac(&t, &p.mac) => Some((key, nonce_p, p.mac)),
                 Ok(Frame::HelloProof(_)) => {
                     let why = "the proof did not verify (a different cluster key, or a replayed handshake)";
@@ -618,8 +642,24 @@ fn unexpected(peer: &str, f: Frame) -> ClientError {
 /// `key` is set), proves the key when challenged, checks the accepting side's MAC over the
 /// exact `HelloAck` bytes it received, and returns the peer's checked `HelloAck`. Each frame
 /// is bounded by `limits.io_timeout`.
+///
+/// Bytes the peer sent past the handshake are dropped: a [`crate::Connection`] uses
+/// [`initiate_buffered`], which keeps them.
 pub async fn initiate<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
+    peer: &str,
+    hello: &v1::Hello,
+    key: Option<&ClusterKey>,
+    limits: &Limits,
+) -> Result<v1::HelloAck, ClientError> {
+    initiate_buffered(stream, &mut FrameReader::new(), peer, hello, key, limits).await
+}
+
+/// [`initiate`] reading through `reader`, which keeps what the peer sent after the
+/// handshake for the frames that follow.
+pub async fn initiate_buffered<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    reader: &mut FrameReader,
     peer: &str,
     hello: &v1::Hello,
     key: Option<&ClusterKey>,
@@ -646,8 +686,7 @@ pub async fn initiate<S: AsyncRead + AsyncWrite + Unpin>(
     Frame::Hello(hello.clone()).encode(&mut out);
     let hello_body = out[HEADER_LEN..].to_vec();
     write_within(stream, &out, io).await.map_err(broken)?;
-    let mut buf = Vec::new();
-    let first = read_within(stream, limits.max_frame_len, io, &mut buf).await.map_err(broken)?;
+    let first = read_within(stream, limits.max_frame_len, io, reader, None).await.map_err(broken)?;
     let Some(key) = key else {
         return match first {
             Frame::HelloAck(ack) => checked(ack, &hello),
@@ -679,14 +718,17 @@ pub async fn initiate<S: AsyncRead + AsyncWrite + Unpin>(
     out.clear();
     Frame::HelloProof(v1::HelloProof { mac: proof.clone() }).encode(&mut out);
     write_within(stream, &out, io).await.map_err(broken)?;
-    let ack = match read_within(stream, limits.max_frame_len, io, &mut buf).await.map_err(broken)? {
+    // The HelloAck body as received: what the peer's MAC must cover.
+    let mut ack_body = Vec::new();
+    let ack = match read_within(stream, limits.max_frame_len, io, reader, Some(&mut ack_body))
+        .await
+        .map_err(broken)?
+    {
         Frame::HelloAck(ack) => ack,
         other => return Err(unexpected(peer, other)),
     };
-    // The HelloAck body as received: what the peer's MAC must cover.
-    let ack_body = std::mem::take(&mut buf);
     let small = MAX_HANDSHAKE_FRAME_LEN.min(limits.max_frame_len);
-    let verified = match read_within(stream, small, io, &mut buf).await {
+    let verified = match read_within(stream, small, io, reader, None).await {
         Ok(Frame::HelloProof(p)) => key.verify_ack_mac(&t, &proof, &ack_body, &p.mac),
         Ok(_) | Err(FrameError::Closed) => false,
         Err(e) => return Err(broken(e)),
@@ -699,7 +741,7 @@ pub async fn initiate<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::server::ServerCounters;
     use kvxfer_core::{BlockLayout, EngineInfo, LeaseConfig, LeaseTable};
@@ -756,7 +798,7 @@ mod tests {
     }
 
     /// An accepting side's context over a small layout.
-    fn ctx(key: Option<ClusterKey>) -> ServeContext {
+    pub(crate) fn ctx(key: Option<ClusterKey>) -> ServeContext {
         let engine = EngineInfo {
             engine_id: "prefill".into(),
             host: "127.0.0.1".into(),
@@ -790,7 +832,8 @@ mod tests {
         }
     }
 
-    fn hello() -> v1::Hello {
+    /// A decode side's hello matching [`ctx`].
+    pub(crate) fn hello() -> v1::Hello {
         v1::Hello {
             protocol_version: PROTOCOL_VERSION,
             engine_id: "decode".into(),
@@ -967,7 +1010,7 @@ mod tests {
                 peer.write_all(&header).await.expect("header");
                 let served = accept(&mut server, &ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
                 assert!(matches!(served, Ok(None)), "{served:?}");
-                frame::read_frame(&mut peer, 1 << 20, &mut Vec::new()).await.expect("an answer")
+                crate::frame::read_frame(&mut peer, 1 << 20, &mut Vec::new()).await.expect("an answer")
             });
             let Frame::Error(e) = answer else { panic!("{answer:?}") };
             assert_eq!(e.code, ErrorCode::FrameTooLarge as i32, "{}", e.message);

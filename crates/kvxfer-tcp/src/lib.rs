@@ -1,7 +1,8 @@
 //! kvxfer's wire protocol and TCP data path.
 //!
 //! The wire protocol (every transport's control messages travel over it):
-//! - [`frame`]: the length-prefixed frame codec of `proto/kvxfer/v1/kvxfer.proto`.
+//! - [`frame`]: the length-prefixed frame codec of `proto/kvxfer/v1/kvxfer.proto`, and
+//!   the buffered [`frame::FrameReader`] both sides read frames through.
 //! - [`handshake`]: the first exchange of every connection, with the optional mutual
 //!   HMAC-SHA256 authentication over a [`ClusterKey`] (the connecting side proves first;
 //!   the accepting side MACs the whole transcript, its `HelloAck` included).

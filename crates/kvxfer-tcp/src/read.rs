@@ -16,7 +16,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
-use crate::frame::{Frame, FrameError};
+use crate::frame::{Frame, FrameError, FrameReader};
 use crate::server::ServeContext;
 use crate::stats::bump;
 
@@ -245,26 +245,25 @@ async fn write_some(stream: &mut TcpStream, slices: &[IoSlice<'_>], more: bool) 
     stream.write_vectored(slices).await
 }
 
-/// Whether the next frame already waiting on `stream` is a notify of lease `id`: a decode
-/// agent that sends its notify with its read (`notify_with_read`) puts both in one write, so
-/// the notify is there as soon as the read is. Looks without taking anything (a peek that
-/// never waits: `false` when nothing, or not all of that frame, is there yet).
-pub(crate) fn notify_follows(stream: &TcpStream, id: &str, max_frame_len: u32) -> bool {
-    // A notify is its id, a 16-byte token and the consumer id: ids over this size are
-    // simply not recognised here (the read is then answered as any other).
-    let mut buf = [0u8; 512];
-    let mut rb = tokio::io::ReadBuf::new(&mut buf);
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    // The serve task is running, so replacing its read waker with a no-op one is harmless:
-    // its next read registers its own again before waiting.
-    let n = match stream.poll_peek(&mut cx, &mut rb) {
-        std::task::Poll::Ready(Ok(n)) => n,
-        _ => return false,
-    };
-    matches!(
-        crate::frame::decode_all(&buf[..n], max_frame_len),
-        Ok((frames, _)) if matches!(frames.first(), Some(Frame::Notify(n)) if n.remote_request_id == id)
-    )
+/// Whether the next frame is a notify of lease `id`: a decode agent that sends its notify
+/// with its read (`notify_with_read`) puts both in one write, so the notify usually came in
+/// the same read as the request and is in `reader` already. When no whole frame is
+/// buffered, one read that never waits takes what the socket has (into `reader`, where the
+/// connection loop finds it next). `false` when nothing, or not all of that frame, is
+/// there yet, or the socket failed (the connection loop's next read meets the failure).
+pub(crate) fn notify_follows(
+    stream: &TcpStream,
+    reader: &mut FrameReader,
+    id: &str,
+    max_frame_len: u32,
+) -> bool {
+    if !reader.holds_frame(max_frame_len) {
+        match stream.try_read(reader.spare()) {
+            Ok(n) => reader.filled(n),
+            Err(_) => return false,
+        }
+    }
+    matches!(reader.peek_frame(max_frame_len), Some(Frame::Notify(n)) if n.remote_request_id == id)
 }
 
 /// Serves one `ReadRequest`: a `ReadResponse` header, the payload and its CRC-32C trailer,
@@ -351,16 +350,16 @@ pub(crate) enum ReadServed {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use tokio::io::AsyncWriteExt;
     use tokio::net::{TcpListener, TcpStream};
 
     use super::notify_follows;
-    use crate::frame::Frame;
+    use crate::frame::{Frame, FrameReader};
     use kvxfer_proto::v1;
 
     /// A connected pair on 127.0.0.1: (the decode side's end, the prefill side's end).
-    async fn pair() -> (TcpStream, TcpStream) {
+    pub(crate) async fn pair() -> (TcpStream, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let client = TcpStream::connect(listener.local_addr().expect("addr")).await.expect("connect");
         let (server, _) = listener.accept().await.expect("accept");
@@ -376,7 +375,7 @@ mod tests {
     }
 
     /// Waits until `n` bytes are readable on `s` (peeking, nothing taken).
-    async fn readable(s: &TcpStream, n: usize) {
+    pub(crate) async fn readable(s: &TcpStream, n: usize) {
         let mut buf = vec![0u8; n];
         while s.peek(&mut buf).await.expect("peek") < n {
             tokio::task::yield_now().await;
@@ -384,17 +383,36 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_notify_of_the_same_lease_waiting_behind_the_read_is_seen_without_taking_it() {
-        let (mut client, server) = pair().await;
-        assert!(!notify_follows(&server, "0_P", 1 << 20), "nothing is waiting");
+    async fn a_notify_of_the_same_lease_waiting_behind_the_read_is_seen_and_kept_for_the_loop() {
+        let (mut client, mut server) = pair().await;
+        let mut reader = FrameReader::new();
+        assert!(!notify_follows(&server, &mut reader, "0_P", 1 << 20), "nothing is waiting");
         let bytes = notify("0_P");
         client.write_all(&bytes).await.expect("write");
         readable(&server, bytes.len()).await;
-        assert!(notify_follows(&server, "0_P", 1 << 20));
-        assert!(!notify_follows(&server, "1_P", 1 << 20), "another lease's notify");
-        assert!(!notify_follows(&server, "0_P", 8), "a frame over the limit is not parsed");
+        assert!(notify_follows(&server, &mut reader, "0_P", 1 << 20));
+        assert!(!notify_follows(&server, &mut reader, "1_P", 1 << 20), "another lease's notify");
+        assert!(!notify_follows(&server, &mut reader, "0_P", 8), "a frame over the limit is not parsed");
         // Still there for the connection loop to read.
-        assert!(notify_follows(&server, "0_P", 1 << 20));
+        assert!(notify_follows(&server, &mut reader, "0_P", 1 << 20));
+        let f = reader.read_frame(&mut server, 1 << 20).await.expect("the notify");
+        assert!(matches!(f, Frame::Notify(n) if n.remote_request_id == "0_P"));
+    }
+
+    #[tokio::test]
+    async fn a_notify_already_in_the_buffer_is_seen_without_the_socket() {
+        let (mut client, mut server) = pair().await;
+        // A read request and its notify in one write, as `notify_with_read` sends them.
+        let mut bytes = Vec::new();
+        Frame::Heartbeat(v1::Heartbeat { leases: Vec::new() }).encode(&mut bytes);
+        bytes.extend_from_slice(&notify("0_P"));
+        client.write_all(&bytes).await.expect("write");
+        readable(&server, bytes.len()).await;
+        let mut reader = FrameReader::new();
+        let first = reader.read_frame(&mut server, 1 << 20).await.expect("the first frame");
+        assert!(matches!(first, Frame::Heartbeat(_)));
+        assert_eq!(reader.buffered().len(), notify("0_P").len(), "the notify came in the same read");
+        assert!(notify_follows(&server, &mut reader, "0_P", 1 << 20));
     }
 
     #[tokio::test]
@@ -403,7 +421,11 @@ mod tests {
         let bytes = notify("0_P");
         client.write_all(&bytes[..bytes.len() - 3]).await.expect("write");
         readable(&server, bytes.len() - 3).await;
-        assert!(!notify_follows(&server, "0_P", 1 << 20), "not all of it is there yet");
+        let mut reader = FrameReader::new();
+        assert!(!notify_follows(&server, &mut reader, "0_P", 1 << 20), "not all of it is there yet");
+        client.write_all(&bytes[bytes.len() - 3..]).await.expect("write");
+        readable(&server, 3).await;
+        assert!(notify_follows(&server, &mut reader, "0_P", 1 << 20), "the rest joins what was buffered");
 
         let (mut client, server) = pair().await;
         let mut cancel = Vec::new();
@@ -411,6 +433,9 @@ mod tests {
             .encode(&mut cancel);
         client.write_all(&cancel).await.expect("write");
         readable(&server, cancel.len()).await;
-        assert!(!notify_follows(&server, "0_P", 1 << 20), "a cancel is not a notify");
+        assert!(
+            !notify_follows(&server, &mut FrameReader::new(), "0_P", 1 << 20),
+            "a cancel is not a notify"
+        );
     }
 }

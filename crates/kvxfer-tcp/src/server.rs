@@ -1,5 +1,6 @@
-//! The prefill side of one connection: the handshake, then a loop that reads one frame at
-//! a time and hands it to `dispatch`: reads served from registered memory (`read.rs`), pins
+//! The prefill side of one connection: the handshake, then a loop that takes one frame at a
+//! time from its buffered reader (one read of the socket for all frames that have arrived;
+//! their answers leave together) and hands it to `dispatch`: reads served from registered memory (`read.rs`), pins
 //! for one-sided reads (`pins.rs`), and notify / heartbeat / cancel applied to the lease
 //! table (`control.rs`).
 
@@ -113,8 +114,15 @@ pub(crate) async fn write_reply(
     reply: &Frame,
     scratch: &mut Vec<u8>,
 ) -> Result<(), FrameError> {
+    scratch.clear();
+    reply.encode(scratch);
+    write_bytes(stream, ctx, scratch).await
+}
+
+/// Writes encoded frames as [`write_reply`] does (within `Limits::io_timeout`, else reset).
+async fn write_bytes(stream: &mut TcpStream, ctx: &ServeContext, bytes: &[u8]) -> Result<(), FrameError> {
     let io = ctx.limits.io_timeout;
-    match tokio::time::timeout(io, frame::write_frame(stream, reply, scratch)).await {
+    match tokio::time::timeout(io, stream.write_all(bytes)).await {
         Ok(r) => Ok(r?),
         Err(_) => {
             let _ = socket2::SockRef::from(&*stream).set_linger(Some(std::time::Duration::ZERO));
@@ -127,14 +135,28 @@ pub(crate) async fn write_reply(
     }
 }
 
+/// Answers held back to leave in one write with the answers to the frames behind them are
+/// written at this size at the latest.
+const BATCH_BYTES: usize = 16 * 1024;
+
+/// Writes the answers held back in `batch` (if any) and empties it.
+async fn flush(stream: &mut TcpStream, ctx: &ServeContext, batch: &mut Vec<u8>) -> Result<(), FrameError> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let written = write_bytes(stream, ctx, batch).await;
+    batch.clear();
+    written
+}
+
 async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> Result<(), FrameError> {
     let max = ctx.limits.max_frame_len;
-    let mut buf = Vec::new();
+    let mut reader = frame::FrameReader::new();
     let mut scratch = Vec::new();
 
     // Handshake (authenticated when either side has a cluster key): nothing else is read
     // or said before it succeeded.
-    if crate::handshake::accept(stream, ctx, peer, &mut buf, &mut scratch).await?.is_none() {
+    if crate::handshake::accept_buffered(stream, ctx, peer, &mut reader, &mut scratch).await?.is_none() {
         return Ok(());
     }
 
@@ -143,7 +165,14 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
     let mut last_frame = Instant::now();
     // The lease id of a read refused by the frame just before (see `dispatch`).
     let mut refused_read: Option<String> = None;
+    // Answers not written yet: while whole frames are buffered behind them, answers wait to
+    // leave together (one write for a batch of pipelined frames); written before anything
+    // that may wait.
+    let mut batch: Vec<u8> = Vec::new();
     loop {
+        if !reader.holds_frame(max) {
+            flush(stream, ctx, &mut batch).await?;
+        }
         // Pins are swept on every iteration, not only when the socket is quiet: a peer that
         // always has a frame queued must not keep its pins past their deadline.
         let now = Instant::now();
@@ -154,7 +183,12 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             .earliest_deadline()
             .unwrap_or_else(|| crate::instant_after(last_frame, ctx.limits.idle_timeout));
         let idle = Some(wake.saturating_duration_since(now));
-        let f = match frame::read_frame_timed(stream, max, &mut buf, idle, ctx.limits.io_timeout).await {
+        let read = reader.read_frame_timed(stream, max, idle, ctx.limits.io_timeout).await;
+        if read.is_err() {
+            // The answers to the frames before go out before the connection ends.
+            flush(stream, ctx, &mut batch).await?;
+        }
+        let f = match read {
             Ok(f) => f,
             Err(FrameError::Closed) => return Ok(()),
             Err(FrameError::Idle) => {
@@ -179,22 +213,36 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             }
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
-        // A frame naming a lease that is not armed yet waits (bounded) for it.
+        // A frame naming a lease that is not armed yet waits (bounded) for it: the answers
+        // before it do not.
+        if crate::arm::may_wait(ctx, &f) {
+            flush(stream, ctx, &mut batch).await?;
+        }
         crate::arm::wait_for_arm(ctx, &f).await;
         let now = Instant::now();
         last_frame = now;
         let after_refused = refused_read.take();
         match dispatch(ctx, &mut pins, f, now, after_refused.as_deref()) {
-            Action::Reply(reply) => write_reply(stream, ctx, &reply, &mut scratch).await?,
+            Action::Reply(reply) => {
+                reply.encode(&mut batch);
+                if batch.len() >= BATCH_BYTES {
+                    flush(stream, ctx, &mut batch).await?;
+                }
+            }
             Action::Read(req) => {
-                let answer_follows = crate::read::notify_follows(stream, &req.remote_request_id, max);
+                flush(stream, ctx, &mut batch).await?;
+                let answer_follows =
+                    crate::read::notify_follows(stream, &mut reader, &req.remote_request_id, max);
                 if let crate::read::ReadServed::Refused(id) =
                     crate::read::serve_read(stream, ctx, req, &mut scratch, answer_follows).await?
                 {
                     refused_read = Some(id);
                 }
             }
-            Action::Close { code, message } => return refuse(stream, ctx, code, message, 0).await,
+            Action::Close { code, message } => {
+                flush(stream, ctx, &mut batch).await?;
+                return refuse(stream, ctx, code, message, 0).await;
+            }
         }
     }
 }
@@ -261,4 +309,86 @@ pub(crate) async fn protocol_error(
         warn!(error = %e, suppressed, "closing connection after a protocol error");
     }
     refuse(stream, ctx, code, e.to_string(), 0).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::FrameReader;
+    use crate::handshake::tests::{ctx, hello};
+    use tokio::net::TcpListener;
+
+    /// Frames sent in one write are all answered, in order, and the answers to those before
+    /// a bad frame reach the peer before its error and the close — whether the answers left
+    /// batched or one by one. A notify behind a refused read of its lease is answered
+    /// unrecognized (the read and its notify came in one read of the socket).
+    #[tokio::test]
+    async fn pipelined_frames_are_answered_in_order_before_a_bad_frame_closes() {
+        let mut ctx = ctx(None);
+        ctx.limits.arm_wait = std::time::Duration::ZERO;
+        let ctx = Arc::new(ctx);
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                let (s, _) = listener.accept().await.expect("accept");
+                serve_connection(s, ctx).await;
+            })
+        };
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        let mut reader = FrameReader::new();
+        let limits = crate::Limits::default();
+        crate::handshake::initiate_buffered(&mut client, &mut reader, "prefill", &hello(), None, &limits)
+            .await
+            .expect("handshake");
+
+        let token = vec![3u8; 16];
+        let mut out = Vec::new();
+        let hb = Frame::Heartbeat(v1::Heartbeat { leases: Vec::new() });
+        hb.encode(&mut out);
+        hb.encode(&mut out);
+        Frame::ReadRequest(v1::ReadRequest {
+            seq: 4,
+            remote_request_id: "x".into(),
+            lease_token: token.clone(),
+            ranges: vec![v1::BlockRange { start: 0, count: 1 }],
+            ..Default::default()
+        })
+        .encode(&mut out);
+        Frame::Notify(v1::Notify {
+            remote_request_id: "x".into(),
+            lease_token: token,
+            consumer_id: "d".into(),
+        })
+        .encode(&mut out);
+        hb.encode(&mut out);
+        // A frame type nobody knows: the connection's end.
+        out.extend_from_slice(&[0, 0, 0, 1, 200]);
+        client.write_all(&out).await.expect("write");
+
+        let mut answers = Vec::new();
+        loop {
+            match reader.read_frame(&mut client, 1 << 20).await {
+                Ok(f) => answers.push(f),
+                Err(FrameError::Closed) => break,
+                Err(e) => panic!("reading answers: {e}"),
+            }
+        }
+        let kinds: Vec<_> = answers.iter().map(Frame::frame_type).collect();
+        use kvxfer_proto::v1::FrameType as T;
+        assert_eq!(
+            kinds,
+            [T::HeartbeatAck, T::HeartbeatAck, T::Error, T::NotifyAck, T::HeartbeatAck, T::Error],
+            "{answers:?}"
+        );
+        assert!(
+            matches!(&answers[2], Frame::Error(e) if e.seq == 4 && e.code == ErrorCode::UnknownLease as i32)
+        );
+        let unrecognized = v1::LeaseOutcome::Unrecognized as i32;
+        assert!(matches!(&answers[3], Frame::NotifyAck(a) if a.outcome == unrecognized));
+        assert!(matches!(&answers[5], Frame::Error(e) if e.code == ErrorCode::UnknownFrameType as i32));
+        serving.await.expect("served");
+        assert_eq!(ctx.counters.protocol_errors.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
 }
