@@ -245,7 +245,9 @@ async fn write_some(stream: &mut TcpStream, slices: &[IoSlice<'_>], more: bool) 
     stream.write_vectored(slices).await
 }
 
-/// Whether the next frame is a notify of lease `id`: a decode agent that sends its notify
+/// Whether the next frame is a notify of lease `id` with the read's `token` (one with
+/// another token may wait for an arm before its answer, which would leave the payload's
+/// corked end waiting too): a decode agent that sends its notify
 /// with its read (`notify_with_read`) puts both in one write, so the notify usually came in
 /// the same read as the request and is in `reader` already. When no whole frame is
 /// buffered, one read that never waits takes what the socket has (into `reader`, where the
@@ -255,6 +257,7 @@ pub(crate) fn notify_follows(
     stream: &TcpStream,
     reader: &mut FrameReader,
     id: &str,
+    token: &[u8],
     max_frame_len: u32,
 ) -> bool {
     if !reader.holds_frame(max_frame_len) {
@@ -263,7 +266,10 @@ pub(crate) fn notify_follows(
             Err(_) => return false,
         }
     }
-    matches!(reader.peek_frame(max_frame_len), Some(Frame::Notify(n)) if n.remote_request_id == id)
+    matches!(
+        reader.peek_frame(max_frame_len),
+        Some(Frame::Notify(n)) if n.remote_request_id == id && n.lease_token == token
+    )
 }
 
 /// Serves one `ReadRequest`: a `ReadResponse` header, the payload and its CRC-32C trailer,
@@ -366,10 +372,13 @@ pub(crate) mod tests {
         (client, server)
     }
 
+    /// The lease token of the notifies here.
+    const T: [u8; 16] = [7; 16];
+
     fn notify(id: &str) -> Vec<u8> {
         let mut out = Vec::new();
         let n =
-            v1::Notify { remote_request_id: id.into(), lease_token: vec![7; 16], consumer_id: "d/0".into() };
+            v1::Notify { remote_request_id: id.into(), lease_token: T.to_vec(), consumer_id: "d/0".into() };
         Frame::Notify(n).encode(&mut out);
         out
     }
@@ -386,15 +395,16 @@ pub(crate) mod tests {
     async fn a_notify_of_the_same_lease_waiting_behind_the_read_is_seen_and_kept_for_the_loop() {
         let (mut client, mut server) = pair().await;
         let mut reader = FrameReader::new();
-        assert!(!notify_follows(&server, &mut reader, "0_P", 1 << 20), "nothing is waiting");
+        assert!(!notify_follows(&server, &mut reader, "0_P", &T, 1 << 20), "nothing is waiting");
         let bytes = notify("0_P");
         client.write_all(&bytes).await.expect("write");
         readable(&server, bytes.len()).await;
-        assert!(notify_follows(&server, &mut reader, "0_P", 1 << 20));
-        assert!(!notify_follows(&server, &mut reader, "1_P", 1 << 20), "another lease's notify");
-        assert!(!notify_follows(&server, &mut reader, "0_P", 8), "a frame over the limit is not parsed");
+        assert!(notify_follows(&server, &mut reader, "0_P", &T, 1 << 20));
+        assert!(!notify_follows(&server, &mut reader, "1_P", &T, 1 << 20), "another lease's notify");
+        assert!(!notify_follows(&server, &mut reader, "0_P", &[8; 16], 1 << 20), "another token's notify");
+        assert!(!notify_follows(&server, &mut reader, "0_P", &T, 8), "a frame over the limit is not parsed");
         // Still there for the connection loop to read.
-        assert!(notify_follows(&server, &mut reader, "0_P", 1 << 20));
+        assert!(notify_follows(&server, &mut reader, "0_P", &T, 1 << 20));
         let f = reader.read_frame(&mut server, 1 << 20).await.expect("the notify");
         assert!(matches!(f, Frame::Notify(n) if n.remote_request_id == "0_P"));
     }
@@ -412,7 +422,7 @@ pub(crate) mod tests {
         let first = reader.read_frame(&mut server, 1 << 20).await.expect("the first frame");
         assert!(matches!(first, Frame::Heartbeat(_)));
         assert_eq!(reader.buffered().len(), notify("0_P").len(), "the notify came in the same read");
-        assert!(notify_follows(&server, &mut reader, "0_P", 1 << 20));
+        assert!(notify_follows(&server, &mut reader, "0_P", &T, 1 << 20));
     }
 
     #[tokio::test]
@@ -422,10 +432,10 @@ pub(crate) mod tests {
         client.write_all(&bytes[..bytes.len() - 3]).await.expect("write");
         readable(&server, bytes.len() - 3).await;
         let mut reader = FrameReader::new();
-        assert!(!notify_follows(&server, &mut reader, "0_P", 1 << 20), "not all of it is there yet");
+        assert!(!notify_follows(&server, &mut reader, "0_P", &T, 1 << 20), "not all of it is there yet");
         client.write_all(&bytes[bytes.len() - 3..]).await.expect("write");
         readable(&server, 3).await;
-        assert!(notify_follows(&server, &mut reader, "0_P", 1 << 20), "the rest joins what was buffered");
+        assert!(notify_follows(&server, &mut reader, "0_P", &T, 1 << 20), "the rest joins what was buffered");
 
         let (mut client, server) = pair().await;
         let mut cancel = Vec::new();
@@ -434,7 +444,7 @@ pub(crate) mod tests {
         client.write_all(&cancel).await.expect("write");
         readable(&server, cancel.len()).await;
         assert!(
-            !notify_follows(&server, &mut FrameReader::new(), "0_P", 1 << 20),
+            !notify_follows(&server, &mut FrameReader::new(), "0_P", &T, 1 << 20),
             "a cancel is not a notify"
         );
     }

@@ -231,8 +231,13 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             }
             Action::Read(req) => {
                 flush(stream, ctx, &mut batch).await?;
-                let answer_follows =
-                    crate::read::notify_follows(stream, &mut reader, &req.remote_request_id, max);
+                let answer_follows = crate::read::notify_follows(
+                    stream,
+                    &mut reader,
+                    &req.remote_request_id,
+                    &req.lease_token,
+                    max,
+                );
                 if let crate::read::ReadServed::Refused(id) =
                     crate::read::serve_read(stream, ctx, req, &mut scratch, answer_follows).await?
                 {
