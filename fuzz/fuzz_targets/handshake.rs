@@ -99,6 +99,7 @@ fuzz_target!(|data: &[u8]| {
     let ctx = ServeContext {
         table: Arc::new(LeaseTable::new(LeaseConfig::new(engine, 4), [1; 32])),
         memory: Arc::new(KvMemory::alloc(layout()).expect("memory")),
+        shape: None,
         hello_ack: ack(),
         cluster_key: keyed.then(key),
         limits: Limits::default(),
