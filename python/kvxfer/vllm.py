@@ -49,7 +49,7 @@ How it maps onto vLLM:
   dropped from the hand-off and the lease (a lease holds each real block once), their count
   travels as ``kvxfer_skipped_blocks``, and the decode side leaves its local blocks at those
   positions alone (a local block straddling the window's edge — possible only with a block
-  ratio — is recomputed). Without a ``kv_cache_config`` (older vLLM) a
+  ratio — gets a copy of the first block inside the window in its slots outside it). Without a ``kv_cache_config`` (older vLLM) a
   request with blocks in more than one group is computed locally (``bad_params``).
 - **Aborts.** A decode request aborted while its pull runs is cancelled (its lease ends
   released) and its blocks are freed when the pull reports. One aborted before its pull
@@ -1015,9 +1015,12 @@ class KvxferConnector(_Base):
         start = (needed - len(local)) * ratio  # the first local block's first remote position
         head = max(0, k - start)  # remote positions of the local blocks with no KV remotely
         idle = min(head // ratio, len(local))  # local blocks wholly outside the window
-        if head % ratio and idle < len(local):
-            raise ValueError(f"a local block straddles the edge of the {k} remote blocks outside the sliding window")
-        return remote[start + idle * ratio - k :], local[idle:]
+        fill = head % ratio if idle < len(local) else 0
+        # A local block straddling the window's edge (block ratio > 1): its slots outside the
+        # window get a copy of the first block inside it — attention over the window never
+        # reads them (before the window moved past them, the prefill side's were vLLM's null
+        # block, just as meaningless).
+        return [remote[0]] * fill + remote[start + idle * ratio + fill - k :], local[idle:]
 
     def _fail(self, rid: str, local: Any, why: str) -> None:
         self._counters["submit_failures"] += 1

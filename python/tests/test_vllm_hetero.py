@@ -10,7 +10,7 @@ import pytest
 
 from kvxfer.vllm import KvxferConnector
 from vllm_base_mirror import Request
-from vllm_sim import BLOCK_SIZE, Instance, full_heads, same_blocks, same_group_blocks
+from vllm_sim import BLOCK_SIZE, Instance, full_heads, layer_names, same_blocks, same_group_blocks
 
 PROMPT = list(range(10))  # 10 tokens: 3 blocks of 4
 
@@ -228,7 +228,37 @@ def test_the_tail_keeps_positions_past_the_skipped_head():
     assert tail([21, 22, 23], [9], 1, 2) == ([23], [9])
     # Block ratio 2 (two remote blocks per local one), aligned and straddling the edge.
     assert tail([23, 24], [8, 9], 2, 2) == ([23, 24], [9])
-    with pytest.raises(ValueError, match="straddles"):
-        tail([22, 23, 24], [7, 8], 2, 1)
+    # A local block straddling the edge: its slot outside the window gets the first block in it.
+    assert tail([22, 23, 24], [7, 8], 2, 1) == ([22, 22, 23, 24], [7, 8])
+    assert tail([21, 22], [7, 8], 2, 1) == ([21, 21, 22], [7, 8])
+    assert tail([23, 24, 25], [8, 9], 4, 5) == ([23, 23, 24, 25], [9])
     with pytest.raises(ValueError, match="not a count"):
         tail([1], [7], 1, -1)
+
+
+def test_a_window_edge_inside_a_decode_block_of_two_prefill_blocks_is_pulled_aligned():
+    # Block ratio 2 with one null block: the window's edge falls inside the first local block
+    # of the window group; its slot outside the window gets a copy of the first block inside.
+    prefill = Instance("kv_producer", "swr-prefill", seed=11, hnd=True, groups=2)
+    decode = Instance("kv_consumer", "swr-decode", hnd=True, groups=2, block_size=2 * BLOCK_SIZE)
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [[5, 6, 7], [0, 21, 22]])
+        assert params["kvxfer_skipped_blocks"] == [0, 1]
+        prefill.step()
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        decode.run_until("D received", lambda: "D" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        # (local block, slot) ← remote block, per group; slot 0 of the window group's first
+        # local block is outside the window.
+        expected = [[(0, 0, 5), (0, 1, 6), (1, 0, 7)], [(0, 1, 21), (1, 0, 22)]]
+        for g, names in enumerate(layer_names(2)):
+            for name in names:
+                src, dst = prefill.caches[name], decode.caches[name]
+                for j, q, b in expected[g]:
+                    got = dst[:, local[g][j], :, q * BLOCK_SIZE : (q + 1) * BLOCK_SIZE]
+                    assert np.array_equal(got.view(np.uint16), src[:, b].view(np.uint16)), (name, j, q)
+        prefill.run_until("R handed back", lambda: "R" in prefill.sending)
+        assert leases(prefill) == {"pulled": 1, "released": 0, "expired": 0, "live": 0}
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
