@@ -1,4 +1,5 @@
-//! The other hot pure parts: transfer-plan coalescing, the frame codec, and the payload
+//! The other hot pure parts: transfer-plan coalescing, the frame codec (and the buffered
+//! frame reader against two reads per frame), and the payload
 //! checksum (CRC-32C) both sides compute for every read; and one whole hand-off of a 64 KiB
 //! block over TCP on 127.0.0.1 (lease, pull, notify with the read).
 #![allow(missing_docs)]
@@ -8,7 +9,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvxfer_core::plan::{coalesce, ResultPlan};
 use kvxfer_proto::v1;
-use kvxfer_tcp::frame::{decode_all, Frame};
+use kvxfer_tcp::frame::{decode_all, read_frame, Frame, FrameReader};
 
 fn plans(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan");
@@ -51,6 +52,42 @@ fn frames(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(encoded.len() as u64));
     g.bench_function("decode_read_request_64_ranges", |b| {
         b.iter(|| black_box(decode_all(black_box(&encoded), 1 << 20)))
+    });
+    // 64 notifies arriving together (what a pipelined decode side sends): the buffered
+    // reader against a header read and a body read per frame, over the same bytes in memory
+    // (no system calls on either side, so this is the framing's CPU; the syscalls saved are
+    // in BENCHMARKING.md).
+    let mut notifies = Vec::new();
+    for i in 0..64 {
+        Frame::Notify(v1::Notify {
+            remote_request_id: format!("{i}_cmpl-b9d6c33a-482061a8-551f-4964-925d-fc0925e9261b-0"),
+            lease_token: vec![7; 16],
+            consumer_id: "decode-0/0".into(),
+        })
+        .encode(&mut notifies);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+    g.throughput(Throughput::Elements(64));
+    g.bench_function("reader_64_notifies_buffered", |b| {
+        b.iter(|| {
+            runtime.block_on(async {
+                let (mut src, mut reader) = (black_box(&notifies[..]), FrameReader::new());
+                for _ in 0..64 {
+                    black_box(reader.read_frame(&mut src, 1 << 20).await.expect("frame"));
+                }
+            })
+        })
+    });
+    g.bench_function("reader_64_notifies_two_reads_each", |b| {
+        let mut body = Vec::new();
+        b.iter(|| {
+            runtime.block_on(async {
+                let mut src = black_box(&notifies[..]);
+                for _ in 0..64 {
+                    black_box(read_frame(&mut src, 1 << 20, &mut body).await.expect("frame"));
+                }
+            })
+        })
     });
     g.finish();
 }
