@@ -713,7 +713,7 @@ class KvxferConnector(_Base):
         }
         if self.block_size:
             out["kvxfer_block_size"] = self.block_size
-        if any(skipped) if isinstance(skipped, list) else skipped:
+        if any(skipped if isinstance(skipped, list) else [skipped]):
             out["kvxfer_skipped_blocks"] = skipped
         rank0 = self._ranks.get(0)
         if rank0 is not None:
@@ -1016,11 +1016,13 @@ class KvxferConnector(_Base):
         head = max(0, k - start)  # remote positions of the local blocks with no KV remotely
         idle = min(head // ratio, len(local))  # local blocks wholly outside the window
         fill = head % ratio if idle < len(local) else 0
+        if fill and not remote:
+            raise ValueError(f"{k} remote blocks outside the sliding window and none inside it")
         # A local block straddling the window's edge (block ratio > 1): its slots outside the
         # window get a copy of the first block inside it — attention over the window never
         # reads them (before the window moved past them, the prefill side's were vLLM's null
         # block, just as meaningless).
-        return [remote[0]] * fill + remote[start + idle * ratio + fill - k :], local[idle:]
+        return remote[:1] * fill + remote[start + idle * ratio + fill - k :], local[idle:]
 
     def _fail(self, rid: str, local: Any, why: str) -> None:
         self._counters["submit_failures"] += 1

@@ -234,6 +234,11 @@ def test_the_tail_keeps_positions_past_the_skipped_head():
     assert tail([23, 24, 25], [8, 9], 4, 5) == ([23, 23, 24, 25], [9])
     with pytest.raises(ValueError, match="not a count"):
         tail([1], [7], 1, -1)
+    # A hand-off that skips blocks but lists none after them (only a malformed one can):
+    # refused as bad params, not an IndexError out of the connector.
+    with pytest.raises(ValueError, match="none inside it"):
+        tail([], [7, 8], 2, 3)
+    assert tail([], [7], 1, 3) == ([], []), "every local block outside the window"
 
 
 def test_a_window_edge_inside_a_decode_block_of_two_prefill_blocks_is_pulled_aligned():
