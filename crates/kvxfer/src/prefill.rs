@@ -337,20 +337,7 @@ impl PrefillAgent {
     /// `n` is bounded by `AgentConfig::max_children`; a ttl above
     /// `AgentConfig::max_lease_lifetime` is clamped to it.
     pub fn lease(&self, req: LeaseRequest) -> Result<ChildHandoff, Error> {
-        let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
-        // The tracker records the lease only once the table made it, under the tracker's
-        // lock, so the lease's end (applied by the event task under the same lock) cannot
-        // overtake it.
-        let mut tracker = self.lock_tracker();
-        let now = Instant::now();
-        tracker.admit(&parent, n, now)?;
-        let deadline = self.shared.table.deadline_for(req.ttl, now);
-        let (h, generation) = self.shared.table.lease_with_generation(req, now)?;
-        tracker.leased(&parent, n, child, generation, now);
-        drop(tracker);
-        debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "leased");
-        self.shared.new_deadline(deadline);
-        Ok(h)
+        self.make_lease(req, "leased", |table, req, now| table.lease_with_generation(req, now))
     }
 
     /// Arms a lease whose request id and token were minted elsewhere — the second phase of
@@ -367,16 +354,32 @@ impl PrefillAgent {
         req: LeaseRequest,
         token: kvxfer_core::LeaseToken,
     ) -> Result<ChildHandoff, Error> {
+        self.make_lease(req, "armed", |table, req, now| table.arm(remote_request_id, req, token, now))
+    }
+
+    /// Makes a lease with `make` (the table's `lease` or `arm`). The tracker records it only
+    /// once the table made it, under the tracker's lock, so the lease's end (applied by the
+    /// event task under the same lock) cannot overtake it; then the expiry task is told its
+    /// deadline.
+    fn make_lease(
+        &self,
+        req: LeaseRequest,
+        what: &'static str,
+        make: impl FnOnce(
+            &LeaseTable,
+            LeaseRequest,
+            Instant,
+        ) -> Result<(ChildHandoff, u64), kvxfer_core::LeaseError>,
+    ) -> Result<ChildHandoff, Error> {
         let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
-        // As in `lease`: recorded in the tracker under its lock, after the table made it.
         let mut tracker = self.lock_tracker();
         let now = Instant::now();
         tracker.admit(&parent, n, now)?;
         let deadline = self.shared.table.deadline_for(req.ttl, now);
-        let (h, generation) = self.shared.table.arm(remote_request_id, req, token, now)?;
+        let (h, generation) = make(&self.shared.table, req, now)?;
         tracker.leased(&parent, n, child, generation, now);
         drop(tracker);
-        debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "armed");
+        debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "{what}");
         self.shared.new_deadline(deadline);
         Ok(h)
     }
