@@ -298,16 +298,30 @@ impl Connection {
 
     /// A read (or pin) request for the remote side of `runs`, with the next sequence number.
     fn request(&mut self, id: &str, token: &[u8], group: u32, runs: &[BlockRun]) -> (u64, v1::ReadRequest) {
+        let ranges = runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect();
+        self.request_of(id, token, group, ranges, None)
+    }
+
+    /// A read request of `ranges` (of `head_slice`'s heads when given), with the next
+    /// sequence number.
+    fn request_of(
+        &mut self,
+        id: &str,
+        token: &[u8],
+        group: u32,
+        ranges: Vec<v1::BlockRange>,
+        head_slice: Option<v1::HeadSlice>,
+    ) -> (u64, v1::ReadRequest) {
         let seq = self.next_seq;
         self.next_seq += 1;
         let req = v1::ReadRequest {
             seq,
             remote_request_id: id.to_owned(),
             lease_token: token.to_vec(),
-            ranges: runs.iter().map(|r| v1::BlockRange { start: r.remote_start, count: r.count }).collect(),
+            ranges,
             pin_crc32c: false,
             group,
-            head_slice: None,
+            head_slice,
         };
         (seq, req)
     }
@@ -467,17 +481,13 @@ impl Connection {
     ) -> Result<u64, ClientError> {
         let SliceSpec { group, head_slice, ranges } = what;
         self.payload_started = false;
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let req = v1::ReadRequest {
-            seq,
-            remote_request_id: id.to_owned(),
-            lease_token: token.to_vec(),
-            ranges: ranges.iter().map(|r| v1::BlockRange { start: r.start, count: r.count }).collect(),
-            pin_crc32c: false,
+        let (seq, req) = self.request_of(
+            id,
+            token,
             group,
-            head_slice: head_slice.map(|(first, count)| v1::HeadSlice { first, count }),
-        };
+            ranges.iter().map(|r| v1::BlockRange { start: r.start, count: r.count }).collect(),
+            head_slice.map(|(first, count)| v1::HeadSlice { first, count }),
+        );
         self.send(&Frame::ReadRequest(req)).await?;
         let expected: u64 = chunks.iter().map(|c| c.len as u64).sum();
         let (timeout, deadline) = self.await_read_response(seq, expected).await?;
