@@ -189,6 +189,17 @@ impl Pull {
             let timer = machine.poll_timeout();
             tokio::select! {
                 Some(event) = io.next(), if !io.is_empty() => {
+                    // Cancels already queued were asked for before this event was seen: they
+                    // count first (select! picks among ready branches at random, so a cancel
+                    // sent before a read's answer came back could otherwise lose to it and
+                    // the child end pulled).
+                    while cancels_open {
+                        match cancels.try_recv() {
+                            Ok(index) => this.cancel_child(&mut machine, index),
+                            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+                            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => cancels_open = false,
+                        }
+                    }
                     let now = Instant::now();
                     match event {
                         Event::Read(i, r) => machine.read_finished(i, now, r),
@@ -204,11 +215,7 @@ impl Pull {
                     }
                 }
                 index = cancels.recv(), if cancels_open => match index {
-                    Some(index) => {
-                        if let Some(i) = this.children.iter().position(|c| c.child_index() == index) {
-                            machine.cancel(i, Instant::now());
-                        }
-                    }
+                    Some(index) => this.cancel_child(&mut machine, index),
                     // The handle and every canceller are gone: nobody can cancel any more.
                     None => cancels_open = false,
                 },
@@ -647,6 +654,14 @@ impl Pull {
             warn!(remote_request_id = %child.remote_request_id(), result = ?r, "notification not acknowledged");
         }
         Event::Control(i, answer)
+    }
+
+    /// Cancels the child with index `index` in `machine` (one this pull does not hold is
+    /// ignored).
+    fn cancel_child(&self, machine: &mut PullMachine, index: u32) {
+        if let Some(i) = self.children.iter().position(|c| c.child_index() == index) {
+            machine.cancel(i, Instant::now());
+        }
     }
 
     async fn cancel_lease(&self, peer: &Peer, i: usize) -> Event {
