@@ -12,7 +12,7 @@ import pytest
 
 import kvxfer.vllm
 from kvxfer.vllm import KvxferConnector
-from vllm_base_mirror import KVCacheBlocks, KVConnectorRole, Request, RequestStatus
+from vllm_real import KVCacheBlocks, KVConnectorRole, Request, RequestStatus
 from vllm_sim import BLOCK_SIZE, Instance, same_blocks, vllm_config
 
 PROMPT = list(range(10))  # 10 tokens: 3 blocks of 4
@@ -48,7 +48,7 @@ def test_n1_one_child_pulled_and_its_blocks_freed(prefill, decode):
     delay, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
     assert delay is True, "the blocks stay allocated until the lease ends"
     assert params["remote_request_id"] == "R" and params["kvxfer_n"] == 1
-    assert params["kvxfer_incarnation"] == prefill.worker._prefill.incarnation
+    assert params["kvxfer_incarnation"] == prefill.worker.worker.prefill.incarnation
     prefill.step()  # the worker arms the lease
     req = Request("D", list(PROMPT), kv_transfer_params=params)
     local = decode.add_decode(req)
@@ -281,10 +281,13 @@ def own(params: dict) -> dict:
     return {k: v for k, v in params.items() if k != "kvxfer_children"}
 
 
-def test_children_holding_one_siblings_params_never_pull_it_twice_across_steps(prefill, decode):
+def test_children_holding_one_siblings_params_pull_it_once_across_steps(prefill, decode):
     """vLLM's stock proxy forwards the params vLLM returned (the last child's, here without
-    kvxfer_children) to the decode parent; its children are allocated in two steps. Only
-    child 3 pulls lease 3_R; the others compute locally. Nothing is left unreported."""
+    kvxfer_children) to the decode parent; its children are allocated in two steps. One
+    child's params are pulled by the request holding them, whatever its id looks like (a
+    request id's ``{i}_`` prefix names a child index only beside the siblings' hand-offs):
+    the first child allocated pulls lease 3_R once, the others compute locally. Nothing is
+    left unreported."""
     blocks, minted = mint_n4(prefill)
     last = own(minted[3])
     children = [Request(f"{i}_D", list(PROMPT), kv_transfer_params=last) for i in range(4)]
@@ -295,13 +298,30 @@ def test_children_holding_one_siblings_params_never_pull_it_twice_across_steps(p
     for i in (1, 2):
         decode.sched.on_new_request(children[i])
         assert decode.sched.get_num_new_matched_tokens(children[i], 0) == (0, False), f"child {i} computes locally"
-    decode.run_until("3_D received", lambda: "3_D" in decode.recving, others=(prefill,))
-    assert decode.recving == {"3_D"} and not decode.load_errors
-    assert local[0] == [], "child 0 has no hand-off of its own: no blocks allocated for loading"
-    assert same_blocks(prefill.caches, blocks[3], decode.caches, local[3])
-    assert decode.sched.stats()["no_own_handoff"] == 3
+    decode.run_until("0_D received", lambda: "0_D" in decode.recving, others=(prefill,))
+    assert decode.recving == {"0_D"} and not decode.load_errors
+    assert local[3] == [], "lease 3_R is taken by child 0: no blocks allocated for loading"
+    assert same_blocks(prefill.caches, blocks[3], decode.caches, local[0])
+    assert decode.sched.stats()["handoff_taken"] == 3 and decode.sched.stats()["no_own_handoff"] == 0
     prefill.run_until("3_R handed back", lambda: "3_R" in prefill.sending)
     assert ends_by_kind(prefill)["pulled"] == 1 and ends_by_kind(prefill)["unrecognized"] == 0
+
+
+def test_a_client_id_that_looks_like_a_child_pulls_its_own_handoff(prefill, decode):
+    """A router that sends each child's hand-off in a decode request of its own may name
+    the request anything, e.g. "1_router-req" carrying child 0's params: it pulls them (no
+    lease is left to expire because the id looked like child 1's)."""
+    blocks, minted = mint_n4(prefill)
+    locals_ = {}
+    for i in range(4):
+        req = Request(f"{(i + 1) % 4}_router-req-{i}", list(PROMPT), kv_transfer_params=own(minted[i]))
+        locals_[i] = (req.request_id, decode.add_decode(req))
+    decode.run_until("every child received", lambda: len(decode.recving) == 4, others=(prefill,))
+    assert not decode.load_errors
+    for i in range(4):
+        assert same_blocks(prefill.caches, blocks[i], decode.caches, locals_[i][1])
+    prefill.run_until("every lease handed back", lambda: len(prefill.sending) == 4)
+    assert ends_by_kind(prefill)["pulled"] == 4 and ends_by_kind(prefill)["expired"] == 0
 
 
 def test_children_with_unnumbered_leases_pull_each_lease_once(prefill, decode):
@@ -411,7 +431,7 @@ def test_a_lease_ending_long_after_its_request_finished_still_frees_its_blocks(p
     """The worker forgets old ids it was told finished, but never one whose lease is still
     armed: here everything older than 0 s is forgotten, and the late pull still reaches
     vLLM's sending set."""
-    monkeypatch.setattr(kvxfer.vllm, "_FORGET_AFTER", 0.0)
+    monkeypatch.setattr(kvxfer.vllm.worker, "FORGET_AFTER", 0.0)
     _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
     prefill.step()  # armed; R reported finished to the worker (and forgotten before the fix)
     prefill.step()
@@ -477,7 +497,7 @@ def test_pull_params_sent_to_a_producer_instance_are_computed_locally(prefill):
 def test_an_arm_refused_because_the_lease_exists_keeps_the_blocks_until_it_ends(prefill, decode):
     """Finding 6: an arm failure frees the blocks at once only when no lease holds them."""
     _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
-    prefill.worker._prefill.arm(params)  # the lease exists before the worker's own arm
+    prefill.worker.worker.prefill.arm(params)  # the lease exists before the worker's own arm
     prefill.step()  # the connector's arm is refused: already leased
     assert prefill.stats()["arm_failures"] == 1
     assert "R" not in prefill.sending, "the blocks of a live lease must not be freed"

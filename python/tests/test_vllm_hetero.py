@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvxfer.vllm import KvxferConnector
-from vllm_base_mirror import Request
+from kvxfer.vllm import worker as kvxfer_worker
+from vllm_real import Request
 from vllm_sim import BLOCK_SIZE, Instance, full_heads, layer_names, same_blocks, same_group_blocks
 
 PROMPT = list(range(10))  # 10 tokens: 3 blocks of 4
@@ -31,7 +32,7 @@ def test_a_hybrid_model_hands_off_one_block_list_per_group_and_pulls_every_group
     prefill = Instance("kv_producer", "hybrid-prefill", seed=3, groups=2)
     decode = Instance("kv_consumer", "hybrid-decode", groups=2)
     try:
-        assert prefill.worker._prefill is not None
+        assert prefill.worker.worker.prefill is not None
         # Children of a parent (n = 2) sharing their first block in each group.
         remote = {0: [[1, 2, 3], [20, 21, 22]], 1: [[1, 5, 6], [20, 24, 25]]}
         minted = [prefill.finish_prefill(prefill_request(f"{i}_R", n=2), remote[i])[1] for i in range(2)]
@@ -92,7 +93,7 @@ def test_prefill_and_decode_of_different_tp_sizes_pull_through_the_connector(pre
     decode = Instance("kv_consumer", f"tp{decode_tp}-decode", tp_size=decode_tp, hnd=True)
     try:
         for w in prefill.workers + decode.workers:
-            assert w._kv_shape is not None
+            assert w.worker.kv_shape is not None
         _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
         assert params["tp_size"] == prefill_tp
         assert params["kvxfer_expected_consumers"] == max(1, decode_tp // prefill_tp)
@@ -116,7 +117,7 @@ def test_different_tp_sizes_without_hnd_caches_are_recomputed_naming_the_layout(
     prefill = Instance("kv_producer", "nhd-prefill", seed=6, tp_size=2)
     decode = Instance("kv_consumer", "nhd-decode")
     try:
-        assert decode.worker._decode_shape is None, "NHD blocks do not hold whole heads: no shape"
+        assert decode.worker.worker.decode_shape is None, "NHD blocks do not hold whole heads: no shape"
         _, params = prefill.finish_prefill(prefill_request("R"), [1, 2, 3])
         prefill.step()
         req = Request("D", list(PROMPT), kv_transfer_params=params)
@@ -173,7 +174,7 @@ def test_mla_prefill_tp1_to_decode_tp2_every_rank_gets_the_whole_latent():
     prefill = Instance("kv_producer", "mla-prefill", seed=9, mla=True, extra={"kvxfer_decode_tp_size": 2})
     decode = Instance("kv_consumer", "mla-decode", tp_size=2, mla=True)
     try:
-        assert all(w._kv_shape is not None for w in decode.workers)
+        assert all(w.worker.kv_shape is not None for w in decode.workers)
         _, params = prefill.finish_prefill(prefill_request("R"), [4, 2, 9])
         assert params["kvxfer_expected_consumers"] == 2
         prefill.step()
@@ -217,7 +218,7 @@ def test_a_sliding_window_group_with_null_blocks_is_leased_without_them_and_pull
 
 
 def test_the_tail_keeps_positions_past_the_skipped_head():
-    tail = KvxferConnector._tail
+    tail = kvxfer_worker.tail
     # No skip: as before.
     assert tail([1, 2, 3], [7, 8, 9]) == ([1, 2, 3], [7, 8, 9])
     assert tail([1, 2, 3], [9]) == ([3], [9])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from vllm_base_mirror import Request
+from vllm_real import Request
 from vllm_sim import Instance, caches, same_blocks
 
 PROMPT = list(range(10))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kvxfer.vllm import KvxferConnector
-from vllm_base_mirror import (
+from vllm_real import (
     KVCacheBlock,
     KVCacheBlocks,
     KVConnectorOutput,

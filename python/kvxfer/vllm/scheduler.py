@@ -1,0 +1,477 @@
+"""The connector's scheduler half: mints prefill hand-offs, picks the hand-off each decode
+request pulls, and tells the workers what to do at each step (``KvxferConnectorMetadata``).
+
+Prefill: a request with ``do_remote_decode`` gets its hand-off (``remote_request_id`` and a
+random lease token) minted when the step that computes its prompt's last token is
+scheduled; the workers arm the lease right after that step's forward, so the hand-off is
+live before its params leave the engine, with no later step needed (the offline ``LLM``
+API takes none). ``request_finished`` returns those params; a minted lease whose request
+does not hand it off (aborted, preempted) is retracted. Without a bound KV-cache manager
+(or when the finished blocks differ from the minted ones) the lease is minted in
+``request_finished`` and armed at the next step, and a decode side that is quicker waits
+for the arm (bounded, ``kvxfer_arm_wait``)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from typing import Any, Optional
+
+from .common import (
+    CHILD_ID,
+    FORGET_AFTER,
+    Settings,
+    all_ids,
+    group_blocks,
+    int_or_none,
+    local_blocks,
+    logger,
+    num_prompt_tokens,
+    status_name,
+    strip_null_prefix,
+)
+from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
+
+_SENDING_STATES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+def _multi(params: Any) -> bool:
+    """Whether ``params`` hold the hand-offs of several children (a parent's fan-out):
+    only then does a request id's ``{i}_`` prefix name a child index."""
+    if isinstance(params, list):
+        return sum(1 for p in params if isinstance(p, dict)) > 1
+    if isinstance(params, dict):
+        return params.get("kvxfer_children") is not None
+    return False
+
+
+class KvxferScheduler:
+    """Scheduler-side state and hooks (one per vLLM scheduler process)."""
+
+    def __init__(self, settings: Settings, counters: dict[str, int]) -> None:
+        self.s = settings
+        self.counters = counters
+        self._kv_cache_manager: Any = None
+        self._step = 0
+        # Prefill requests that hand off (do_remote_decode), until their lease is minted.
+        self._producing: dict[str, Any] = {}
+        # Prefill: request id -> the params minted for it (armed after its last-token step).
+        self._minted_by_rid: dict[str, dict[str, Any]] = {}
+        self._minted_requests: dict[str, Any] = {}
+        # How many times a request's lease was minted (re-mints get a fresh lease id).
+        self._mints: dict[str, int] = {}
+        self._to_arm: dict[str, dict[str, Any]] = {}
+        self._to_retract: list[dict[str, Any]] = []
+        # parent -> (first minted at, {child index: params}, children finished) for
+        # kvxfer_children.
+        self._siblings: OrderedDict[str, tuple[float, dict[int, dict[str, Any]], set[int]]] = OrderedDict()
+        # Prefill ranks' agents as their workers reported them (handshake metadata).
+        self._ranks: dict[int, KvxferHandshakeMetadata] = {}
+        # Decode.
+        self._to_recv: dict[str, tuple[dict[str, Any], Any]] = {}
+        self._recv_inflight: set[str] = set()
+        self._handled: set[str] = set()
+        self._to_cancel: list[str] = []
+        self._to_release: list[dict[str, Any]] = []
+        self._queued: dict[str, dict[str, Any]] = {}
+        self._selected: dict[str, Optional[dict[str, Any]]] = {}
+        # remote_request_id -> the local request that pulls it (one at most).
+        self._claimed: dict[str, str] = {}
+        self._last_heartbeat = 0.0
+
+    # ------------------------------------------------------------------ vLLM hooks
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Any) -> None:
+        """Starts heartbeating the lease of a decode request waiting in the queue; notes a
+        prefill request that will hand off."""
+        params = self._decode_params(request)
+        rid = request.request_id
+        if params is not None and rid not in self._handled:
+            self._queued[rid] = params
+        elif params is None and self.s.is_producer:
+            own = self._prefill_params(rid, getattr(request, "kv_transfer_params", None), quiet=True)
+            if own is not None and own.get("do_remote_decode"):
+                self._producing[rid] = request
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._decode_params(request)
+        if params is None or request.request_id in self._handled:
+            return 0, False
+        self._queued.setdefault(request.request_id, params)
+        count = num_prompt_tokens(request) - num_computed_tokens
+        if count > 0:
+            return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        params = self._decode_params(request)
+        if params is None or rid in self._handled:
+            return
+        self._handled.add(rid)
+        self._queued.pop(rid, None)
+        if num_external_tokens > 0:
+            self._to_recv[rid] = (params, local_blocks(blocks, self.s.num_groups))
+            self._recv_inflight.add(rid)
+        else:
+            # Everything is in the local prefix cache: nothing to pull, release the lease.
+            self._to_release.append(params)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
+        self._step += 1
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._retract(rid, "preempted")
+        self._mint_scheduled(scheduler_output)
+        meta = KvxferConnectorMetadata(self._step)
+        meta.to_arm, self._to_arm = self._to_arm, {}
+        meta.to_retract, self._to_retract = self._to_retract, []
+        meta.to_recv, self._to_recv = self._to_recv, {}
+        meta.to_cancel, self._to_cancel = self._to_cancel, []
+        meta.to_release, self._to_release = self._to_release, []
+        now = time.monotonic()
+        if self._queued and now - self._last_heartbeat >= self.s.heartbeat_interval:
+            self._last_heartbeat = now
+            meta.heartbeats = list(self._queued.values())
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._recv_inflight.discard(rid)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
+        rid = request.request_id
+        self._queued.pop(rid, None)
+        self._producing.pop(rid, None)
+        decode = self._decode_params(request)
+        self._selected.pop(rid, None)
+        if decode is not None:
+            return self._decode_finished(rid, decode)
+        try:
+            return self._prefill_finished(request, block_ids)
+        finally:
+            self._mints.pop(rid, None)
+
+    def _prefill_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
+        rid = request.request_id
+        minted = self._minted_by_rid.pop(rid, None)
+        self._minted_requests.pop(rid, None)
+        params = self._prefill_params(rid, getattr(request, "kv_transfer_params", None))
+        if params is None or not (self.s.is_producer and params.get("do_remote_decode")):
+            if minted is not None:
+                self._to_retract.append(minted)
+            return False, None
+        if status_name(request) not in _SENDING_STATES:
+            if minted is not None:
+                self._to_retract.append(minted)  # aborted: its blocks are freed now
+            return False, None
+        try:
+            blocks = group_blocks(block_ids, self.s.num_groups)
+        except (TypeError, ValueError) as e:
+            self.counters["bad_params"] += 1
+            logger.error("kvxfer: cannot lease the blocks of %s (%s); freed now, the decode side computes", rid, e)
+            if minted is not None:
+                self._to_retract.append(minted)
+            return False, None
+        blocks, skipped = strip_null_prefix(blocks)
+        if not all_ids(blocks):
+            if minted is not None:
+                self._to_retract.append(minted)
+            return False, None
+        if minted is not None and (
+            minted["remote_block_ids"] != blocks or (minted.get("kvxfer_skipped_blocks") or 0) != (skipped or 0)
+        ):
+            # The blocks changed since the last-token step (e.g. a sliding window dropped
+            # some): the armed lease would hold the wrong ones; lease the final ones.
+            self._to_retract.append(minted)
+            minted = None
+        if minted is None:
+            minted = self._mint(rid, params, blocks, skipped)
+        return True, self._with_siblings(minted)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Learns every prefill rank's agent address and incarnation from its worker."""
+        for rank, meta in (metadata or {}).items():
+            if isinstance(meta, KvxferHandshakeMetadata):
+                self._ranks[int(rank)] = meta
+
+    # ------------------------------------------------------------------ prefill
+
+    def _mint_scheduled(self, scheduler_output: Any) -> None:
+        """Mints the hand-off of every producing request whose prompt's last token this
+        step computes (armed by the workers after the step's forward)."""
+        if not self._producing or self._kv_cache_manager is None:
+            return
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for rid, count in scheduled.items():
+            request = self._producing.get(rid)
+            if request is None:
+                continue
+            done = int(getattr(request, "num_computed_tokens", 0) or 0)
+            prompt = num_prompt_tokens(request)
+            if done + int(count) < prompt:
+                continue  # a chunk of the prompt; the last one mints
+            del self._producing[rid]
+            params = self._prefill_params(rid, getattr(request, "kv_transfer_params", None))
+            if params is None:
+                continue
+            try:
+                blocks = self._prompt_blocks(rid, prompt)
+            except (AttributeError, KeyError, TypeError, ValueError) as e:
+                # Minted at request_finished instead (armed one step later).
+                logger.debug("kvxfer: the blocks of %s are not known at its last step (%s)", rid, e)
+                continue
+            blocks, skipped = strip_null_prefix(blocks)
+            if all_ids(blocks):
+                self._minted_by_rid[rid] = self._mint(rid, params, blocks, skipped)
+                self._minted_requests[rid] = request
+
+    def _prompt_blocks(self, rid: str, prompt_tokens: int) -> Any:
+        """The blocks that hold the prompt's KV (per group for several groups)."""
+        manager = self._kv_cache_manager
+        if hasattr(manager, "get_block_ids_for_computed_tokens"):
+            ids = manager.get_block_ids_for_computed_tokens(rid, prompt_tokens)
+        else:
+            size = self.s.block_size
+            if not size:
+                raise ValueError("the block size is unknown")
+            per = -(-prompt_tokens // size)
+            ids = [list(g)[:per] for g in manager.get_block_ids(rid)]
+        return group_blocks(list(ids), self.s.num_groups)
+
+    def _retract(self, rid: str, why: str) -> None:
+        minted = self._minted_by_rid.pop(rid, None)
+        if minted is None:
+            return
+        logger.info("kvxfer: the lease minted for %s is retracted (%s)", rid, why)
+        self._to_retract.append(minted)
+        request = self._minted_requests.pop(rid, None)
+        if request is not None:
+            self._producing[rid] = request  # minted again at its next last-token step
+
+    def _prefill_params(self, rid: str, params: Any, quiet: bool = False) -> Optional[dict[str, Any]]:
+        """A prefill request's own ``kv_transfer_params`` dict (vLLM's per-child list form:
+        the child's entry), or None; malformed params are logged and counted, never raised."""
+        if params is None:
+            return None
+        if isinstance(params, list):
+            if not any(isinstance(p, dict) and p.get("do_remote_decode") for p in params):
+                return None  # a decode request's params (or nothing for kvxfer)
+            m = CHILD_ID.match(rid)
+            index = int(m.group(1)) if m and len(params) > 1 else 0
+            params = params[index] if index < len(params) else None
+        if not isinstance(params, dict):
+            if not quiet:
+                self.counters["bad_params"] += 1
+                kind = type(params).__name__
+                logger.error("kvxfer: the kv_transfer_params of %s are not a dict (%s); nothing leased", rid, kind)
+            return None
+        return params
+
+    @staticmethod
+    def _child_of(rid: str, params: dict[str, Any]) -> tuple[str, int, int]:
+        """(parent, child index, n) of a prefill request."""
+        n = int_or_none(params.get("kvxfer_n"))
+        if n is not None and n > 1:
+            m = CHILD_ID.match(rid)
+            if m and int(m.group(1)) < n:
+                return m.group(2), int(m.group(1)), n
+            logger.warning("kvxfer: request %s has kvxfer_n=%s but is not named like a child; leased alone", rid, n)
+        return rid, 0, 1
+
+    def _port_of(self, rank: int) -> int:
+        known = self._ranks.get(rank)
+        return known.port if known is not None else self.s.port_of(rank)
+
+    def _mint(self, rid: str, params: dict[str, Any], blocks: Any, skipped: Any = 0) -> dict[str, Any]:
+        """A child's hand-off (a fresh lease id and token), queued for the workers to arm.
+        ``skipped``: the null-block entries dropped from the head of each block list."""
+        parent, index, n = self._child_of(rid, params)
+        decode_tp = int_or_none(params.get("kvxfer_decode_tp_size")) or self.s.decode_tp_size
+        tp = self.s.tp_size
+        # As kvxfer_core::expected_consumers: a wider decode engine reads every prefill
+        # rank's lease from decode_tp / prefill_tp ranks; otherwise one rank per lease.
+        consumers = decode_tp // tp if decode_tp > tp and decode_tp % tp == 0 else 1
+        mints = self._mints.get(rid, 0)
+        self._mints[rid] = mints + 1
+        out: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": blocks,
+            "remote_engine_id": self.s.engine_id,
+            # A re-minted lease gets an id of its own: the retracted one's stays ended.
+            "remote_request_id": rid if mints == 0 else f"{rid}~{mints}",
+            "remote_host": self.s.host,
+            "remote_port": self._port_of(0),
+            "tp_size": tp,
+            "kvxfer_lease_token": secrets.token_hex(16),
+            "kvxfer_parent_request_id": parent,
+            "kvxfer_child_index": index,
+            "kvxfer_n": n,
+            "kvxfer_expected_consumers": consumers,
+            "kvxfer_lease_ttl_ms": int(self.s.lease_ttl * 1000),
+        }
+        if self.s.block_size:
+            out["kvxfer_block_size"] = self.s.block_size
+        if any(skipped if isinstance(skipped, list) else [skipped]):
+            out["kvxfer_skipped_blocks"] = skipped
+        rank0 = self._ranks.get(0)
+        if rank0 is not None:
+            out["remote_host"] = rank0.host
+            out["kvxfer_incarnation"] = rank0.incarnation
+        if tp > 1:
+            out["kvxfer_rank_ports"] = [self._port_of(r) for r in range(tp)]
+            if all(r in self._ranks for r in range(tp)):
+                out["kvxfer_rank_hosts"] = [self._ranks[r].host for r in range(tp)]
+                out["kvxfer_rank_incarnations"] = [self._ranks[r].incarnation for r in range(tp)]
+        self._to_arm[rid] = out
+        if n > 1:
+            now = time.monotonic()
+            while self._siblings:
+                oldest, (since, _, _) = next(iter(self._siblings.items()))
+                if now - since < FORGET_AFTER:
+                    break
+                del self._siblings[oldest]
+            _, siblings, _ = self._siblings.setdefault(parent, (now, {}, set()))
+            siblings[index] = out
+        return out
+
+    def _with_siblings(self, own: dict[str, Any]) -> dict[str, Any]:
+        """The params a finished child returns: its own hand-off plus every sibling's minted
+        so far (``kvxfer_children``), so the params vLLM's output path keeps (one child's)
+        carry them all."""
+        result = dict(own)
+        n = int(own.get("kvxfer_n") or 1)
+        if n <= 1:
+            return result
+        parent = own["kvxfer_parent_request_id"]
+        entry = self._siblings.get(parent)
+        if entry is None:
+            return result
+        _, siblings, finished = entry
+        result["kvxfer_children"] = [dict(siblings[i]) for i in sorted(siblings)]
+        finished.add(int(own["kvxfer_child_index"]))
+        if len(finished) >= n:
+            del self._siblings[parent]
+        return result
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_finished(self, rid: str, decode: dict[str, Any]) -> tuple[bool, None]:
+        remote = str(decode.get("remote_request_id"))
+        if self._claimed.get(remote) == rid:
+            del self._claimed[remote]
+        handled = rid in self._handled
+        self._handled.discard(rid)
+        if rid in self._to_recv:  # allocated, the pull not sent to the worker yet
+            self._to_release.append(self._to_recv.pop(rid)[0])
+            self._recv_inflight.discard(rid)
+            return False, None
+        if rid in self._recv_inflight:  # the pull runs: cancel, free when it reports
+            self._to_cancel.append(rid)
+            return True, None
+        if not handled:
+            self._to_release.append(decode)  # finished (aborted) in the queue, never pulled
+        return False, None
+
+    def _decode_params(self, request: Any) -> Optional[dict[str, Any]]:
+        """The hand-off this decode request pulls, or None (the prompt is computed locally).
+
+        Each lease is pulled by one local request at most. A request whose params hold
+        several children's hand-offs (``kvxfer_children``, or vLLM's list of per-child
+        params) is a forked child ``f"{i}_{D}"`` and picks the entry with
+        ``kvxfer_child_index == i``, never a sibling's; params of one child are pulled by the
+        request that holds them, whatever its id looks like (a client id such as
+        ``"1_router-req"`` is not a child index)."""
+        rid = request.request_id
+        if rid in self._selected:
+            return self._selected[rid]
+        chosen: Optional[dict[str, Any]] = None
+        try:
+            chosen = self._select(rid, getattr(request, "kv_transfer_params", None))
+        except (TypeError, ValueError, AttributeError) as e:
+            self.counters["bad_params"] += 1
+            logger.error("kvxfer: the kv_transfer_params of %s are malformed (%s); computed locally", rid, e)
+        if chosen is not None:
+            remote = str(chosen.get("remote_request_id"))
+            holder = self._claimed.get(remote)
+            if holder is not None and holder != rid:
+                self.counters["handoff_taken"] += 1
+                logger.warning(
+                    "kvxfer: the lease of %s is already pulled by local request %s; %s is computed locally",
+                    remote,
+                    holder,
+                    rid,
+                )
+                chosen = None
+            else:
+                self._claimed[remote] = rid
+        self._selected[rid] = chosen
+        return chosen
+
+    def _select(self, rid: str, params: Any) -> Optional[dict[str, Any]]:
+        """The entry of ``params`` (a dict, or a list of per-child dicts) request ``rid``
+        pulls; raises TypeError / ValueError on malformed params."""
+        wants_pull = (isinstance(params, dict) and bool(params.get("do_remote_prefill"))) or (
+            isinstance(params, list) and any(isinstance(p, dict) and p.get("do_remote_prefill") for p in params)
+        )
+        if not wants_pull:
+            return None
+        if not self.s.is_consumer:
+            # A router's mistake: nothing here would ever pull or report it.
+            self.counters["misrouted"] += 1
+            logger.error(
+                "kvxfer: %s asks to pull (do_remote_prefill) but this instance is kv_role=%s; computed locally",
+                rid,
+                self.s.kv_role,
+            )
+            return None
+        m = CHILD_ID.match(rid) if _multi(params) else None
+        index = int(m.group(1)) if m else None
+        if isinstance(params, list):
+            entries = [p for p in params if isinstance(p, dict) and p.get("do_remote_prefill")]
+            if len(entries) != len(params):
+                raise TypeError("a list of kv_transfer_params holds entries that are not hand-off dicts")
+            if len(entries) == 1:
+                return self._select(rid, entries[0])  # one hand-off: as if given alone
+            if index is None:
+                raise ValueError(f"{len(entries)} hand-offs for a request that is not a forked child")
+            if all(int_or_none(e.get("kvxfer_n")) in (None, 1) for e in entries):
+                # Per-child leases of their own (the prefill side had no kvxfer_n): vLLM's
+                # list form, child i takes entry i.
+                return self._own(entries[index]) if index < len(entries) else self._none_of_its_own(rid)
+            return self._by_index(rid, index, entries)
+        assert isinstance(params, dict)
+        children = params.get("kvxfer_children")
+        if children is not None and not isinstance(children, list):
+            raise TypeError(f"kvxfer_children is a {type(children).__name__}, not a list")
+        if index is not None and children:
+            if not all(isinstance(c, dict) for c in children):
+                raise TypeError("kvxfer_children holds entries that are not dicts")
+            return self._by_index(rid, index, children)
+        if not params.get("kvxfer_lease_token"):
+            return None
+        return self._own(params)
+
+    def _by_index(self, rid: str, index: int, entries: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        for e in entries:
+            if int_or_none(e.get("kvxfer_child_index")) == index:
+                return self._own(e)
+        return self._none_of_its_own(rid)
+
+    @staticmethod
+    def _own(params: dict[str, Any]) -> dict[str, Any]:
+        """One child's params (without the sibling list); TypeError if its child index or
+        n is not an int."""
+        for key in ("kvxfer_child_index", "kvxfer_n"):
+            if params.get(key) is not None and int_or_none(params[key]) is None:
+                raise TypeError(f"{key} is {params[key]!r}, not an int")
+        return {k: v for k, v in params.items() if k != "kvxfer_children"}
+
+    def _none_of_its_own(self, rid: str) -> None:
+        self.counters["no_own_handoff"] += 1
+        logger.warning("kvxfer: no hand-off of its own for %s (a sibling's is never taken); computed locally", rid)
+        return None

@@ -1,0 +1,544 @@
+"""The connector's worker half: registers the KV cache, runs this rank's prefill and decode
+agents, and applies each step's metadata at the point of the step vLLM intends.
+
+- ``bind_connector_metadata`` (before the forward): retracts leases whose request will not
+  hand them off, so their blocks can be reused by this very step.
+- ``start_load_kv``: submits the step's pulls, cancels aborted ones, releases leases given
+  up without pulling and heartbeats queued ones (asynchronous: vLLM keeps the requests
+  waiting until ``get_finished`` reports them).
+- ``wait_for_save`` (after the forward): arms the leases minted for this step's finished
+  prompts — their blocks hold the prompt's KV now — copying them to the host buffer first
+  when the cache is staged.
+- ``get_finished``: ended leases (blocks back to vLLM) and finished pulls (copied into the
+  device cache first when staged).
+
+GPU caches are served through host staging (``kv_buffer_device: "cpu"``, as vLLM's own
+NixlConnector does): a host copy of every layer is registered, vLLM's copy op
+(``set_host_xfer_buffer_ops``) moves a prefill's blocks device→host before arming and a
+decode's blocks host→device before reporting them loaded."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import kvxfer
+
+from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, nested, rank_view
+from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
+
+
+def _device_type(t: Any) -> str:
+    device = getattr(t, "device", None)
+    return str(getattr(device, "type", device or "cpu"))
+
+
+class HostStaging:
+    """Host copies of a device KV cache, and the copy op between the two."""
+
+    def __init__(self, device_caches: dict[str, Any], group_layers: Optional[list[list[str]]]) -> None:
+        import torch
+
+        self.device = device_caches
+        # Same shape and dtype per layer; block b of a layer is index b of its first dim,
+        # which is what vLLM's copy op indexes. Layers sharing a tensor share the copy.
+        by_ptr: dict[int, Any] = {}
+        self.host: dict[str, Any] = {}
+        for name, t in device_caches.items():
+            key = int(t.data_ptr())
+            if key not in by_ptr:
+                by_ptr[key] = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+            self.host[name] = by_ptr[key]
+        self.groups = group_layers or [list(device_caches)]
+        self.copy_op: Optional[Callable[..., None]] = None
+        self._fallback_logged = False
+
+    def copy(self, block_ids: Any, direction: str) -> None:
+        """Copies blocks (flat, or one list per KV-cache group) "d2h" or "h2d"."""
+        lists = block_ids if nested(block_ids) else [block_ids]
+        for names, ids in zip(self.groups, lists):
+            ids = [int(b) for b in ids]
+            if not ids:
+                continue
+            dev = {n: self.device[n] for n in names}
+            host = {n: self.host[n] for n in names}
+            src, dst = (dev, host) if direction == "d2h" else (host, dev)
+            if self.copy_op is not None:
+                try:
+                    self.copy_op(src, dst, ids, ids, direction)
+                    continue
+                except (AttributeError, NotImplementedError) as e:
+                    # vLLM's CPU platform has no block-copy ops (its caches never need
+                    # staging); when staging is forced there, copy here instead.
+                    if not self._fallback_logged:
+                        logger.info("kvxfer: vLLM's copy op is unavailable here (%s); copying with torch", e)
+                        self._fallback_logged = True
+            self._index_copy(src, dst, ids)
+
+    @staticmethod
+    def _index_copy(src: dict[str, Any], dst: dict[str, Any], ids: list[int]) -> None:
+        import torch
+
+        for name, s in src.items():
+            d = dst[name]
+            index = torch.tensor(ids, dtype=torch.long, device=s.device)
+            d[index.to(d.device)] = s[index].to(d.device)
+
+
+class KvxferWorker:
+    """Worker-side state and hooks (one per vLLM worker process, i.e. per TP rank)."""
+
+    def __init__(self, settings: Settings, counters: dict[str, int]) -> None:
+        self.s = settings
+        self.counters = counters
+        self.prefill: Optional[kvxfer.PrefillAgent] = None
+        self.decode: Optional[kvxfer.DecodeAgent] = None
+        self.decode_shape: Optional[kvxfer.KvShape] = None
+        # The KV shape this rank states (None: the cache's blocks do not hold whole heads).
+        self.kv_shape: Optional[kvxfer.KvShape] = None
+        self.staging: Optional[HostStaging] = None
+        self._phases: dict[str, int] = {"retract": -1, "load": -1, "save": -1}
+        # lease id (remote_request_id) -> the vLLM request it holds blocks of.
+        self._lease_rid: dict[str, str] = {}
+        # Requests whose lease is armed (until it ends).
+        self._armed: set[str] = set()
+        # Leases that ended before vLLM said their request finished (request id -> ended
+        # at): kept until it does, forgotten after FORGET_AFTER.
+        self._ended: OrderedDict[str, float] = OrderedDict()
+        # Requests vLLM said finished whose leases are still armed: kept until the lease
+        # ends, however late (every armed lease ends, by expiry at the latest).
+        self._finished_seen: set[str] = set()
+        # Local request id -> (its pull, its child index there), for cancels.
+        self._pulls: dict[str, tuple[kvxfer.Pull, int]] = {}
+        # (pull id, child index) -> local request id: where a report goes.
+        self._by_child: dict[tuple[int, int], str] = {}
+        # remote_request_id -> the local request whose pull reads it (one at most).
+        self._pulling: dict[str, str] = {}
+        self._load_errors: set[int] = set()
+        self._done_recving: set[str] = set()
+        # Finished pulls and lease ends since vLLM last read the stats.
+        self.transfers: list[dict[str, Any]] = []
+        self.lease_ends: list[str] = []
+
+    # ------------------------------------------------------------------ start-up
+
+    def tp_rank(self) -> int:
+        if "kvxfer_tp_rank" in self.s.extra:
+            return int(self.s.extra["kvxfer_tp_rank"])
+        try:  # pragma: no cover - needs vLLM's parallel state
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank())
+        except Exception:  # noqa: BLE001 - no vLLM, or its groups are not initialized
+            return 0
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Registers the KV cache (host memory, or a host copy of a device cache) and starts
+        the agents of this rank."""
+        devices = {_device_type(t) for t in kv_caches.values()}
+        on_device = devices - {"cpu", "numpy"}
+        if on_device or self.s.host_staging:
+            if on_device and self.s.kv_buffer_device != "cpu" and not self.s.host_staging:
+                raise kvxfer.RegistrationError(
+                    f"kvxfer: the KV cache is on {', '.join(sorted(on_device))} memory, which kvxfer's data paths "
+                    f"do not read directly here; set \"kv_buffer_device\": \"cpu\" in --kv-transfer-config "
+                    f"(host staging: blocks are copied through a registered host buffer; kv_buffer_device is "
+                    f"{self.s.kv_buffer_device!r} now)"
+                )
+            self.staging = HostStaging(dict(kv_caches), self.s.group_layers)
+            kv_caches = self.staging.host
+        rank = self.tp_rank()
+        shape = self.kv_shape = self._kv_shape(kv_caches, rank)
+        common = dict(
+            engine_id=self.s.engine_id,
+            rank=rank,
+            kv_shape=shape,
+            cluster_key=self.s.cluster_key,
+            io_timeout=self.s.io_timeout,
+            worker_threads=self.s.worker_threads,
+        )
+        if self.s.is_producer:
+            self.prefill = kvxfer.PrefillAgent(
+                self._memory(kv_caches),
+                f"{self.s.listen_host}:{self.s.port_of(rank)}",
+                agent_name=f"vllm-prefill-{rank}",
+                tp_size=self.s.tp_size,
+                advertise_host=self.s.host,
+                lease_ttl=self.s.lease_ttl,
+                arm_wait=self.s.arm_wait,
+                **common,
+            )
+        if self.s.is_consumer:
+            self.decode_shape = shape
+            self.decode = kvxfer.DecodeAgent(
+                self._memory(kv_caches),
+                agent_name=f"vllm-decode-{rank}",
+                queue_reports=True,
+                **common,
+            )
+
+    def _memory(self, kv_caches: dict[str, Any]) -> kvxfer.Memory:
+        kwargs: dict[str, Any] = {"kv_layout": self.s.kv_layout, "groups": self.s.group_layers}
+        accepted = inspect.signature(kvxfer.kv_cache_memory).parameters
+        if "num_blocks" in accepted and self.s.num_blocks:
+            kwargs["num_blocks"] = self.s.num_blocks
+        if "block_size" in accepted and self.s.block_size:
+            kwargs["block_size"] = self.s.block_size
+        return kvxfer.kv_cache_memory(kv_caches, **kwargs)
+
+    def _kv_shape(self, kv_caches: dict[str, Any], rank: int) -> Optional[kvxfer.KvShape]:
+        """This rank's KV shape (TP size and rank, KV heads; head dim, dtype and block size
+        come from the registered memory), from vLLM's parallel and model config. Only for
+        caches whose blocks hold whole heads (HND layouts, MLA): in vLLM's default NHD
+        layout a head slice of a block is not contiguous, so no shape is stated and the TP
+        sizes must match (rank r pulls from rank r)."""
+        model = self.s.model_config
+        layout = self.s.kv_layout
+        mla = bool(getattr(model, "use_mla", False)) or layout == "mla"
+        if not (mla or layout.endswith("_hnd")):
+            return None
+        caches = kv_caches
+        if self.s.group_layers is not None:
+            caches = {n: kv_caches[n] for n in self.s.group_layers[0] if n in kv_caches}
+        heads, _ = kvxfer.kv_cache_heads(caches, kv_layout=layout)
+        if mla:
+            return kvxfer.KvShape(tp_size=self.s.tp_size, tp_rank=rank, attention="mla")
+        total = self.s.extra.get("kvxfer_total_kv_heads")
+        if total is None and hasattr(model, "get_total_num_kv_heads"):
+            total = model.get_total_num_kv_heads()
+        if total is None:
+            total = heads * self.s.tp_size  # as many heads as ranks or more: an even split
+        return kvxfer.KvShape(tp_size=self.s.tp_size, tp_rank=rank, total_kv_heads=int(total))
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        if self.staging is not None:
+            self.staging.copy_op = copy_operation
+        self._copy_op = copy_operation
+
+    def get_handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
+        """This rank's prefill agent (address, incarnation), for the scheduler side."""
+        if self.prefill is None:
+            return None
+        host, port = self.prefill.address
+        return KvxferHandshakeMetadata(self.tp_rank(), host, port, self.prefill.incarnation)
+
+    # ------------------------------------------------------------------ per step
+
+    def _once(self, meta: Any, phase: str) -> bool:
+        """Whether ``phase`` of ``meta``'s step is still to run (each runs once)."""
+        step = getattr(meta, "step", None)
+        if not isinstance(meta, KvxferConnectorMetadata) or step is None or step <= self._phases[phase]:
+            return False
+        self._phases[phase] = step
+        return True
+
+    def before_forward(self, meta: Any) -> None:
+        """Retracts leases whose request will not hand them off (before their blocks can be
+        reused by this step's forward)."""
+        if not self._once(meta, "retract") or self.prefill is None:
+            return
+        rank = self.tp_rank()
+        for params in meta.to_retract:
+            lease = str(params.get("remote_request_id"))
+            rid = self._lease_rid.pop(lease, None)
+            if rid is not None:
+                self._armed.discard(rid)
+                self._finished_seen.discard(rid)
+            try:
+                self.prefill.cancel(rank_view(params, rank))
+            except kvxfer.KvxferError as e:
+                logger.warning("kvxfer: retracting the lease %s: %s", lease, e)
+
+    def load(self, meta: Any) -> None:
+        """Submits the step's pulls, cancels, releases and heartbeats (decode side)."""
+        if not self._once(meta, "load") or self.decode is None:
+            return
+        rank = self.tp_rank()
+        self._submit(meta.to_recv, rank)
+        for rid in meta.to_cancel:
+            pull = self._pulls.get(rid)
+            if pull is not None:
+                pull[0].cancel_child(pull[1])
+        if meta.to_release:
+            self._release([v for p in meta.to_release for v in self._views_or_none(p, rank)])
+        if meta.heartbeats:
+            beats = [v for p in meta.heartbeats for v in self._views_or_none(p, rank)]
+            if beats:
+                self._each_or_alone(self.decode.heartbeat, beats, "heartbeating")
+
+    def save(self, meta: Any) -> None:
+        """Arms the leases minted for this step's finished prompts (after the forward)."""
+        if not self._once(meta, "save") or self.prefill is None:
+            return
+        rank = self.tp_rank()
+        for rid, params in meta.to_arm.items():
+            lease = str(params.get("remote_request_id"))
+            try:
+                if self.staging is not None:
+                    self.staging.copy(params.get("remote_block_ids") or [], "d2h")
+                self.prefill.arm(rank_view(params, rank))
+                self._armed.add(rid)
+                self._lease_rid[lease] = rid
+            except kvxfer.KvxferError as e:
+                self.counters["arm_failures"] += 1
+                logger.error("kvxfer: arming the lease of %s failed: %s", rid, e)
+                kind = getattr(e, "kind", None)
+                if kind == "already_leased":
+                    # A lease of this id exists and may be read: the blocks go back when
+                    # it ends (its end carries this id).
+                    self._armed.add(rid)
+                    self._lease_rid[lease] = rid
+                elif kind != "token_reused":
+                    # No lease holds the blocks: hand them back at once. (token_reused: this
+                    # very lease was armed and has ended already, and reported.)
+                    self._ended[rid] = time.monotonic()
+
+    def run_pending(self, meta: Any) -> None:
+        """Every phase of ``meta`` not run yet (a host that skipped a hook)."""
+        if meta is not None:
+            self.before_forward(meta)
+            self.load(meta)
+            self.save(meta)
+
+    # ------------------------------------------------------------------ decode helpers
+
+    def block_ratio(self, params: dict[str, Any]) -> int:
+        """Prefill blocks per local block: 1 unless the hand-off states another block size
+        (``kvxfer_block_size``) that divides this instance's."""
+        theirs = params.get("kvxfer_block_size")
+        mine = self.s.block_size
+        if theirs is None or not mine:
+            return 1
+        if int_or_none(theirs) is None or theirs < 1:
+            raise TypeError(f"kvxfer_block_size is {theirs!r}, not a positive int")
+        if mine < theirs or mine % theirs:
+            raise ValueError(f"block size: decode {mine} is not a multiple of prefill {theirs} tokens per block")
+        return mine // theirs
+
+    def views(self, params: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+        """The hand-offs decode rank ``rank`` pulls for ``params``: prefill rank ``rank``'s
+        when the TP and block sizes match (rank r pulls from rank r); every prefill rank's,
+        in rank order, when they differ (``DecodeAgent.submit_ranks`` reads this rank's head
+        slices from the ranks that hold them, ``k`` remote blocks into each local one)."""
+        prefill_tp = int_or_none(params.get("tp_size") or 1)
+        if prefill_tp is None or prefill_tp < 1:
+            raise TypeError(f"tp_size is {params.get('tp_size')!r}, not a positive int")
+        ratio = self.block_ratio(params)
+        if prefill_tp == self.s.tp_size and ratio == 1:
+            return [rank_view(params, rank)]
+        if self.decode_shape is None:
+            raise ValueError(
+                f"prefill TP size {prefill_tp} and decode TP size {self.s.tp_size} (block ratio {ratio}): pulling "
+                "head slices needs the KV shape, which is registered only for HND caches (kvxfer_kv_layout "
+                "\"kv_first_hnd\" or \"blocks_first_hnd\", VLLM_KV_CACHE_LAYOUT=HND) and MLA"
+            )
+        ports = params.get("kvxfer_rank_ports")
+        if prefill_tp > 1 and not (isinstance(ports, list) and len(ports) >= prefill_tp):
+            raise ValueError(f"the params do not list the ports of all {prefill_tp} prefill ranks (kvxfer_rank_ports)")
+        return [rank_view(params, r) for r in range(prefill_tp)]
+
+    def _each_or_alone(self, call: Any, params: list[dict[str, Any]], what: str) -> None:
+        """``call(params)``; when a dict is malformed (a router's bad params must not stop
+        the worker), each dict alone, logging the ones refused."""
+        try:
+            call(params)
+            return
+        except kvxfer.KvxferError:
+            pass
+        for p in params:
+            try:
+                call([p])
+            except kvxfer.KvxferError as e:
+                self.counters["bad_params"] += 1
+                logger.error("kvxfer: %s the lease of %s failed: %s", what, p.get("remote_request_id"), e)
+
+    def _views_or_none(self, params: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+        """``views``, or none (logged and counted) for params that cannot be used."""
+        try:
+            return self.views(params, rank)
+        except (ValueError, TypeError) as e:
+            self.counters["bad_params"] += 1
+            logger.error("kvxfer: the params of %s cannot be used: %s", params.get("remote_request_id"), e)
+            return []
+
+    def _release(self, params: list[dict[str, Any]]) -> None:
+        """Leases given up without pulling (aborted requests, full local prefix hits):
+        released now (``DecodeAgent.release``, not waited for) so the prefill side frees the
+        blocks at once instead of at the lease's expiry."""
+        if params and self.decode is not None:
+            self._each_or_alone(self.decode.release, params, "releasing")
+
+    def _submit(self, to_recv: dict[str, tuple[dict[str, Any], Any]], rank: int) -> None:
+        """Submits the step's pulls, children of one parent on one prefill agent together
+        (one ``submit_ranks`` over every prefill rank when the TP sizes differ)."""
+        assert self.decode is not None
+        groups: dict[tuple[Any, ...], list[tuple[str, list[dict[str, Any]], Any, int, Any]]] = {}
+        for rid, (params, local) in to_recv.items():
+            if not all_ids(local):
+                # Every block was found in the local prefix cache: nothing to pull.
+                self._release(self._views_or_none(params, rank))
+                self._done_recving.add(rid)
+                continue
+            try:
+                views = self.views(params, rank)
+                p = views[0]
+                remote_id = str(p.get("remote_request_id"))
+                holder = self._pulling.get(remote_id)
+                if holder is not None:
+                    # Two local requests would pull one lease: only one can, the other's
+                    # blocks would never be written. vLLM recomputes (or fails) this one.
+                    self.counters["duplicate_pulls"] += 1
+                    self._fail(rid, local, f"cannot pull {rid}: local request {holder} already pulls {remote_id}")
+                    continue
+                child_index = int_or_none(p.get("kvxfer_child_index") or 0)
+                if child_index is None:
+                    raise TypeError(f"kvxfer_child_index is {p.get('kvxfer_child_index')!r}, not an int")
+                ratio = self.block_ratio(p)
+                remote, pulled_into = pulled_blocks(
+                    self.s.num_groups, p.get("remote_block_ids"), local, ratio, p.get("kvxfer_skipped_blocks") or 0
+                )
+                if not all_ids(pulled_into):
+                    # Every local block lies outside the prefill side's sliding window.
+                    self._release(views)
+                    self._done_recving.add(rid)
+                    continue
+                views = [dict(v, remote_block_ids=remote) for v in views]
+                hetero = len(views) > 1 or ratio != 1 or int(p.get("tp_size") or 1) != self.s.tp_size
+            except (ValueError, TypeError) as e:
+                self._fail(rid, local, f"cannot pull {rid}: {e}")
+                continue
+            self._pulling[remote_id] = rid
+            key = (
+                p.get("kvxfer_parent_request_id") or p.get("remote_request_id"),
+                p.get("remote_host"),
+                p.get("remote_port"),
+                len(views),
+                hetero,
+            )
+            groups.setdefault(key, []).append((rid, views, local, child_index, pulled_into))
+        for (_, _, _, num_ranks, hetero), members in groups.items():
+            try:
+                if not hetero:
+                    pull = self.decode.submit([m[1][0] for m in members], [m[4] for m in members])
+                else:
+                    ranks = [[m[1][r] for m in members] for r in range(num_ranks)]
+                    pull = self.decode.submit_ranks(ranks, [m[4] for m in members])
+            except kvxfer.KvxferError as e:
+                for rid, views, local, _, _ in members:
+                    self._pulling.pop(str(views[0].get("remote_request_id")), None)
+                    self._fail(rid, local, f"cannot pull {rid}: {e}")
+                continue
+            for rid, _, _, child_index, _ in members:
+                self._pulls[rid] = (pull, child_index)
+                self._by_child[(pull.id, child_index)] = rid
+
+    def _fail(self, rid: str, local: Any, why: str) -> None:
+        self.counters["submit_failures"] += 1
+        logger.error("kvxfer: %s", why)
+        self._load_errors.update(all_ids(local))
+        self._done_recving.add(rid)
+
+    # ------------------------------------------------------------------ completions
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        sending: set[str] = set()
+        if self.prefill is not None:
+            now = time.monotonic()
+            for rid in finished_req_ids or ():
+                if rid in self._armed or rid in self._ended:
+                    self._finished_seen.add(rid)
+            for end in self.prefill.poll_ends():
+                self.lease_ends.append(end["kind"])
+                rid = self._lease_rid.pop(end["remote_request_id"], None)
+                if rid is None:
+                    continue  # a retracted lease: its request never waited for it
+                if end["kind"] == "expired":
+                    self.counters["leases_expired"] += 1
+                    logger.warning("kvxfer: the lease of %s expired before every consumer pulled it", rid)
+                self._armed.discard(rid)
+                self._ended[rid] = now
+            for rid in list(self._ended):
+                if rid in self._finished_seen:
+                    sending.add(rid)
+                    del self._ended[rid]
+                    self._finished_seen.discard(rid)
+            while self._ended:
+                oldest, since = next(iter(self._ended.items()))
+                if now - since < FORGET_AFTER:
+                    break
+                del self._ended[oldest]
+        if self.decode is not None:
+            for r in self.decode.poll_reports():
+                rid = self._by_child.pop((r["pull"], r["child_index"]), None)
+                if rid is None:
+                    continue
+                self._pulls.pop(rid, None)
+                if self._pulling.get(r["remote_request_id"]) == rid:
+                    del self._pulling[r["remote_request_id"]]
+                if r["outcome"] in ("failed", "failed_blocks_held"):
+                    logger.warning("kvxfer: pulling %s failed (%s): %s", rid, r["error"].advice, r["error"])
+                    self._load_errors.update(all_ids(r["local_blocks"]))
+                elif self.staging is not None:
+                    self.staging.copy(r["local_blocks"], "h2d")
+                self.transfers.append(r)
+                self._done_recving.add(rid)
+        recving, self._done_recving = self._done_recving, set()
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for agent in (self.decode, self.prefill):
+            if agent is not None:
+                agent.shutdown()
+
+
+def pulled_blocks(num_groups: int, remote: Any, local: Any, ratio: int = 1, skipped: Any = 0) -> tuple[Any, Any]:
+    """The remote blocks to pull and the local blocks they go to (per KV-cache group when
+    nested; ``ratio`` remote blocks per local block): where the head of the prompt is in the
+    local prefix cache (fewer local blocks), the tail; local blocks at positions the prefill
+    side had slid out of its window (``skipped``) are left alone."""
+    if num_groups > 1:
+        if not (nested(remote) and nested(local) and len(remote) == len(local) == num_groups):
+            raise ValueError(f"the hand-off and the local blocks must list {num_groups} KV-cache groups")
+        skips = skipped if isinstance(skipped, list) else [skipped] * num_groups
+        if len(skips) != num_groups:
+            raise ValueError(f"kvxfer_skipped_blocks lists {len(skips)} groups, this model has {num_groups}")
+        pairs = [tail(list(r), list(lo), ratio, k) for r, lo, k in zip(remote, local, skips)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    remote = list(remote or [])
+    if remote and isinstance(remote[0], list):
+        if len(remote) > 1 and any(remote[1:]):
+            raise ValueError(f"the hand-off lists {len(remote)} KV-cache groups, this model has one")
+        remote = remote[0]
+    if isinstance(skipped, list):
+        skipped = skipped[0] if skipped else 0
+    return tail(remote, list(local), ratio, skipped)
+
+
+def tail(remote: list[int], local: list[int], ratio: int = 1, skipped: Any = 0) -> tuple[list[int], list[int]]:
+    """The remote blocks of one group to pull and the local blocks they go to (``ratio``
+    remote blocks per local block): all, or the tail past the local blocks found in the
+    prefix cache. ``remote`` lacks its first ``skipped`` positions (null blocks on the
+    prefill side, outside its sliding window): local blocks wholly there are not pulled."""
+    k = int_or_none(skipped)
+    if k is None or k < 0:
+        raise ValueError(f"kvxfer_skipped_blocks is {skipped!r}, not a count")
+    needed = -(-(k + len(remote)) // ratio)
+    if len(local) > needed:
+        raise ValueError(f"{len(local)} local blocks for {k + len(remote)} remote blocks (block ratio {ratio})")
+    start = (needed - len(local)) * ratio  # the first local block's first remote position
+    head = max(0, k - start)  # remote positions of the local blocks with no KV remotely
+    idle = min(head // ratio, len(local))  # local blocks wholly outside the window
+    fill = head % ratio if idle < len(local) else 0
+    if fill and not remote:
+        raise ValueError(f"{k} remote blocks outside the sliding window and none inside it")
+    # A local block straddling the window's edge (block ratio > 1): its slots outside the
+    # window get a copy of the first block inside it — attention over the window never
+    # reads them (before the window moved past them, the prefill side's were vLLM's null
+    # block, just as meaningless).
+    return remote[:1] * fill + remote[start + idle * ratio + fill - k :], local[idle:]
