@@ -268,3 +268,23 @@ def test_a_window_edge_inside_a_decode_block_of_two_prefill_blocks_is_pulled_ali
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_caches_ordering_a_blocks_bytes_otherwise_are_never_pulled_into_each_other():
+    """Same block sizes, other byte order (tokens-then-heads vs heads-then-tokens): the
+    hand-off states the prefill's layout, the decode refuses to pull (a load error: vLLM
+    recomputes) and releases the lease at once instead of reading garbage."""
+    prefill = Instance("kv_producer", "nhd-prefill", seed=6)
+    decode = Instance("kv_consumer", "hnd-decode", hnd=True)
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [1, 2, 3])
+        assert params["kvxfer_kv_layout"] == prefill.workers[0].worker.layout
+        prefill.step()
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        decode.run_until("D reported", lambda: "D" in decode.recving, others=(prefill,))
+        assert decode.load_errors == set(local)
+        prefill.run_until("R released", lambda: "R" in prefill.sending, others=(decode,))
+        assert prefill.stats()["prefill"]["leases"]["released"] == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -41,11 +41,14 @@ class KvxferHandshakeMetadata(HandshakeMetadataBase):
     metadata): where its prefill agent listens and which process it is, so hand-offs name
     the real port (the OS picks it by default) and state the incarnation."""
 
-    def __init__(self, rank: int, host: str, port: int, incarnation: int) -> None:
+    def __init__(self, rank: int, host: str, port: int, incarnation: int, layout: str = "") -> None:
         self.rank = rank
         self.host = host
         self.port = port
         self.incarnation = incarnation
+        # How bytes are ordered inside a block (``worker.layout_tag``): a decode engine whose
+        # cache orders them otherwise must not pull (same sizes, other meaning).
+        self.layout = layout
 
     def __repr__(self) -> str:
         return f"KvxferHandshakeMetadata(rank={self.rank}, {self.host}:{self.port}, incarnation={self.incarnation})"

@@ -322,6 +322,8 @@ class KvxferScheduler:
         if rank0 is not None:
             out["remote_host"] = rank0.host
             out["kvxfer_incarnation"] = rank0.incarnation
+            if getattr(rank0, "layout", ""):
+                out["kvxfer_kv_layout"] = rank0.layout
         if tp > 1:
             out["kvxfer_rank_ports"] = [self._port_of(r) for r in range(tp)]
             if all(r in self._ranks for r in range(tp)):

@@ -30,6 +30,41 @@ from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, nested
 from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 
 
+def layout_tag(kv_layout: str, t: Any) -> str:
+    """How a layer's bytes are ordered: the configured layout name and the tensor's
+    dimensions (by position) from the largest stride to the smallest, e.g. ``auto:0,1,3,2``.
+    Two caches with the same block sizes but another order (vLLM's LBNHC and LBHNC, NHD and
+    HND) hold other bytes at the same offsets: a pull between them would be silent garbage."""
+    shape = tuple(int(d) for d in t.shape)
+    if hasattr(t, "stride") and callable(t.stride):
+        strides = tuple(int(x) for x in t.stride())
+    else:
+        strides = tuple(int(x) for x in getattr(t, "strides", ()) or ())
+    if len(strides) != len(shape):
+        return f"{kv_layout}:?"
+    dims = [i for i in range(len(shape)) if shape[i] > 1]
+    order = sorted(dims, key=lambda i: (-strides[i], i))
+    return f"{kv_layout}:{','.join(str(i) for i in order)}"
+
+
+def same_order(a: str, b: str) -> bool:
+    """Whether two ``layout_tag`` values order the dimensions both have alike (a dimension of
+    size 1, e.g. heads split over TP ranks, has no order of its own)."""
+    name_a, _, dims_a = a.partition(":")
+    name_b, _, dims_b = b.partition(":")
+    if name_a != name_b:
+        return False
+    if "?" in (dims_a, dims_b):
+        return True
+    la, lb = dims_a.split(","), dims_b.split(",")
+    common = set(la) & set(lb)
+    return [d for d in la if d in common] == [d for d in lb if d in common]
+
+
+class LayoutMismatch(ValueError):
+    """The prefill's KV cache orders a block's bytes otherwise than this one."""
+
+
 def _device_type(t: Any) -> str:
     device = getattr(t, "device", None)
     return str(getattr(device, "type", device or "cpu"))
@@ -96,6 +131,8 @@ class KvxferWorker:
         self.prefill: Optional[kvxfer.PrefillAgent] = None
         self.decode: Optional[kvxfer.DecodeAgent] = None
         self.decode_shape: Optional[kvxfer.KvShape] = None
+        # How bytes are ordered inside a block (see layout_tag).
+        self.layout = ""
         # The KV shape this rank states (None: the cache's blocks do not hold whole heads).
         self.kv_shape: Optional[kvxfer.KvShape] = None
         self.staging: Optional[HostStaging] = None
@@ -150,6 +187,9 @@ class KvxferWorker:
             self.staging = HostStaging(dict(kv_caches), self.s.group_layers)
             kv_caches = self.staging.host
         rank = self.tp_rank()
+        first = next(iter(kv_caches.values()), None)
+        if first is not None:
+            self.layout = layout_tag(self.s.kv_layout, first)
         shape = self.kv_shape = self._kv_shape(kv_caches, rank)
         common = dict(
             engine_id=self.s.engine_id,
@@ -229,7 +269,7 @@ class KvxferWorker:
         if self.prefill is None:
             return None
         host, port = self.prefill.address
-        return KvxferHandshakeMetadata(self.tp_rank(), host, port, self.prefill.incarnation)
+        return KvxferHandshakeMetadata(self.tp_rank(), host, port, self.prefill.incarnation, self.layout)
 
     # ------------------------------------------------------------------ per step
 
@@ -332,6 +372,13 @@ class KvxferWorker:
         prefill_tp = int_or_none(params.get("tp_size") or 1)
         if prefill_tp is None or prefill_tp < 1:
             raise TypeError(f"tp_size is {params.get('tp_size')!r}, not a positive int")
+        theirs = params.get("kvxfer_kv_layout")
+        if isinstance(theirs, str) and self.layout and not same_order(theirs, self.layout):
+            raise LayoutMismatch(
+                f"the KV caches order a block's bytes differently: prefill {theirs}, decode {self.layout} "
+                "(layout name: dimensions from the largest stride); run both engines with the same "
+                "VLLM_KV_CACHE_LAYOUT and attention backend (and kvxfer_kv_layout)"
+            )
         ratio = self.block_ratio(params)
         if prefill_tp == self.s.tp_size and ratio == 1:
             return [rank_view(params, rank)]
@@ -414,6 +461,11 @@ class KvxferWorker:
                     continue
                 views = [dict(v, remote_block_ids=remote) for v in views]
                 hetero = len(views) > 1 or ratio != 1 or int(p.get("tp_size") or 1) != self.s.tp_size
+            except LayoutMismatch as e:
+                # Never pullable here: give the lease back now rather than at its expiry.
+                self._release([rank_view(params, rank)])
+                self._fail(rid, local, f"cannot pull {rid}: {e}")
+                continue
             except (ValueError, TypeError) as e:
                 self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
