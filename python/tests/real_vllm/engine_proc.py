@@ -7,8 +7,9 @@ engine is up, then answers one JSON command per line with ``RESULT <json>``:
 - ``{"op": "generate", "prompts": [...], "sampling": {...SamplingParams kwargs...},
   "kv_transfer_params": {...} | [...] | null}``: every request's outputs (token ids,
   logprobs of the sampled tokens, text) and the ``kv_transfer_params`` vLLM returned.
-- ``{"op": "metrics"}``: the engine's ``vllm:kvxfer_*`` Prometheus series (the connector's
-  ``KVConnectorPromMetrics``, fed through vLLM's own stats path).
+- ``{"op": "metrics"}``: the engine's ``vllm:kvxfer_*`` (and ``vllm:nixl_*``) Prometheus
+  series (the connector's ``KVConnectorPromMetrics``, fed through vLLM's own stats path);
+  histograms as ``{"count", "sum"}``.
 - ``{"op": "quit"}``.
 """
 
@@ -47,8 +48,11 @@ def main() -> None:
         if cmd["op"] == "metrics":
             series = {}
             for m in llm.get_metrics():
-                if "kvxfer" in m.name:
-                    series[m.name] = getattr(m, "value", None)
+                if "kvxfer" in m.name or "nixl" in m.name:
+                    if hasattr(m, "sum") and hasattr(m, "count"):
+                        series[m.name] = {"count": m.count, "sum": m.sum}
+                    else:
+                        series[m.name] = getattr(m, "value", None)
             print("RESULT " + json.dumps(series), flush=True)
             continue
         sampling = dict(cmd.get("sampling") or {})

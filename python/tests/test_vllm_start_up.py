@@ -1,0 +1,56 @@
+"""The connector's start-up checks, with real vLLM types and torch tensors: a device cache
+without host staging is refused naming the setting, a loopback advertised host is warned
+about, the default port lets several instances share a host."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="tensors of another device need torch")
+from vllm_real import KVConnectorRole  # noqa: E402
+from vllm_sim import vllm_config  # noqa: E402
+
+import kvxfer  # noqa: E402
+from kvxfer.vllm import KvxferConnector  # noqa: E402
+
+
+def test_a_device_cache_without_host_staging_is_refused_naming_kv_buffer_device():
+    conn = KvxferConnector(vllm_config("kv_producer", "dev"), KVConnectorRole.WORKER, None)
+    cache = torch.empty((8, 2, 16, 64), dtype=torch.float16, device="meta")
+    with pytest.raises(kvxfer.RegistrationError, match="kv_buffer_device"):
+        conn.register_kv_caches({"layer.0": cache})
+    assert conn.worker is not None and conn.worker.prefill is None, "nothing started"
+
+
+def test_a_loopback_advertised_host_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING):
+        KvxferConnector(vllm_config("kv_producer", "lo"), KVConnectorRole.SCHEDULER, None)
+    assert any("loopback" in r.getMessage() and "kvxfer_host" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        KvxferConnector(
+            vllm_config("kv_producer", "lan", {"kvxfer_host": "10.0.0.7"}), KVConnectorRole.SCHEDULER, None
+        )
+    assert not any("loopback" in r.getMessage() for r in caplog.records)
+
+
+def test_two_kv_both_instances_on_one_host_listen_on_ports_of_their_own():
+    """The default port is 0: the OS picks one per agent, and the worker reports it to its
+    scheduler through vLLM's handshake metadata (two instances used to collide on 5600)."""
+    cfg = {"kvxfer_host": "127.0.0.1"}
+    cfg.pop("kvxfer_port", None)
+    conns = []
+    try:
+        for name in ("a", "b"):
+            config = vllm_config("kv_both", name, cfg)
+            config.kv_transfer_config.kv_connector_extra_config.pop("kvxfer_port", None)
+            conn = KvxferConnector(config, KVConnectorRole.WORKER, None)
+            conn.register_kv_caches({"layer.0": torch.zeros((2, 8, 4, 2, 16), dtype=torch.float16)})
+            conns.append(conn)
+        ports = [c.get_handshake_metadata().port for c in conns]
+        assert len(set(ports)) == 2 and all(p > 0 for p in ports), ports
+    finally:
+        for c in conns:
+            c.shutdown()

