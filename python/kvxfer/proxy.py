@@ -1,0 +1,459 @@
+"""A router for disaggregated vLLM serving with kvxfer: ``python -m kvxfer.proxy`` (or the
+``kvxfer-proxy`` console script; needs ``aiohttp``, the ``proxy`` extra).
+
+It serves the OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(streaming and not), ``GET /v1/models`` and ``GET /health``, in front of prefill instances
+(``vllm serve ... kv_role kv_producer``) and decode instances (``kv_consumer``) that run
+:class:`kvxfer.vllm.KvxferConnector`::
+
+    kvxfer-proxy --port 8000 --prefill http://p0:8100 --prefill http://p1:8100 \\
+                 --decode http://d0:8200 --decode http://d1:8200
+
+For each client request:
+
+1. **Prefill.** The request goes to a prefill instance with ``max_tokens`` 1 (and
+   ``max_completion_tokens`` 1 for chat), ``stream`` false, the client's ``n``, and
+   ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false,
+   "kvxfer_n": n}``. With ``kvxfer_n`` every one of the n children vLLM forks the request
+   into is leased with a hand-off of its own, and the params vLLM returns list them all
+   (``kvxfer_children``). ``stream_options``, ``min_tokens`` and ``min_completion_tokens``
+   are dropped from this request (vLLM refuses them with one token or without streaming).
+2. **Hand-off.** vLLM returns the params as the top-level ``kv_transfer_params`` field of
+   the (non-streaming) completion or chat completion response.
+3. **Decode.** The client's original request goes to a decode instance with those params as
+   its ``kv_transfer_params``; vLLM forks it into the same n children, each pulling its own
+   child's blocks. The decode's answer (status, content type, body or SSE stream) is passed
+   back to the client unchanged.
+
+A prefill response without ``kv_transfer_params`` (an instance without the connector, or
+not a producer) is logged and the request is decoded without them: the decode instance
+computes the prompt itself. A completion request with several prompts goes straight to a
+decode instance (vLLM returns the params of the first prompt only, so a P/D split would
+give every prompt the first one's hand-off).
+
+Load balancing: each request goes to the instance of its kind with the fewest outstanding
+requests (ties in round-robin order). A prefill request is outstanding until its answer is
+read, a decode request until its answer has been passed on.
+
+Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): an
+instance that cannot be reached, times out or answers with something that is not a
+completion gives 502 naming the instance; an upstream HTTP error (a 400 for a bad request,
+a 5xx) is passed through with its status and body (one that is not JSON becomes an
+OpenAI-style error of that status naming the instance). Nothing is retried elsewhere. Every
+answer carries the ``X-Kvxfer-Upstream`` header naming the instance it came from.
+
+A client that disconnects cancels the upstream request it waits for (vLLM aborts it). A
+client gone after the prefill answered but before the decode request was sent leaves the
+prefill's leases to end by expiry.
+
+The client's ``Authorization`` header is forwarded to every upstream. With ``--api-key KEY``
+the router itself also requires ``Authorization: Bearer KEY`` (as ``vllm serve --api-key``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import sys
+from typing import Any, Optional
+
+import aiohttp
+from aiohttp import web
+
+logger = logging.getLogger("kvxfer.proxy")
+
+# Request headers forwarded to the upstream instances.
+FORWARDED_HEADERS = ("Authorization",)
+UPSTREAM_HEADER = "X-Kvxfer-Upstream"
+
+
+class Upstream:
+    """One vLLM instance: its base URL (without ``/v1``) and its outstanding requests."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.outstanding = 0
+
+    def __repr__(self) -> str:
+        return f"Upstream({self.url!r}, outstanding={self.outstanding})"
+
+
+class Pool:
+    """The instances of one kind (prefill or decode). :meth:`pick` takes the one with the
+    fewest outstanding requests; among equals, the first from a round-robin cursor."""
+
+    def __init__(self, kind: str, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError(f"no {kind} instance given")
+        self.kind = kind
+        self.upstreams = [Upstream(u) for u in urls]
+        self._cursor = 0
+
+    def pick(self) -> Upstream:
+        k = len(self.upstreams)
+        best = None
+        for i in range(k):
+            j = (self._cursor + i) % k
+            if best is None or self.upstreams[j].outstanding < self.upstreams[best].outstanding:
+                best = j
+        assert best is not None
+        self._cursor = (best + 1) % k
+        return self.upstreams[best]
+
+
+class UpstreamError(Exception):
+    """A request to an upstream instance that produced no usable answer: becomes the
+    client's error response (``status``, an OpenAI-style body)."""
+
+    def __init__(self, status: int, message: str, upstream: Optional[Upstream] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.upstream = upstream
+
+    def response(self) -> web.Response:
+        return error_response(self.status, str(self), upstream=self.upstream)
+
+
+def error_response(status: int, message: str, upstream: Optional[Upstream] = None) -> web.Response:
+    """An OpenAI-style JSON error, as vLLM itself answers."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    headers = {UPSTREAM_HEADER: upstream.url} if upstream is not None else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port[/][v1]`` as ``http://host:port``."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def prefill_request(body: dict[str, Any], chat: bool, n: int) -> dict[str, Any]:
+    """The request sent to the prefill instance: the client's, computing one token."""
+    out = copy.deepcopy(body)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if chat:
+        out["max_completion_tokens"] = 1
+    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+        out.pop(key, None)
+    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "kvxfer_n": n}
+    return out
+
+
+def decode_request(body: dict[str, Any], params: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The request sent to the decode instance: the client's, with the prefill's params."""
+    out = dict(body)
+    out.pop("kv_transfer_params", None)
+    if params is not None:
+        out["kv_transfer_params"] = params
+    return out
+
+
+def several_prompts(body: dict[str, Any]) -> bool:
+    """A completion request with a batch of prompts (a list of strings or of token lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
+
+
+class Router:
+    """The routing state (pools, HTTP client) and the request handlers."""
+
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        timeout: Optional[float] = 300.0,
+        api_key: Optional[str] = None,
+    ) -> None:
+        self.prefill = Pool("prefill", [normalize_url(u) for u in prefill])
+        self.decode = Pool("decode", [normalize_url(u) for u in decode])
+        self.timeout = timeout if timeout else None
+        self.api_key = api_key
+        self.session: Optional[aiohttp.ClientSession] = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ the application
+
+    def app(self) -> web.Application:
+        """The aiohttp application. Serve it with ``handler_cancellation=True`` (as
+        :func:`main` does) so that a client's disconnect cancels its upstream request."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.cleanup_ctx.append(self._client_session)
+        return app
+
+    async def _client_session(self, app: web.Application):
+        # limit=0: as many connections to the upstreams as there are requests in flight.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await self.session.close()
+
+    def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:
+        # A whole answer must come within the timeout; a stream's next chunk too.
+        if streaming:
+            return aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
+        return aiohttp.ClientTimeout(total=self.timeout)
+
+    def _headers(self, request: web.Request) -> dict[str, str]:
+        return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+
+    def _unauthorized(self, request: web.Request) -> Optional[web.Response]:
+        if self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}":
+            return None
+        return error_response(401, "Unauthorized: a valid 'Authorization: Bearer <key>' header is required")
+
+    # ------------------------------------------------------------------ handlers
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/completions", chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/chat/completions", chat=True)
+
+    async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        denied = self._unauthorized(request)
+        if denied is not None:
+            return denied
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return error_response(400, f"the request body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body is not a JSON object")
+        n = body.get("n", 1)
+        if n is None:
+            n = 1
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return error_response(400, f"n must be a positive integer, not {n!r}")
+        headers = self._headers(request)
+
+        params = None
+        if chat or not several_prompts(body):
+            try:
+                params = await self._prefill(path, prefill_request(body, chat, n), headers)
+            except UpstreamError as e:
+                return e.response()
+            except _PassThrough as e:
+                return e.response
+        else:
+            logger.info("a completion request with several prompts: decoded without a prefill instance")
+        return await self._decode(request, path, decode_request(body, params), headers)
+
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Optional[dict[str, Any]]:
+        """Sends the prefill request; returns the ``kv_transfer_params`` of its answer."""
+        assert self.session is not None
+        upstream = self.prefill.pick()
+        url = upstream.url + path
+        upstream.outstanding += 1
+        try:
+            async with self.session.post(url, json=body, headers=headers, timeout=self._timeout(False)) as resp:
+                data = await resp.read()
+                if resp.status >= 400:
+                    raise _PassThrough(_pass_through(resp.status, resp.content_type, data, upstream, "prefill"))
+        except asyncio.TimeoutError:
+            raise UpstreamError(502, f"prefill instance {upstream.url} timed out after {self.timeout} s", upstream)
+        except aiohttp.ClientError as e:
+            raise UpstreamError(502, f"prefill instance {upstream.url} is unreachable or failed: {e}", upstream)
+        finally:
+            upstream.outstanding -= 1
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            snippet = data[:200].decode("utf-8", "replace")
+            why = f"prefill instance {upstream.url} answered with no completion: {snippet!r}"
+            raise UpstreamError(502, why, upstream)
+        params = answer.get("kv_transfer_params")
+        if params is None:
+            if upstream.url not in self._warned:
+                self._warned.add(upstream.url)
+                logger.warning(
+                    "prefill instance %s returned no kv_transfer_params (no KV connector, or not a producer?): "
+                    "its requests are computed again by the decode instance",
+                    upstream.url,
+                )
+            return None
+        if not isinstance(params, (dict, list)):
+            why = f"prefill instance {upstream.url} returned kv_transfer_params of type {type(params).__name__}"
+            raise UpstreamError(502, why, upstream)
+        return params  # type: ignore[return-value]
+
+    async def _decode(
+        self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """Sends the decode request and passes its answer on as it comes."""
+        assert self.session is not None
+        upstream = self.decode.pick()
+        url = upstream.url + path
+        upstream.outstanding += 1
+        response: Optional[web.StreamResponse] = None
+        try:
+            streaming = bool(body.get("stream"))
+            async with self.session.post(url, json=body, headers=headers, timeout=self._timeout(streaming)) as resp:
+                if resp.status >= 400:
+                    data = await resp.read()
+                    return _pass_through(resp.status, resp.content_type, data, upstream, "decode")
+                response = web.StreamResponse(status=resp.status, headers=_content_headers(resp, upstream))
+                await response.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except ConnectionResetError as e:  # aiohttp's ClientConnectionResetError is one too
+            # Writing to a client that has gone: leaving the block closed the upstream
+            # connection, which makes vLLM abort the request.
+            if response is not None and _client_gone(request):
+                logger.info("client gone mid-answer; decode request to %s cancelled", upstream.url)
+                return response
+            return await self._upstream_failed(request, response, upstream, f"the connection was reset: {e}")
+        except asyncio.TimeoutError:
+            return await self._upstream_failed(request, response, upstream, f"timed out after {self.timeout} s")
+        except aiohttp.ClientError as e:
+            return await self._upstream_failed(request, response, upstream, f"is unreachable or failed: {e}")
+        finally:
+            upstream.outstanding -= 1
+
+    async def _upstream_failed(
+        self, request: web.Request, response: Optional[web.StreamResponse], upstream: Upstream, why: str
+    ) -> web.StreamResponse:
+        message = f"decode instance {upstream.url} {why}"
+        logger.warning("%s", message)
+        if response is None:  # nothing sent yet: a proper error
+            return error_response(502, message, upstream)
+        # Mid-answer: the status is sent. A stream ends with an error event (as vLLM's own
+        # errors mid-stream); any other body is cut short.
+        if response.content_type == "text/event-stream" and not _client_gone(request):
+            error = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
+            try:
+                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+            except ConnectionResetError:
+                pass
+        return response
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/models`` of a decode instance (prefill and decode serve the same model)."""
+        denied = self._unauthorized(request)
+        if denied is not None:
+            return denied
+        assert self.session is not None
+        upstream = self.decode.pick()
+        try:
+            async with self.session.get(
+                upstream.url + "/v1/models", headers=self._headers(request), timeout=self._timeout(False)
+            ) as resp:
+                data = await resp.read()
+                return _pass_through(resp.status, resp.content_type, data, upstream, "decode")
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            return error_response(502, f"decode instance {upstream.url} is unreachable or failed: {e!r}", upstream)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while at least one prefill and one decode instance answer their ``/health``,
+        else 503; the body lists every instance."""
+        assert self.session is not None
+
+        async def check(u: Upstream) -> dict[str, Any]:
+            try:
+                async with self.session.get(u.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    ok = r.status == 200
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                ok = False
+            return {"url": u.url, "healthy": ok, "outstanding": u.outstanding}
+
+        pools = (self.prefill, self.decode)
+        results = await asyncio.gather(*(check(u) for p in pools for u in p.upstreams))
+        k = len(self.prefill.upstreams)
+        body = {"prefill": results[:k], "decode": results[k:]}
+        healthy = any(r["healthy"] for r in results[:k]) and any(r["healthy"] for r in results[k:])
+        body["status"] = "ok" if healthy else "unavailable"
+        return web.json_response(body, status=200 if healthy else 503)
+
+
+class _PassThrough(Exception):
+    """Carries an upstream's HTTP error response out of :meth:`Router._prefill`."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def _pass_through(status: int, content_type: str, data: bytes, upstream: Upstream, kind: str) -> web.Response:
+    """An upstream's answer as it came; an HTTP error that is not JSON becomes an
+    OpenAI-style one of the same status naming the instance."""
+    if status >= 400 and content_type != "application/json":
+        snippet = data[:200].decode("utf-8", "replace")
+        return error_response(status, f"{kind} instance {upstream.url} answered {status}: {snippet}", upstream)
+    return web.Response(status=status, body=data, content_type=content_type, headers={UPSTREAM_HEADER: upstream.url})
+
+
+def _content_headers(resp: aiohttp.ClientResponse, upstream: Upstream) -> dict[str, str]:
+    headers = {UPSTREAM_HEADER: upstream.url}
+    for h in ("Content-Type", "Cache-Control"):
+        if h in resp.headers:
+            headers[h] = resp.headers[h]
+    return headers
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="kvxfer-proxy",
+        description="OpenAI-compatible router for disaggregated vLLM serving with the kvxfer KV connector: "
+        "prefill on one instance, decode (n > 1 included) on another.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--prefill", action="append", required=True, metavar="URL",
+        help="a prefill instance (kv_producer), e.g. http://127.0.0.1:8100; repeat for several",
+    )
+    p.add_argument(
+        "--decode", action="append", required=True, metavar="URL",
+        help="a decode instance (kv_consumer), e.g. http://127.0.0.1:8200; repeat for several",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0,
+        help="seconds to wait for a prefill answer, a non-streaming decode answer or a stream's next "
+        "chunk (default 300; 0: no limit)",
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    router = Router(args.prefill, args.decode, timeout=args.timeout, api_key=args.api_key)
+    logger.info(
+        "routing to prefill %s and decode %s",
+        [u.url for u in router.prefill.upstreams],
+        [u.url for u in router.decode.upstreams],
+    )
+    web.run_app(
+        router.app(), host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None
+    )
+
+
+if __name__ == "__main__":
+    main()
