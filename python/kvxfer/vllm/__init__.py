@@ -32,7 +32,8 @@ Switch with one flag on both the prefill and the decode instance::
   ``get_block_ids_with_load_errors`` (vLLM's recompute-or-fail policy applies). Leases of
   requests still waiting in the queue are heartbeated every ``lease_ttl / 6``; a request
   aborted before its pull, or whose blocks all hit the local prefix cache, releases its
-  lease at once.
+  lease at once; a request vLLM's API server refuses before admitting it
+  (``notify_kv_transfer_request_rejected``) releases every lease its params list.
 - **Hybrid models** (``SupportsHMA``): one memory group per ``kv_cache_groups[g]``, nested
   ``remote_block_ids``; a sliding-window group's leading null blocks are not leased
   (``kvxfer_skipped_blocks``).

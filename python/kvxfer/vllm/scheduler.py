@@ -148,6 +148,8 @@ class KvxferScheduler:
         self._producing.pop(rid, None)
         decode = self._decode_params(request)
         self._selected.pop(rid, None)
+        if getattr(request, "abort_immediately", False) and self.s.is_consumer:
+            self._release_refused(rid, getattr(request, "kv_transfer_params", None), decode)
         if decode is not None:
             return self._decode_finished(rid, decode)
         try:
@@ -378,6 +380,32 @@ class KvxferScheduler:
         if not handled:
             self._to_release.append(decode)  # finished (aborted) in the queue, never pulled
         return False, None
+
+    def _release_refused(self, rid: str, params: Any, own: Optional[dict[str, Any]]) -> None:
+        """A request vLLM refused before admitting it (``abort_immediately``: its API
+        server's ``notify_kv_transfer_request_rejected``, sent under the client's request id
+        with the request's params, so the connector frees what they pin on the prefill
+        side): releases every hand-off the params list that no other local request pulls,
+        not only the one it would have pulled (``own``, released as any unpulled one)."""
+        if isinstance(params, dict):
+            children = params.get("kvxfer_children")
+            entries = children if isinstance(children, list) and children else [params]
+        elif isinstance(params, list):
+            entries = params
+        else:
+            return
+        mine = str(own.get("remote_request_id")) if own is not None else None
+        for entry in entries:
+            if not (isinstance(entry, dict) and entry.get("do_remote_prefill") and entry.get("kvxfer_lease_token")):
+                continue
+            remote = str(entry.get("remote_request_id"))
+            if remote == mine or self._claimed.get(remote) not in (None, rid):
+                continue
+            try:
+                self._to_release.append(self._own(entry))
+            except TypeError as e:
+                self.counters["bad_params"] += 1
+                logger.error("kvxfer: a hand-off listed by refused request %s is malformed (%s); not released", rid, e)
 
     def _decode_params(self, request: Any) -> Optional[dict[str, Any]]:
         """The hand-off this decode request pulls, or None (the prompt is computed locally).

@@ -1,0 +1,386 @@
+"""kvxfer's vLLM connector driven by real vLLM 0.33 on a CPU, only the forward pass faked.
+
+A prefill engine (``kv_producer``) and a decode engine (``kv_consumer``) are built from
+vLLM's own pieces (``engine_sim.py``): its scheduler creates the scheduler-side connector,
+its connector factory the worker-side one, its allocator the KV-cache tensors; each step
+crosses vLLM's serialization and runs the model runner's connector hooks in vLLM's own
+order; requests are fanned out by ``ParentRequest`` and their outputs read through
+``OutputProcessor``. Every test runs with the synchronous ``Scheduler`` (the CPU attention
+backend's KV-cache layout) and with ``AsyncScheduler`` (vLLM's default layout order, its
+batch queue of two steps).
+
+Run: ``/var/cache/kvxfer/vllm-0.33.0-py3.11/bin/python -m pytest -q
+python/tests/real_vllm/test_scheduler_0_33.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pytest
+
+pytest.importorskip("vllm")
+import vllm  # noqa: E402
+
+if not vllm.__version__.startswith("0.33."):
+    pytest.skip(f"written against vLLM 0.33 (this is {vllm.__version__})", allow_module_level=True)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from engine_sim import SAMPLED_TOKEN, Engine, cpu_attention_layouts, default_attention_layouts  # noqa: E402
+from tiny_model import make_tiny_model  # noqa: E402
+
+from kvxfer.vllm import KvxferConnectorMetadata  # noqa: E402
+
+PREFILL_EXTRA = {"kvxfer_host": "127.0.0.1", "kvxfer_arm_wait": 30.0}
+DECODE_EXTRA = {"kvxfer_host": "127.0.0.1"}
+DECODE_TOKENS = 2
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@dataclass
+class Pair:
+    mode: str
+    prefill: Engine
+    decode: Engine
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def pair(request: pytest.FixtureRequest, model_dir: str):
+    asynchronous = request.param == "async"
+    layouts = default_attention_layouts() if asynchronous else cpu_attention_layouts()
+    prefill = Engine(
+        model_dir, "kv_producer", async_scheduling=asynchronous, extra_config=PREFILL_EXTRA, attention_layouts=layouts
+    )
+    decode = Engine(
+        model_dir, "kv_consumer", async_scheduling=asynchronous, extra_config=DECODE_EXTRA, attention_layouts=layouts
+    )
+    assert type(prefill.scheduler).__name__ == ("AsyncScheduler" if asynchronous else "Scheduler")
+    yield Pair(request.param, prefill, decode)
+    prefill.shutdown()
+    decode.shutdown()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def prompt_for(tag: str, length: int = 40) -> list[int]:
+    rng = random.Random(tag)
+    return [rng.randrange(0, 256) for _ in range(length)]
+
+
+@dataclass
+class Snapshot:
+    """Counters before a test, to compare with after."""
+
+    leases: dict[str, int]
+    server: dict[str, int]
+    prefill_connectors: list[dict[str, Any]]
+    decode_connectors: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, pair: Pair) -> "Snapshot":
+        agent = pair.prefill.worker_stats()["prefill"]
+        return cls(
+            dict(agent["leases"]),
+            dict(agent["server"]),
+            [_own_counters(pair.prefill.connector.stats()), _own_counters(pair.prefill.worker_stats())],
+            [_own_counters(pair.decode.connector.stats()), _own_counters(pair.decode.worker_stats())],
+        )
+
+    def lease_delta(self, pair: Pair) -> dict[str, int]:
+        now = pair.prefill.worker_stats()["prefill"]["leases"]
+        return {k: now[k] - self.leases[k] for k in ("leased", "pulled", "released", "expired", "retracted", "live")}
+
+    def arm_waits(self, pair: Pair) -> int:
+        return pair.prefill.worker_stats()["prefill"]["server"]["arm_waits"] - self.server["arm_waits"]
+
+
+def _own_counters(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in stats.items() if isinstance(v, int)}
+
+
+def eventually(what: str, cond: Any, timeout: float = 30.0) -> None:
+    """Waits until ``cond()`` holds (a guard against a hang, not a timed assertion)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def run_prefill(pair: Pair, request_id: str, prompt: list[int], n: int) -> tuple[list[str], Any]:
+    """A prefill request as the router sends it, run until the user sees its output (the
+    offline API's loop); returns the engine core's request ids and the ``RequestOutput``."""
+    engine = pair.prefill
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "kvxfer_n": n}
+    ids = engine.add_request(request_id, prompt, n=n, max_tokens=1, kv_transfer_params=params)
+    outputs = engine.run_until(lambda: not engine.has_unfinished_requests(), f"prefill {request_id}")
+    finished = [o for o in outputs if o.finished]
+    assert len(finished) == 1, outputs
+    assert len(finished[0].outputs) == n
+    assert finished[0].kv_transfer_params is not None, "the prefill's RequestOutput carries no kv_transfer_params"
+    return ids, finished[0]
+
+
+def router_hop(params: dict[str, Any]) -> dict[str, Any]:
+    """The params as they reach the decode instance (JSON through the router)."""
+    return json.loads(json.dumps(params))
+
+
+def run_decode(
+    pair: Pair,
+    request_id: str,
+    prompt: list[int],
+    n: int,
+    params: dict[str, Any],
+    *,
+    step_prefill: bool = True,
+    abort_children: tuple[int, ...] = (),
+) -> tuple[list[str], list[Any]]:
+    """The decode request (the prefill's params), run until its children finish; the
+    prefill engine keeps stepping (a server's busy loop) unless ``step_prefill`` is off."""
+    engine = pair.decode
+    ids = engine.add_request(request_id, prompt, n=n, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
+    if abort_children:
+        engine.abort([ids[i] for i in abort_children])
+    outputs: list[Any] = []
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, f"timed out waiting for decode {request_id}"
+        outputs.extend(engine.step())
+        if step_prefill:
+            pair.prefill.step()
+        time.sleep(0.001)
+    return ids, outputs
+
+
+def settle(pair: Pair, before: Snapshot) -> None:
+    """Steps both engines until nothing is left, then checks what every test must leave:
+    every block back in both block pools, no lease live or expired, no read that waited
+    for an arm, no connector counter moved."""
+    deadline = time.monotonic() + 60
+    while not (pair.prefill.idle() and pair.decode.idle()):
+        assert time.monotonic() < deadline, "timed out waiting for both engines to free every request"
+        pair.prefill.step()
+        pair.decode.step()
+        time.sleep(0.001)
+    for engine in (pair.prefill, pair.decode):
+        assert engine.free_blocks() == engine.free_blocks_at_start, "vLLM did not get every block back"
+    delta = before.lease_delta(pair)
+    assert delta["live"] == 0, delta
+    assert delta["expired"] == 0, f"a lease expired: {delta}"
+    assert before.arm_waits(pair) == 0, "a read waited for its lease to be armed"
+    after = Snapshot.of(pair)
+    assert after.prefill_connectors == before.prefill_connectors, "a prefill connector counter moved"
+    assert after.decode_connectors == before.decode_connectors, "a decode connector counter moved"
+
+
+def check_blocks(pair: Pair, prefill_id: str, decode_id: str, prompt: list[int]) -> None:
+    """The decode request's blocks, as its pull left them, hold the prefill's bytes (whole
+    blocks, as the lease held them), and its prompt slots hold what the forward wrote."""
+    params, sent = pair.prefill.sent_words[prefill_id]
+    assert decode_id in pair.decode.recv_words, f"{decode_id} was never reported loaded"
+    blocks, received = pair.decode.recv_words[decode_id]
+    count = len(params["remote_block_ids"])
+    assert len(blocks) >= count
+    assert torch.equal(received[:, :count], sent), f"{decode_id}: the pulled blocks differ from {prefill_id}'s"
+    assert pair.decode.worker.expected_prompt_mismatches(received, prompt) == 0
+    assert pair.prefill.worker.expected_prompt_mismatches(sent, prompt) == 0
+
+
+# ---------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("n, length", [(1, 32), (4, 40)])
+def test_each_decode_child_pulls_its_own_hand_off(pair: Pair, n: int, length: int) -> None:
+    before = Snapshot.of(pair)
+    tag = f"handoff-{pair.mode}-{n}"
+    prompt = prompt_for(tag, length)
+    prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, n)
+    params = output.kv_transfer_params
+    if n > 1:
+        children = params["kvxfer_children"]
+        assert sorted(c["kvxfer_child_index"] for c in children) == list(range(n))
+        assert {c["remote_request_id"] for c in children} == set(prefill_ids)
+    else:
+        assert params["remote_request_id"] == prefill_ids[0]
+    decode_ids, outputs = run_decode(pair, f"dec-{tag}", prompt, n, router_hop(params))
+    final = [o for o in outputs if o.finished]
+    assert len(final) == 1 and [c.token_ids for c in final[0].outputs] == [[SAMPLED_TOKEN] * DECODE_TOKENS] * n
+    for i, decode_id in enumerate(decode_ids):
+        assert pair.decode.pulled_lease(decode_id) == prefill_ids[i]
+        check_blocks(pair, prefill_ids[i], decode_id, prompt)
+    assert set(decode_ids) <= pair.decode.finished_recving()
+    settle(pair, before)
+    assert set(prefill_ids) <= pair.prefill.finished_sending()
+    assert before.lease_delta(pair) == dict(leased=n, pulled=n, released=0, expired=0, retracted=0, live=0)
+
+
+def test_offline_prefill_takes_no_step_after_its_output(pair: Pair) -> None:
+    """The offline ``LLM`` API steps the prefill engine only until its outputs are done:
+    the hand-offs must be live by then. The prefill agent waits up to 30 s for an arm
+    (``kvxfer_arm_wait``); no read may have waited at all."""
+    before = Snapshot.of(pair)
+    tag = f"offline-{pair.mode}"
+    prompt = prompt_for(tag)
+    prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, 2)
+    steps = pair.prefill.steps
+    decode_ids, _ = run_decode(pair, f"dec-{tag}", prompt, 2, router_hop(output.kv_transfer_params), step_prefill=False)
+    assert pair.prefill.steps == steps, "the prefill engine was stepped"
+    eventually("both leases to end pulled", lambda: before.lease_delta(pair)["pulled"] == 2)
+    assert before.arm_waits(pair) == 0, "the decode's reads waited for the leases to be armed"
+    for i, decode_id in enumerate(decode_ids):
+        check_blocks(pair, prefill_ids[i], decode_id, prompt)
+    # Only now does the prefill engine step again: it learns the leases ended and frees.
+    settle(pair, before)
+    assert set(prefill_ids) <= pair.prefill.finished_sending()
+    assert before.lease_delta(pair) == dict(leased=2, pulled=2, released=0, expired=0, retracted=0, live=0)
+
+
+def test_decode_child_aborted_before_its_pull_releases_its_lease(pair: Pair) -> None:
+    before = Snapshot.of(pair)
+    tag = f"abort-decode-{pair.mode}"
+    prompt = prompt_for(tag)
+    prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, 4)
+    decode_ids, _ = run_decode(pair, f"dec-{tag}", prompt, 4, router_hop(output.kv_transfer_params), abort_children=(2,))
+    assert pair.decode.pulled_lease(decode_ids[2]) is None
+    assert decode_ids[2] not in pair.decode.finished_recving()
+    for i in (0, 1, 3):
+        assert pair.decode.pulled_lease(decode_ids[i]) == prefill_ids[i]
+        check_blocks(pair, prefill_ids[i], decode_ids[i], prompt)
+    settle(pair, before)
+    # The released lease's request is reported finished sending too: its blocks are freed.
+    assert set(prefill_ids) <= pair.prefill.finished_sending()
+    assert before.lease_delta(pair) == dict(leased=4, pulled=3, released=1, expired=0, retracted=0, live=0)
+
+
+def test_prefill_aborted_after_its_last_token_step_retracts_its_lease(pair: Pair) -> None:
+    """The abort lands while the step computing the prompt's last token runs (after the
+    forward armed the lease): the lease is retracted and vLLM never hears of it."""
+    before = Snapshot.of(pair)
+    engine = pair.prefill
+    tag = f"abort-prefill-{pair.mode}"
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "kvxfer_n": 1}
+    (rid,) = engine.add_request(f"req-{tag}", prompt_for(tag), max_tokens=1, kv_transfer_params=params)
+    engine.abort_during_next_step([rid])
+    armed_before = len([m for m in engine.sent_metadata if rid in m.to_arm])
+    engine.run_until(lambda: rid not in engine.scheduler.requests, f"{rid} to be freed")
+    assert len([m for m in engine.sent_metadata if rid in m.to_arm]) == armed_before + 1, "no lease was armed"
+    assert before.lease_delta(pair)["leased"] == 1
+    settle(pair, before)
+    assert rid not in engine.finished_sending()
+    assert not [o for o in engine.core_outputs if o.request_id == rid and o.kv_transfer_params]
+    assert before.lease_delta(pair) == dict(leased=1, pulled=0, released=1, expired=0, retracted=0, live=0)
+
+
+@pytest.mark.parametrize("randomized", [True, False], ids=["internal-id", "client-id"])
+def test_a_client_id_that_looks_like_a_child_pulls_its_own_hand_off(
+    pair: Pair, randomized: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not randomized:
+        monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    before = Snapshot.of(pair)
+    prompt = prompt_for(f"client-id-{pair.mode}-{randomized}")
+    prefill_ids, output = run_prefill(pair, "1_router-req", prompt, 1)
+    decode_ids, _ = run_decode(pair, "1_router-req", prompt, 1, router_hop(output.kv_transfer_params))
+    if not randomized:
+        assert prefill_ids == decode_ids == ["1_router-req"]
+    assert pair.decode.pulled_lease(decode_ids[0]) == prefill_ids[0]
+    check_blocks(pair, prefill_ids[0], decode_ids[0], prompt)
+    settle(pair, before)
+    assert before.lease_delta(pair) == dict(leased=1, pulled=1, released=0, expired=0, retracted=0, live=0)
+
+
+def test_metadata_survives_vllm_serialization(pair: Pair) -> None:
+    before = Snapshot.of(pair)
+    tag = f"serial-{pair.mode}"
+    prompt = prompt_for(tag)
+    prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, 2)
+    params = router_hop(output.kv_transfer_params)
+    # The handshake metadata reached the scheduler side: the params name the real agent.
+    agent = pair.prefill.worker.connector.worker.prefill
+    assert params["remote_port"] == agent.port and params["kvxfer_incarnation"] == agent.incarnation
+    decode_ids = pair.decode.add_request(f"dec-{tag}", prompt, n=2, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
+    for rid in decode_ids:  # the EngineCoreRequest crossed as msgpack
+        assert pair.decode.scheduler.requests[rid].kv_transfer_params == params
+    pair.decode.run_until(lambda: not pair.decode.has_unfinished_requests(), "decode")
+    settle(pair, before)
+    for engine in (pair.prefill, pair.decode):
+        assert len(engine.sent_metadata) == len(engine.worker.received_metadata)
+        for sent, received in zip(engine.sent_metadata, engine.worker.received_metadata):
+            assert type(sent) is type(received) is KvxferConnectorMetadata
+            assert vars(sent) == vars(received)
+    assert any(set(prefill_ids) & set(m.to_arm) for m in pair.prefill.worker.received_metadata)
+    assert all(any(rid in m.to_recv for m in pair.decode.worker.received_metadata) for rid in decode_ids)
+
+
+_PROMETHEUS: dict[str, Any] = {}
+
+
+def test_stats_go_through_vllm_logging_and_prometheus(pair: Pair) -> None:
+    from prometheus_client import REGISTRY
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    labels = {"model_name": "tiny", "engine": "0"}
+    if "prom" not in _PROMETHEUS:  # registered once per process (prometheus' global registry)
+        _PROMETHEUS["prom"] = KVConnectorProm(pair.prefill.vllm_config, list(labels), {0: list(labels.values())})
+    prom = _PROMETHEUS["prom"]
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(f"vllm:kvxfer_{name}_total", labels) or 0.0
+
+    for engine in (pair.prefill, pair.decode):
+        engine.kv_logging.log(log_fn=lambda *args: None)  # ends the interval so far
+    start = {e: len(e.kv_connector_stats) for e in (pair.prefill, pair.decode)}
+    counters = {k: sample(k) for k in ("leases_pulled", "pulls_done", "pulled_bytes")}
+    before = Snapshot.of(pair)
+    tag = f"stats-{pair.mode}"
+    prompt = prompt_for(tag)
+    _, output = run_prefill(pair, f"req-{tag}", prompt, 2)
+    run_decode(pair, f"dec-{tag}", prompt, 2, router_hop(output.kv_transfer_params))
+    settle(pair, before)
+
+    lines: list[str] = []
+    for engine in (pair.prefill, pair.decode):
+        engine.kv_logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+        for payload in engine.kv_connector_stats[start[engine] :]:
+            prom.observe(payload, 0)
+    metrics = [dict(re.findall(r"(\w+)=([\d.]+)", line)) for line in lines]
+    assert len(metrics) == 2 and all(line.startswith("KV Transfer metrics: ") for line in lines), lines
+    prefill, decode = metrics
+    assert float(prefill["leases_pulled"]) == 2 and float(prefill["pulls_done"]) == 0
+    assert float(decode["pulls_done"]) == 2 and float(decode["pulled_MiB"]) > 0
+    assert sample("leases_pulled") - counters["leases_pulled"] == 2
+    assert sample("pulls_done") - counters["pulls_done"] == 2
+    assert sample("pulled_bytes") > counters["pulled_bytes"]
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_decode_request_refused_before_admission_releases_every_lease(pair: Pair, n: int) -> None:
+    """vLLM's API server refuses a request (say, a prompt too long) after the prefill ran:
+    ``notify_kv_transfer_request_rejected`` hands the engine core a pre-aborted request
+    under the client's id with the request's params, so the connector frees what they pin
+    on the prefill side — every child's lease, not only the one the params are about."""
+    before = Snapshot.of(pair)
+    tag = f"refused-{pair.mode}-{n}"
+    prompt = prompt_for(tag)
+    prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, n)
+    pair.decode.notify_rejected(f"cmpl-{tag}", router_hop(output.kv_transfer_params))
+    pair.decode.step()  # the release goes out with the next step's metadata
+    eventually(f"{n} leases to be released", lambda: before.lease_delta(pair)["released"] == n, timeout=10)
+    settle(pair, before)
+    assert set(prefill_ids) <= pair.prefill.finished_sending()
+    assert before.lease_delta(pair) == dict(leased=n, pulled=0, released=n, expired=0, retracted=0, live=0)
