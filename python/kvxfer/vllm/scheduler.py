@@ -70,7 +70,10 @@ class KvxferScheduler:
         self._ranks: dict[int, KvxferHandshakeMetadata] = {}
         # Decode.
         self._to_recv: dict[str, tuple[dict[str, Any], Any]] = {}
-        self._recv_inflight: set[str] = set()
+        # Decode requests whose pull was handed to the workers and has not reported yet,
+        # with their hand-off: heartbeated like queued ones until the report (a worker step
+        # can start late, and the lease must not run out before the pull reads it).
+        self._recv_inflight: dict[str, dict[str, Any]] = {}
         self._handled: set[str] = set()
         self._to_cancel: list[str] = []
         self._to_release: list[dict[str, Any]] = []
@@ -116,7 +119,7 @@ class KvxferScheduler:
         self._queued.pop(rid, None)
         if num_external_tokens > 0:
             self._to_recv[rid] = (params, local_blocks(blocks, self.s.num_groups))
-            self._recv_inflight.add(rid)
+            self._recv_inflight[rid] = params
         else:
             # Everything is in the local prefix cache: nothing to pull, release the lease.
             self._to_release.append(params)
@@ -133,14 +136,15 @@ class KvxferScheduler:
         meta.to_cancel, self._to_cancel = self._to_cancel, []
         meta.to_release, self._to_release = self._to_release, []
         now = time.monotonic()
-        if self._queued and now - self._last_heartbeat >= self.s.heartbeat_interval:
+        waiting = [p for rid, p in self._recv_inflight.items() if rid not in meta.to_recv]
+        if (self._queued or waiting) and now - self._last_heartbeat >= self.s.heartbeat_interval:
             self._last_heartbeat = now
-            meta.heartbeats = list(self._queued.values())
+            meta.heartbeats = list(self._queued.values()) + waiting
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():
-            self._recv_inflight.discard(rid)
+            self._recv_inflight.pop(rid, None)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
@@ -191,6 +195,7 @@ class KvxferScheduler:
             self._to_retract.append(minted)
             minted = None
         if minted is None:
+            logger.debug("kvxfer: %s minted at request_finished (armed at the next step)", rid)
             minted = self._mint(rid, params, blocks, skipped)
         return True, self._with_siblings(minted)
 
@@ -228,6 +233,7 @@ class KvxferScheduler:
                 continue
             blocks, skipped = strip_null_prefix(blocks)
             if all_ids(blocks):
+                logger.debug("kvxfer: %s minted at its last-token step (blocks %s)", rid, blocks)
                 self._minted_by_rid[rid] = self._mint(rid, params, blocks, skipped)
                 self._minted_requests[rid] = request
 
@@ -372,7 +378,7 @@ class KvxferScheduler:
         self._handled.discard(rid)
         if rid in self._to_recv:  # allocated, the pull not sent to the worker yet
             self._to_release.append(self._to_recv.pop(rid)[0])
-            self._recv_inflight.discard(rid)
+            self._recv_inflight.pop(rid, None)
             return False, None
         if rid in self._recv_inflight:  # the pull runs: cancel, free when it reports
             self._to_cancel.append(rid)

@@ -335,6 +335,7 @@ class KvxferWorker:
                 if self.staging is not None:
                     self.staging.copy(params.get("remote_block_ids") or [], "d2h")
                 self.prefill.arm(rank_view(params, rank))
+                logger.debug("kvxfer: armed %s (lease %s, blocks %s)", rid, lease, params.get("remote_block_ids"))
                 self._armed.add(rid)
                 self._lease_rid[lease] = rid
             except kvxfer.KvxferError as e:
@@ -499,6 +500,7 @@ class KvxferWorker:
                     self._pulling.pop(str(views[0].get("remote_request_id")), None)
                     self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
+            logger.debug("kvxfer: pull %s submitted for %s", pull.id, [m[0] for m in members])
             for rid, _, _, child_index, _ in members:
                 self._pulls[rid] = (pull, child_index)
                 self._by_child[(pull.id, child_index)] = rid

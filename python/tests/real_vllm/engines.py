@@ -22,10 +22,29 @@ class Engine:
     """One engine process (engine_proc.py) and its stdin/stdout command channel."""
 
     def __init__(
-        self, name: str, model: str, kv: Optional[dict[str, Any]], log: Path, env: Optional[dict[str, str]] = None
+        self,
+        name: str,
+        model: str,
+        kv: Optional[dict[str, Any]],
+        log: Path,
+        env: Optional[dict[str, str]] = None,
+        core: int = 0,
     ) -> None:
         self.name = name
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
+        # One core per engine, its OpenMP threads bound there and never spinning: engines
+        # sharing cores with spinning OpenMP threads starve each other's other threads (the
+        # connector's agent among them) for seconds on a 2-core machine.
+        core = min(core, (os.cpu_count() or 1) - 1)
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND=str(core),
+            OMP_WAIT_POLICY="PASSIVE",
+            KMP_BLOCKTIME="0",
+            HF_HUB_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+            **(env or {}),
+        )
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [CPU_PY, str(HERE / "engine_proc.py"), model, json.dumps(kv) if kv else ""],

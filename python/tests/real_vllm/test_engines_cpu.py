@@ -43,12 +43,14 @@ def engines(tmp_path_factory):
     model = str(base / "model")
     subprocess.run([CPU_PY, str(HERE / "tiny_model.py"), model], check=True, capture_output=True, timeout=600)
     started = {
-        "reference": Engine("reference", model, None, base / "reference.log"),
-        "prefill": Engine("prefill", model, kv_config("prefill-engine"), base / "prefill.log"),
+        "reference": Engine("reference", model, None, base / "reference.log", core=1),
+        "prefill": Engine("prefill", model, kv_config("prefill-engine"), base / "prefill.log", core=0),
         # The decode engine stages through host memory, as on a GPU (vLLM's CPU platform has
         # no block-copy op, so the connector's torch copy runs): pulled blocks land in the
         # host copy and are copied into vLLM's cache before the request is reported loaded.
-        "decode": Engine("decode", model, kv_config("decode-engine", kvxfer_host_staging=True), base / "decode.log"),
+        "decode": Engine(
+            "decode", model, kv_config("decode-engine", kvxfer_host_staging=True), base / "decode.log", core=1
+        ),
     }
     try:
         for e in started.values():
