@@ -27,6 +27,7 @@ from .common import (
     int_or_none,
     local_blocks,
     logger,
+    nested,
     num_prompt_tokens,
     status_name,
     strip_null_prefix,
@@ -175,7 +176,7 @@ class KvxferScheduler:
                 self._to_retract.append(minted)  # aborted: its blocks are freed now
             return False, None
         try:
-            blocks = group_blocks(block_ids, self.s.num_groups)
+            blocks = self._prompt_part(rid, group_blocks(block_ids, self.s.num_groups), num_prompt_tokens(request))
         except (TypeError, ValueError) as e:
             self.counters["bad_params"] += 1
             logger.error("kvxfer: cannot lease the blocks of %s (%s); freed now, the decode side computes", rid, e)
@@ -249,6 +250,22 @@ class KvxferScheduler:
             per = -(-prompt_tokens // size)
             ids = [list(g)[:per] for g in manager.get_block_ids(rid)]
         return group_blocks(list(ids), self.s.num_groups)
+
+    def _prompt_part(self, rid: str, blocks: Any, prompt_tokens: int) -> Any:
+        """The part of a finished request's blocks (flat or per group) that holds its
+        prompt: what the decode side pulls. A request that generated more than one token
+        computed the KV of its outputs too, in blocks past the prompt's; leasing those
+        would hand off more blocks than the decode allocates for the prompt, and its pull
+        aligns the lease's tail with its blocks."""
+        try:
+            return self._prompt_blocks(rid, prompt_tokens)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            pass  # no KV-cache manager bound (or it no longer knows the request)
+        size = self.s.block_size
+        if not size:
+            return blocks
+        per = -(-prompt_tokens // size)
+        return [list(g)[:per] for g in blocks] if nested(blocks) else list(blocks)[:per]
 
     def _retract(self, rid: str, why: str) -> None:
         minted = self._minted_by_rid.pop(rid, None)

@@ -110,6 +110,7 @@ def make_vllm_config(
     num_blocks: int = 128,
     block_size: int = 16,
     max_model_len: int = 512,
+    kv_load_failure_policy: str = "fail",
 ) -> VllmConfig:
     model = ModelConfig(model=model_dir, tokenizer=model_dir, dtype="float32", seed=0, max_model_len=max_model_len)
     scheduler = SchedulerConfig(
@@ -125,6 +126,7 @@ def make_vllm_config(
         kv_connector_module_path="kvxfer.vllm",
         kv_role=kv_role,
         kv_connector_extra_config=dict(extra_config or {}),
+        kv_load_failure_policy=kv_load_failure_policy,
     )
     return VllmConfig(
         model_config=model,
@@ -329,9 +331,15 @@ class Engine:
         extra_config: Optional[dict[str, Any]] = None,
         attention_layouts: Optional[list[str]] = None,
         num_blocks: int = 128,
+        kv_load_failure_policy: str = "fail",
     ) -> None:
         self.vllm_config = config = make_vllm_config(
-            model_dir, kv_role, async_scheduling=async_scheduling, extra_config=extra_config, num_blocks=num_blocks
+            model_dir,
+            kv_role,
+            async_scheduling=async_scheduling,
+            extra_config=extra_config,
+            num_blocks=num_blocks,
+            kv_load_failure_policy=kv_load_failure_policy,
         )
         # EngineCore._initialize_kv_caches: specs, layout, planning.
         register_all_kvcache_specs(config)

@@ -204,12 +204,16 @@ def check_blocks(pair: Pair, prefill_id: str, decode_id: str, prompt: list[int])
 # ---------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("n, length", [(1, 32), (4, 40)])
+@pytest.mark.parametrize("n, length", [(1, 32), (4, 40), (1, 300)], ids=["n1", "n4", "n1-chunked"])
 def test_each_decode_child_pulls_its_own_hand_off(pair: Pair, n: int, length: int) -> None:
+    """300 tokens take two prefill chunks (256 tokens a step): the lease is minted at the
+    last one."""
     before = Snapshot.of(pair)
-    tag = f"handoff-{pair.mode}-{n}"
+    tag = f"handoff-{pair.mode}-{n}-{length}"
     prompt = prompt_for(tag, length)
     prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, n)
+    chunks = [r.scheduled[prefill_ids[0]] for r in pair.prefill.records if prefill_ids[0] in r.scheduled]
+    assert sum(chunks) == length and (len(chunks) > 1) == (length > 256), chunks
     params = output.kv_transfer_params
     if n > 1:
         children = params["kvxfer_children"]
@@ -280,6 +284,10 @@ def test_prefill_aborted_after_its_last_token_step_retracts_its_lease(pair: Pair
     engine.run_until(lambda: rid not in engine.scheduler.requests, f"{rid} to be freed")
     assert len([m for m in engine.sent_metadata if rid in m.to_arm]) == armed_before + 1, "no lease was armed"
     assert before.lease_delta(pair)["leased"] == 1
+    settle(pair, before)
+    eventually("the lease to end", lambda: before.lease_delta(pair)["released"] == 1)
+    # Steps after the end reached the worker (a plain request): still never reported.
+    engine.add_request(f"plain-{tag}", prompt_for(f"plain-{tag}"), max_tokens=2)
     settle(pair, before)
     assert rid not in engine.finished_sending()
     assert not [o for o in engine.core_outputs if o.request_id == rid and o.kv_transfer_params]
@@ -384,3 +392,102 @@ def test_a_decode_request_refused_before_admission_releases_every_lease(pair: Pa
     settle(pair, before)
     assert set(prefill_ids) <= pair.prefill.finished_sending()
     assert before.lease_delta(pair) == dict(leased=n, pulled=0, released=n, expired=0, retracted=0, live=0)
+
+
+def test_a_prompt_seen_before_hits_both_prefix_caches_and_pulls_the_tail(pair: Pair) -> None:
+    """The same prompt twice: the second prefill computes only its last block (two come
+    from its prefix cache, and its lease holds all three), and the second decode finds two
+    blocks in its own prefix cache and pulls the last one only."""
+    tag = f"prefix-{pair.mode}"
+    prompt = prompt_for(tag)
+    for round in range(2):
+        before = Snapshot.of(pair)
+        prefill_ids, output = run_prefill(pair, f"req-{tag}-{round}", prompt, 1)
+        pulls = len(pair.decode.kv_connector_stats)
+        decode_ids, _ = run_decode(pair, f"dec-{tag}-{round}", prompt, 1, router_hop(output.kv_transfer_params))
+        check_blocks(pair, prefill_ids[0], decode_ids[0], prompt)
+        settle(pair, before)
+        assert before.lease_delta(pair) == dict(leased=1, pulled=1, released=0, expired=0, retracted=0, live=0)
+        computed = [r.scheduled[prefill_ids[0]] for r in pair.prefill.records if prefill_ids[0] in r.scheduled]
+        pulled = [b for stats in pair.decode.kv_connector_stats[pulls:] for b in stats["bytes"]]
+        block_bytes = pair.decode.worker.block_words([0]).numel() * 4
+        if round == 0:
+            assert computed == [40] and pulled == [3 * block_bytes]
+        else:
+            assert computed == [40 - 32] and pulled == [block_bytes], (computed, pulled)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_pull_is_a_load_error_vllm_acts_on(pair: Pair, model_dir: str, policy: str) -> None:
+    """A pull that cannot reach its prefill agent (the router named a port nothing listens
+    on): the blocks are reported as load errors in the step that reports the request
+    loaded, and vLLM applies its policy — the request fails, or is computed locally. The
+    real hand-off is then pulled by a retry."""
+    import socket
+
+    before = Snapshot.of(pair)
+    tag = f"failed-{pair.mode}-{policy}"
+    prompt = prompt_for(tag)
+    prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, 1)
+    params = router_hop(output.kv_transfer_params)
+    decode = Engine(
+        model_dir,
+        "kv_consumer",
+        async_scheduling=pair.mode == "async",
+        extra_config=DECODE_EXTRA,
+        attention_layouts=default_attention_layouts() if pair.mode == "async" else cpu_attention_layouts(),
+        kv_load_failure_policy=policy,
+    )
+    closed = socket.socket()  # bound, never listening: connections to it are refused
+    try:
+        closed.bind(("127.0.0.1", 0))
+        broken = dict(params, remote_port=closed.getsockname()[1])
+        (rid,) = decode.add_request(f"dec-{tag}", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=broken)
+        outputs = decode.run_until(lambda: not decode.has_unfinished_requests(), f"{rid} to finish")
+        failed = [r for r in decode.records if rid in r.finished_recving]
+        assert len(failed) == 1 and failed[0].invalid_block_ids, "the load errors came apart from the report"
+        finish = [o.finish_reason for o in decode.core_outputs if o.request_id == rid and o.finish_reason]
+        if policy == "fail":
+            assert [str(f) for f in finish] == ["error"], finish
+        else:
+            assert [str(f) for f in finish] == ["length"], finish
+            (final,) = [o for o in outputs if o.finished]
+            assert final.outputs[0].token_ids == [SAMPLED_TOKEN] * DECODE_TOKENS
+            recomputed = [r.scheduled[rid] for r in decode.records if rid in r.scheduled]
+            assert recomputed[0] == len(prompt), recomputed
+        decode.run_until(decode.idle, "the failed decode engine to free everything")
+        assert decode.free_blocks() == decode.free_blocks_at_start
+    finally:
+        closed.close()
+        decode.shutdown()
+    decode_ids, _ = run_decode(pair, f"dec-{tag}-retry", prompt, 1, params)
+    check_blocks(pair, prefill_ids[0], decode_ids[0], prompt)
+    settle(pair, before)
+    assert before.lease_delta(pair) == dict(leased=1, pulled=1, released=0, expired=0, retracted=0, live=0)
+
+
+@pytest.mark.parametrize("length", [32, 40])
+def test_a_prefill_that_generates_several_tokens_hands_off_its_prompt(pair: Pair, length: int) -> None:
+    """A prefill request asked for three tokens (the offline API with do_remote_decode and
+    its own max_tokens): its outputs' KV fills blocks past the prompt's (at 32 tokens, a
+    new one), but the hand-off is the prompt's blocks, armed before the output leaves —
+    the decode allocates blocks for the prompt only, and no prefill step follows."""
+    before = Snapshot.of(pair)
+    engine = pair.prefill
+    tag = f"several-{pair.mode}-{length}"
+    prompt = prompt_for(tag, length)
+    params = {"do_remote_decode": True, "do_remote_prefill": False}
+    (rid,) = engine.add_request(f"req-{tag}", prompt, max_tokens=3, kv_transfer_params=params)
+    outputs = engine.run_until(lambda: not engine.has_unfinished_requests(), f"prefill {rid}")
+    (final,) = [o for o in outputs if o.finished]
+    assert final.outputs[0].token_ids == [SAMPLED_TOKEN] * 3
+    handoff = router_hop(final.kv_transfer_params)
+    assert len(handoff["remote_block_ids"]) == -(-length // 16), handoff["remote_block_ids"]
+    steps = engine.steps
+    decode_ids, _ = run_decode(pair, f"dec-{tag}", prompt, 1, handoff, step_prefill=False)
+    assert engine.steps == steps
+    eventually("the lease to end pulled", lambda: before.lease_delta(pair)["pulled"] == 1)
+    assert before.arm_waits(pair) == 0, "the decode's read waited for the lease to be armed"
+    check_blocks(pair, rid, decode_ids[0], prompt)
+    settle(pair, before)
+    assert before.lease_delta(pair) == dict(leased=1, pulled=1, released=0, expired=0, retracted=0, live=0)
