@@ -45,8 +45,20 @@ pub use kvxfer_cluster::{
     EtcdStatus, HandoffOutcome, Metrics, MetricsServer, StatusWatch, OPENMETRICS_CONTENT_TYPE,
 };
 
-use crate::decode::Inner;
+use crate::decode::report::Counters;
 use crate::{AgentConfig, Error};
+
+/// What the cluster hooks see of a decode agent's shared state (`decode::shared::Inner`
+/// implements it): its pooled peers, to count them for the metrics and to forget those
+/// discovery says are gone. A trait, so this module does not import the agent's state that
+/// holds a [`DecodeCluster`].
+pub(crate) trait DecodePeers: Send + Sync + 'static {
+    /// Prefill peers the agent keeps connections (or a pool) for.
+    fn peer_count(&self) -> u64;
+    /// Forgets the peer at `addr`, closing its pooled connections. Returns whether there
+    /// was one.
+    fn invalidate_peer(&self, addr: &str) -> bool;
+}
 
 /// The default registration TTL: a crashed prefill process's key is gone at most this long
 /// after its last keep-alive.
@@ -345,10 +357,10 @@ impl DecodeCluster {
 
     /// Adds the agent's metrics sources and starts the task that invalidates connections on
     /// directory events. Holds only a weak reference to the agent.
-    pub(crate) fn attach(&self, handle: &Handle, inner: &Arc<Inner>) {
+    pub(crate) fn attach(&self, handle: &Handle, counters: &Arc<Counters>, inner: Weak<dyn DecodePeers>) {
         if let Some(m) = &self.metrics {
-            let counters = inner.counters.clone();
-            let weak = Arc::downgrade(inner);
+            let counters = counters.clone();
+            let weak = inner.clone();
             let source = move || {
                 let peers = weak.upgrade().map_or(0, |i| i.peer_count());
                 decode_snapshot(&counters.snapshot(peers))
@@ -361,7 +373,7 @@ impl DecodeCluster {
         }
         if let Some(dir) = &self.directory {
             let events = dir.subscribe();
-            let task = handle.spawn(invalidate_on_events(events, Arc::downgrade(inner)));
+            let task = handle.spawn(invalidate_on_events(events, inner, counters.clone()));
             *self.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
         }
     }
@@ -483,7 +495,11 @@ fn decode_snapshot(s: &crate::DecodeStats) -> DecodeSnapshot {
 /// Drops the pooled connections of every engine rank whose key was deleted or whose record
 /// changed, as soon as the directory says so (the directory itself remembers the
 /// incarnations that went).
-async fn invalidate_on_events(mut events: DirectoryEvents, inner: Weak<Inner>) {
+async fn invalidate_on_events(
+    mut events: DirectoryEvents,
+    inner: Weak<dyn DecodePeers>,
+    counters: Arc<Counters>,
+) {
     while let Some(event) = events.recv().await {
         let Some(inner) = inner.upgrade() else { return };
         let old = match &event {
@@ -492,7 +508,7 @@ async fn invalidate_on_events(mut events: DirectoryEvents, inner: Weak<Inner>) {
         };
         let addr = old.record.addr.to_string();
         if inner.invalidate_peer(&addr) {
-            inner.counters.peers_invalidated.fetch_add(1, Ordering::Relaxed);
+            counters.peers_invalidated.fetch_add(1, Ordering::Relaxed);
             info!(engine = %old.key, %addr, incarnation = %format_args!("{:#x}", old.record.incarnation), "engine left or changed in etcd: pooled connections dropped");
         } else {
             debug!(engine = %old.key, %addr, "engine left or changed in etcd (no pooled connections)");

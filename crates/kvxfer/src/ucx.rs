@@ -15,7 +15,8 @@ use kvxfer_core::pull::{PullError, ReadResult};
 use kvxfer_core::{BlockId, ChildHandoff};
 use tracing::{debug, info, warn};
 
-use crate::decode::{Inner, Peer, Reclaimed};
+use crate::decode::report::Reclaimed;
+use crate::decode::shared::{Inner, Peer};
 use crate::TransportChoice;
 
 use kvxfer_core::plan::BlockRun;
@@ -306,7 +307,7 @@ pub(crate) async fn read_child(
     let grant = match conn.pin_group(id, child.token().as_bytes(), (group, head_slice), runs, verify).await {
         Ok(p) => p,
         Err(e) => {
-            let error = crate::decode::read_error(&e, inner, id);
+            let error = crate::decode::peer::read_error(&e, inner, id);
             peer.checkin(conn, &Err::<(), _>(e));
             return ReadResult::Failed(error);
         }

@@ -5,168 +5,34 @@
 //! - [`pull`]: the pull task, a thin driver of the core's [`kvxfer_core::pull::PullMachine`].
 
 mod groups;
-mod peer;
+pub(crate) mod peer;
 mod pull;
 mod ranks;
-mod report;
+pub(crate) mod report;
+pub(crate) mod shared;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 use kvxfer_core::plan::ResultPlan;
 use kvxfer_core::pull::{PullChild, PullConfig, PullMachine};
 use kvxfer_core::{BlockId, ChildHandoff, PrefillResult};
 use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1::{self, LeaseOutcome};
-use kvxfer_tcp::{ClientError, Connection};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::info;
 
-#[cfg(feature = "ucx")]
-pub(crate) use peer::read_error;
-pub(crate) use peer::Peer;
 use peer::{ControlOp, ControlReply};
 use report::{add, Counters};
 pub use report::{ChildReport, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
+use shared::Inner;
 
 use crate::{AgentConfig, Error, SubmitError};
-
-/// What a decode agent's tasks share.
-pub(crate) struct Inner {
-    pub(crate) config: AgentConfig,
-    pub(crate) memory: Arc<KvMemory>,
-    /// This rank's KV-cache shape, when configured (pulls from peers of other TP or
-    /// block sizes need it).
-    pub(crate) shape: Option<kvxfer_core::KvShape>,
-    hello: v1::Hello,
-    pub(crate) consumer_id: String,
-    peers: Mutex<HashMap<String, Arc<Peer>>>,
-    /// Destination blocks of pulls under way, and blocks held by reads UCX could not stop.
-    pub(crate) busy: Arc<Mutex<HashSet<BlockId>>>,
-    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
-    pub(crate) reclaimed_tx: Sender<Reclaimed>,
-    /// Shared with the metrics source, which may outlive the agent by a scrape.
-    pub(crate) counters: Arc<Counters>,
-    /// Set by `shutdown`: pulls stop starting reads.
-    stop: CancellationToken,
-    /// Set when the shutdown grace is over: pulls abort their reads.
-    abort: CancellationToken,
-    #[cfg(feature = "ucx")]
-    pub(crate) ucx: Option<crate::runtime::DropOffRuntime<kvxfer_ucx::UcxInitiator>>,
-    /// The engine directory and the metrics, when configured.
-    #[cfg(feature = "cluster")]
-    pub(crate) cluster: Option<crate::cluster::DecodeCluster>,
-}
-
-impl Inner {
-    /// Where to pull `engine`'s hand-offs from: their own address, checked against
-    /// discovery when it runs (which also resolves hand-offs naming only the engine id).
-    pub(crate) fn resolve(
-        &self,
-        engine: &kvxfer_core::EngineInfo,
-    ) -> Result<String, kvxfer_core::pull::PullError> {
-        #[cfg(feature = "cluster")]
-        if let Some(c) = &self.cluster {
-            return c.resolve(engine, self.config.rank);
-        }
-        Ok(engine.addr())
-    }
-
-    /// Where prefill rank `rank` of `engine` is: the hand-off's own address, checked against
-    /// discovery when it runs (which also resolves hand-offs naming only the engine id).
-    pub(crate) fn resolve_rank(
-        &self,
-        engine: &kvxfer_core::EngineInfo,
-        rank: u32,
-    ) -> Result<String, kvxfer_core::pull::PullError> {
-        #[cfg(feature = "cluster")]
-        if let Some(c) = &self.cluster {
-            return c.resolve_rank(engine, rank);
-        }
-        let _ = rank;
-        Ok(engine.addr())
-    }
-
-    /// Whether a hand-off naming only the engine id can be resolved here.
-    fn resolves_engine_ids(&self) -> bool {
-        #[cfg(feature = "cluster")]
-        if let Some(c) = &self.cluster {
-            return c.directory().is_some();
-        }
-        false
-    }
-
-    /// Prefill peers this agent keeps connections (or a pool) for.
-    pub(crate) fn peer_count(&self) -> u64 {
-        self.peers.lock().unwrap_or_else(|p| p.into_inner()).len() as u64
-    }
-
-    /// Forgets the peer at `addr` (its engine left or changed): new pulls get fresh
-    /// connections at once, and its pooled ones are closed. Returns whether there was one.
-    #[cfg(feature = "cluster")]
-    pub(crate) fn invalidate_peer(&self, addr: &str) -> bool {
-        let peer = self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(addr);
-        match peer {
-            // A pull may hold its control connection: close them from a task of their own.
-            Some(peer) => {
-                // Its UCX endpoint closes now (reads in flight on it finish first), not only
-                // when the last pull using the peer lets go of it (`Peer`'s drop).
-                #[cfg(feature = "ucx")]
-                if let Some(init) = self.ucx() {
-                    init.disconnect(&peer.ucx_endpoint);
-                }
-                tokio::spawn(async move { peer.reset().await });
-                true
-            }
-            None => false,
-        }
-    }
-
-    pub(crate) fn peer(&self, addr: &str) -> Arc<Peer> {
-        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        if !peers.contains_key(addr) {
-            // Prefill workers come and go (restarts, scale-down): forget peers no pull uses
-            // whose connections their side has closed, so neither entries nor sockets pile up
-            // (nor UCX endpoints: a dropped `Peer` closes its own).
-            peers.retain(|_, p| Arc::strong_count(p) > 1 || !p.is_gone());
-        }
-        peers
-            .entry(addr.to_owned())
-            .or_insert_with(|| {
-                let peer = Peer::new(addr, self.config.connections_per_peer, self.config.limits.idle_timeout);
-                #[cfg(feature = "ucx")]
-                let peer = peer.with_ucx(self.ucx().map(kvxfer_ucx::UcxInitiator::disconnector));
-                Arc::new(peer)
-            })
-            .clone()
-    }
-
-    pub(crate) async fn connect(&self, addr: &str) -> Result<Connection, ClientError> {
-        let key = self.config.cluster_key.as_ref();
-        let c = match Connection::connect_with_key(addr, &self.hello, key, self.config.limits).await {
-            Ok(c) => c,
-            Err(e) => {
-                if let ClientError::Auth { reason, .. } = &e {
-                    add(&self.counters.auth_failures, 1);
-                    warn!(peer = %addr, %reason, "handshake failed authentication");
-                }
-                return Err(e);
-            }
-        };
-        add(&self.counters.connections_opened, 1);
-        Ok(c)
-    }
-
-    #[cfg(feature = "ucx")]
-    pub(crate) fn ucx(&self) -> Option<&kvxfer_ucx::UcxInitiator> {
-        self.ucx.as_ref().and_then(crate::runtime::DropOffRuntime::get)
-    }
-}
 
 /// A decode worker's agent: pulls prefill results into its registered KV cache. Runs on
 /// the tokio runtime it was started on (it starts no threads of its own except UCX's
@@ -279,7 +145,9 @@ impl DecodeAgent {
         });
         #[cfg(feature = "cluster")]
         if let Some(c) = &inner.cluster {
-            c.attach(&handle, &inner);
+            let weak = Arc::downgrade(&inner);
+            let peers: std::sync::Weak<dyn crate::cluster::DecodePeers> = weak;
+            c.attach(&handle, &inner.counters, peers);
         }
         Ok(DecodeAgent {
             inner,

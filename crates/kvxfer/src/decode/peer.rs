@@ -1,107 +1,22 @@
 //! The prefill agents a decode agent talks to: pooled data connections, one control
 //! connection per peer (notify / heartbeat / cancel never wait behind a large read), and the
-//! mapping of connection errors to typed [`PullError`]s.
+//! mapping of connection errors to typed [`PullError`]s. A peer's pool itself ([`Peer`]) is
+//! the agent's shared state ([`super::shared`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 use super::report::add;
-use super::Inner;
+use super::shared::{Inner, Peer, Pooled};
 use kvxfer_core::pull::{MismatchField, PullError};
 use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
 use kvxfer_tcp::{ClientError, Connection, FrameError};
-use tokio::sync::Semaphore;
 use tracing::debug;
 
 /// Attempts a control exchange (notify, cancel, heartbeat) makes at most: the first, and
 /// retries on fresh connections after one failed midway.
 const CONTROL_ATTEMPTS: u32 = 3;
 
-/// A connection waiting in a pool, and since when.
-struct Pooled {
-    conn: Connection,
-    since: Instant,
-}
-
-impl Pooled {
-    fn new(conn: Connection) -> Self {
-        Pooled { conn, since: Instant::now() }
-    }
-
-    /// Whether it may be reused: the peer did not close it, and it has been idle for less
-    /// than `max_idle` (the prefill side closes connections idle for its `idle_timeout`; a
-    /// request racing that close would fail).
-    fn reusable(&self, max_idle: Duration) -> bool {
-        self.since.elapsed() < max_idle && !self.conn.closed_by_peer()
-    }
-}
-
-/// A prefill agent this decode agent talks to.
-pub(crate) struct Peer {
-    pub(crate) addr: String,
-    idle: Mutex<Vec<Pooled>>,
-    permits: Semaphore,
-    control: tokio::sync::Mutex<Option<Pooled>>,
-    /// Longest a pooled connection may have been idle to be reused: half the agent's
-    /// `Limits::idle_timeout`.
-    max_idle: Duration,
-    /// The engine id and incarnation our UCX endpoint to this address was made for (a
-    /// restarted prefill at the same address gets a new endpoint).
-    #[cfg(feature = "ucx")]
-    pub(crate) ucx_engine: tokio::sync::Mutex<Option<(String, u64)>>,
-    /// The name of this peer's UCX endpoint in the initiator: the address and a number
-    /// unique to this `Peer`, so a peer forgotten (or invalidated) while a pull still holds
-    /// it closes its own endpoint, never that of a newer `Peer` for the same address.
-    #[cfg(feature = "ucx")]
-    pub(crate) ucx_endpoint: String,
-    /// Closes the UCX endpoint when the peer is dropped (`None` without UCX).
-    #[cfg(feature = "ucx")]
-    ucx_disconnector: Option<kvxfer_ucx::Disconnector>,
-}
-
-/// Closes the peer's UCX endpoint (and so unmaps the prefill side's shared memory its rkeys
-/// attached, see `kvxfer_ucx::UcxBuffer`) once nothing uses the peer any more: it was
-/// forgotten (`Inner::peer`), invalidated by discovery, or the agent is dropped. Reads in
-/// flight on it finish first.
-#[cfg(feature = "ucx")]
-impl Drop for Peer {
-    fn drop(&mut self) {
-        if let Some(d) = &self.ucx_disconnector {
-            d.disconnect(&self.ucx_endpoint);
-        }
-    }
-}
-
 impl Peer {
-    /// A peer at `addr` with `connections` data connections at most, whose pooled connections
-    /// are reused while idle for less than half of `idle_timeout`.
-    pub(crate) fn new(addr: &str, connections: usize, idle_timeout: Duration) -> Self {
-        Peer {
-            addr: addr.to_owned(),
-            idle: Mutex::new(Vec::new()),
-            permits: Semaphore::new(connections.max(1)),
-            control: tokio::sync::Mutex::new(None),
-            max_idle: idle_timeout / 2,
-            #[cfg(feature = "ucx")]
-            ucx_engine: tokio::sync::Mutex::new(None),
-            #[cfg(feature = "ucx")]
-            ucx_endpoint: {
-                static PEERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-                format!("{addr}#{}", PEERS.fetch_add(1, Ordering::Relaxed))
-            },
-            #[cfg(feature = "ucx")]
-            ucx_disconnector: None,
-        }
-    }
-
-    /// The peer, closing its UCX endpoint with `disconnector` when dropped.
-    #[cfg(feature = "ucx")]
-    pub(crate) fn with_ucx(mut self, disconnector: Option<kvxfer_ucx::Disconnector>) -> Self {
-        self.ucx_disconnector = disconnector;
-        self
-    }
-
     /// A data connection for one request: waits for one of the peer's permits, then reuses an
     /// idle connection or opens a new one. The flag says whether it was reused.
     pub(crate) async fn checkout(
@@ -126,29 +41,6 @@ impl Peer {
     /// A new data connection (for a read retried after its pooled connection broke).
     pub(crate) async fn connect(&self, inner: &Inner) -> Result<Connection, PullError> {
         inner.connect(&self.addr).await.map_err(|e| pull_error(&e, inner))
-    }
-
-    /// Forgets every connection to the peer (it is no longer the engine they were made to).
-    pub(crate) async fn reset(&self) {
-        *self.control.lock().await = None;
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    }
-
-    /// Whether the peer closed every connection this agent holds to it (or there are none).
-    /// A pull in progress may hold the control lock: then it is not gone.
-    pub(crate) fn is_gone(&self) -> bool {
-        let Ok(control) = self.control.try_lock() else { return false };
-        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        control.as_ref().is_none_or(|p| p.conn.closed_by_peer())
-            && idle.iter().all(|p| p.conn.closed_by_peer())
-    }
-
-    /// Returns a connection to the pool after a request ended with `r`, unless the error
-    /// left it unusable (it is dropped then).
-    pub(crate) fn checkin<T>(&self, conn: Connection, r: &Result<T, ClientError>) {
-        if r.as_ref().err().is_none_or(ClientError::connection_usable) {
-            self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(Pooled::new(conn));
-        }
     }
 
     /// The peer's handshake answer, from the control connection (connecting if needed).

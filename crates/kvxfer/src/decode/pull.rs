@@ -23,9 +23,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::groups::GroupIds;
-use super::peer::{pull_error, read_error, ControlOp, ControlReply, Peer};
+use super::peer::{pull_error, read_error, ControlOp, ControlReply};
 use super::report::{add, ChildReport, PullChannels, Totals};
-use super::Inner;
+use super::shared::{Inner, Peer};
 use crate::TransportChoice;
 
 /// The data path a pull uses with one peer.
@@ -588,7 +588,7 @@ impl Pull {
             );
             #[cfg(feature = "ucx")]
             {
-                let reclaimed = super::Reclaimed {
+                let reclaimed = super::report::Reclaimed {
                     parent_request_id: self.children[0].parent_request_id().to_owned(),
                     children: summary.held_children.iter().map(|&i| self.children[i].child_index()).collect(),
                     local_blocks: summary.held_blocks.clone(),

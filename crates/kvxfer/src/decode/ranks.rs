@@ -43,10 +43,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::groups::GroupIds;
-use super::peer::{pull_error, read_error, ControlOp, ControlReply, Peer};
+use super::peer::{pull_error, read_error, ControlOp, ControlReply};
 use super::pull::Path;
 use super::report::{add, ChildReport, PullChannels, PullHandle};
-use super::{DecodeAgent, Inner};
+use super::shared::{Inner, Peer};
+use super::DecodeAgent;
 use crate::{Error, SubmitError};
 
 impl DecodeAgent {
@@ -646,7 +647,7 @@ impl RankPull {
         if !held.is_empty() {
             let mut local_blocks: Vec<BlockId> = held.iter().copied().collect();
             local_blocks.sort_unstable();
-            let reclaimed = super::Reclaimed {
+            let reclaimed = super::report::Reclaimed {
                 parent_request_id: self.results[0].parent_request_id().to_owned(),
                 children: abandoned.iter().map(|&i| self.results[0].children()[i].child_index()).collect(),
                 local_blocks,
