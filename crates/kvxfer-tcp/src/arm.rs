@@ -13,8 +13,8 @@
 use kvxfer_proto::v1;
 use tracing::debug;
 
+use crate::context::ServeContext;
 use crate::frame::Frame;
-use crate::server::ServeContext;
 use crate::stats::bump;
 
 /// The leases (request id, token) a frame names, if it is one that can wait for an arm.

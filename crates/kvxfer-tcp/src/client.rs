@@ -11,90 +11,7 @@ use tokio::net::TcpStream;
 use crate::frame::{self, Frame, FrameError};
 use crate::Limits;
 
-/// Why a client operation failed. The connection is unusable after any error except
-/// [`ClientError::Refused`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ClientError {
-    /// The connection broke, timed out, or carried a bad frame.
-    #[error("connection to {peer}: {source}")]
-    Frame {
-        /// The peer's address.
-        peer: String,
-        /// What went wrong.
-        #[source]
-        source: FrameError,
-    },
-    /// The peer refused the handshake (version or compatibility mismatch).
-    #[error("handshake with {peer} refused: {message}")]
-    Handshake {
-        /// The peer's address.
-        peer: String,
-        /// The peer's message, naming both values.
-        message: String,
-    },
-    /// The two sides are not compatible: protocol versions or layout compatibility hashes
-    /// differ (refused by the peer, or found in its `HelloAck`).
-    #[error("handshake with {peer} refused: {message}")]
-    Incompatible {
-        /// The peer's address.
-        peer: String,
-        /// `VersionMismatch` or `CompatMismatch`.
-        code: ErrorCode,
-        /// The message, naming both sides' values.
-        message: String,
-        /// The peer's value (protocol version or compatibility hash) when known: from its
-        /// `HelloAck`; a refusal by the peer states it only in `message`.
-        remote: Option<u64>,
-    },
-    /// The peer refused a request; the connection stays usable.
-    #[error("{peer} refused the request ({code:?}): {message}")]
-    Refused {
-        /// The peer's address.
-        peer: String,
-        /// The error code.
-        code: ErrorCode,
-        /// The peer's message.
-        message: String,
-    },
-    /// The peer answered with something the protocol does not allow here.
-    #[error("protocol violation by {peer}: {message}")]
-    Protocol {
-        /// The peer's address.
-        peer: String,
-        /// What was wrong.
-        message: String,
-    },
-    /// A payload failed its integrity check: its length or CRC-32C differs from what the
-    /// peer announced. Nothing of it may be used.
-    #[error("read {seq} from {peer}: payload failed its integrity check ({detail})")]
-    Integrity {
-        /// The peer's address.
-        peer: String,
-        /// The read's sequence number.
-        seq: u64,
-        /// What differed.
-        detail: String,
-    },
-    /// The authenticated handshake failed or was refused (no key, another key, a replayed
-    /// handshake); the connection is closed.
-    #[error("handshake with {peer} refused: {reason}")]
-    Auth {
-        /// The peer's address.
-        peer: String,
-        /// What failed.
-        reason: crate::handshake::AuthError,
-    },
-    /// Could not connect.
-    #[error("connecting to {peer}: {source}")]
-    Connect {
-        /// The address.
-        peer: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-}
+pub use crate::error::ClientError;
 
 /// A pin the prefill side granted ([`Connection::pin`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,13 +25,6 @@ pub struct PinGrant {
     /// size). A one-sided read still running after that cannot be trusted: bound the read by
     /// it.
     pub held_for: Duration,
-}
-
-impl ClientError {
-    /// Whether the connection can still be used.
-    pub fn connection_usable(&self) -> bool {
-        matches!(self, ClientError::Refused { .. })
-    }
 }
 
 /// A handshaken connection to a prefill agent. One request at a time.

@@ -8,8 +8,8 @@ use kvxfer_core::{CancelOutcome, EndKind, HeartbeatOutcome, NotifyOutcome};
 use kvxfer_proto::v1::{self, LeaseOutcome};
 use tracing::{debug, info, warn};
 
+use crate::context::ServeContext;
 use crate::frame::Frame;
-use crate::server::ServeContext;
 
 /// The wire outcome of a lease that had already ended.
 fn already(kind: EndKind) -> LeaseOutcome {

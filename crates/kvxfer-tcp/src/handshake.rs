@@ -49,21 +49,21 @@
 //! Both sides are generic over `AsyncRead + AsyncWrite`, so they run over
 //! `tokio::io::duplex` in property tests and in the `handshake` fuzz target.
 
-use std::sync::Arc;
-
 use std::time::Duration;
 
 use hmac::{KeyInit, Mac};
 use kvxfer_proto::v1::{self, ErrorCode};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tracing::{debug, warn};
-use zeroize::Zeroizing;
 
-use crate::client::ClientError;
+use crate::context::ServeContext;
+use crate::error::ClientError;
 use crate::frame::{Frame, FrameError, FrameReader, HEADER_LEN};
-use crate::server::ServeContext;
 use crate::stats::bump;
 use crate::Limits;
+
+pub use crate::error::AuthError;
+pub use crate::key::{ClusterKey, KeyError, CLUSTER_KEY_ENV, CLUSTER_KEY_FILE_ENV, MIN_KEY_LEN};
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
@@ -71,119 +71,13 @@ type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 pub const NONCE_LEN: usize = 32;
 /// Bytes of an HMAC-SHA256 tag.
 pub const MAC_LEN: usize = 32;
-/// Shortest cluster key accepted, in bytes.
-pub const MIN_KEY_LEN: usize = 16;
-/// Environment variable holding the cluster key as hex (at least 32 hex digits).
-pub const CLUSTER_KEY_ENV: &str = "KVXFER_CLUSTER_KEY";
-/// Environment variable naming a file that holds the cluster key as hex (whitespace ignored).
-pub const CLUSTER_KEY_FILE_ENV: &str = "KVXFER_CLUSTER_KEY_FILE";
 /// Largest frame (type byte and body) read before the peer is authenticated: the accepting
 /// side's `Hello` and `HelloProof`, the connecting side's trailing `HelloProof`. A hello
 /// with a layout of about a thousand segments fits.
 pub const MAX_HANDSHAKE_FRAME_LEN: u32 = 16 << 10;
 
-/// The secret every agent of one cluster shares; peers prove they hold it in the handshake.
-/// Never printed (its `Debug` shows no byte of it), wiped from memory when the last clone
-/// is dropped.
-#[derive(Clone)]
-pub struct ClusterKey(Arc<Zeroizing<Vec<u8>>>);
-
-impl std::fmt::Debug for ClusterKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ClusterKey(<redacted>)")
-    }
-}
-
-/// Why a cluster key could not be loaded. Messages never contain key material.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum KeyError {
-    /// Fewer than [`MIN_KEY_LEN`] bytes.
-    #[error("a cluster key needs at least {MIN_KEY_LEN} bytes ({} hex digits); this one has {len}", MIN_KEY_LEN * 2)]
-    TooShort {
-        /// Bytes given.
-        len: usize,
-    },
-    /// Not an even number of hex digits.
-    #[error("the cluster key from {source_name} is not hex")]
-    NotHex {
-        /// Where it came from (an environment variable or a file path).
-        source_name: String,
-    },
-    /// Both [`CLUSTER_KEY_ENV`] and [`CLUSTER_KEY_FILE_ENV`] are set.
-    #[error("both {CLUSTER_KEY_ENV} and {CLUSTER_KEY_FILE_ENV} are set; set one")]
-    BothSet,
-    /// The key file could not be read.
-    #[error("reading the cluster key file {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-}
-
+/// The handshake's MACs under the key (loading and keeping the key is `key.rs`).
 impl ClusterKey {
-    /// A key of these bytes (at least [`MIN_KEY_LEN`]).
-    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<Self, KeyError> {
-        let bytes = Zeroizing::new(bytes.into());
-        if bytes.len() < MIN_KEY_LEN {
-            return Err(KeyError::TooShort { len: bytes.len() });
-        }
-        Ok(ClusterKey(Arc::new(bytes)))
-    }
-
-    /// A key from hex text (surrounding whitespace ignored).
-    pub fn from_hex(text: &str) -> Result<Self, KeyError> {
-        Self::from_hex_named(text, "hex text")
-    }
-
-    fn from_hex_named(text: &str, source_name: &str) -> Result<Self, KeyError> {
-        let bytes = Zeroizing::new(
-            hex::decode(text.trim()).map_err(|_| KeyError::NotHex { source_name: source_name.to_owned() })?,
-        );
-        Self::from_bytes(bytes.to_vec())
-    }
-
-    /// A key from a file holding it as hex.
-    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Self, KeyError> {
-        let path = path.as_ref();
-        let name = path.display().to_string();
-        let text = Zeroizing::new(
-            std::fs::read_to_string(path).map_err(|source| KeyError::Read { path: name.clone(), source })?,
-        );
-        Self::from_hex_named(&text, &name)
-    }
-
-    /// The key configured in the environment: hex in [`CLUSTER_KEY_ENV`], or a file named by
-    /// [`CLUSTER_KEY_FILE_ENV`]; `None` when neither is set (the agent then runs without
-    /// authentication).
-    pub fn from_env() -> Result<Option<Self>, KeyError> {
-        let inline = std::env::var_os(CLUSTER_KEY_ENV).filter(|v| !v.is_empty());
-        let file = std::env::var_os(CLUSTER_KEY_FILE_ENV).filter(|v| !v.is_empty());
-        match (inline, file) {
-            (Some(_), Some(_)) => Err(KeyError::BothSet),
-            (Some(v), None) => {
-                let text = Zeroizing::new(
-                    v.into_string()
-                        .map_err(|_| KeyError::NotHex { source_name: CLUSTER_KEY_ENV.to_owned() })?,
-                );
-                Self::from_hex_named(&text, CLUSTER_KEY_ENV).map(Some)
-            }
-            (None, Some(path)) => Self::from_file(path).map(Some),
-            (None, None) => Ok(None),
-        }
-    }
-
-    /// A fresh random 32-byte key (for processes that run every agent of their cluster
-    /// themselves, such as the loopback example).
-    pub fn generate() -> Self {
-        let mut bytes = Zeroizing::new(vec![0u8; 32]);
-        rand::fill(&mut bytes[..]);
-        ClusterKey(Arc::new(bytes))
-    }
-
     /// HMAC-SHA256 under this key over `role`'s label and `fields`, each length-prefixed.
     fn mac(&self, role: Role, fields: &[&[u8]]) -> HmacSha256 {
         // HMAC takes keys of any length; the length is checked at construction anyway.
@@ -582,39 +476,6 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(Some(hello))
 }
 
-/// Why the authenticated handshake failed, as the connecting side saw it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum AuthError {
-    /// The peer serves only key holders and this agent has no cluster key.
-    #[error("the peer requires a cluster key and this agent has none ({message})")]
-    KeyRequired {
-        /// The peer's message.
-        message: String,
-    },
-    /// This agent has a key and the peer answered without the challenge-response.
-    #[error("the peer did not prove the cluster key (it has none); refusing an unauthenticated peer")]
-    PeerUnauthenticated,
-    /// The peer's `HelloAck` did not come with a valid MAC: the peer does not hold the key,
-    /// or a party in between altered or replayed the answer.
-    #[error(
-        "the peer's handshake answer did not verify (it does not hold the cluster key, or a relay altered or replayed it)"
-    )]
-    BadAck,
-    /// The peer refused this agent's proof (a different key), or cannot authenticate.
-    #[error("the peer refused the handshake: {message}")]
-    Refused {
-        /// The peer's message.
-        message: String,
-    },
-    /// The challenge was not well formed.
-    #[error("malformed challenge: {detail}")]
-    Malformed {
-        /// What was wrong.
-        detail: String,
-    },
-}
-
 /// What an answer other than the expected one means for the connecting side: the peer's
 /// refusal, or a protocol violation.
 fn unexpected(peer: &str, f: Frame) -> ClientError {
@@ -743,11 +604,12 @@ pub async fn initiate_buffered<S: AsyncRead + AsyncWrite + Unpin>(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::server::ServerCounters;
+    use crate::stats::ServerCounters;
     use kvxfer_core::{BlockLayout, EngineInfo, LeaseConfig, LeaseTable};
     use kvxfer_mem::KvMemory;
     use kvxfer_proto::PROTOCOL_VERSION;
     use proptest::prelude::*;
+    use std::sync::Arc;
     use tokio::io::{AsyncReadExt, DuplexStream};
 
     /// Shapes replace the hash check only where a heterogeneous plan serves the peers;
@@ -1063,7 +925,7 @@ pub(crate) mod tests {
     fn accept_arbitrary(
         server_key: Option<ClusterKey>,
         bytes: &[u8],
-    ) -> (crate::server::ServerStats, Result<Option<v1::Hello>, FrameError>) {
+    ) -> (crate::stats::ServerStats, Result<Option<v1::Hello>, FrameError>) {
         let ctx = ctx(server_key);
         let served = runtime().block_on(async {
             let (mut peer, mut server) = tokio::io::duplex(1 << 20);

@@ -5,7 +5,8 @@
 //!   the buffered [`frame::FrameReader`] both sides read frames through.
 //! - [`handshake`]: the first exchange of every connection, with the optional mutual
 //!   HMAC-SHA256 authentication over a [`ClusterKey`] (the connecting side proves first;
-//!   the accepting side MACs the whole transcript, its `HelloAck` included).
+//!   the accepting side MACs the whole transcript, its `HelloAck` included). The key itself
+//!   (loading it, keeping it secret) is `key`, below the handshake.
 //!
 //! The prefill side of a connection:
 //! - [`server`]: one accepted connection of a prefill agent: handshake, then a loop that
@@ -16,12 +17,15 @@
 //! - `control`: notify / heartbeat / cancel applied to the lease table.
 //! - `arm`: a frame naming a lease not armed yet (a two-phase lease) waits for it, bounded by
 //!   `Limits::arm_wait`.
+//! - `context`: what all of the above share, below them all: [`ServeContext`] and the write of
+//!   a reply bounded by `Limits::io_timeout`.
 //! - [`stats`]: the counters every connection bumps, and the rate limit of the warnings
 //!   peers can trigger.
 //!
 //! The decode side:
 //! - [`client`]: one connection of a decode agent: handshake, reads straight into the
 //!   destination blocks, and the small request/response messages.
+//! - `error`: [`ClientError`], how a decode-side connection (or its handshake) fails.
 //!
 //! `unsafe` here: three blocks reading or writing registered memory under a lease (the
 //! payload of a TCP read in `read`, the pin-time CRC in `pins`, the body of
@@ -29,9 +33,12 @@
 
 mod arm;
 pub mod client;
+mod context;
 mod control;
+mod error;
 pub mod frame;
 pub mod handshake;
+mod key;
 mod pins;
 mod read;
 pub mod server;

@@ -12,9 +12,9 @@ use kvxfer_core::ReadGuard;
 use kvxfer_proto::v1::{self, ErrorCode};
 use tracing::{debug, warn};
 
+use crate::context::ServeContext;
 use crate::frame::Frame;
 use crate::read::{begin, guard_deadline, ranges_of};
-use crate::server::ServeContext;
 use crate::stats::{bump, ServerCounters};
 
 /// A pinned range: its read guard, its payload bytes, how long it is held and until when,

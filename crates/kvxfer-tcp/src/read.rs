@@ -16,8 +16,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
+use crate::context::ServeContext;
 use crate::frame::{Frame, FrameError, FrameReader};
-use crate::server::ServeContext;
 use crate::stats::bump;
 
 /// What a refused read is told: its code and message. An unknown id and a wrong token get
@@ -288,7 +288,7 @@ pub(crate) async fn serve_read(
     let (guard, payload_len, slices) = match begin(ctx, &req) {
         Ok(g) => g,
         Err(e) => {
-            crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await?;
+            crate::context::write_reply(stream, ctx, &Frame::Error(e), scratch).await?;
             return Ok(refused);
         }
     };
@@ -296,7 +296,7 @@ pub(crate) async fn serve_read(
     let mem = match group_memory(ctx, &req) {
         Ok(m) => m,
         Err(e) => {
-            crate::server::write_reply(stream, ctx, &Frame::Error(e), scratch).await?;
+            crate::context::write_reply(stream, ctx, &Frame::Error(e), scratch).await?;
             return Ok(refused);
         }
     };

@@ -2,48 +2,24 @@
 //! time from its buffered reader (one read of the socket for all frames that have arrived;
 //! their answers leave together) and hands it to `dispatch`: reads served from registered memory (`read.rs`), pins
 //! for one-sided reads (`pins.rs`), and notify / heartbeat / cancel applied to the lease
-//! table (`control.rs`).
+//! table (`control.rs`). What those handlers share, [`ServeContext`] and the bounded write of
+//! a reply, is `context.rs`, below them all.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvxfer_core::LeaseTable;
-use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1::{self, ErrorCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
+use crate::context::{write_bytes, write_reply};
 use crate::frame::{self, Frame, FrameError};
 use crate::pins::Pins;
 use crate::stats::bump;
-use crate::Limits;
 
+pub use crate::context::ServeContext;
 pub use crate::stats::{ServerCounters, ServerStats, WarnBudget, WARNINGS_PER_SECOND};
-
-/// Everything a connection of a prefill agent needs.
-#[derive(Debug)]
-pub struct ServeContext {
-    /// The lease table.
-    pub table: Arc<LeaseTable>,
-    /// The registered KV cache reads are served from.
-    pub memory: Arc<KvMemory>,
-    /// This rank's KV-cache shape, when the agent was given one: what head-slice reads are
-    /// checked against (without one they are refused).
-    pub shape: Option<kvxfer_core::KvShape>,
-    /// What this agent answers a compatible hello with.
-    pub hello_ack: v1::HelloAck,
-    /// The cluster key peers must prove they hold; `None`: peers are not authenticated.
-    pub cluster_key: Option<crate::handshake::ClusterKey>,
-    /// Limits and timeouts.
-    pub limits: Limits,
-    /// Counters.
-    pub counters: Arc<ServerCounters>,
-    /// Notified (`notify_waiters`) whenever the lease table makes a lease: wakes frames
-    /// waiting for their lease to be armed (`Limits::arm_wait`). The owner of the table
-    /// connects it with [`LeaseTable::set_lease_hook`].
-    pub leases_made: Arc<tokio::sync::Notify>,
-}
 
 /// Why [`refuse_connection`] turns a connection away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,38 +77,6 @@ pub(crate) async fn refuse(
     write_reply(stream, ctx, &Frame::error(code, msg, seq), &mut scratch).await?;
     let _ = tokio::time::timeout(ctx.limits.io_timeout, stream.shutdown()).await;
     Ok(())
-}
-
-/// Writes one frame to the peer within `Limits::io_timeout`. A peer that sends frames but
-/// never reads their answers fills both socket buffers, and an unbounded write would then
-/// block its connection task for ever: its pins never swept, their leases' blocks never
-/// handed back, its slot never freed. On expiry the connection is reset (what is queued is
-/// dropped, not trickled out) and counted in `slow_transfers`.
-pub(crate) async fn write_reply(
-    stream: &mut TcpStream,
-    ctx: &ServeContext,
-    reply: &Frame,
-    scratch: &mut Vec<u8>,
-) -> Result<(), FrameError> {
-    scratch.clear();
-    reply.encode(scratch);
-    write_bytes(stream, ctx, scratch).await
-}
-
-/// Writes encoded frames as [`write_reply`] does (within `Limits::io_timeout`, else reset).
-async fn write_bytes(stream: &mut TcpStream, ctx: &ServeContext, bytes: &[u8]) -> Result<(), FrameError> {
-    let io = ctx.limits.io_timeout;
-    match tokio::time::timeout(io, stream.write_all(bytes)).await {
-        Ok(r) => Ok(r?),
-        Err(_) => {
-            let _ = socket2::SockRef::from(&*stream).set_linger(Some(std::time::Duration::ZERO));
-            bump(&ctx.counters.slow_transfers);
-            if let Some(suppressed) = ctx.counters.warnings.allow() {
-                warn!(suppressed, "closing connection: the peer did not take a reply within {io:?}");
-            }
-            Err(FrameError::Timeout)
-        }
-    }
 }
 
 /// Answers held back to leave in one write with the answers to the frames behind them are
