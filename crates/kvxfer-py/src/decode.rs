@@ -3,7 +3,7 @@
 //! heartbeats of leases whose pulls have not started yet (requests waiting in the decode
 //! queue).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -879,6 +879,3 @@ fn spawn_answering<T: Send + 'static>(
     });
     rx
 }
-
-/// Counters as a map (for `stats`).
-pub(crate) type Counters = HashMap<&'static str, u64>;

@@ -13,7 +13,8 @@ use kvxfer_proto::v1::{self, LeaseOutcome};
 use kvxfer_tcp::{ClusterKey, Connection, Limits};
 use tracing::{debug, warn};
 
-use crate::decode::Counters;
+/// Counters as a map (for `stats`).
+pub(crate) type Counters = HashMap<&'static str, u64>;
 
 /// Connections and counters of the queued-lease heartbeats of one decode agent.
 pub(crate) struct Keeper {
