@@ -10,7 +10,7 @@ import pytest
 
 from kvxfer.vllm import KvxferConnector
 from kvxfer.vllm import worker as kvxfer_worker
-from vllm_real import Request
+from vllm_real import Request, SchedulerOutput
 from vllm_sim import BLOCK_SIZE, Instance, full_heads, layer_names, same_blocks, same_group_blocks
 
 PROMPT = list(range(10))  # 10 tokens: 3 blocks of 4
@@ -285,6 +285,30 @@ def test_caches_ordering_a_blocks_bytes_otherwise_are_never_pulled_into_each_oth
         assert decode.load_errors == set(local)
         prefill.run_until("R released", lambda: "R" in prefill.sending, others=(decode,))
         assert prefill.stats()["prefill"]["leases"]["released"] == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_failed_pull_into_a_hybrid_cache_is_reported_per_request_not_by_block_ids():
+    """Block ids repeat across KV-cache groups, so vLLM refuses (RuntimeError, the engine
+    stops) flat invalid block ids from a model of several groups: such failures go out as
+    ``failed_recving`` through ``get_transfer_results``, and no block ids."""
+    prefill = Instance("kv_producer", "plain-prefill-c", seed=4)
+    decode = Instance("kv_consumer", "hybrid-decode-c", groups=2)
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [1, 2, 3])
+        prefill.step()
+        decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        meta = decode.sched.build_connector_meta(SchedulerOutput(set()))
+        (w,) = decode.workers
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        results = w.get_transfer_results(set())
+        assert results.failed_recving == {"D"} and "D" in results.finished_recving
+        assert w.get_block_ids_with_load_errors() == set()
+        assert decode.stats()["submit_failures"] == 1
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -249,6 +249,21 @@ class KvxferConnector(Base, SupportsHMA):
         worker.run_pending(self._connector_metadata)
         return worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished`` plus the requests whose pull failed (``failed_recving``): vLLM
+        takes a hybrid model's load failures only per request (block ids repeat across
+        KV-cache groups)."""
+        # Only vLLM versions with KVConnectorTransferResults call this hook.
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._work().last_failed_recving
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed if self.settings.num_groups > 1 else set(),
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
 

@@ -90,13 +90,13 @@ class HostStaging:
         self.device = device_caches
         # Same shape and dtype per layer; block b of a layer is index b of its first dim,
         # which is what vLLM's copy op indexes. Layers sharing a tensor share the copy.
-        by_ptr: dict[int, Any] = {}
+        shared: dict[tuple[Any, ...], Any] = {}
         self.host: dict[str, Any] = {}
         for name, t in device_caches.items():
-            key = int(t.data_ptr())
-            if key not in by_ptr:
-                by_ptr[key] = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
-            self.host[name] = by_ptr[key]
+            key = (int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if key not in shared:
+                shared[key] = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+            self.host[name] = shared[key]
         self.groups = group_layers or [list(device_caches)]
         self.copy_op: Optional[Callable[..., None]] = None
 
@@ -158,6 +158,10 @@ class KvxferWorker:
         self._pulling: dict[str, str] = {}
         self._load_errors: set[int] = set()
         self._done_recving: set[str] = set()
+        # Requests whose pull failed (reported in vLLM's failed_recving as well): gathered,
+        # then those of the last get_finished.
+        self._failed_recving: set[str] = set()
+        self.last_failed_recving: set[str] = set()
         # Finished pulls and lease ends since vLLM last read the stats.
         self.transfers: list[dict[str, Any]] = []
         self.lease_ends: list[str] = []
@@ -296,12 +300,17 @@ class KvxferWorker:
         if not self._once(meta, "retract") or self.prefill is None:
             return
         rank = self.tp_rank()
-        for params in meta.to_retract:
+        for entry in meta.to_retract:
+            # (vLLM request id, minted params); the request no longer waits for this lease:
+            # forget everything about it, whether the lease is live or already ended (an
+            # ended lease must not be reported for a request vLLM freed, or for its re-mint).
+            rid, params = entry if isinstance(entry, tuple) else (None, entry)
             lease = str(params.get("remote_request_id"))
-            rid = self._lease_rid.pop(lease, None)
+            rid = self._lease_rid.pop(lease, None) or rid
             if rid is not None:
                 self._armed.discard(rid)
                 self._finished_seen.discard(rid)
+                self._ended.pop(rid, None)
             try:
                 self.prefill.cancel(rank_view(params, rank))
             except kvxfer.KvxferError as e:
@@ -353,11 +362,13 @@ class KvxferWorker:
                     self._ended[rid] = time.monotonic()
 
     def run_pending(self, meta: Any) -> None:
-        """Every phase of ``meta`` not run yet (a host that skipped a hook)."""
+        """The retract and load phases of ``meta`` if not run yet (a host that skipped a
+        hook). Never the arm phase: with a deferred finalize (speculative decoding) vLLM
+        asks for finished transfers before ``wait_for_save`` and the draft model's forward,
+        and a lease armed then would publish blocks not yet fully written."""
         if meta is not None:
             self.before_forward(meta)
             self.load(meta)
-            self.save(meta)
 
     # ------------------------------------------------------------------ decode helpers
 
@@ -509,6 +520,7 @@ class KvxferWorker:
         self.counters["submit_failures"] += 1
         logger.error("kvxfer: %s", why)
         self._load_errors.update(all_ids(local))
+        self._failed_recving.add(rid)
         self._done_recving.add(rid)
 
     # ------------------------------------------------------------------ completions
@@ -551,16 +563,20 @@ class KvxferWorker:
                 if r["outcome"] in ("failed", "failed_blocks_held"):
                     logger.warning("kvxfer: pulling %s failed (%s): %s", rid, r["error"].advice, r["error"])
                     self._load_errors.update(all_ids(r["local_blocks"]))
+                    self._failed_recving.add(rid)
                 elif self.staging is not None:
                     self.staging.copy(r["local_blocks"], "h2d")
                 self.transfers.append(r)
                 self._done_recving.add(rid)
         recving, self._done_recving = self._done_recving, set()
+        self.last_failed_recving, self._failed_recving = self._failed_recving, set()
         return (sending or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of failed pulls — for one KV-cache group only: block ids repeat across
+        groups, so vLLM takes a hybrid model's failures per request (failed_recving)."""
         errors, self._load_errors = self._load_errors, set()
-        return errors
+        return errors if self.s.num_groups == 1 else set()
 
     def shutdown(self) -> None:
         for agent in (self.decode, self.prefill):
