@@ -8,8 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-use crate::measure::percentile;
-
 /// Bytes per write of the raw TCP baseline: kvxfer's server sends a read's payload in
 /// vectored writes of about this many bytes (`CRC_GROUP` in kvxfer-tcp's `read.rs`: each
 /// group is checksummed, then written; the header rides with the first, the CRC trailer
@@ -268,6 +266,15 @@ pub(crate) fn memcpy_gib_per_s(total: u64) -> f64 {
     let secs = t0.elapsed().as_secs_f64();
     std::hint::black_box(&dst);
     total as f64 / f64::from(1u32 << 30) / secs
+}
+
+/// The `p` quantile (0..=1) of sorted samples (0 when there are none).
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! The command line: one-process runs, and the `serve` / `pull` halves of a two-process
 //! run; and the agent configuration the options and the environment make.
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvxfer::{AgentConfig, TransportChoice};
 
 #[derive(Parser, Debug)]
@@ -144,7 +144,7 @@ pub(crate) struct RunArgs {
     pub(crate) sweep_blocks_per_child: Vec<u32>,
     /// The many-requests workload (`--concurrency`).
     #[command(flatten)]
-    pub(crate) workload: crate::workload::WorkloadArgs,
+    pub(crate) workload: WorkloadArgs,
 }
 
 impl RunArgs {
@@ -182,6 +182,101 @@ impl RunArgs {
             }
         }
         Ok(runs)
+    }
+}
+
+/// How open-loop arrivals are spaced.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Arrivals {
+    /// Exactly 1/R apart.
+    Fixed,
+    /// Exponentially distributed gaps of mean 1/R (seeded by `--seed`).
+    Poisson,
+}
+
+/// Options of the many-requests workload.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct WorkloadArgs {
+    /// Many-requests mode, closed loop: keep this many parents in flight (a list, e.g.
+    /// 1,16,256,1024), a new one started as soon as one finishes; replaces the bulk
+    /// iterations.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) concurrency: Vec<u32>,
+    /// Many-requests mode, open loop: parents arriving per second (a list, e.g. 500,2000),
+    /// whatever the system does; latency counts from each parent's scheduled arrival.
+    #[arg(long, value_delimiter = ',', value_parser = parse_rate)]
+    pub(crate) rate: Vec<f64>,
+    /// Open loop: spacing of the arrivals.
+    #[arg(long, value_enum, default_value_t = Arrivals::Fixed)]
+    pub(crate) arrivals: Arrivals,
+    /// Open loop: parents in flight at most (the decode blocks held); an arrival that finds
+    /// it reached waits (never dropped) and is counted in `cap_waits`.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) max_in_flight: u32,
+    /// Seed of the Poisson arrivals.
+    #[arg(long, default_value_t = 15)]
+    pub(crate) seed: u64,
+    /// Parents leased per control round trip, ahead of need (1: one lease per parent, taken
+    /// when its turn comes, as before). The open loop leases at most rate × ttl / 4 parents
+    /// per batch, so no lease waits in the pool for longer than about half its ttl.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) lease_batch: u32,
+    /// Seconds each bench lease lives unless pulled (the ttl asked of the prefill agent;
+    /// 30 is the agent's default). Leases taken ahead of need are not heartbeated.
+    #[arg(long, default_value_t = 30.0, value_parser = parse_ttl)]
+    pub(crate) lease_ttl: f64,
+    /// Measured seconds per level (many-requests mode).
+    #[arg(long, default_value_t = 5.0, value_parser = parse_secs)]
+    pub(crate) duration: f64,
+    /// Unmeasured seconds before them (many-requests mode).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_secs)]
+    pub(crate) warmup_secs: f64,
+    /// Blocks per child (many-requests mode; the bulk mode derives it from --total-bytes).
+    #[arg(long, default_value_t = 2)]
+    pub(crate) blocks_per_child: u32,
+}
+
+/// Open-loop arrival rates the loop can keep: at least one arrival in 10^6 s, and gaps of at
+/// least a nanosecond (smaller ones round to zero, and the schedule would never advance).
+const RATE_RANGE: std::ops::RangeInclusive<f64> = 1e-6..=1e9;
+
+/// `--rate`: parents per second, finite and in [`RATE_RANGE`] (`inf`, 0 and negative rates
+/// are refused rather than turned into something else).
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let rate: f64 =
+        s.trim().parse().map_err(|_| format!("not a rate: {s:?} (parents per second, e.g. 500)"))?;
+    if !RATE_RANGE.contains(&rate) {
+        return Err(format!(
+            "rate {s} is not a finite number of parents per second from {:e} to {:e}",
+            RATE_RANGE.start(),
+            RATE_RANGE.end()
+        ));
+    }
+    Ok(rate)
+}
+
+/// Seconds: finite and not negative.
+fn parse_secs(s: &str) -> Result<f64, String> {
+    let secs: f64 = s.trim().parse().map_err(|_| format!("not a number of seconds: {s:?}"))?;
+    if !(0.0..1e9).contains(&secs) {
+        return Err(format!("{s} is not a finite, non-negative number of seconds"));
+    }
+    Ok(secs)
+}
+
+/// `--lease-ttl`: seconds, finite and at least a millisecond.
+fn parse_ttl(s: &str) -> Result<f64, String> {
+    let secs = parse_secs(s)?;
+    if secs < 1e-3 {
+        return Err(format!("a lease ttl of {s} s is shorter than a millisecond"));
+    }
+    Ok(secs)
+}
+
+impl WorkloadArgs {
+    /// Whether a many-requests level was asked for.
+    pub(crate) fn any(&self) -> bool {
+        !self.concurrency.is_empty() || !self.rate.is_empty()
     }
 }
 

@@ -19,7 +19,7 @@ use kvxfer_mem::pattern;
 use serde_json::json;
 
 use crate::cli::{ucx_config, RunArgs};
-use crate::report::human;
+use crate::plot::human;
 
 const HEADS: u32 = 8;
 const HEAD_DIM: u32 = 128;

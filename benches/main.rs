@@ -26,6 +26,7 @@ mod procstat;
 mod report;
 mod serve;
 mod source;
+mod types;
 #[cfg(feature = "ucx")]
 mod ucx_baseline;
 mod workload;

@@ -11,7 +11,9 @@ use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, PullRe
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
+use crate::baselines::percentile;
 use crate::cli::RunArgs;
+use crate::procstat::cpu_seconds;
 use crate::source::LeaseSource;
 
 /// Blocks per child so that every parent's children together move `total` bytes.
@@ -24,25 +26,6 @@ pub(crate) fn blocks_per_child(run: &RunArgs, block: u64) -> Result<u32, String>
             run.total_bytes
         )
     })
-}
-
-/// Resource usage of this process: user + system CPU seconds.
-pub(crate) fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage writes one rusage struct; zeroed is a valid initial value.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: RUSAGE_SELF with a valid out-pointer.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
-    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
-    t(u.ru_utime) + t(u.ru_stime)
-}
-
-/// The `p` quantile (0..=1) of sorted samples (0 when there are none).
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[idx.min(sorted.len() - 1)]
 }
 
 /// Runs moving less than this per iteration are latency runs: their raw TCP bandwidth runs

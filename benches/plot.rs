@@ -1,6 +1,14 @@
 //! The SVG plot of GiB/s against block size: kvxfer and its baselines.
 
-use crate::report::human;
+/// A byte count as `64K`, `2M`, `1G` when it is a whole multiple, else in bytes.
+pub(crate) fn human(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => b.to_string(),
+    }
+}
 
 /// One block size's bandwidths, for the plot.
 pub(crate) struct PlotRow {
@@ -82,15 +90,15 @@ pub(crate) fn svg_plot(path: &str, transport: &str, rows: &[PlotRow]) -> Result<
 pub(crate) fn svg_latency_plot(
     path: &str,
     transport: &str,
-    rows: &[crate::workload::Loaded],
+    rows: &[crate::types::Loaded],
 ) -> Result<(), String> {
-    use crate::workload::Level;
+    use crate::types::Level;
     let (w, h) = (720.0, 420.0);
-    let closed: Vec<&crate::workload::Loaded> =
+    let closed: Vec<&crate::types::Loaded> =
         rows.iter().filter(|r| matches!(r.level, Level::Closed(_))).collect();
-    let open: Vec<&crate::workload::Loaded> =
+    let open: Vec<&crate::types::Loaded> =
         rows.iter().filter(|r| matches!(r.level, Level::Open { .. })).collect();
-    let panels: Vec<(&[&crate::workload::Loaded], String)> = [
+    let panels: Vec<(&[&crate::types::Loaded], String)> = [
         (closed.as_slice(), "parents in flight (C), closed loop".to_owned()),
         (
             open.as_slice(),
@@ -114,7 +122,7 @@ pub(crate) fn svg_latency_plot(
 
 /// One panel of [`svg_latency_plot`] (720 x 420, `top` pixels down): latency quantiles of
 /// `rows` against their level (`Loaded::x`), both on log scales.
-fn latency_panel(rows: &[&crate::workload::Loaded], transport: &str, xlabel: &str, top: f64) -> String {
+fn latency_panel(rows: &[&crate::types::Loaded], transport: &str, xlabel: &str, top: f64) -> String {
     let (w, h, m) = (720.0, 420.0, 70.0);
     let lat = |v: f64| v.max(1.0).log10();
     let ys: Vec<f64> = rows.iter().flat_map(|r| r.child_us[..3].iter().map(|&v| lat(v))).collect();

@@ -1,5 +1,6 @@
 //! What this process holds, read from `/proc/self`: resident memory (now and peak) and open
-//! file descriptors — for the many-requests workload's "no growth with concurrency" figures.
+//! file descriptors — for the many-requests workload's "no growth with concurrency" figures;
+//! and the CPU time it used.
 
 /// A `kB` field of `/proc/self/status` (e.g. `VmRSS`, `VmHWM`), in KiB; 0 when unreadable.
 fn status_kib(field: &str) -> u64 {
@@ -47,4 +48,14 @@ pub(crate) fn involuntary_switches() -> u64 {
                 .and_then(|v| v.trim().parse::<u64>().ok())
         })
         .sum()
+}
+
+/// Resource usage of this process: user + system CPU seconds.
+pub(crate) fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes one rusage struct; zeroed is a valid initial value.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid out-pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
 }

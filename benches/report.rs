@@ -3,22 +3,11 @@
 
 use serde_json::json;
 
-use crate::baselines::{memcpy_gib_per_s, rtt_distribution};
+use crate::baselines::{memcpy_gib_per_s, percentile, rtt_distribution};
 use crate::cli::RunArgs;
-use crate::measure::percentile;
 use crate::measure::run_block_size;
-use crate::plot::{svg_plot, PlotRow};
+use crate::plot::{human, svg_plot, PlotRow};
 use crate::source::LeaseSource;
-
-/// A byte count as `64K`, `2M`, `1G` when it is a whole multiple, else in bytes.
-pub(crate) fn human(b: u64) -> String {
-    match b {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
-        b => b.to_string(),
-    }
-}
 
 /// `--baseline` over UCX: GiB/s of `--iters` raw get runs of the same bytes from the same
 /// prefill process (`None` for TCP runs or without the `ucx` feature).

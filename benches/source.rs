@@ -11,7 +11,7 @@ use kvxfer_mem::pattern;
 use kvxfer_proto::Message;
 use serde_json::{json, Value};
 
-use crate::measure::cpu_seconds;
+use crate::procstat::cpu_seconds;
 
 /// The decode side: where the leases come from (an agent in this process or a `serve`).
 pub(crate) trait LeaseSource {

@@ -29,7 +29,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use clap::{Args, ValueEnum};
 use futures::stream::{FuturesUnordered, StreamExt};
 use futures::task::ArcWake;
 use kvxfer::blocking::DecodeAgent;
@@ -38,99 +37,12 @@ use kvxfer_mem::pattern;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use crate::cli::RunArgs;
-use crate::measure::{cpu_seconds, percentile};
-use crate::procstat::{involuntary_switches, open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
-use crate::report::human;
+use crate::baselines::percentile;
+use crate::cli::{Arrivals, RunArgs};
+use crate::plot::human;
+use crate::procstat::{cpu_seconds, involuntary_switches, open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
 use crate::source::LeaseSource;
-
-/// How open-loop arrivals are spaced.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Arrivals {
-    /// Exactly 1/R apart.
-    Fixed,
-    /// Exponentially distributed gaps of mean 1/R (seeded by `--seed`).
-    Poisson,
-}
-
-/// Options of the many-requests workload.
-#[derive(Args, Debug, Clone)]
-pub(crate) struct WorkloadArgs {
-    /// Many-requests mode, closed loop: keep this many parents in flight (a list, e.g.
-    /// 1,16,256,1024), a new one started as soon as one finishes; replaces the bulk
-    /// iterations.
-    #[arg(long, value_delimiter = ',')]
-    pub(crate) concurrency: Vec<u32>,
-    /// Many-requests mode, open loop: parents arriving per second (a list, e.g. 500,2000),
-    /// whatever the system does; latency counts from each parent's scheduled arrival.
-    #[arg(long, value_delimiter = ',', value_parser = parse_rate)]
-    pub(crate) rate: Vec<f64>,
-    /// Open loop: spacing of the arrivals.
-    #[arg(long, value_enum, default_value_t = Arrivals::Fixed)]
-    pub(crate) arrivals: Arrivals,
-    /// Open loop: parents in flight at most (the decode blocks held); an arrival that finds
-    /// it reached waits (never dropped) and is counted in `cap_waits`.
-    #[arg(long, default_value_t = 256)]
-    pub(crate) max_in_flight: u32,
-    /// Seed of the Poisson arrivals.
-    #[arg(long, default_value_t = 15)]
-    pub(crate) seed: u64,
-    /// Parents leased per control round trip, ahead of need (1: one lease per parent, taken
-    /// when its turn comes, as before). The open loop leases at most rate × ttl / 4 parents
-    /// per batch, so no lease waits in the pool for longer than about half its ttl.
-    #[arg(long, default_value_t = 64)]
-    pub(crate) lease_batch: u32,
-    /// Seconds each bench lease lives unless pulled (the ttl asked of the prefill agent;
-    /// 30 is the agent's default). Leases taken ahead of need are not heartbeated.
-    #[arg(long, default_value_t = 30.0, value_parser = parse_ttl)]
-    pub(crate) lease_ttl: f64,
-    /// Measured seconds per level (many-requests mode).
-    #[arg(long, default_value_t = 5.0, value_parser = parse_secs)]
-    pub(crate) duration: f64,
-    /// Unmeasured seconds before them (many-requests mode).
-    #[arg(long, default_value_t = 1.0, value_parser = parse_secs)]
-    pub(crate) warmup_secs: f64,
-    /// Blocks per child (many-requests mode; the bulk mode derives it from --total-bytes).
-    #[arg(long, default_value_t = 2)]
-    pub(crate) blocks_per_child: u32,
-}
-
-/// Open-loop arrival rates the loop can keep: at least one arrival in 10^6 s, and gaps of at
-/// least a nanosecond (smaller ones round to zero, and the schedule would never advance).
-const RATE_RANGE: std::ops::RangeInclusive<f64> = 1e-6..=1e9;
-
-/// `--rate`: parents per second, finite and in [`RATE_RANGE`] (`inf`, 0 and negative rates
-/// are refused rather than turned into something else).
-fn parse_rate(s: &str) -> Result<f64, String> {
-    let rate: f64 =
-        s.trim().parse().map_err(|_| format!("not a rate: {s:?} (parents per second, e.g. 500)"))?;
-    if !RATE_RANGE.contains(&rate) {
-        return Err(format!(
-            "rate {s} is not a finite number of parents per second from {:e} to {:e}",
-            RATE_RANGE.start(),
-            RATE_RANGE.end()
-        ));
-    }
-    Ok(rate)
-}
-
-/// Seconds: finite and not negative.
-fn parse_secs(s: &str) -> Result<f64, String> {
-    let secs: f64 = s.trim().parse().map_err(|_| format!("not a number of seconds: {s:?}"))?;
-    if !(0.0..1e9).contains(&secs) {
-        return Err(format!("{s} is not a finite, non-negative number of seconds"));
-    }
-    Ok(secs)
-}
-
-/// `--lease-ttl`: seconds, finite and at least a millisecond.
-fn parse_ttl(s: &str) -> Result<f64, String> {
-    let secs = parse_secs(s)?;
-    if secs < 1e-3 {
-        return Err(format!("a lease ttl of {s} s is shorter than a millisecond"));
-    }
-    Ok(secs)
-}
+use crate::types::{Level, Loaded};
 
 /// Parents to lease per batch: `--lease-batch`, at most `c / 2` (the remote slots hold two
 /// batches besides the parents in flight), and in the open loop at most `rate × ttl / 4`
@@ -154,72 +66,6 @@ fn lease_batch_size(lease_batch: u32, c: usize, level: Level, ttl: Duration) -> 
 /// much later, and the drain's work would count in the window).
 fn park_deadline(wait: Option<Instant>, pending_edges: &[Option<Instant>]) -> Option<Instant> {
     pending_edges.iter().flatten().copied().chain(wait).min()
-}
-
-impl WorkloadArgs {
-    /// Whether a many-requests level was asked for.
-    pub(crate) fn any(&self) -> bool {
-        !self.concurrency.is_empty() || !self.rate.is_empty()
-    }
-}
-
-/// One level of the workload.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Level {
-    /// This many parents in flight, each started when one finishes.
-    Closed(u32),
-    /// Parents arriving at this rate per second, at most `cap` in flight.
-    Open { rate: f64, cap: u32 },
-}
-
-/// What one (block size, level) measured.
-pub(crate) struct Loaded {
-    pub(crate) block: u64,
-    pub(crate) level: Level,
-    pub(crate) requests: u64,
-    pub(crate) requests_per_s: f64,
-    pub(crate) gib_per_s: f64,
-    /// Per-child hand-off latency quantiles, us: p50, p99, p999, max.
-    pub(crate) child_us: [f64; 4],
-    /// Per-request latency (start → last child's completion) quantiles, us: p50, p99.
-    pub(crate) request_us: [f64; 2],
-    pub(crate) cpu_us_per_request: f64,
-    /// Mean time of the lease calls per parent (in two processes, control round trips to
-    /// `serve`, `--lease-batch` parents each): the submitting thread's own cost.
-    pub(crate) lease_call_us: f64,
-    /// Open loop: submission time (when the submit call started) − scheduled arrival, us:
-    /// p50, p99, max.
-    pub(crate) submit_lag_us: [f64; 3],
-    /// Per-child latency from the parent's submission (not its start), us: p50, p99, p999 —
-    /// the engine's part of the hand-off, without the submitting thread's lateness.
-    pub(crate) service_us: [f64; 3],
-    /// Open loop: arrivals that found the in-flight cap reached and waited for a slot.
-    pub(crate) cap_waits: u64,
-    /// How long after the window's end its CPU and context-switch readings were taken, us.
-    pub(crate) end_reading_late_us: f64,
-    /// Open loop: most arrivals waiting at once.
-    pub(crate) max_backlog: u64,
-    pub(crate) prefill_cpu_us_per_request: Option<f64>,
-    /// Involuntary context switches of this process's threads per measured second: how
-    /// often the machine took the CPU from a runnable thread (a loaded machine's tail).
-    pub(crate) preempted_per_s: f64,
-    pub(crate) rss_before_mib: f64,
-    pub(crate) rss_peak_mib: f64,
-    pub(crate) kv_mib: f64,
-    pub(crate) fds_before: u64,
-    pub(crate) fds_max: u64,
-    pub(crate) verified: Option<bool>,
-    pub(crate) prefill: Value,
-}
-
-impl Loaded {
-    /// The level's x value in tables and plots: C (closed) or parents/s offered (open).
-    pub(crate) fn x(&self) -> f64 {
-        match self.level {
-            Level::Closed(c) => f64::from(c),
-            Level::Open { rate, .. } => rate,
-        }
-    }
 }
 
 /// A finished parent: its local and remote slot, when it started (the scheduled arrival in
