@@ -12,7 +12,13 @@ cd "$(dirname "$0")/.."
 bin=${KVXFER_BENCH:-}
 if [ -z "$bin" ]; then
     cargo build -q --release -p kvxfer-bench --features ucx
-    bin=target/release/kvxfer-bench
+    # Where cargo put it: honours CARGO_TARGET_DIR and a configured build.target-dir.
+    target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+    if [ -z "$target_dir" ]; then
+        echo "bench-two-process.sh: cargo metadata named no target directory" >&2
+        exit 1
+    fi
+    bin=$target_dir/release/kvxfer-bench
 fi
 
 # The serve side takes the transport flags and --worker-threads (pull takes them too).
