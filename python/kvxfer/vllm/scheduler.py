@@ -198,7 +198,7 @@ class KvxferScheduler:
         if minted is None:
             logger.debug("kvxfer: %s minted at request_finished (armed at the next step)", rid)
             minted = self._mint(rid, params, blocks, skipped)
-        return True, self._with_siblings(minted)
+        return True, self._with_siblings(rid, minted)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         """Learns every prefill rank's agent address and incarnation from its worker."""
@@ -322,18 +322,22 @@ class KvxferScheduler:
         consumers = decode_tp // tp if decode_tp > tp and decode_tp % tp == 0 else 1
         mints = self._mints.get(rid, 0)
         self._mints[rid] = mints + 1
+        # A re-minted lease (the request was preempted, or its blocks changed) gets an id of
+        # its own — the retracted one's stays ended — as the child of a parent named apart
+        # ("P~1"): a prefill agent arms only a lease whose id is its parent's child id.
+        lease_parent = parent if mints == 0 else f"{parent}~{mints}"
+        lease_id = rid if mints == 0 else (lease_parent if n == 1 else f"{index}_{lease_parent}")
         out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": blocks,
             "remote_engine_id": self.s.engine_id,
-            # A re-minted lease gets an id of its own: the retracted one's stays ended.
-            "remote_request_id": rid if mints == 0 else f"{rid}~{mints}",
+            "remote_request_id": lease_id,
             "remote_host": self.s.host,
             "remote_port": self._port_of(0),
             "tp_size": tp,
             "kvxfer_lease_token": secrets.token_hex(16),
-            "kvxfer_parent_request_id": parent,
+            "kvxfer_parent_request_id": lease_parent,
             "kvxfer_child_index": index,
             "kvxfer_n": n,
             "kvxfer_expected_consumers": consumers,
@@ -366,15 +370,15 @@ class KvxferScheduler:
             siblings[index] = out
         return out
 
-    def _with_siblings(self, own: dict[str, Any]) -> dict[str, Any]:
-        """The params a finished child returns: its own hand-off plus every sibling's minted
-        so far (``kvxfer_children``), so the params vLLM's output path keeps (one child's)
-        carry them all."""
+    def _with_siblings(self, rid: str, own: dict[str, Any]) -> dict[str, Any]:
+        """The params finished child ``rid`` returns: its own hand-off plus every sibling's
+        minted so far (``kvxfer_children``), so the params vLLM's output path keeps (one
+        child's) carry them all."""
         result = dict(own)
         n = int(own.get("kvxfer_n") or 1)
         if n <= 1:
             return result
-        parent = own["kvxfer_parent_request_id"]
+        parent = self._child_of(rid, own)[0]  # vLLM's parent (a re-minted lease names its own)
         entry = self._siblings.get(parent)
         if entry is None:
             return result

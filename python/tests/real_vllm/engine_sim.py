@@ -317,6 +317,7 @@ class StepRecord:
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     scheduled: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
 
 
 class Engine:
@@ -331,6 +332,7 @@ class Engine:
         extra_config: Optional[dict[str, Any]] = None,
         attention_layouts: Optional[list[str]] = None,
         num_blocks: int = 128,
+        max_model_len: int = 512,
         kv_load_failure_policy: str = "fail",
     ) -> None:
         self.vllm_config = config = make_vllm_config(
@@ -339,6 +341,7 @@ class Engine:
             async_scheduling=async_scheduling,
             extra_config=extra_config,
             num_blocks=num_blocks,
+            max_model_len=max_model_len,
             kv_load_failure_policy=kv_load_failure_policy,
         )
         # EngineCore._initialize_kv_caches: specs, layout, planning.
@@ -504,7 +507,7 @@ class Engine:
         self.sent_metadata.append(so.kv_connector_metadata)
         output = mq_roundtrip(self.worker.execute_model(mq_roundtrip(so)))
         output = self.aggregator.aggregate([output], 0)
-        record = StepRecord(scheduled=dict(so.num_scheduled_tokens))
+        record = StepRecord(scheduled=dict(so.num_scheduled_tokens), preempted=set(so.preempted_req_ids or ()))
         kv = output.kv_connector_output
         if kv is not None:
             record.finished_sending = set(kv.finished_sending or ())

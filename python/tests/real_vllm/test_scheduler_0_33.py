@@ -491,3 +491,54 @@ def test_a_prefill_that_generates_several_tokens_hands_off_its_prompt(pair: Pair
     check_blocks(pair, rid, decode_ids[0], prompt)
     settle(pair, before)
     assert before.lease_delta(pair) == dict(leased=1, pulled=1, released=0, expired=0, retracted=0, live=0)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_prefill_request_preempted_after_its_lease_was_minted_hands_off_a_fresh_one(
+    pair: Pair, model_dir: str, n: int
+) -> None:
+    """A prefill engine of eight blocks: a long request's next block preempts the prefill
+    request (a child of it for n = 2) after the step that computed its prompt minted and
+    armed its lease. The lease is retracted; the request is recomputed, and its new
+    last-token step mints a lease under an id of its own that the worker can arm — the
+    params the user gets name it, and the decode pulls it."""
+    prefill = Engine(
+        model_dir,
+        "kv_producer",
+        async_scheduling=pair.mode == "async",
+        extra_config=PREFILL_EXTRA,
+        attention_layouts=default_attention_layouts() if pair.mode == "async" else cpu_attention_layouts(),
+        num_blocks=9,
+        max_model_len=128,
+    )
+    try:
+        sub = Pair(pair.mode, prefill, pair.decode)
+        before = Snapshot.of(sub)
+        tag = f"preempted-{pair.mode}-{n}"
+        prompt = prompt_for(tag, 60)
+        # n = 2: the long request stops at 64 tokens (4 blocks) — the finished child's lease
+        # keeps its 4 blocks until the decode pulls, after its sibling finished too.
+        long_prompt, long_tokens = (63, 20) if n == 1 else (47, 17)
+        prefill.add_request(f"long-{tag}", prompt_for(f"long-{tag}", long_prompt), max_tokens=long_tokens)
+        params = {"do_remote_decode": True, "do_remote_prefill": False, "kvxfer_n": n}
+        prefill_ids = prefill.add_request(f"req-{tag}", prompt, n=n, max_tokens=3, kv_transfer_params=params)
+        outputs = prefill.run_until(lambda: not prefill.has_unfinished_requests(), "both prefill requests")
+        (final,) = [o for o in outputs if o.finished and o.kv_transfer_params]
+        preempted = {rid for r in prefill.records for rid in r.preempted}
+        assert preempted & set(prefill_ids), "no prefill request was preempted"
+        handoff = router_hop(final.kv_transfer_params)
+        entries = handoff.get("kvxfer_children") or [handoff]
+        leases = {e["kvxfer_child_index"]: e["remote_request_id"] for e in entries}
+        for i, rid in enumerate(prefill_ids):
+            assert (leases[i] == rid) == (rid not in preempted), leases
+        decode_ids, _ = run_decode(sub, f"dec-{tag}", prompt, n, handoff)
+        for i, decode_id in enumerate(decode_ids):
+            assert pair.decode.pulled_lease(decode_id) == leases[i]
+            check_blocks(sub, prefill_ids[i], decode_id, prompt)
+        settle(sub, before)
+        retracted = len(preempted & set(prefill_ids))
+        assert before.lease_delta(sub) == dict(
+            leased=n + retracted, pulled=n, released=retracted, expired=0, retracted=0, live=0
+        )
+    finally:
+        prefill.shutdown()
