@@ -26,7 +26,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
 
 use kvxfer_core::pull::PullError;
 use kvxfer_core::{EndKind, EngineInfo, LeaseTable};
@@ -37,7 +36,7 @@ use tracing::{debug, info, warn};
 
 use kvxfer_cluster::{
     AdvertiseAddr, AgentName, DecodeSnapshot, DirectoryOptions, EngineId, EngineKey, EngineRecord, Host,
-    Namespace, PerTransport, PrefillSnapshot, Registration, RegistrationConfig, ResolveError, SourceGuard,
+    PerTransport, PrefillSnapshot, Registration, RegistrationConfig, ResolveError, SourceGuard,
     TransportName,
 };
 pub use kvxfer_cluster::{
@@ -45,7 +44,8 @@ pub use kvxfer_cluster::{
     EtcdStatus, HandoffOutcome, Metrics, MetricsServer, StatusWatch, OPENMETRICS_CONTENT_TYPE,
 };
 
-use crate::decode::report::Counters;
+pub use crate::cluster_config::{ClusterConfig, DiscoveryConfig, DEFAULT_REGISTRATION_TTL};
+use crate::decode::report::{Counters, DecodeStats};
 use crate::{AgentConfig, Error};
 
 /// What the cluster hooks see of a decode agent's shared state (`decode::shared::Inner`
@@ -58,62 +58,6 @@ pub(crate) trait DecodePeers: Send + Sync + 'static {
     /// Forgets the peer at `addr`, closing its pooled connections. Returns whether there
     /// was one.
     fn invalidate_peer(&self, addr: &str) -> bool;
-}
-
-/// The default registration TTL: a crashed prefill process's key is gone at most this long
-/// after its last keep-alive.
-pub const DEFAULT_REGISTRATION_TTL: Duration = Duration::from_secs(10);
-
-/// An agent's cluster settings ([`AgentConfig::cluster`](crate::AgentConfig)); the default
-/// is everything off.
-#[derive(Debug, Clone, Default)]
-pub struct ClusterConfig {
-    /// etcd discovery: prefill agents register, decode agents watch. `None`: off.
-    pub discovery: Option<DiscoveryConfig>,
-    /// The process's metrics registry the agent feeds (share one between the agents of a
-    /// process). `None`: no metrics, unless `metrics_listen` is set (then the agent makes a
-    /// registry of its own).
-    pub metrics: Option<Arc<Metrics>>,
-    /// Serve the registry at `GET /metrics` on this address (port 0 picks one; the agent's
-    /// `metrics_addr()` tells which), from start until shutdown.
-    pub metrics_listen: Option<String>,
-}
-
-/// Where and under which name agents meet in etcd.
-#[derive(Debug, Clone)]
-pub struct DiscoveryConfig {
-    /// The etcd endpoints, timeouts and retry backoff.
-    pub etcd: EtcdConfig,
-    /// The deployment's namespace (the first key segment; printable ASCII without `/`).
-    pub namespace: String,
-    /// The registration lease's TTL (whole seconds, 2 s or more): how long a crashed prefill
-    /// process stays registered at most. Keep-alives go every TTL/3. Default 10 s.
-    pub registration_ttl: Duration,
-}
-
-impl DiscoveryConfig {
-    /// Discovery through the etcd at `endpoints` (`http://host:2379`) under `namespace`,
-    /// with the default timeouts ([`EtcdConfig::new`]) and a 10 s registration TTL.
-    pub fn new<S: Into<String>>(
-        endpoints: impl IntoIterator<Item = S>,
-        namespace: impl Into<String>,
-    ) -> Self {
-        Self {
-            etcd: EtcdConfig::new(endpoints),
-            namespace: namespace.into(),
-            registration_ttl: DEFAULT_REGISTRATION_TTL,
-        }
-    }
-
-    /// Sets the registration TTL.
-    pub fn registration_ttl(mut self, ttl: Duration) -> Self {
-        self.registration_ttl = ttl;
-        self
-    }
-
-    fn namespace(&self) -> Result<Namespace, Error> {
-        Namespace::new(&self.namespace).map_err(cluster_error)
-    }
 }
 
 /// Any error of the cluster crate as an engine error.
@@ -473,7 +417,7 @@ impl Drop for DecodeCluster {
     }
 }
 
-fn decode_snapshot(s: &crate::DecodeStats) -> DecodeSnapshot {
+fn decode_snapshot(s: &DecodeStats) -> DecodeSnapshot {
     DecodeSnapshot {
         pulls: s.pulls,
         children_done: s.children_done,
@@ -527,7 +471,7 @@ mod tests {
         // A one-sided read counted in the total, its UCX part not yet.
         let served = kvxfer_tcp::ServerStats { bytes_served: 4096, ..Default::default() };
         assert_eq!(served_bytes(&served).tcp, 0, "a UCX read in progress showed as TCP bytes");
-        let pulled = crate::DecodeStats { bytes_pulled: 4096, integrity_failures: 1, ..Default::default() };
+        let pulled = DecodeStats { bytes_pulled: 4096, integrity_failures: 1, ..Default::default() };
         let d = decode_snapshot(&pulled);
         assert_eq!((d.bytes_pulled.tcp, d.integrity_failures.tcp), (0, 0));
         // Each transport's own counter is what shows.

@@ -115,7 +115,7 @@ pub struct AgentConfig {
     pub kv_shape: Option<kvxfer_core::KvShapeSpec>,
     /// Running in a cluster: etcd discovery and Prometheus metrics (all off by default).
     #[cfg(feature = "cluster")]
-    pub cluster: crate::cluster::ClusterConfig,
+    pub cluster: crate::cluster_config::ClusterConfig,
 }
 
 impl AgentConfig {
@@ -147,20 +147,20 @@ impl AgentConfig {
             max_children: kvxfer_core::LeaseConfig::DEFAULT_MAX_CHILDREN,
             kv_shape: None,
             #[cfg(feature = "cluster")]
-            cluster: crate::cluster::ClusterConfig::default(),
+            cluster: crate::cluster_config::ClusterConfig::default(),
         }
     }
 
     /// Turns etcd discovery on (see [`crate::cluster`]).
     #[cfg(feature = "cluster")]
-    pub fn discovery(mut self, discovery: crate::cluster::DiscoveryConfig) -> Self {
+    pub fn discovery(mut self, discovery: crate::cluster_config::DiscoveryConfig) -> Self {
         self.cluster.discovery = Some(discovery);
         self
     }
 
     /// Feeds this process's metrics registry (share one `Arc` between a process's agents).
     #[cfg(feature = "cluster")]
-    pub fn metrics(mut self, metrics: std::sync::Arc<crate::cluster::Metrics>) -> Self {
+    pub fn metrics(mut self, metrics: std::sync::Arc<kvxfer_cluster::Metrics>) -> Self {
         self.cluster.metrics = Some(metrics);
         self
     }

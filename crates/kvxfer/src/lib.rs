@@ -52,6 +52,8 @@
 pub mod blocking;
 #[cfg(feature = "cluster")]
 pub mod cluster;
+#[cfg(feature = "cluster")]
+mod cluster_config;
 mod config;
 mod decode;
 mod error;
