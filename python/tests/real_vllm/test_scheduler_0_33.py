@@ -542,3 +542,70 @@ def test_a_prefill_request_preempted_after_its_lease_was_minted_hands_off_a_fres
         )
     finally:
         prefill.shutdown()
+
+
+def test_host_staging_moves_blocks_with_vllms_copy_op(pair: Pair, model_dir: str) -> None:
+    """Both engines stage through registered host memory (``kvxfer_host_staging``, the GPU
+    path run on a CPU): the blocks go device→host before the arm and host→device before
+    the decode's request is reported loaded, through the op vLLM handed the connector."""
+    layouts = default_attention_layouts() if pair.mode == "async" else cpu_attention_layouts()
+    staged = dict(kvxfer_host_staging=True)
+    sub = Pair(
+        pair.mode,
+        Engine(
+            model_dir,
+            "kv_producer",
+            async_scheduling=pair.mode == "async",
+            extra_config={**PREFILL_EXTRA, **staged},
+            attention_layouts=layouts,
+        ),
+        Engine(
+            model_dir,
+            "kv_consumer",
+            async_scheduling=pair.mode == "async",
+            extra_config={**DECODE_EXTRA, **staged},
+            attention_layouts=layouts,
+        ),
+    )
+    try:
+        for engine in (sub.prefill, sub.decode):
+            assert engine.worker.connector.worker.staging is not None
+        before = Snapshot.of(sub)
+        tag = f"staged-{pair.mode}"
+        prompt = prompt_for(tag)
+        prefill_ids, output = run_prefill(sub, f"req-{tag}", prompt, 2)
+        decode_ids, _ = run_decode(sub, f"dec-{tag}", prompt, 2, router_hop(output.kv_transfer_params))
+        for i, decode_id in enumerate(decode_ids):
+            check_blocks(sub, prefill_ids[i], decode_id, prompt)
+        settle(sub, before)
+        assert before.lease_delta(sub) == dict(leased=2, pulled=2, released=0, expired=0, retracted=0, live=0)
+    finally:
+        sub.prefill.shutdown()
+        sub.decode.shutdown()
+
+
+def test_a_prefill_cache_ordered_otherwise_is_refused_and_its_lease_released(pair: Pair, model_dir: str) -> None:
+    """The prefill engine resolved the other KV-cache layout (LBNHC against LBHNC): a
+    block's bytes are ordered otherwise, so the decode refuses the pull (a load error,
+    vLLM's fail policy fails the request) and releases the lease at once."""
+    other = cpu_attention_layouts() if pair.mode == "async" else default_attention_layouts()
+    prefill = Engine(
+        model_dir, "kv_producer", async_scheduling=pair.mode == "async", extra_config=PREFILL_EXTRA, attention_layouts=other
+    )
+    try:
+        assert prefill.layout != pair.decode.layout
+        sub = Pair(pair.mode, prefill, pair.decode)
+        before = Snapshot.of(sub)
+        tag = f"other-layout-{pair.mode}"
+        prompt = prompt_for(tag)
+        _, output = run_prefill(sub, f"req-{tag}", prompt, 1)
+        (rid,), _ = run_decode(sub, f"dec-{tag}", prompt, 1, router_hop(output.kv_transfer_params))
+        finish = [str(o.finish_reason) for o in pair.decode.core_outputs if o.request_id == rid and o.finish_reason]
+        assert finish == ["error"], finish
+        decode_counters = before.decode_connectors
+        before.decode_connectors = Snapshot.of(sub).decode_connectors  # the refusal is counted
+        settle(sub, before)
+        assert before.decode_connectors != decode_counters
+        assert before.lease_delta(sub) == dict(leased=1, pulled=0, released=1, expired=0, retracted=0, live=0)
+    finally:
+        prefill.shutdown()
