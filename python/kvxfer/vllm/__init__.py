@@ -30,7 +30,8 @@ Switch with one flag on both the prefill and the decode instance::
   ``start_load_kv``, grouping children of one parent (blocks siblings share cross the wire
   once). Reports arrive in ``get_finished``; a failed child's blocks are reported by
   ``get_block_ids_with_load_errors`` (vLLM's recompute-or-fail policy applies). Leases of
-  requests still waiting in the queue are heartbeated every ``lease_ttl / 6``; a request
+  requests still waiting in the queue are heartbeated every ``lease_ttl / 6`` (a sixth of
+  the TTL a hand-off states, ``kvxfer_lease_ttl_ms``, when that is sooner); a request
   aborted before its pull, or whose blocks all hit the local prefix cache, releases its
   lease at once; a request vLLM's API server refuses before admitting it
   (``notify_kv_transfer_request_rejected``) releases every lease its params list.

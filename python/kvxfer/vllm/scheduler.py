@@ -138,10 +138,23 @@ class KvxferScheduler:
         meta.to_release, self._to_release = self._to_release, []
         now = time.monotonic()
         waiting = [p for rid, p in self._recv_inflight.items() if rid not in meta.to_recv]
-        if (self._queued or waiting) and now - self._last_heartbeat >= self.s.heartbeat_interval:
+        beats = list(self._queued.values()) + waiting
+        if beats and now - self._last_heartbeat >= self._heartbeat_interval(beats):
             self._last_heartbeat = now
-            meta.heartbeats = list(self._queued.values()) + waiting
+            meta.heartbeats = beats
         return meta
+
+    def _heartbeat_interval(self, leases: list[dict[str, Any]]) -> float:
+        """The configured interval, or a sixth of the shortest time-to-live the leases state
+        (``kvxfer_lease_ttl_ms``, the prefill instance's ``kvxfer_lease_ttl``) if shorter: a
+        prefill instance configured with a shorter TTL than this one must not see its leases
+        expire while their requests wait here."""
+        interval = self.s.heartbeat_interval
+        for params in leases:
+            ttl_ms = int_or_none(params.get("kvxfer_lease_ttl_ms"))
+            if ttl_ms is not None and ttl_ms > 0:
+                interval = min(interval, ttl_ms / 6000)
+        return interval
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():

@@ -111,10 +111,11 @@ def make_vllm_config(
     block_size: int = 16,
     max_model_len: int = 512,
     kv_load_failure_policy: str = "fail",
+    max_num_seqs: int = 16,
 ) -> VllmConfig:
     model = ModelConfig(model=model_dir, tokenizer=model_dir, dtype="float32", seed=0, max_model_len=max_model_len)
     scheduler = SchedulerConfig(
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=256,
         max_model_len=max_model_len,
         is_encoder_decoder=model.is_encoder_decoder,
@@ -334,6 +335,7 @@ class Engine:
         num_blocks: int = 128,
         max_model_len: int = 512,
         kv_load_failure_policy: str = "fail",
+        max_num_seqs: int = 16,
     ) -> None:
         self.vllm_config = config = make_vllm_config(
             model_dir,
@@ -343,6 +345,7 @@ class Engine:
             num_blocks=num_blocks,
             max_model_len=max_model_len,
             kv_load_failure_policy=kv_load_failure_policy,
+            max_num_seqs=max_num_seqs,
         )
         # EngineCore._initialize_kv_caches: specs, layout, planning.
         register_all_kvcache_specs(config)

@@ -609,3 +609,55 @@ def test_a_prefill_cache_ordered_otherwise_is_refused_and_its_lease_released(pai
         assert before.lease_delta(sub) == dict(leased=1, pulled=0, released=1, expired=0, retracted=0, live=0)
     finally:
         prefill.shutdown()
+
+
+def test_a_decode_request_queued_behind_a_full_batch_keeps_a_short_lived_lease(pair: Pair, model_dir: str) -> None:
+    """The prefill instance leases for two seconds (``kvxfer_lease_ttl``), the decode
+    instance keeps its default (30 s, so a heartbeat every 5 s by its own setting) and runs
+    one request at a time: the hand-off waits 4.5 s in the queue behind a running request.
+    Its heartbeats follow the TTL the hand-off states; the lease is pulled, not expired."""
+    asynchronous = pair.mode == "async"
+    layouts = default_attention_layouts() if asynchronous else cpu_attention_layouts()
+    sub = Pair(
+        pair.mode,
+        Engine(
+            model_dir,
+            "kv_producer",
+            async_scheduling=asynchronous,
+            extra_config={**PREFILL_EXTRA, "kvxfer_lease_ttl": 2.0},
+            attention_layouts=layouts,
+        ),
+        Engine(
+            model_dir,
+            "kv_consumer",
+            async_scheduling=asynchronous,
+            extra_config=DECODE_EXTRA,
+            attention_layouts=layouts,
+            max_num_seqs=1,
+        ),
+    )
+    try:
+        before = Snapshot.of(sub)
+        tag = f"queued-{pair.mode}"
+        prompt = prompt_for(tag)
+        prefill_ids, output = run_prefill(sub, f"req-{tag}", prompt, 1)
+        (running,) = sub.decode.add_request(f"running-{tag}", prompt_for(f"running-{tag}"), max_tokens=400)
+        (rid,) = sub.decode.add_request(
+            f"dec-{tag}", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=router_hop(output.kv_transfer_params)
+        )
+        queued_until = time.monotonic() + 4.5
+        while time.monotonic() < queued_until:
+            sub.decode.step()
+            sub.prefill.step()
+            time.sleep(0.005)
+        assert rid not in sub.decode.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        sub.decode.abort([running])
+        sub.decode.run_until(lambda: not sub.decode.has_unfinished_requests(), f"{rid}")
+        finish = [str(o.finish_reason) for o in sub.decode.core_outputs if o.request_id == rid and o.finish_reason]
+        assert finish == ["length"], finish
+        check_blocks(sub, prefill_ids[0], rid, prompt)
+        settle(sub, before)
+        assert before.lease_delta(sub) == dict(leased=1, pulled=1, released=0, expired=0, retracted=0, live=0)
+    finally:
+        sub.prefill.shutdown()
+        sub.decode.shutdown()
