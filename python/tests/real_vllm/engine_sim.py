@@ -230,7 +230,8 @@ class FakeWorker:
         assert not so.kv_cache_block_copies, "copy-on-write blocks are not modelled by this fake runner"
         for new in so.scheduled_new_reqs:
             assert new.prompt_token_ids is not None
-            self.requests[new.req_id] = _RunnerRequest(list(new.prompt_token_ids), tuple(list(b) for b in new.block_ids))
+            blocks = tuple(list(b) for b in new.block_ids)
+            self.requests[new.req_id] = _RunnerRequest(list(new.prompt_token_ids), blocks)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]

@@ -259,7 +259,8 @@ def test_decode_child_aborted_before_its_pull_releases_its_lease(pair: Pair) -> 
     tag = f"abort-decode-{pair.mode}"
     prompt = prompt_for(tag)
     prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, 4)
-    decode_ids, _ = run_decode(pair, f"dec-{tag}", prompt, 4, router_hop(output.kv_transfer_params), abort_children=(2,))
+    params = router_hop(output.kv_transfer_params)
+    decode_ids, _ = run_decode(pair, f"dec-{tag}", prompt, 4, params, abort_children=(2,))
     assert pair.decode.pulled_lease(decode_ids[2]) is None
     assert decode_ids[2] not in pair.decode.finished_recving()
     for i in (0, 1, 3):
@@ -590,7 +591,11 @@ def test_a_prefill_cache_ordered_otherwise_is_refused_and_its_lease_released(pai
     vLLM's fail policy fails the request) and releases the lease at once."""
     other = cpu_attention_layouts() if pair.mode == "async" else default_attention_layouts()
     prefill = Engine(
-        model_dir, "kv_producer", async_scheduling=pair.mode == "async", extra_config=PREFILL_EXTRA, attention_layouts=other
+        model_dir,
+        "kv_producer",
+        async_scheduling=pair.mode == "async",
+        extra_config=PREFILL_EXTRA,
+        attention_layouts=other,
     )
     try:
         assert prefill.layout != pair.decode.layout
