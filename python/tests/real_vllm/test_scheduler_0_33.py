@@ -666,3 +666,25 @@ def test_a_decode_request_queued_behind_a_full_batch_keeps_a_short_lived_lease(p
     finally:
         sub.prefill.shutdown()
         sub.decode.shutdown()
+
+
+def test_a_decode_child_aborted_while_its_pull_runs_frees_everything(pair: Pair) -> None:
+    """The abort lands during the step whose worker submitted the pull: the pull is
+    cancelled (or has already finished), vLLM frees the child's blocks once the worker
+    reports it, and its lease ends one way or the other — never left to expire."""
+    before = Snapshot.of(pair)
+    tag = f"abort-in-flight-{pair.mode}"
+    prompt = prompt_for(tag)
+    prefill_ids, output = run_prefill(pair, f"req-{tag}", prompt, 2)
+    engine = pair.decode
+    decode_ids = engine.add_request(
+        f"dec-{tag}", prompt, n=2, max_tokens=DECODE_TOKENS, kv_transfer_params=router_hop(output.kv_transfer_params)
+    )
+    engine.abort_during_next_step([decode_ids[1]])
+    engine.run_until(lambda: not engine.has_unfinished_requests(), "the other child")
+    assert engine.pulled_lease(decode_ids[1]) == prefill_ids[1], "the aborted child's pull was not submitted"
+    check_blocks(pair, prefill_ids[0], decode_ids[0], prompt)
+    settle(pair, before)
+    assert decode_ids[1] in engine.finished_recving()
+    delta = before.lease_delta(pair)
+    assert delta["leased"] == 2 and delta["pulled"] + delta["released"] == 2 and delta["pulled"] >= 1, delta
