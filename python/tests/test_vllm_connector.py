@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import kvxfer.vllm
-from kvxfer.vllm import KvxferConnector
+from kvxfer.vllm import KvxferConnector, KvxferConnectorMetadata
 from vllm_real import KVCacheBlocks, KVConnectorRole, Request, RequestStatus
 from vllm_sim import BLOCK_SIZE, Instance, same_blocks, vllm_config
 
@@ -533,3 +533,39 @@ def test_a_queued_request_with_an_unusable_tp_size_never_stops_the_worker(prefil
         assert decode.stats()["bad_params"] == 2
     finally:
         decode.shutdown()
+
+
+def test_a_retracted_lease_that_already_ended_is_never_reported_finished_sending():
+    """A prefill request kept generating past its lease's TTL (the lease expired), then was
+    aborted: the scheduler retracts the minted lease and vLLM frees the blocks itself. The
+    worker must forget the ended lease: reporting the request as finished sending would hit
+    vLLM's assert (the request is gone), or free the blocks of a re-minted lease."""
+    inst = Instance("kv_producer", "retract-engine", seed=5, extra={"kvxfer_lease_ttl": 0.2})
+    try:
+        sched = inst.sched.scheduler
+        params = sched._mint("R", {"do_remote_decode": True}, [3, 4, 5])
+        arm = KvxferConnectorMetadata(10_000)
+        arm.to_arm = {"R": params}
+        w = inst.worker
+        w.bind_connector_metadata(arm)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished(set()) == (None, None)
+        w.clear_connector_metadata()
+        time.sleep(0.6)  # the lease runs out (no decode side pulls it)
+        deadline = time.monotonic() + 20
+        while "R" not in w.worker._ended:  # the worker saw the lease end
+            assert time.monotonic() < deadline, "the lease never expired"
+            w.get_finished(set())
+            time.sleep(0.05)
+        assert inst.stats()["prefill"]["leases"]["expired"] == 1
+        retract = KvxferConnectorMetadata(10_001)
+        retract.to_retract = [("R", params)]
+        w.bind_connector_metadata(retract)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_finished({"R"}) == (None, None), "a retracted request was reported finished sending"
+        w.clear_connector_metadata()
+        assert w.get_finished({"R"}) == (None, None)
+    finally:
+        inst.shutdown()

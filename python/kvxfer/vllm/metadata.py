@@ -18,7 +18,7 @@ class KvxferConnectorMetadata(MetadataBase):
         self.to_arm: dict[str, dict[str, Any]] = {}
         # Prefill: params of minted leases whose request will not hand them off (aborted,
         # preempted, re-minted): cancelled before this step's forward.
-        self.to_retract: list[dict[str, Any]] = []
+        self.to_retract: list[tuple[str, dict[str, Any]]] = []
         # Decode: request id -> (the child's params, local block ids), to pull.
         self.to_recv: dict[str, tuple[dict[str, Any], Any]] = {}
         # Decode: request ids whose pull is to be cancelled (the request was aborted).

@@ -34,7 +34,8 @@ from .common import (
 )
 from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 
-_SENDING_STATES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+# Finished normally (a hand-off); aborted, errored or ignored requests hand off nothing.
+_SENDING_STATES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
 
 
 def _multi(params: Any) -> bool:
@@ -60,6 +61,7 @@ class KvxferScheduler:
         # Prefill: request id -> the params minted for it (armed after its last-token step).
         self._minted_by_rid: dict[str, dict[str, Any]] = {}
         self._minted_requests: dict[str, Any] = {}
+        self._minted_at: dict[str, float] = {}
         # How many times a request's lease was minted (re-mints get a fresh lease id).
         self._mints: dict[str, int] = {}
         self._to_arm: dict[str, dict[str, Any]] = {}
@@ -180,33 +182,35 @@ class KvxferScheduler:
         minted = self._minted_by_rid.pop(rid, None)
         self._minted_requests.pop(rid, None)
         params = self._prefill_params(rid, getattr(request, "kv_transfer_params", None))
+        minted_at = self._minted_at.pop(rid, None)
         if params is None or not (self.s.is_producer and params.get("do_remote_decode")):
-            if minted is not None:
-                self._to_retract.append(minted)
+            self._drop(rid, minted, finished=True)
             return False, None
         if status_name(request) not in _SENDING_STATES:
-            if minted is not None:
-                self._to_retract.append(minted)  # aborted: its blocks are freed now
+            self._drop(rid, minted, finished=True)  # aborted: its blocks are freed now
             return False, None
         try:
             blocks = self._prompt_part(rid, group_blocks(block_ids, self.s.num_groups), num_prompt_tokens(request))
         except (TypeError, ValueError) as e:
             self.counters["bad_params"] += 1
             logger.error("kvxfer: cannot lease the blocks of %s (%s); freed now, the decode side computes", rid, e)
-            if minted is not None:
-                self._to_retract.append(minted)
+            self._drop(rid, minted, finished=True)
             return False, None
         blocks, skipped = strip_null_prefix(blocks)
         if not all_ids(blocks):
-            if minted is not None:
-                self._to_retract.append(minted)
+            self._drop(rid, minted, finished=True)
             return False, None
         if minted is not None and (
             minted["remote_block_ids"] != blocks or (minted.get("kvxfer_skipped_blocks") or 0) != (skipped or 0)
         ):
             # The blocks changed since the last-token step (e.g. a sliding window dropped
             # some): the armed lease would hold the wrong ones; lease the final ones.
-            self._to_retract.append(minted)
+            self._drop(rid, minted)
+            minted = None
+        elif minted is not None and minted_at is not None and time.monotonic() - minted_at > self.s.lease_ttl / 2:
+            # A prefill that kept generating long after its prompt: nothing heartbeats the
+            # lease until a decode side pulls, so hand off a fresh one, not one about to end.
+            self._drop(rid, minted)
             minted = None
         if minted is None:
             logger.debug("kvxfer: %s minted at request_finished (armed at the next step)", rid)
@@ -250,6 +254,7 @@ class KvxferScheduler:
                 logger.debug("kvxfer: %s minted at its last-token step (blocks %s)", rid, blocks)
                 self._minted_by_rid[rid] = self._mint(rid, params, blocks, skipped)
                 self._minted_requests[rid] = request
+                self._minted_at[rid] = time.monotonic()
 
     def _prompt_blocks(self, rid: str, prompt_tokens: int) -> Any:
         """The blocks that hold the prompt's KV (per group for several groups)."""
@@ -280,12 +285,34 @@ class KvxferScheduler:
         per = -(-prompt_tokens // size)
         return [list(g)[:per] for g in blocks] if nested(blocks) else list(blocks)[:per]
 
+    def _drop(self, rid: str, minted: Optional[dict[str, Any]], finished: bool = False) -> None:
+        """Retracts ``minted`` (if any) for request ``rid``: the workers cancel the lease
+        and forget the request's lease state; siblings no longer list it. ``finished``:
+        the child ends without a hand-off (it counts as done for the parent's bookkeeping)."""
+        if minted is not None:
+            self._to_retract.append((rid, minted))
+        n = int_or_none((minted or {}).get("kvxfer_n")) or 1
+        if n <= 1:
+            return
+        parent, index, _ = self._child_of(rid, minted or {})
+        entry = self._siblings.get(parent)
+        if entry is None:
+            return
+        _, siblings, done = entry
+        if siblings.get(index) is minted:
+            del siblings[index]
+        if finished:
+            done.add(index)
+            if len(done) >= n:
+                del self._siblings[parent]
+
     def _retract(self, rid: str, why: str) -> None:
         minted = self._minted_by_rid.pop(rid, None)
+        self._minted_at.pop(rid, None)
         if minted is None:
             return
         logger.info("kvxfer: the lease minted for %s is retracted (%s)", rid, why)
-        self._to_retract.append(minted)
+        self._drop(rid, minted)
         request = self._minted_requests.pop(rid, None)
         if request is not None:
             self._producing[rid] = request  # minted again at its next last-token step
