@@ -4,7 +4,8 @@
 //! back exactly once, through [`LeaseTable::ended`], only when no read of them is in flight.
 //!
 //! Concurrency: the table is split into shards, each a `Mutex` over a map of leases and an
-//! ordered deadline index. A lease lives in the shard its id hashes to, so operations on
+//! ordered deadline index. A lease lives in the shard its id hashes to (a hash keyed from the
+//! table's seed, so a peer choosing ids cannot aim them at one shard), so operations on
 //! different leases rarely contend, and each shard's deadline index is a `BTreeMap` keyed by
 //! `(deadline, sequence)`: expiry pops from the front (O(log n) per expired lease, never a
 //! scan), and a heartbeat moves one entry, so an old lease that was extended never holds
@@ -29,12 +30,13 @@
 //! hard deadline at all for the maximum lifetime.
 
 use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use rand::SeedableRng;
+use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha12Rng;
 use sha2::{Digest, Sha256};
 
@@ -569,6 +571,10 @@ struct Shard {
 pub struct LeaseTable {
     shards: Box<[Mutex<Shard>]>,
     shard_mask: u64,
+    /// Keyed hash choosing a lease's shard, seeded from the table's seed: a peer that picks
+    /// request ids cannot predict their shards, so it cannot crowd one shard's share of the
+    /// ended-lease records to evict other leases' records early.
+    shard_hasher: foldhash::quality::FixedState,
     config: LeaseConfig,
     engine: Arc<EngineInfo>,
     ended_tx: Sender<LeaseEnd>,
@@ -607,7 +613,8 @@ enum Found<'a> {
 
 impl LeaseTable {
     /// A table whose tokens come from a ChaCha generator seeded with `seed` (the engine seeds
-    /// it from the OS; tests pass a fixed seed).
+    /// it from the OS; tests pass a fixed seed). The key of the hash that picks each id's
+    /// shard is drawn from the same generator.
     pub fn new(config: LeaseConfig, seed: [u8; 32]) -> Self {
         let shards = config.shards.max(1).next_power_of_two();
         let (ended_tx, ended_rx) = crossbeam_channel::unbounded();
@@ -625,8 +632,10 @@ impl LeaseTable {
                 })
             })
             .collect();
+        let shard_hasher = foldhash::quality::FixedState::with_seed(master.next_u64());
         LeaseTable {
             shard_mask: shards.len() as u64 - 1,
+            shard_hasher,
             records_per_shard: config.max_ended_records.div_ceil(shards.len()).max(1),
             shards,
             engine: Arc::new(config.engine.clone()),
@@ -646,7 +655,7 @@ impl LeaseTable {
     }
 
     fn shard_of(&self, id: &str) -> usize {
-        (fnv1a(id.as_bytes(), FNV_OFFSET) & self.shard_mask) as usize
+        (self.shard_hasher.hash_one(id) & self.shard_mask) as usize
     }
 
     fn lock(&self, index: usize) -> MutexGuard<'_, Shard> {

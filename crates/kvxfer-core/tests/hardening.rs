@@ -410,3 +410,42 @@ fn ended_records_are_kept_for_their_retention_under_a_hard_cap() {
     assert_eq!(t.cancel("burst149", again.token().as_bytes(), now), ended);
     assert_eq!(t.stats().ended_records_evicted, 50);
 }
+
+/// Hostile-peer review: shards were chosen by an unkeyed FNV-1a of the request id, so a peer
+/// could pick ids that all land in the shard of another lease and, ending enough of them,
+/// evict that lease's ended record early (a retried cancel or notify was then answered
+/// `Unrecognized`). Ids that all collide under the old hash no longer crowd one shard.
+#[test]
+fn ids_colliding_under_an_unkeyed_hash_do_not_evict_another_leases_record() {
+    fn old_fnv1a(bytes: &[u8]) -> u64 {
+        bytes
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    }
+    let t = table_with(|c| {
+        c.shards = 16;
+        c.max_ended_records = 16 * 64;
+    });
+    let now = Instant::now();
+    let end_one = |id: &str| {
+        let h = t.lease(LeaseRequest::new(id, 0, 1, vec![1]), now).expect("lease");
+        assert_eq!(t.cancel(id, h.token().as_bytes(), now), CancelOutcome::Released);
+        h
+    };
+    let victim = end_one("victim");
+    let target = old_fnv1a(b"victim") & 15;
+    let crafted: Vec<String> = (0u64..)
+        .map(|i| format!("crafted-{i}"))
+        .filter(|id| old_fnv1a(id.as_bytes()) & 15 == target)
+        .take(80)
+        .collect();
+    for id in &crafted {
+        end_one(id);
+    }
+    assert_eq!(
+        t.cancel("victim", victim.token().as_bytes(), now),
+        CancelOutcome::AlreadyEnded(EndKind::Released),
+        "80 ids aimed at the victim's shard (64 records each) evicted its record"
+    );
+    assert_eq!(t.stats().ended_records_evicted, 0);
+}
