@@ -21,6 +21,7 @@ mod handoff;
 mod ids;
 mod layout;
 mod lease;
+pub mod log;
 mod params;
 mod parent;
 pub mod plan;

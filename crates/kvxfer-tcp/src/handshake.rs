@@ -52,6 +52,7 @@
 use std::time::Duration;
 
 use hmac::{KeyInit, Mac};
+use kvxfer_core::log::Peer;
 use kvxfer_proto::v1::{self, ErrorCode};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tracing::{debug, warn};
@@ -345,7 +346,7 @@ async fn frame_error<S: AsyncWrite + Unpin>(
     let Some(code) = e.answer_code() else { return Err(e) };
     bump(&ctx.counters.protocol_errors);
     if let Some(suppressed) = ctx.counters.warnings.allow() {
-        warn!(error = %e, suppressed, "closing connection after a protocol error in the handshake");
+        warn!(error = %Peer(&e), suppressed, "closing connection after a protocol error in the handshake");
     }
     send_error(stream, ctx.limits.io_timeout, code, e.to_string()).await
 }
@@ -431,7 +432,7 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
                 Ok(Frame::Error(e)) => {
                     // The peer gave up (it found our challenge malformed).
                     bump(&ctx.counters.handshakes_abandoned);
-                    debug!(%peer, peer_message = %e.message, "handshake abandoned by the peer after the challenge");
+                    debug!(%peer, peer_message = %Peer(&e.message), "handshake abandoned by the peer after the challenge");
                     return Ok(None);
                 }
                 Ok(other) => {
@@ -443,7 +444,7 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
                     e @ (FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle),
                 ) => {
                     bump(&ctx.counters.handshakes_abandoned);
-                    debug!(%peer, error = %e, "handshake abandoned after the challenge");
+                    debug!(%peer, error = %Peer(&e), "handshake abandoned after the challenge");
                     return Err(e);
                 }
                 Err(e) => {
@@ -457,13 +458,13 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
     if let Some((code, msg)) = check_hello((&hello).into(), (&ctx.hello_ack).into()) {
         bump(&ctx.counters.handshakes_refused);
         if let Some(suppressed) = ctx.counters.warnings.allow() {
-            warn!(peer_engine = %hello.engine_id, suppressed, "handshake refused: {msg}");
+            warn!(peer_engine = %Peer(&hello.engine_id), suppressed, "handshake refused: {}", Peer(&msg));
         }
         send_error(stream, io, code, msg).await?;
         return Ok(None);
     }
     let authenticated = proven.is_some();
-    debug!(%peer, peer_engine = %hello.engine_id, peer_agent = %hello.agent_name, authenticated, "handshake ok");
+    debug!(%peer, peer_engine = %Peer(&hello.engine_id), peer_agent = %Peer(&hello.agent_name), authenticated, "handshake ok");
     scratch.clear();
     Frame::HelloAck(v1::HelloAck { authenticated, ..ctx.hello_ack.clone() }).encode(scratch);
     if let Some((key, nonce_p, proof)) = proven {

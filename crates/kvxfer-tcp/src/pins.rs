@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvxfer_core::log::Peer;
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::ReadGuard;
 use kvxfer_proto::v1::{self, ErrorCode};
@@ -59,7 +60,7 @@ impl Pins {
                 bump(&ctx.counters.pins_expired);
                 if let Some(suppressed) = ctx.counters.warnings.allow() {
                     warn!(
-                        remote_request_id = %p.guard.request_id(), seq, suppressed,
+                        remote_request_id = %Peer(&p.guard.request_id()), seq, suppressed,
                         "pin dropped after {:?} without an unpin", p.hold
                     );
                 }
@@ -97,7 +98,7 @@ impl Pins {
                 // holder is told how long.
                 let deadline = guard_deadline(ctx, &guard, now, ctx.limits.pin_hold(bytes));
                 let hold = deadline.saturating_duration_since(now);
-                debug!(remote_request_id = %req.remote_request_id, seq = req.seq, bytes, ?hold, "pinned");
+                debug!(remote_request_id = %Peer(&req.remote_request_id), seq = req.seq, bytes, ?hold, "pinned");
                 self.by_seq
                     .insert(req.seq, Pinned { guard, bytes, hold, deadline, counters: ctx.counters.clone() });
                 let held_for_ms = u64::try_from(hold.as_millis()).unwrap_or(u64::MAX);
@@ -118,7 +119,7 @@ impl Pins {
                 ctx.counters.bytes_served_one_sided.fetch_add(pin.bytes, Ordering::Relaxed);
                 bump(&ctx.counters.reads_served);
             }
-            debug!(remote_request_id = %pin.guard.request_id(), seq = u.seq, completed = u.completed, "unpinned");
+            debug!(remote_request_id = %Peer(&pin.guard.request_id()), seq = u.seq, completed = u.completed, "unpinned");
         }
         Frame::UnpinAck(v1::UnpinAck { seq: u.seq, held })
     }

@@ -7,6 +7,7 @@ use std::io::IoSlice;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use kvxfer_core::log::Peer;
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::{ReadGuard, ReadRefused};
 use kvxfer_mem::Chunk;
@@ -132,7 +133,7 @@ pub(crate) fn begin(
             let slices = block_slices(ctx, req).inspect_err(|e| {
                 bump(&ctx.counters.reads_refused);
                 if let Some(suppressed) = ctx.counters.warnings.allow() {
-                    warn!(remote_request_id = %req.remote_request_id, suppressed, "read refused: {}", e.message);
+                    warn!(remote_request_id = %Peer(&req.remote_request_id), suppressed, "read refused: {}", Peer(&e.message));
                 }
             })?;
             let per_block = match &slices {
@@ -145,7 +146,7 @@ pub(crate) fn begin(
         Err(refused) => {
             bump(&ctx.counters.reads_refused);
             if let Some(suppressed) = ctx.counters.warnings.allow() {
-                warn!(remote_request_id = %req.remote_request_id, suppressed, "read refused: {refused}");
+                warn!(remote_request_id = %Peer(&req.remote_request_id), suppressed, "read refused: {}", Peer(&refused));
             }
             let (code, message) = refusal_answer(&refused, &req.remote_request_id);
             Err(v1::Error { code: code as i32, message, seq: req.seq })
@@ -343,7 +344,7 @@ pub(crate) async fn serve_read(
     ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);
     ctx.counters.bytes_served_tcp.fetch_add(payload_len, Ordering::Relaxed);
     bump(&ctx.counters.reads_served);
-    debug!(remote_request_id = %req.remote_request_id, bytes = payload_len, "read served");
+    debug!(remote_request_id = %Peer(&req.remote_request_id), bytes = payload_len, "read served");
     Ok(ReadServed::Sent)
 }
 

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use kvxfer_core::log::Peer;
 use kvxfer_proto::v1::{self, ErrorCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -37,7 +38,7 @@ pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
     crate::tune_stream(&stream, ctx.limits.io_timeout);
     match serve_inner(&mut stream, &ctx, &peer).await {
         Ok(()) => debug!(%peer, "connection closed"),
-        Err(e) => debug!(%peer, error = %e, "connection ended"),
+        Err(e) => debug!(%peer, error = %Peer(&e), "connection ended"),
     }
 }
 
@@ -227,7 +228,7 @@ fn dispatch(
     let reply = match f {
         Frame::ReadRequest(req) => return Action::Read(req),
         Frame::Notify(n) if after_refused == Some(n.remote_request_id.as_str()) => {
-            debug!(remote_request_id = %n.remote_request_id, "notification behind a refused read; not counted");
+            debug!(remote_request_id = %Peer(&n.remote_request_id), "notification behind a refused read; not counted");
             Frame::NotifyAck(v1::NotifyAck { outcome: v1::LeaseOutcome::Unrecognized as i32, remaining: 0 })
         }
         Frame::Pin(req) => pins.pin(ctx, &req, now),
@@ -255,7 +256,7 @@ pub(crate) async fn protocol_error(
     let Some(code) = e.answer_code() else { return Err(e) };
     bump(&ctx.counters.protocol_errors);
     if let Some(suppressed) = ctx.counters.warnings.allow() {
-        warn!(error = %e, suppressed, "closing connection after a protocol error");
+        warn!(error = %Peer(&e), suppressed, "closing connection after a protocol error");
     }
     refuse(stream, ctx, code, e.to_string(), 0).await
 }

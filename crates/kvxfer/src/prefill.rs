@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
+use kvxfer_core::log;
 use kvxfer_core::{
     CancelOutcome, ChildHandoff, EndKind, EngineInfo, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats,
     LeaseTable, ParentStatus, ParentTracker, PrefillResult, RetractOutcome,
@@ -379,7 +380,7 @@ impl PrefillAgent {
         let (h, generation) = make(&self.shared.table, req, now)?;
         tracker.leased(&parent, n, child, generation, now);
         drop(tracker);
-        debug!(remote_request_id = %h.remote_request_id(), blocks = h.remote_block_ids().len(), "{what}");
+        debug!(remote_request_id = %log::Peer(&h.remote_request_id()), blocks = h.remote_block_ids().len(), "{what}");
         self.shared.new_deadline(deadline);
         Ok(h)
     }
@@ -452,7 +453,7 @@ impl PrefillAgent {
             match self.shared.table.retract(h.remote_request_id(), h.token().as_bytes(), Instant::now()) {
                 RetractOutcome::Retracted => tracker.retracted(h.parent_request_id(), h.child_index()),
                 other => {
-                    warn!(remote_request_id = %h.remote_request_id(), ?other, "lease could not be retracted; it ends as usual")
+                    warn!(remote_request_id = %log::Peer(&h.remote_request_id()), ?other, "lease could not be retracted; it ends as usual")
                 }
             }
         }
@@ -844,11 +845,13 @@ fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {
     while let Ok(end) = shared.table.ended().try_recv() {
         match end.kind {
             EndKind::Pulled => {
-                debug!(remote_request_id = %end.remote_request_id, consumers = end.consumers_seen, "lease ended: pulled")
+                debug!(remote_request_id = %log::Peer(&end.remote_request_id), consumers = end.consumers_seen, "lease ended: pulled")
             }
-            EndKind::Released => info!(remote_request_id = %end.remote_request_id, "lease ended: released"),
+            EndKind::Released => {
+                info!(remote_request_id = %log::Peer(&end.remote_request_id), "lease ended: released")
+            }
             EndKind::Expired => warn!(
-                remote_request_id = %end.remote_request_id,
+                remote_request_id = %log::Peer(&end.remote_request_id),
                 "Releasing expired KV blocks for request {} which were retrieved by {} of {} remote worker(s) before lease expired",
                 end.remote_request_id, end.consumers_seen, end.expected_consumers
             ),
@@ -859,7 +862,7 @@ fn forward(shared: &Shared, out: &Sender<LeaseEnd>, ready: &Notify) {
         }
         let done = shared.tracker.lock().unwrap_or_else(|p| p.into_inner()).on_end(&end, Instant::now());
         if let Some(status) = done {
-            debug!(parent = %end.parent_request_id, ?status, "parent complete");
+            debug!(parent = %log::Peer(&end.parent_request_id), ?status, "parent complete");
         }
         // The owner may have dropped its receiver; the ends are then simply dropped.
         let _ = out.send(end);

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam_channel::Sender;
+use kvxfer_core::log;
 use kvxfer_core::pull::{PullError, ReadResult};
 use kvxfer_core::{BlockId, ChildHandoff};
 use tracing::{debug, info, warn};
@@ -267,7 +268,7 @@ pub(crate) async fn connect(inner: &Inner, peer: &Peer, ack: &v1::HelloAck) -> R
                     Err(unavailable(format!("UCX to {}: {e}", peer.addr)))
                 }
                 Ok(Err(e)) => {
-                    warn!(peer = %peer.addr, error = %e, "UCX endpoint failed; pulling over TCP");
+                    warn!(peer = %peer.addr, error = %log::Peer(&e), "UCX endpoint failed; pulling over TCP");
                     Ok(false)
                 }
                 Err(_) => Err(unavailable("the UCX thread stopped".into())),
@@ -275,7 +276,7 @@ pub(crate) async fn connect(inner: &Inner, peer: &Peer, ack: &v1::HelloAck) -> R
         }
         Some(Err(e)) if want == TransportChoice::Ucx => Err(unavailable(e)),
         Some(Err(e)) => {
-            warn!(peer = %peer.addr, error = %e, "ignoring the peer's UCX offer");
+            warn!(peer = %peer.addr, error = %log::Peer(&e), "ignoring the peer's UCX offer");
             Ok(false)
         }
         None => Ok(false),
@@ -378,7 +379,7 @@ pub(crate) async fn read_child(
                         let unpinned = conn.unpin(seq, false).await;
                         debug!(seq, completed, ?unpinned, "pin of an abandoned UCX read released");
                     });
-                    debug!(remote_request_id = %id, error = %e, "child read over UCX abandoned");
+                    debug!(remote_request_id = %log::Peer(&id), error = %log::Peer(&e), "child read over UCX abandoned");
                     return ReadResult::Abandoned(e);
                 }
                 Err(_) => Err(ucx_err(format!("UCX read made no progress in {limit:?}; endpoint aborted"))),
@@ -423,7 +424,7 @@ pub(crate) async fn read_child(
         }),
     };
     peer.checkin(conn, &unpinned);
-    debug!(remote_request_id = %id, ?result, "child read over UCX");
+    debug!(remote_request_id = %log::Peer(&id), ?result, "child read over UCX");
     match result {
         Ok(bytes) => ReadResult::Ok { bytes },
         Err(e) => ReadResult::Failed(e),
@@ -508,7 +509,7 @@ impl HeldReads {
                 busy.remove(b);
             }
         }
-        info!(parent = %reclaimed.parent_request_id, blocks = blocks.len(), "held blocks reclaimed: the stuck read completed");
+        info!(parent = %log::Peer(&reclaimed.parent_request_id), blocks = blocks.len(), "held blocks reclaimed: the stuck read completed");
         // The agent (and every receiver) may be gone: then nobody needs telling.
         let _ = self.reclaimed.send(reclaimed);
     }

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
+use kvxfer_core::log;
 use kvxfer_core::plan::ResultPlan;
 use kvxfer_core::pull::{PullChild, PullConfig, PullMachine};
 use kvxfer_core::{BlockId, ChildHandoff, PrefillResult};
@@ -378,7 +379,7 @@ impl DecodeAgent {
             Ok(addr) => addr,
             Err(e) => {
                 add(&self.inner.counters.releases_refused, 1);
-                info!(remote_request_id = %child.remote_request_id(), error = %e, "release not applied");
+                info!(remote_request_id = %log::Peer(&child.remote_request_id()), error = %log::Peer(&e), "release not applied");
                 return false;
             }
         };
@@ -392,10 +393,10 @@ impl DecodeAgent {
         );
         if released {
             add(&self.inner.counters.leases_released, 1);
-            info!(remote_request_id = %child.remote_request_id(), "lease released without pulling it");
+            info!(remote_request_id = %log::Peer(&child.remote_request_id()), "lease released without pulling it");
         } else {
             add(&self.inner.counters.releases_refused, 1);
-            info!(remote_request_id = %child.remote_request_id(), answer = ?answer, "release not applied");
+            info!(remote_request_id = %log::Peer(&child.remote_request_id()), answer = %log::Peer(format_args!("{answer:?}")), "release not applied");
         }
         released
     }

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::report::add;
 use super::shared::{Inner, Peer, Pooled};
+use kvxfer_core::log;
 use kvxfer_core::pull::{MismatchField, PullError};
 use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
 use kvxfer_tcp::{ClientError, Connection, FrameError};
@@ -127,7 +128,7 @@ impl Peer {
                     return None;
                 }
                 Err(e) if !e.connection_usable() && attempt < CONTROL_ATTEMPTS && !out_of_time => {
-                    debug!(peer = %self.addr, error = %e, attempt, "control exchange failed; retrying on a fresh connection");
+                    debug!(peer = %self.addr, error = %log::Peer(&e), attempt, "control exchange failed; retrying on a fresh connection");
                     add(&inner.counters.control_retries, 1);
                     attempt += 1;
                 }

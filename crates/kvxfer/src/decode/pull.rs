@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use futures::future::OptionFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
+use kvxfer_core::log;
 use kvxfer_core::plan::BlockRun;
 use kvxfer_core::pull::{
     Action, ChildOutcome, ControlAnswer, PullError, PullMachine, PullSummary, ReadResult,
@@ -280,7 +281,7 @@ impl Pull {
         if stale(&ack) {
             // Our connections may predate a restart of the worker at this address: start
             // over once with fresh ones before calling the hand-off stale.
-            debug!(peer = %peer.addr, had = %ack.engine_id, had_incarnation = ack.incarnation, want = %want.engine_id, want_incarnation = want.incarnation, "engine changed; reconnecting");
+            debug!(peer = %peer.addr, had = %log::Peer(&ack.engine_id), had_incarnation = ack.incarnation, want = %want.engine_id, want_incarnation = want.incarnation, "engine changed; reconnecting");
             peer.reset().await;
             ack = hello().await?;
         }
@@ -443,7 +444,7 @@ impl Pull {
                 // our request): nothing reached the blocks, so the read is made once more on a
                 // fresh connection.
                 if r.as_ref().is_err_and(closed_before_answer) && reused && !conn.payload_started() {
-                    debug!(remote_request_id = %id, result = ?r, "pooled connection closed before the answer; retrying the read");
+                    debug!(remote_request_id = %log::Peer(&id), result = ?r, "pooled connection closed before the answer; retrying the read");
                     add(&self.inner.counters.read_retries, 1);
                     conn = match peer.connect(&self.inner).await {
                         Ok(c) => c,
@@ -459,7 +460,7 @@ impl Pull {
                         None => drop(conn),
                         _ => peer.checkin(conn, &r),
                     }
-                    debug!(remote_request_id = %id, result = ?r, ?notified, "child read");
+                    debug!(remote_request_id = %log::Peer(&id), result = ?r, ?notified, "child read");
                     // A notify whose answer was lost (the connection broke after the payload) is
                     // sent again on its own (`None`); an answer, even a refusal, is final.
                     let lost =
@@ -472,7 +473,7 @@ impl Pull {
                     let answer =
                         notified.filter(|_| !lost).map(|n| notify_answer(&n.map(ControlReply::Notify), 1));
                     if let Some(a) = answer.filter(|a| r.is_ok() && *a != ControlAnswer::Acknowledged) {
-                        warn!(remote_request_id = %id, answer = ?a, "notification sent with the read not acknowledged");
+                        warn!(remote_request_id = %log::Peer(&id), answer = %log::Peer(format_args!("{a:?}")), "notification sent with the read not acknowledged");
                     }
                     let r = match r {
                         Ok(bytes) => ReadResult::Ok { bytes },
@@ -480,7 +481,7 @@ impl Pull {
                     };
                     return (r, answer);
                 }
-                debug!(remote_request_id = %id, group, result = ?r, "child read");
+                debug!(remote_request_id = %log::Peer(&id), group, result = ?r, "child read");
                 match r {
                     Ok(bytes) => {
                         total += bytes;
@@ -517,7 +518,7 @@ impl Pull {
             #[allow(unsafe_code)]
             let r = unsafe { mem.copy_block(src, dst) };
             if let Err(e) = r {
-                warn!(error = %e, "local copy failed");
+                warn!(error = %log::Peer(&e), "local copy failed");
             }
         }
     }
@@ -625,7 +626,7 @@ impl Pull {
             Some((Ok(ControlReply::Heartbeat(outcomes)), _)) => {
                 for (&i, o) in leases.iter().zip(outcomes) {
                     if o != LeaseOutcome::Extended {
-                        debug!(remote_request_id = %self.children[i].remote_request_id(), outcome = ?o, "heartbeat not extended");
+                        debug!(remote_request_id = %log::Peer(&self.children[i].remote_request_id()), outcome = ?o, "heartbeat not extended");
                     }
                 }
                 Event::Heartbeat(true)
@@ -651,7 +652,7 @@ impl Pull {
             }
         };
         if answer != ControlAnswer::Acknowledged {
-            warn!(remote_request_id = %child.remote_request_id(), result = ?r, "notification not acknowledged");
+            warn!(remote_request_id = %log::Peer(&child.remote_request_id()), result = %log::Peer(format_args!("{r:?}")), "notification not acknowledged");
         }
         Event::Control(i, answer)
     }
@@ -671,16 +672,16 @@ impl Pull {
         let r = self.control(peer, ControlOp::Cancel { id, token }).await;
         let answer = match &r {
             None => {
-                info!(remote_request_id = %child.remote_request_id(), "peer unreachable: lease left to expire");
+                info!(remote_request_id = %log::Peer(&child.remote_request_id()), "peer unreachable: lease left to expire");
                 ControlAnswer::Unreachable
             }
             // ALREADY_RELEASED: an earlier attempt (whose answer was lost) released it.
             Some((Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)), _)) => {
-                info!(remote_request_id = %child.remote_request_id(), "lease released");
+                info!(remote_request_id = %log::Peer(&child.remote_request_id()), "lease released");
                 ControlAnswer::Acknowledged
             }
             Some(r) => {
-                info!(remote_request_id = %child.remote_request_id(), result = ?r, "cancel sent");
+                info!(remote_request_id = %log::Peer(&child.remote_request_id()), result = %log::Peer(format_args!("{r:?}")), "cancel sent");
                 ControlAnswer::NotAcknowledged
             }
         };

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::stream::{FuturesUnordered, StreamExt};
+use kvxfer_core::log;
 use kvxfer_core::plan::BlockRange;
 use kvxfer_core::pull::{ChildOutcome, PullError};
 use kvxfer_core::xfer::{Piece, RankPlan};
@@ -425,7 +426,7 @@ impl RankPull {
             }
             .await;
             peer.checkin(conn, &r);
-            debug!(remote_request_id = %id, rank, group = g, result = ?r, "slice read");
+            debug!(remote_request_id = %log::Peer(&id), rank, group = g, result = ?r, "slice read");
             total += r.map_err(|e| read_error(&e, &self.inner, id))?;
         }
         Ok(total)
@@ -539,7 +540,7 @@ impl RankPull {
             Some((Ok(ControlReply::Heartbeat(outcomes)), _)) => {
                 for (&i, o) in reading.iter().zip(outcomes) {
                     if *o != LeaseOutcome::Extended {
-                        debug!(remote_request_id = %self.child(rank, i).remote_request_id(), rank, outcome = ?o, "heartbeat not extended");
+                        debug!(remote_request_id = %log::Peer(&self.child(rank, i).remote_request_id()), rank, outcome = ?o, "heartbeat not extended");
                     }
                 }
             }
@@ -574,7 +575,7 @@ impl RankPull {
             _ => false,
         };
         if !ok {
-            warn!(remote_request_id = %child.remote_request_id(), rank, release, ?answer, "lease not acknowledged");
+            warn!(remote_request_id = %log::Peer(&child.remote_request_id()), rank, release, answer = %log::Peer(format_args!("{answer:?}")), "lease not acknowledged");
         }
         ok
     }

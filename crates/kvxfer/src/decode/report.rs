@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::Stream;
+use kvxfer_core::log;
 use kvxfer_core::pull::{ChildOutcome, PullError};
 use kvxfer_core::BlockId;
 use tokio::sync::{mpsc, oneshot};
@@ -160,13 +161,13 @@ impl Counters {
             }
             ChildOutcome::Failed { error, .. } => {
                 add(&self.children_failed, 1);
-                tracing::warn!(remote_request_id, %error, advice = ?error.advice(), "child pull failed");
+                tracing::warn!(remote_request_id = %log::Peer(remote_request_id), error = %log::Peer(&error), advice = ?error.advice(), "child pull failed");
             }
             ChildOutcome::Cancelled { .. } => add(&self.children_cancelled, 1),
             ChildOutcome::FailedBlocksHeld { error, .. } => {
                 add(&self.children_failed, 1);
                 add(&self.children_blocks_held, 1);
-                tracing::warn!(remote_request_id, %error, "child pull failed; its blocks stay held");
+                tracing::warn!(remote_request_id = %log::Peer(remote_request_id), error = %log::Peer(&error), "child pull failed; its blocks stay held");
             }
         }
     }

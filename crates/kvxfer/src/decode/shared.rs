@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
+use kvxfer_core::log;
 use kvxfer_core::BlockId;
 use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1;
@@ -140,7 +141,7 @@ impl Inner {
             Err(e) => {
                 if let ClientError::Auth { reason, .. } = &e {
                     add(&self.counters.auth_failures, 1);
-                    warn!(peer = %addr, %reason, "handshake failed authentication");
+                    warn!(peer = %addr, reason = %log::Peer(&reason), "handshake failed authentication");
                 }
                 return Err(e);
             }
