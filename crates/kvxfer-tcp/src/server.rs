@@ -174,6 +174,15 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
                     flush(stream, ctx, &mut batch).await?;
                 }
             }
+            Action::Pin(req) => {
+                if req.pin_crc32c {
+                    flush(stream, ctx, &mut batch).await?;
+                }
+                pins.pin(ctx, &req, now).await.encode(&mut batch);
+                if batch.len() >= BATCH_BYTES {
+                    flush(stream, ctx, &mut batch).await?;
+                }
+            }
             Action::Read(req) => {
                 flush(stream, ctx, &mut batch).await?;
                 let answer_follows = crate::read::notify_follows(
@@ -203,6 +212,9 @@ enum Action {
     Reply(Frame),
     /// Serve this read (its answer is a header, the payload and a trailer, or an error).
     Read(v1::ReadRequest),
+    /// Pin these ranges (its CRC, when asked for, runs off the runtime: the answers before
+    /// it leave first).
+    Pin(v1::ReadRequest),
     /// Send this error and close: the peer broke the protocol.
     Close {
         /// The error code.
@@ -231,7 +243,7 @@ fn dispatch(
             debug!(remote_request_id = %Peer(&n.remote_request_id), "notification behind a refused read; not counted");
             Frame::NotifyAck(v1::NotifyAck { outcome: v1::LeaseOutcome::Unrecognized as i32, remaining: 0 })
         }
-        Frame::Pin(req) => pins.pin(ctx, &req, now),
+        Frame::Pin(req) => return Action::Pin(req),
         Frame::Unpin(u) => pins.unpin(ctx, &u),
         Frame::Notify(n) => crate::control::notify(ctx, &n, now),
         Frame::Heartbeat(hb) => crate::control::heartbeat(ctx, &hb, now),

@@ -37,7 +37,8 @@ pub struct ServerCounters {
     pub pins_open: AtomicU64,
     /// Connections refused because `Limits::max_connections` were open.
     pub connections_refused: AtomicU64,
-    /// Pins refused because `Limits::max_inflight_reads` were open on their connection.
+    /// Pins refused because `Limits::max_inflight_reads` were open on their connection, or
+    /// because this agent offers no one-sided transport (UCX) to pin for.
     pub pins_refused: AtomicU64,
     /// Pins dropped by the server after `Limits::pin_timeout`.
     pub pins_expired: AtomicU64,

@@ -60,9 +60,10 @@ fn runs(remote_start: BlockId, count: u32) -> Vec<kvxfer_core::plan::BlockRun> {
     vec![kvxfer_core::plan::BlockRun { remote_start, local_start: 0, count }]
 }
 
+#[cfg(feature = "ucx")]
 #[test]
 fn pins_in_flight_are_limited_per_connection_and_expire_when_never_unpinned() {
-    let mut config = AgentConfig::new("prefill").lease_ttl(Duration::from_secs(30));
+    let mut config = one_sided(AgentConfig::new("prefill").lease_ttl(Duration::from_secs(30)));
     config.limits.max_inflight_reads = 4;
     config.limits.pin_timeout = Duration::from_millis(400);
     let layout = BlockLayout::single(16, BLOCK).expect("layout");
@@ -270,9 +271,10 @@ fn a_flood_of_bogus_notifications_and_reads_is_refused_while_a_real_pull_complet
 
 /// A connection with no pin and no frame for `idle_timeout` is closed; one with a pin open
 /// stays until the pin is gone.
+#[cfg(feature = "ucx")]
 #[test]
 fn idle_connections_without_pins_are_closed() {
-    let mut config = AgentConfig::new("prefill");
+    let mut config = one_sided(AgentConfig::new("prefill"));
     config.limits.idle_timeout = Duration::from_millis(300);
     config.limits.pin_timeout = Duration::from_millis(800);
     config.limits.min_transfer_rate = u64::MAX;

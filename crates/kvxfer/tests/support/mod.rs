@@ -146,6 +146,16 @@ pub fn prefill_unkeyed(config: AgentConfig, layout: BlockLayout) -> PrefillAgent
     PrefillAgent::start(config, "127.0.0.1:0", mem).expect("prefill agent")
 }
 
+/// `config` for a prefill agent that grants pins: with the `ucx` feature, one offering UCX
+/// (over tcp). An agent serving TCP alone refuses every pin (pins exist for one-sided reads);
+/// without the feature `config` is returned as it is.
+pub fn one_sided(config: AgentConfig) -> AgentConfig {
+    #[cfg(feature = "ucx")]
+    return Transport::UcxTcp.config(config);
+    #[cfg(not(feature = "ucx"))]
+    config
+}
+
 /// A decode agent with `blocks` zeroed local blocks.
 pub fn decode(blocks: u32) -> DecodeAgent {
     let config = AgentConfig::new("decode").io_timeout(Duration::from_secs(5));
