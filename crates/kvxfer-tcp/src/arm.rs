@@ -34,6 +34,15 @@ fn named(f: &Frame) -> Vec<(&str, &[u8])> {
     }
 }
 
+/// How many leases `f` names (checked against `Limits::max_leases_per_frame`).
+pub(crate) fn leases_named(f: &Frame) -> usize {
+    match f {
+        Frame::ReadRequest(_) | Frame::Pin(_) | Frame::Notify(_) | Frame::Cancel(_) => 1,
+        Frame::Heartbeat(hb) => hb.leases.len(),
+        _ => 0,
+    }
+}
+
 /// Whether some lease `f` names is not (yet) known with its token.
 fn unarmed(ctx: &ServeContext, f: &Frame) -> bool {
     named(f).into_iter().any(|(id, token)| !ctx.table.knows(id, token))

@@ -13,6 +13,10 @@ use crate::Limits;
 
 pub use crate::error::ClientError;
 
+/// Most leases [`Connection::heartbeat`] names in one frame (a prefill agent's
+/// `Limits::max_leases_per_frame` defaults to four times this).
+pub const HEARTBEAT_LEASES_PER_FRAME: usize = 1024;
+
 /// A pin the prefill side granted ([`Connection::pin`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PinGrant {
@@ -486,21 +490,31 @@ impl Connection {
         }
     }
 
-    /// Keeps leases alive while their pulls are slow; one outcome per lease.
+    /// Keeps leases alive while their pulls are slow; one outcome per lease. Sent in frames
+    /// of at most [`HEARTBEAT_LEASES_PER_FRAME`] leases (a prefill agent refuses frames naming
+    /// more than its `Limits::max_leases_per_frame`, 4096 by default), one after another.
     pub async fn heartbeat(
         &mut self,
         leases: Vec<v1::LeaseRef>,
     ) -> Result<Vec<v1::LeaseOutcome>, ClientError> {
-        let count = leases.len();
-        self.send(&Frame::Heartbeat(v1::Heartbeat { leases })).await?;
-        match self.recv().await? {
-            Frame::HeartbeatAck(a) if a.outcomes.len() == count => Ok(a
-                .outcomes
-                .into_iter()
-                .map(|o| v1::LeaseOutcome::try_from(o).unwrap_or(v1::LeaseOutcome::Unspecified))
-                .collect()),
-            Frame::Error(e) => Err(self.refused(e)),
-            other => Err(self.unexpected(&other)),
+        let mut outcomes = Vec::with_capacity(leases.len());
+        let mut leases = leases.into_iter().peekable();
+        loop {
+            let chunk: Vec<v1::LeaseRef> = leases.by_ref().take(HEARTBEAT_LEASES_PER_FRAME).collect();
+            let count = chunk.len();
+            self.send(&Frame::Heartbeat(v1::Heartbeat { leases: chunk })).await?;
+            match self.recv().await? {
+                Frame::HeartbeatAck(a) if a.outcomes.len() == count => outcomes.extend(
+                    a.outcomes
+                        .into_iter()
+                        .map(|o| v1::LeaseOutcome::try_from(o).unwrap_or(v1::LeaseOutcome::Unspecified)),
+                ),
+                Frame::Error(e) => return Err(self.refused(e)),
+                other => return Err(self.unexpected(&other)),
+            }
+            if leases.peek().is_none() {
+                return Ok(outcomes);
+            }
         }
     }
 

@@ -97,6 +97,13 @@ pub struct Limits {
     /// for the answer. Zero answers at once. The wait is woken by the lease table's lease
     /// hook, not by polling; a lease that already ended is answered at once.
     pub arm_wait: Duration,
+    /// Most leases one frame may name (a `Heartbeat`'s `LeaseRef`s; the other frames name
+    /// one). A frame naming more is refused right after it is decoded — before it waits for
+    /// an arm or looks anything up — with LIMIT_EXCEEDED, and its connection is closed
+    /// (counted in `protocol_errors`): a 1 MiB heartbeat decodes to ~26 MiB of ids and tokens,
+    /// which would otherwise be held for `arm_wait`. Default 4096; a decode agent's own
+    /// heartbeats name at most 1024 leases per frame.
+    pub max_leases_per_frame: usize,
 }
 
 impl Limits {
@@ -135,6 +142,7 @@ impl Default for Limits {
             max_inflight_reads: 256,
             pin_timeout: Duration::from_secs(60),
             arm_wait: Duration::from_secs(5),
+            max_leases_per_frame: 4096,
         }
     }
 }

@@ -158,6 +158,22 @@ async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> 
             }
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
+        // A frame naming more leases than allowed is refused before it waits or looks
+        // anything up (its decoded ids and tokens are dropped with the connection).
+        let leases = crate::arm::leases_named(&f);
+        if leases > ctx.limits.max_leases_per_frame {
+            flush(stream, ctx, &mut batch).await?;
+            bump(&ctx.counters.protocol_errors);
+            let message = format!(
+                "a {:?} frame named {leases} leases; this agent accepts at most {} per frame",
+                f.frame_type(),
+                ctx.limits.max_leases_per_frame
+            );
+            if let Some(suppressed) = ctx.counters.warnings.allow() {
+                warn!(suppressed, "closing connection: {message}");
+            }
+            return refuse(stream, ctx, ErrorCode::LimitExceeded, message, 0).await;
+        }
         // A frame naming a lease that is not armed yet waits (bounded) for it: the answers
         // before it do not.
         if crate::arm::may_wait(ctx, &f) {
@@ -352,5 +368,90 @@ mod tests {
         assert!(matches!(&answers[5], Frame::Error(e) if e.code == ErrorCode::UnknownFrameType as i32));
         serving.await.expect("served");
         assert_eq!(ctx.counters.protocol_errors.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    /// Hostile-peer review: nothing bounded how many leases one frame named, so a 1 MiB
+    /// heartbeat decoded to ~26 MiB held for `arm_wait`, every lease then looked up. A frame
+    /// over `Limits::max_leases_per_frame` is refused before the table sees any of it; one at
+    /// the limit is answered.
+    #[tokio::test]
+    async fn a_frame_naming_too_many_leases_is_refused_without_touching_the_table() {
+        let mut ctx = ctx(None);
+        ctx.limits.arm_wait = std::time::Duration::ZERO;
+        ctx.limits.max_leases_per_frame = 4;
+        let ctx = Arc::new(ctx);
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                for _ in 0..2 {
+                    let (s, _) = listener.accept().await.expect("accept");
+                    serve_connection(s, ctx.clone()).await;
+                }
+            })
+        };
+        let heartbeat = |n: usize| {
+            let leases = (0..n)
+                .map(|i| v1::LeaseRef { remote_request_id: format!("unknown-{i}"), lease_token: vec![5; 16] })
+                .collect();
+            let mut out = Vec::new();
+            Frame::Heartbeat(v1::Heartbeat { leases }).encode(&mut out);
+            out
+        };
+        let limits = crate::Limits::default();
+        for (n, refused) in [(4, false), (5, true)] {
+            let mut client = TcpStream::connect(addr).await.expect("connect");
+            let mut reader = FrameReader::new();
+            crate::handshake::initiate_buffered(&mut client, &mut reader, "prefill", &hello(), None, &limits)
+                .await
+                .expect("handshake");
+            client.write_all(&heartbeat(n)).await.expect("write");
+            let answer = reader.read_frame(&mut client, 1 << 20).await.expect("answer");
+            if refused {
+                let Frame::Error(e) = &answer else { panic!("not refused: {answer:?}") };
+                assert_eq!(e.code, ErrorCode::LimitExceeded as i32, "{e:?}");
+                assert!(e.message.contains("5 leases") && e.message.contains("at most 4"), "{e:?}");
+                assert!(matches!(reader.read_frame(&mut client, 1 << 20).await, Err(FrameError::Closed)));
+            } else {
+                assert!(matches!(&answer, Frame::HeartbeatAck(a) if a.outcomes.len() == 4), "{answer:?}");
+            }
+        }
+        serving.await.expect("served");
+        // Only the four leases of the frame at the limit were looked up.
+        assert_eq!(ctx.table.stats().unrecognized, 4);
+        assert_eq!(ctx.counters.protocol_errors.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    /// A decode side's heartbeat of more leases than one frame may name goes out in frames of
+    /// at most `HEARTBEAT_LEASES_PER_FRAME`, each accepted; every lease gets its outcome.
+    #[tokio::test]
+    async fn a_heartbeat_of_many_leases_is_sent_in_frames_under_the_limit() {
+        let mut ctx = ctx(None);
+        ctx.limits.arm_wait = std::time::Duration::ZERO;
+        let n = ctx.limits.max_leases_per_frame + 1;
+        let ctx = Arc::new(ctx);
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                let (s, _) = listener.accept().await.expect("accept");
+                serve_connection(s, ctx).await;
+            })
+        };
+        let mut c = crate::Connection::connect(&addr.to_string(), &hello(), crate::Limits::default())
+            .await
+            .expect("connect");
+        let leases = (0..n)
+            .map(|i| v1::LeaseRef { remote_request_id: format!("unknown-{i}"), lease_token: vec![5; 16] })
+            .collect();
+        let outcomes = c.heartbeat(leases).await.expect("heartbeat");
+        assert_eq!(outcomes.len(), n);
+        assert!(outcomes.iter().all(|&o| o == v1::LeaseOutcome::Unrecognized));
+        drop(c);
+        serving.await.expect("served");
+        assert_eq!(ctx.table.stats().unrecognized, n as u64);
+        assert_eq!(ctx.counters.protocol_errors.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 }
