@@ -42,9 +42,11 @@
 //! worker address and rkeys) and everything after it, which is neither encrypted nor MACed
 //! (see "Trust model" in ARCHITECTURE.md).
 //!
-//! Before the accepting side has authenticated its peer, frames are capped at
-//! [`MAX_HANDSHAKE_FRAME_LEN`] (not `Limits::max_frame_len`), and a peer that goes away or
-//! silent after the challenge is counted (`ServerCounters::handshakes_abandoned`).
+//! Before the accepting side has authenticated its peer, the frames it reads are capped at
+//! `Limits::max_hello_len` (8 KiB by default, never above [`MAX_HANDSHAKE_FRAME_LEN`], the
+//! connecting side's cap for the `HelloAck`; not `Limits::max_frame_len`); while it awaits the
+//! proof it holds the hello's bytes and nonce, not the decoded hello; and a peer that goes
+//! away or silent after the challenge is counted (`ServerCounters::handshakes_abandoned`).
 //!
 //! Both sides are generic over `AsyncRead + AsyncWrite`, so they run over
 //! `tokio::io::duplex` in property tests and in the `handshake` fuzz target.
@@ -380,8 +382,9 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<Option<v1::Hello>, FrameError> {
     let mut hello_body = Vec::new();
     let io = ctx.limits.io_timeout;
-    let small = MAX_HANDSHAKE_FRAME_LEN.min(ctx.limits.max_frame_len);
-    let hello = match read_within(stream, small, io, reader, Some(&mut hello_body)).await {
+    // Before the peer proved anything its frames are capped at `Limits::max_hello_len`.
+    let small = ctx.limits.max_hello_len.min(MAX_HANDSHAKE_FRAME_LEN).min(ctx.limits.max_frame_len);
+    let mut hello = match read_within(stream, small, io, reader, Some(&mut hello_body)).await {
         Ok(Frame::Hello(hello)) => hello,
         Ok(other) => {
             bump(&ctx.counters.handshakes_refused);
@@ -414,6 +417,12 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
                 refuse_auth(stream, ctx, peer, ErrorCode::AuthFailed, BAD_PROOF, &why).await?;
                 return Ok(None);
             }
+            // While the proof is awaited only the hello's bytes (at most `max_hello_len`) and
+            // its nonce are held: the decoded hello (repeated fields decode to many times
+            // their wire size) is dropped, and decoded again once the proof verified.
+            let nonce_d = std::mem::take(&mut hello.nonce);
+            drop(std::mem::take(&mut hello));
+            hello_body.shrink_to_fit();
             // The challenge is a bare nonce: nothing computed with the key before the peer
             // proved it holds it.
             let nonce_p = nonce();
@@ -421,9 +430,18 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
             Frame::HelloChallenge(v1::HelloChallenge { nonce: nonce_p.clone(), mac: Vec::new() })
                 .encode(scratch);
             write_within(stream, scratch, io).await?;
-            let t = Transcript { nonce_d: &hello.nonce, nonce_p: &nonce_p, hello: &hello_body };
+            let t = Transcript { nonce_d: &nonce_d, nonce_p: &nonce_p, hello: &hello_body };
             match read_within(stream, small, io, reader, None).await {
-                Ok(Frame::HelloProof(p)) if key.verify_proof_mac(&t, &p.mac) => Some((key, nonce_p, p.mac)),
+                Ok(Frame::HelloProof(p)) if key.verify_proof_mac(&t, &p.mac) => {
+                    // The same bytes decoded once already.
+                    let Ok(Frame::Hello(h)) = Frame::decode(v1::FrameType::Hello as u8, &hello_body) else {
+                        let msg = "the hello could not be decoded again".to_owned();
+                        send_error(stream, io, ErrorCode::Internal, msg).await?;
+                        return Ok(None);
+                    };
+                    hello = h;
+                    Some((key, nonce_p, p.mac))
+                }
                 Ok(Frame::HelloProof(_)) => {
                     let why = "the proof did not verify (a different cluster key, or a replayed handshake)";
                     refuse_auth(stream, ctx, peer, ErrorCode::AuthFailed, BAD_PROOF, why).await?;
@@ -871,6 +889,37 @@ pub(crate) mod tests {
                 let mut header = (MAX_HANDSHAKE_FRAME_LEN + 1).to_be_bytes().to_vec();
                 header.push(v1::FrameType::Hello as u8);
                 peer.write_all(&header).await.expect("header");
+                let served = accept(&mut server, &ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
+                assert!(matches!(served, Ok(None)), "{served:?}");
+                crate::frame::read_frame(&mut peer, 1 << 20, &mut Vec::new()).await.expect("an answer")
+            });
+            let Frame::Error(e) = answer else { panic!("{answer:?}") };
+            assert_eq!(e.code, ErrorCode::FrameTooLarge as i32, "{}", e.message);
+            assert_eq!(ctx.counters.snapshot().protocol_errors, 1);
+        }
+    }
+
+    /// Hostile-peer review: before authentication a `Hello` of up to 16 KiB was accepted —
+    /// of empty repeated messages, 2 bytes each on the wire, it decoded to ~480 KiB, held
+    /// per connection while the proof was awaited. The first frame is capped at
+    /// `Limits::max_hello_len` (8 KiB) now, refused at its header.
+    #[test]
+    fn an_oversized_pre_auth_hello_is_refused() {
+        for server_key in [None, Some(key(1))] {
+            let ctx = ctx(server_key);
+            let mut h = hello();
+            h.authenticated = ctx.cluster_key.is_some();
+            h.nonce = vec![1; NONCE_LEN];
+            h.other_group_layouts = vec![v1::BlockLayout::default(); 5000];
+            let mut out = Vec::new();
+            Frame::Hello(h).encode(&mut out);
+            assert!(
+                out.len() > (ctx.limits.max_hello_len as usize)
+                    && out.len() < MAX_HANDSHAKE_FRAME_LEN as usize
+            );
+            let answer = runtime().block_on(async {
+                let (mut peer, mut server) = tokio::io::duplex(1 << 16);
+                peer.write_all(&out).await.expect("hello");
                 let served = accept(&mut server, &ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
                 assert!(matches!(served, Ok(None)), "{served:?}");
                 crate::frame::read_frame(&mut peer, 1 << 20, &mut Vec::new()).await.expect("an answer")

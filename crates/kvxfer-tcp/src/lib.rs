@@ -104,6 +104,14 @@ pub struct Limits {
     /// which would otherwise be held for `arm_wait`. Default 4096; a decode agent's own
     /// heartbeats name at most 1024 leases per frame.
     pub max_leases_per_frame: usize,
+    /// Largest first frame (the `Hello`) and handshake frame a prefill agent accepts before
+    /// the peer proved anything, checked at the header (FRAME_TOO_LARGE, counted in
+    /// `protocol_errors`); never above `handshake::MAX_HANDSHAKE_FRAME_LEN` (16 KiB) nor
+    /// `max_frame_len`. Repeated fields decode to many times their wire size, so a 16 KiB
+    /// hello could cost ~480 KiB; while the proof is awaited only the hello's bytes and its
+    /// nonce are held, not the decoded hello. Default 8 KiB (a hello names its layout and
+    /// shape: a few bytes per segment and group).
+    pub max_hello_len: u32,
 }
 
 impl Limits {
@@ -143,6 +151,7 @@ impl Default for Limits {
             pin_timeout: Duration::from_secs(60),
             arm_wait: Duration::from_secs(5),
             max_leases_per_frame: 4096,
+            max_hello_len: 8 << 10,
         }
     }
 }
