@@ -454,6 +454,7 @@ fn a_child_leased_with_another_n_than_its_siblings_is_refused() {
 
 /// A blocking socket to `addr` whose receive buffer is as small as the kernel allows (so a
 /// peer that never reads fills it fast).
+#[cfg(feature = "ucx")]
 fn small_window_socket(addr: std::net::SocketAddr) -> std::net::TcpStream {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
     rt.block_on(async {
