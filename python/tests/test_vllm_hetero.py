@@ -117,7 +117,7 @@ def test_different_tp_sizes_without_hnd_caches_are_recomputed_naming_the_layout(
     prefill = Instance("kv_producer", "nhd-prefill", seed=6, tp_size=2)
     decode = Instance("kv_consumer", "nhd-decode")
     try:
-        assert decode.worker.worker.decode_shape is None, "NHD blocks do not hold whole heads: no shape"
+        assert decode.worker.worker.kv_shape is None, "NHD blocks do not hold whole heads: no shape"
         _, params = prefill.finish_prefill(prefill_request("R"), [1, 2, 3])
         prefill.step()
         req = Request("D", list(PROMPT), kv_transfer_params=params)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from .common import (
@@ -36,6 +37,21 @@ from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 
 # Finished normally (a hand-off); aborted, errored or ignored requests hand off nothing.
 _SENDING_STATES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
+
+
+@dataclass
+class _Minted:
+    """A lease minted at a request's last-token step, until ``request_finished``."""
+
+    params: dict[str, Any]
+    request: Any
+    at: float
+
+
+def _clip_to_prompt(blocks: Any, prompt_tokens: int, block_size: int) -> Any:
+    """The head of ``blocks`` (flat or per group) that holds ``prompt_tokens`` tokens."""
+    per = -(-prompt_tokens // block_size)
+    return [list(g)[:per] for g in blocks] if nested(blocks) else list(blocks)[:per]
 
 
 def _multi(params: Any) -> bool:
@@ -59,9 +75,7 @@ class KvxferScheduler:
         # Prefill requests that hand off (do_remote_decode), until their lease is minted.
         self._producing: dict[str, Any] = {}
         # Prefill: request id -> the params minted for it (armed after its last-token step).
-        self._minted_by_rid: dict[str, dict[str, Any]] = {}
-        self._minted_requests: dict[str, Any] = {}
-        self._minted_at: dict[str, float] = {}
+        self._minted: dict[str, _Minted] = {}
         # How many times a request's lease was minted (re-mints get a fresh lease id).
         self._mints: dict[str, int] = {}
         self._to_arm: dict[str, dict[str, Any]] = {}
@@ -179,10 +193,9 @@ class KvxferScheduler:
 
     def _prefill_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
-        minted = self._minted_by_rid.pop(rid, None)
-        self._minted_requests.pop(rid, None)
+        record = self._minted.pop(rid, None)
+        minted = record.params if record is not None else None
         params = self._prefill_params(rid, getattr(request, "kv_transfer_params", None))
-        minted_at = self._minted_at.pop(rid, None)
         if params is None or not (self.s.is_producer and params.get("do_remote_decode")):
             self._drop(rid, minted, finished=True)
             return False, None
@@ -207,7 +220,7 @@ class KvxferScheduler:
             # some): the armed lease would hold the wrong ones; lease the final ones.
             self._drop(rid, minted)
             minted = None
-        elif minted is not None and minted_at is not None and time.monotonic() - minted_at > self.s.lease_ttl / 2:
+        elif record is not None and time.monotonic() - record.at > self.s.lease_ttl / 2:
             # A prefill that kept generating long after its prompt: nothing heartbeats the
             # lease until a decode side pulls, so hand off a fresh one, not one about to end.
             self._drop(rid, minted)
@@ -252,9 +265,7 @@ class KvxferScheduler:
             blocks, skipped = strip_null_prefix(blocks)
             if all_ids(blocks):
                 logger.debug("kvxfer: %s minted at its last-token step (blocks %s)", rid, blocks)
-                self._minted_by_rid[rid] = self._mint(rid, params, blocks, skipped)
-                self._minted_requests[rid] = request
-                self._minted_at[rid] = time.monotonic()
+                self._minted[rid] = _Minted(self._mint(rid, params, blocks, skipped), request, time.monotonic())
 
     def _prompt_blocks(self, rid: str, prompt_tokens: int) -> Any:
         """The blocks that hold the prompt's KV (per group for several groups)."""
@@ -262,11 +273,9 @@ class KvxferScheduler:
         if hasattr(manager, "get_block_ids_for_computed_tokens"):
             ids = manager.get_block_ids_for_computed_tokens(rid, prompt_tokens)
         else:
-            size = self.s.block_size
-            if not size:
+            if not self.s.block_size:
                 raise ValueError("the block size is unknown")
-            per = -(-prompt_tokens // size)
-            ids = [list(g)[:per] for g in manager.get_block_ids(rid)]
+            ids = _clip_to_prompt(list(manager.get_block_ids(rid)), prompt_tokens, self.s.block_size)
         return group_blocks(list(ids), self.s.num_groups)
 
     def _prompt_part(self, rid: str, blocks: Any, prompt_tokens: int) -> Any:
@@ -279,11 +288,9 @@ class KvxferScheduler:
             return self._prompt_blocks(rid, prompt_tokens)
         except (AttributeError, KeyError, TypeError, ValueError):
             pass  # no KV-cache manager bound (or it no longer knows the request)
-        size = self.s.block_size
-        if not size:
+        if not self.s.block_size:
             return blocks
-        per = -(-prompt_tokens // size)
-        return [list(g)[:per] for g in blocks] if nested(blocks) else list(blocks)[:per]
+        return _clip_to_prompt(blocks, prompt_tokens, self.s.block_size)
 
     def _drop(self, rid: str, minted: Optional[dict[str, Any]], finished: bool = False) -> None:
         """Retracts ``minted`` (if any) for request ``rid``: the workers cancel the lease
@@ -307,15 +314,12 @@ class KvxferScheduler:
                 del self._siblings[parent]
 
     def _retract(self, rid: str, why: str) -> None:
-        minted = self._minted_by_rid.pop(rid, None)
-        self._minted_at.pop(rid, None)
-        if minted is None:
+        record = self._minted.pop(rid, None)
+        if record is None:
             return
         logger.info("kvxfer: the lease minted for %s is retracted (%s)", rid, why)
-        self._drop(rid, minted)
-        request = self._minted_requests.pop(rid, None)
-        if request is not None:
-            self._producing[rid] = request  # minted again at its next last-token step
+        self._drop(rid, record.params)
+        self._producing[rid] = record.request  # minted again at its next last-token step
 
     def _prefill_params(self, rid: str, params: Any, quiet: bool = False) -> Optional[dict[str, Any]]:
         """A prefill request's own ``kv_transfer_params`` dict (vLLM's per-child list form:

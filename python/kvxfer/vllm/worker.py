@@ -133,7 +133,6 @@ class KvxferWorker:
         self.counters = counters
         self.prefill: Optional[kvxfer.PrefillAgent] = None
         self.decode: Optional[kvxfer.DecodeAgent] = None
-        self.decode_shape: Optional[kvxfer.KvShape] = None
         # How bytes are ordered inside a block (see layout_tag).
         self.layout = ""
         # The KV shape this rank states (None: the cache's blocks do not hold whole heads).
@@ -182,7 +181,7 @@ class KvxferWorker:
         """Registers the KV cache (host memory, or a host copy of a device cache) and starts
         the agents of this rank."""
         devices = {_device_type(t) for t in kv_caches.values()}
-        on_device = devices - {"cpu", "numpy"}
+        on_device = devices - {"cpu"}
         if on_device or self.s.host_staging:
             if on_device and self.s.kv_buffer_device != "cpu" and not self.s.host_staging:
                 raise kvxfer.RegistrationError(
@@ -218,7 +217,6 @@ class KvxferWorker:
                 **common,
             )
         if self.s.is_consumer:
-            self.decode_shape = shape
             self.decode = kvxfer.DecodeAgent(
                 self._memory(kv_caches),
                 agent_name=f"vllm-decode-{rank}",
@@ -403,7 +401,7 @@ class KvxferWorker:
         ratio = self.block_ratio(params)
         if prefill_tp == self.s.tp_size and ratio == 1:
             return [rank_view(params, rank)]
-        if self.decode_shape is None:
+        if self.kv_shape is None:
             raise ValueError(
                 f"prefill TP size {prefill_tp} and decode TP size {self.s.tp_size} (block ratio {ratio}): pulling "
                 "head slices needs the KV shape, stated only for caches whose blocks hold whole heads, heads "
