@@ -877,6 +877,21 @@ pub(crate) mod tests {
         assert_eq!((stats.handshakes_abandoned, stats.auth_failed, stats.handshakes_refused), (1, 0, 0));
     }
 
+    /// `bytes` sent by a peer that has proved nothing are answered FRAME_TOO_LARGE at the
+    /// header, the connection ends without a handshake, and one protocol error is counted.
+    fn assert_refused_as_too_large(ctx: &ServeContext, bytes: &[u8]) {
+        let answer = runtime().block_on(async {
+            let (mut peer, mut server) = tokio::io::duplex(1 << 16);
+            peer.write_all(bytes).await.expect("first frame");
+            let served = accept(&mut server, ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
+            assert!(matches!(served, Ok(None)), "{served:?}");
+            crate::frame::read_frame(&mut peer, 1 << 20, &mut Vec::new()).await.expect("an answer")
+        });
+        let Frame::Error(e) = answer else { panic!("{answer:?}") };
+        assert_eq!(e.code, ErrorCode::FrameTooLarge as i32, "{}", e.message);
+        assert_eq!(ctx.counters.snapshot().protocol_errors, 1);
+    }
+
     /// Review finding 7: before authentication a frame may announce at most
     /// `MAX_HANDSHAKE_FRAME_LEN` bytes, whatever `max_frame_len` allows afterwards; more is
     /// refused at its header.
@@ -884,18 +899,9 @@ pub(crate) mod tests {
     fn frames_before_authentication_are_capped_at_the_handshake_limit() {
         for server_key in [None, Some(key(1))] {
             let ctx = ctx(server_key);
-            let answer = runtime().block_on(async {
-                let (mut peer, mut server) = tokio::io::duplex(1 << 16);
-                let mut header = (MAX_HANDSHAKE_FRAME_LEN + 1).to_be_bytes().to_vec();
-                header.push(v1::FrameType::Hello as u8);
-                peer.write_all(&header).await.expect("header");
-                let served = accept(&mut server, &ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
-                assert!(matches!(served, Ok(None)), "{served:?}");
-                crate::frame::read_frame(&mut peer, 1 << 20, &mut Vec::new()).await.expect("an answer")
-            });
-            let Frame::Error(e) = answer else { panic!("{answer:?}") };
-            assert_eq!(e.code, ErrorCode::FrameTooLarge as i32, "{}", e.message);
-            assert_eq!(ctx.counters.snapshot().protocol_errors, 1);
+            let mut header = (MAX_HANDSHAKE_FRAME_LEN + 1).to_be_bytes().to_vec();
+            header.push(v1::FrameType::Hello as u8);
+            assert_refused_as_too_large(&ctx, &header);
         }
     }
 
@@ -917,16 +923,7 @@ pub(crate) mod tests {
                 out.len() > (ctx.limits.max_hello_len as usize)
                     && out.len() < MAX_HANDSHAKE_FRAME_LEN as usize
             );
-            let answer = runtime().block_on(async {
-                let (mut peer, mut server) = tokio::io::duplex(1 << 16);
-                peer.write_all(&out).await.expect("hello");
-                let served = accept(&mut server, &ctx, "peer", &mut Vec::new(), &mut Vec::new()).await;
-                assert!(matches!(served, Ok(None)), "{served:?}");
-                crate::frame::read_frame(&mut peer, 1 << 20, &mut Vec::new()).await.expect("an answer")
-            });
-            let Frame::Error(e) = answer else { panic!("{answer:?}") };
-            assert_eq!(e.code, ErrorCode::FrameTooLarge as i32, "{}", e.message);
-            assert_eq!(ctx.counters.snapshot().protocol_errors, 1);
+            assert_refused_as_too_large(&ctx, &out);
         }
     }
 

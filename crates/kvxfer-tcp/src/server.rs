@@ -296,6 +296,22 @@ mod tests {
     use crate::handshake::tests::{ctx, hello};
     use tokio::net::TcpListener;
 
+    /// Serves `connections` connections to the returned address, one after another.
+    async fn serve_in_turn(
+        ctx: Arc<ServeContext>,
+        connections: usize,
+    ) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = tokio::spawn(async move {
+            for _ in 0..connections {
+                let (s, _) = listener.accept().await.expect("accept");
+                serve_connection(s, ctx.clone()).await;
+            }
+        });
+        (addr, serving)
+    }
+
     /// Frames sent in one write are all answered, in order, and the answers to those before
     /// a bad frame reach the peer before its error and the close — whether the answers left
     /// batched or one by one. A notify behind a refused read of its lease is answered
@@ -305,15 +321,7 @@ mod tests {
         let mut ctx = ctx(None);
         ctx.limits.arm_wait = std::time::Duration::ZERO;
         let ctx = Arc::new(ctx);
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let serving = {
-            let ctx = ctx.clone();
-            tokio::spawn(async move {
-                let (s, _) = listener.accept().await.expect("accept");
-                serve_connection(s, ctx).await;
-            })
-        };
+        let (addr, serving) = serve_in_turn(ctx.clone(), 1).await;
         let mut client = TcpStream::connect(addr).await.expect("connect");
         let mut reader = FrameReader::new();
         let limits = crate::Limits::default();
@@ -380,17 +388,7 @@ mod tests {
         ctx.limits.arm_wait = std::time::Duration::ZERO;
         ctx.limits.max_leases_per_frame = 4;
         let ctx = Arc::new(ctx);
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let serving = {
-            let ctx = ctx.clone();
-            tokio::spawn(async move {
-                for _ in 0..2 {
-                    let (s, _) = listener.accept().await.expect("accept");
-                    serve_connection(s, ctx.clone()).await;
-                }
-            })
-        };
+        let (addr, serving) = serve_in_turn(ctx.clone(), 2).await;
         let heartbeat = |n: usize| {
             let leases = (0..n)
                 .map(|i| v1::LeaseRef { remote_request_id: format!("unknown-{i}"), lease_token: vec![5; 16] })
@@ -431,15 +429,7 @@ mod tests {
         ctx.limits.arm_wait = std::time::Duration::ZERO;
         let n = ctx.limits.max_leases_per_frame + 1;
         let ctx = Arc::new(ctx);
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let serving = {
-            let ctx = ctx.clone();
-            tokio::spawn(async move {
-                let (s, _) = listener.accept().await.expect("accept");
-                serve_connection(s, ctx).await;
-            })
-        };
+        let (addr, serving) = serve_in_turn(ctx.clone(), 1).await;
         let mut c = crate::Connection::connect(&addr.to_string(), &hello(), crate::Limits::default())
             .await
             .expect("connect");
