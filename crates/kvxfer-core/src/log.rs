@@ -4,6 +4,9 @@
 //! log through [`Peer`]: at most [`MAX_PEER_CHARS`] characters of it are written, control
 //! characters, quotes and backslashes escaped (`char::escape_debug`), so a peer can neither
 //! forge log lines with a newline nor fill the log with one huge string.
+//!
+//! Values every log line and output writes the same way: an engine's incarnation through
+//! [`Incarnation`].
 
 use std::fmt::{self, Display, Write};
 
@@ -17,6 +20,17 @@ pub const MAX_PEER_CHARS: usize = 128;
 /// came from the wire).
 #[derive(Debug, Clone, Copy)]
 pub struct Peer<T>(pub T);
+
+/// An engine process's incarnation as every log line and output writes it: `0x` and 16
+/// lower-case hex digits (`0x00a2c4e6f8091b3d`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Incarnation(pub u64);
+
+impl Display for Incarnation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#018x}", self.0)
+    }
+}
 
 /// Escapes and bounds what is written through it, counting the bytes of the original.
 struct Bounded<'a, 'b> {
@@ -63,6 +77,12 @@ impl<T: Display> Display for Peer<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn incarnations_are_written_as_16_hex_digits() {
+        assert_eq!(Incarnation(0xa2).to_string(), "0x00000000000000a2");
+        assert_eq!(Incarnation(u64::MAX).to_string(), "0xffffffffffffffff");
+    }
 
     #[test]
     fn short_strings_are_written_as_they_are() {

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvxfer_core::ChildHandoff;
+use kvxfer_core::{log, ChildHandoff};
 use kvxfer_proto::v1::{self, LeaseOutcome};
 use kvxfer_tcp::{ClusterKey, Connection, Limits};
 use tracing::{debug, warn};
@@ -56,8 +56,11 @@ impl Keeper {
     }
 
     /// One heartbeat exchange with the prefill agent at `addr`: a pooled connection, or a
-    /// new one; a connection whose exchange failed is dropped.
-    async fn exchange(&self, addr: &str, leases: Vec<v1::LeaseRef>) -> Option<Vec<LeaseOutcome>> {
+    /// new one; a connection whose exchange failed is dropped. Each lease comes with the
+    /// incarnation its hand-off names (0: not stated): a lease of another incarnation than
+    /// the process answering went with the process that made it and is answered unrecognized
+    /// here, not sent (the prefill side would hold the frame for its arm wait).
+    async fn exchange(&self, addr: &str, leases: Vec<(v1::LeaseRef, u64)>) -> Option<Vec<LeaseOutcome>> {
         let pooled = self.conns.lock().await.remove(addr).filter(|c| !c.closed_by_peer());
         let mut conn = match pooled {
             Some(c) => c,
@@ -71,10 +74,25 @@ impl Keeper {
                 }
             }
         };
-        match conn.heartbeat(leases).await {
+        let running = conn.peer_hello().incarnation;
+        let (live, gone): (Vec<_>, Vec<_>) =
+            leases.into_iter().enumerate().partition(|(_, (_, inc))| *inc == 0 || *inc == running);
+        let mut out = vec![LeaseOutcome::Unrecognized; live.len() + gone.len()];
+        if !gone.is_empty() {
+            debug!(peer = %addr, leases = gone.len(), incarnation = %log::Incarnation(running), "queued-lease heartbeat: leases of an earlier incarnation not sent");
+        }
+        if live.is_empty() {
+            self.conns.lock().await.insert(addr.to_owned(), conn);
+            return Some(out);
+        }
+        let (at, refs): (Vec<usize>, Vec<v1::LeaseRef>) = live.into_iter().map(|(i, (r, _))| (i, r)).unzip();
+        match conn.heartbeat(refs).await {
             Ok(outcomes) => {
                 self.conns.lock().await.insert(addr.to_owned(), conn);
-                Some(outcomes)
+                for (i, o) in at.into_iter().zip(outcomes) {
+                    out[i] = o;
+                }
+                Some(out)
             }
             Err(e) => {
                 warn!(peer = %addr, error = %e, "queued-lease heartbeat failed");
@@ -94,9 +112,12 @@ impl Keeper {
         for (addr, idx) in by_peer {
             let leases = idx
                 .iter()
-                .map(|&i| v1::LeaseRef {
-                    remote_request_id: handoffs[i].remote_request_id().to_owned(),
-                    lease_token: handoffs[i].token().as_bytes().to_vec(),
+                .map(|&i| {
+                    let r = v1::LeaseRef {
+                        remote_request_id: handoffs[i].remote_request_id().to_owned(),
+                        lease_token: handoffs[i].token().as_bytes().to_vec(),
+                    };
+                    (r, handoffs[i].engine().incarnation)
                 })
                 .collect();
             self.sent.fetch_add(1, Ordering::Relaxed);

@@ -175,3 +175,74 @@ fn an_arm_wait_too_large_for_a_deadline_still_waits_for_the_arm() {
     prefill.arm("M", LeaseRequest::new("M", 0, 1, vec![2]), token).expect("arm");
     assert_eq!(notifier.join().expect("notifier"), LeaseOutcome::Pulled as i32);
 }
+
+/// Hostile-peer review: a decode agent ran every control exchange with a prefill agent (and
+/// every new pull's hello) on one connection, under one lock, and the prefill side holds a
+/// frame naming a lease it does not know for its `arm_wait`: one cancel of a lease never
+/// armed stalled every other pull from that prefill agent (4.84 s instead of 94 µs; behind
+/// 7 of them a pull's lease expired before it started). Now each exchange runs on a control
+/// connection of its own, and the stale releases keep waiting while the pull goes through.
+#[test]
+fn releases_held_for_the_arm_wait_do_not_stall_other_pulls_from_that_prefill() {
+    let wait = Duration::from_secs(60);
+    let prefill = prefill_armed_within(wait);
+    // The decode side's io timeout outlasts the test: only the prefill answers end an exchange.
+    let config = AgentConfig::new("decode").io_timeout(Duration::from_secs(300));
+    let decode = std::sync::Arc::new(decode_with(config, layout()));
+    let stale: Vec<_> = (0..7u32)
+        .map(|i| {
+            let h = scheduler_params(&prefill, &format!("ghost{i}"), 0, 1, vec![1], &minted())
+                .to_handoff()
+                .expect("hand-off");
+            let decode = decode.clone();
+            std::thread::spawn(move || decode.release(&h))
+        })
+        .collect();
+    eventually("every stale release waits at the prefill", || prefill.stats().server.arm_waits == 7);
+
+    let token = minted();
+    prefill.arm("P", LeaseRequest::new("P", 0, 1, vec![2, 3]), token).expect("arm");
+    let h = scheduler_params(&prefill, "P", 0, 1, vec![2, 3], &token).to_handoff().expect("hand-off");
+    let pull = decode
+        .submit(PrefillResult::new("P", 1, vec![h]).expect("result"), vec![vec![5, 6]])
+        .expect("submit");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(pull.wait()));
+    // Before, the pull waited for the first release's whole arm wait (60 s) at least.
+    let report = rx.recv_timeout(wait / 2).expect("the pull ended while the releases still waited");
+    assert!(report.all_done(), "{report:?}");
+    assert!(verify(&decode, &[2, 3], &[5, 6]), "every byte pulled");
+    assert!(stale.iter().all(|t| !t.is_finished()), "the stale releases are still held by the prefill");
+    let stats = prefill.stats();
+    assert_eq!((stats.server.arm_waits, stats.server.arm_wait_expired), (7, 0), "{stats:?}");
+    assert_eq!(wait_ends(&prefill, 1, Duration::from_secs(10))[0].kind, EndKind::Pulled);
+    // Shutting the prefill agent down answers nothing more; the releases end unapplied.
+    prefill.shutdown();
+    for t in stale {
+        assert!(!t.join().expect("release thread"), "a lease nobody armed is not released");
+    }
+}
+
+/// Hostile-peer review: `release` did not check the incarnation, so the release of a lease
+/// made by a prefill process that has restarted since was sent to the new process, which held
+/// it for its arm wait. The release is refused here, without asking the peer.
+#[test]
+fn a_release_of_a_lease_from_an_earlier_incarnation_is_not_sent() {
+    let prefill = prefill_armed_within(Duration::from_secs(60));
+    let decode = decode_with(AgentConfig::new("decode"), layout());
+    let mut p = scheduler_params(&prefill, "R", 0, 1, vec![1], &minted());
+    p.kvxfer_incarnation = Some(prefill.incarnation() ^ 1);
+    let h = p.to_handoff().expect("hand-off");
+    assert!(!decode.release(&h), "nothing to release: the lease went with its process");
+    let (d, s) = (decode.stats(), prefill.stats());
+    assert_eq!((d.leases_released, d.releases_refused), (0, 1), "{d:?}");
+    assert_eq!((s.server.arm_waits, s.leases.unrecognized), (0, 0), "not asked: {s:?}");
+
+    // A lease of the incarnation answering is released as before.
+    let token = minted();
+    prefill.arm("L", LeaseRequest::new("L", 0, 1, vec![2]), token).expect("arm");
+    let mut p = scheduler_params(&prefill, "L", 0, 1, vec![2], &token);
+    p.kvxfer_incarnation = Some(prefill.incarnation());
+    assert!(decode.release(&p.to_handoff().expect("hand-off")));
+    assert_eq!(wait_ends(&prefill, 1, Duration::from_secs(10))[0].kind, EndKind::Released);
+}

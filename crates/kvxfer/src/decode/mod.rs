@@ -384,6 +384,29 @@ impl DecodeAgent {
             }
         };
         let peer = self.inner.peer(&addr);
+        // A lease of another incarnation than the one answering at the address went with
+        // that process: nothing is sent (the prefill side would hold the cancel of a lease
+        // it does not know for its arm wait).
+        let want = child.engine();
+        if want.incarnation != 0 {
+            let refused = match peer.hello(&self.inner).await {
+                Ok(ack) if ack.engine_id == want.engine_id && ack.incarnation == want.incarnation => None,
+                Ok(ack) => Some(format!(
+                    "{} is {} incarnation {} now, not {} incarnation {}: the lease ended with the process that made it",
+                    addr,
+                    log::Peer(&ack.engine_id),
+                    log::Incarnation(ack.incarnation),
+                    log::Peer(&want.engine_id),
+                    log::Incarnation(want.incarnation)
+                )),
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(why) = refused {
+                add(&self.inner.counters.releases_refused, 1);
+                info!(remote_request_id = %log::Peer(&child.remote_request_id()), reason = %log::Peer(&why), "release not applied");
+                return false;
+            }
+        }
         let id = child.remote_request_id().to_owned();
         let op = ControlOp::Cancel { id, token: child.token().as_bytes().to_vec() };
         let answer = peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await;

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::report::add;
-use super::shared::{Inner, Peer, Pooled};
+use super::shared::{Inner, Peer};
 use kvxfer_core::log;
 use kvxfer_core::pull::{MismatchField, PullError};
 use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
@@ -44,22 +44,30 @@ impl Peer {
         inner.connect(&self.addr).await.map_err(|e| pull_error(&e, inner))
     }
 
-    /// The peer's handshake answer, from the control connection (connecting if needed).
+    /// The peer's handshake answer: an idle control connection's, or a new connection's
+    /// (then pooled). It waits behind no exchange under way, only for a control permit when
+    /// it has to connect while [`super::shared::CONTROL_CONNECTIONS_PER_PEER`] exchanges run.
     pub(crate) async fn hello(&self, inner: &Inner) -> Result<v1::HelloAck, ClientError> {
-        let mut slot = self.control.lock().await;
-        let conn = match slot.take().filter(|p| p.reusable(self.max_idle)) {
-            Some(p) => p.conn,
-            None => inner.connect(&self.addr).await?,
-        };
+        let (pooled, generation) = self.checkout_control();
+        if let Some(conn) = pooled {
+            let ack = conn.peer_hello().clone();
+            self.checkin_control(conn, generation);
+            return Ok(ack);
+        }
+        // The semaphore is never closed.
+        let _permit = self.control_permits.acquire().await.ok();
+        let conn = inner.connect(&self.addr).await?;
         let ack = conn.peer_hello().clone();
-        *slot = Some(Pooled::new(conn));
+        self.checkin_control(conn, generation);
         Ok(ack)
     }
 
-    /// Runs `op` on the peer's control connection, unless `reachable` is cleared (`None`):
-    /// waits for exchanges ahead of it, then connects (again) if needed.
+    /// Runs `op` on a control connection of the peer's of its own (an idle one, or a new
+    /// one), unless `reachable` is cleared (`None`). Exchanges run side by side, up to
+    /// [`super::shared::CONTROL_CONNECTIONS_PER_PEER`] at once: one the prefill side holds for its arm wait
+    /// (a cancel of a lease it does not know) delays no other.
     ///
-    /// The connection is out of its slot while `op` runs and goes back only when `op`
+    /// The connection is out of the pool while `op` runs and goes back only when `op`
     /// finished with it usable: an exchange cut short (its future dropped, e.g. a heartbeat
     /// when a notify needs the connection) or failed drops the connection, so no later
     /// exchange reads its stale reply.
@@ -78,7 +86,8 @@ impl Peer {
         op: &ControlOp,
         reachable: &AtomicBool,
     ) -> Option<(Result<ControlReply, ClientError>, u32)> {
-        let mut slot = self.control.lock().await;
+        // The semaphore is never closed.
+        let _permit = self.control_permits.acquire().await.ok();
         if !reachable.load(Ordering::Relaxed) {
             return None;
         }
@@ -88,7 +97,7 @@ impl Peer {
             tokio::time::Instant::from_std(crate::runtime::instant_after(started, io.saturating_mul(2)));
         let mut attempt = 1;
         loop {
-            let pooled = slot.take().filter(|p| p.reusable(self.max_idle)).map(|p| p.conn);
+            let (pooled, generation) = self.checkout_control();
             let reused = pooled.is_some();
             let deadline =
                 tokio::time::Instant::from_std(crate::runtime::instant_after(std::time::Instant::now(), io))
@@ -100,7 +109,7 @@ impl Peer {
                 };
                 let r = op.run(&mut conn).await;
                 if r.as_ref().err().is_none_or(ClientError::connection_usable) {
-                    *slot = Some(Pooled::new(conn));
+                    self.checkin_control(conn, generation);
                 }
                 r
             };

@@ -282,7 +282,7 @@ impl Pull {
             // Our connections may predate a restart of the worker at this address: start
             // over once with fresh ones before calling the hand-off stale.
             debug!(peer = %peer.addr, had = %log::Peer(&ack.engine_id), had_incarnation = ack.incarnation, want = %want.engine_id, want_incarnation = want.incarnation, "engine changed; reconnecting");
-            peer.reset().await;
+            peer.reset();
             ack = hello().await?;
         }
         if stale(&ack) {

@@ -100,7 +100,7 @@ impl Inner {
     pub(crate) fn invalidate_peer(&self, addr: &str) -> bool {
         let peer = self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(addr);
         match peer {
-            // A pull may hold its control connection: close them from a task of their own.
+            // Idle connections close now; those a pull uses, when its exchange ends.
             Some(peer) => {
                 // Its UCX endpoint closes now (reads in flight on it finish first), not only
                 // when the last pull using the peer lets go of it (`Peer`'s drop).
@@ -108,7 +108,7 @@ impl Inner {
                 if let Some(init) = self.ucx() {
                     init.disconnect(&peer.ucx_endpoint);
                 }
-                tokio::spawn(async move { peer.reset().await });
+                peer.reset();
                 true
             }
             None => false,
@@ -186,12 +186,30 @@ impl Pooled {
     }
 }
 
+/// Control exchanges (notify, heartbeat, cancel, the hello of a pull) a decode agent runs
+/// at once with one prefill agent, each on a connection of its own: the prefill side answers
+/// the frames of a connection in order, and holds a frame naming a lease it does not know
+/// for up to its `Limits::arm_wait` (the lease may be about to be armed), so an exchange
+/// never waits behind another one's arm wait unless this many wait at once.
+pub(crate) const CONTROL_CONNECTIONS_PER_PEER: usize = 16;
+
+/// A peer's idle control connections, and the generation they belong to: [`Peer::reset`]
+/// starts a new one, so a connection an exchange held across the reset is not pooled again.
+#[derive(Default)]
+pub(super) struct ControlPool {
+    pub(super) idle: Vec<Pooled>,
+    pub(super) generation: u64,
+}
+
 /// A prefill agent this decode agent talks to.
 pub(crate) struct Peer {
     pub(crate) addr: String,
     pub(super) idle: Mutex<Vec<Pooled>>,
     pub(super) permits: Semaphore,
-    pub(super) control: tokio::sync::Mutex<Option<Pooled>>,
+    /// Idle control connections ([`CONTROL_CONNECTIONS_PER_PEER`] exchanges at most run at
+    /// once, each holding one of `control_permits`).
+    pub(super) control: Mutex<ControlPool>,
+    pub(super) control_permits: Semaphore,
     /// Longest a pooled connection may have been idle to be reused: half the agent's
     /// `Limits::idle_timeout`.
     pub(super) max_idle: Duration,
@@ -230,7 +248,8 @@ impl Peer {
             addr: addr.to_owned(),
             idle: Mutex::new(Vec::new()),
             permits: Semaphore::new(connections.max(1)),
-            control: tokio::sync::Mutex::new(None),
+            control: Mutex::new(ControlPool::default()),
+            control_permits: Semaphore::new(CONTROL_CONNECTIONS_PER_PEER),
             max_idle: idle_timeout / 2,
             #[cfg(feature = "ucx")]
             ucx_engine: tokio::sync::Mutex::new(None),
@@ -251,19 +270,47 @@ impl Peer {
         self
     }
 
-    /// Forgets every connection to the peer (it is no longer the engine they were made to).
-    pub(crate) async fn reset(&self) {
-        *self.control.lock().await = None;
+    /// Forgets every connection to the peer (it is no longer the engine they were made to);
+    /// control connections in use now are dropped when their exchange ends.
+    pub(crate) fn reset(&self) {
+        {
+            let mut control = self.lock_control();
+            control.idle.clear();
+            control.generation += 1;
+        }
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
     /// Whether the peer closed every connection this agent holds to it (or there are none).
-    /// A pull in progress may hold the control lock: then it is not gone.
+    /// A control exchange under way holds a connection: then it is not gone.
     pub(crate) fn is_gone(&self) -> bool {
-        let Ok(control) = self.control.try_lock() else { return false };
+        if self.control_permits.available_permits() < CONTROL_CONNECTIONS_PER_PEER {
+            return false;
+        }
+        let control = self.lock_control();
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        control.as_ref().is_none_or(|p| p.conn.closed_by_peer())
-            && idle.iter().all(|p| p.conn.closed_by_peer())
+        control.idle.iter().all(|p| p.conn.closed_by_peer()) && idle.iter().all(|p| p.conn.closed_by_peer())
+    }
+
+    pub(super) fn lock_control(&self) -> std::sync::MutexGuard<'_, ControlPool> {
+        self.control.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An idle control connection that may be reused, and the pool's generation (to give it
+    /// back with [`Peer::checkin_control`]).
+    pub(super) fn checkout_control(&self) -> (Option<Connection>, u64) {
+        let mut control = self.lock_control();
+        let max_idle = self.max_idle;
+        let conn = std::iter::from_fn(|| control.idle.pop()).find(|p| p.reusable(max_idle)).map(|p| p.conn);
+        (conn, control.generation)
+    }
+
+    /// Pools a control connection again, unless the peer was reset since it was checked out.
+    pub(super) fn checkin_control(&self, conn: Connection, generation: u64) {
+        let mut control = self.lock_control();
+        if control.generation == generation {
+            control.idle.push(Pooled::new(conn));
+        }
     }
 
     /// Returns a connection to the pool after a request ended with `r`, unless the error
