@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks the documentation's relative links (standard library only).
 
-1. The built book (``mdbook build docs`` writes ``docs/book``): every relative ``href`` /
+1. The built book (``mdbook build docs`` writes ``target/book``): every relative ``href`` /
    ``src`` in every HTML page must name a file of the book, and a ``#fragment`` an ``id``
    (or ``<a name>``) in that file.
 2. ``README.md``, ``ARCHITECTURE.md`` and ``BENCHMARKING.md`` at the repository root: every
@@ -124,7 +124,7 @@ def check_root_docs(root: pathlib.Path) -> tuple[list[str], int]:
 def main(argv: list[str] | None = None) -> int:
     here = pathlib.Path(__file__).resolve().parent.parent
     p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    p.add_argument("--book", type=pathlib.Path, default=here / "docs" / "book", help="the built book")
+    p.add_argument("--book", type=pathlib.Path, default=here / "target" / "book", help="the built book (docs/book.toml: build-dir)")
     p.add_argument("--root", type=pathlib.Path, default=here, help="the repository root")
     args = p.parse_args(argv)
     book_broken, book_checked = check_book(args.book)
