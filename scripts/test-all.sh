@@ -28,6 +28,25 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 # The default build (no system libraries) must stay clean too.
 cargo clippy -p kvxfer --all-targets --locked -- -D warnings
 
+echo "== docs (the mdBook in docs/ builds without a warning; the relative links of the book and of README, ARCHITECTURE and BENCHMARKING resolve)"
+# mdBook is not in Debian's archive: it is installed once from crates.io into a cache outside
+# the checkout, keyed by its version (the directory KVXFER_VENV_CACHE names, as for the
+# virtualenvs below), so later runs reuse it. 0.5.4 needs rustc 1.88 or later.
+MDBOOK_VERSION=0.5.4
+MDBOOK_ROOT="${KVXFER_VENV_CACHE:-/var/cache/kvxfer}/mdbook-$MDBOOK_VERSION"
+if [ ! -x "$MDBOOK_ROOT/bin/mdbook" ]; then
+    mkdir -p "$MDBOOK_ROOT"
+    cargo install mdbook --locked --version "$MDBOOK_VERSION" --no-default-features --root "$MDBOOK_ROOT"
+fi
+mdbook_log=$(mktemp)
+"$MDBOOK_ROOT/bin/mdbook" build docs 2>&1 | tee "$mdbook_log"
+if grep -E '\b(WARN|ERROR)\b' "$mdbook_log"; then
+    echo "mdbook build printed a warning or an error (above)" >&2
+    exit 1
+fi
+rm -f "$mdbook_log"
+python3 scripts/check-doc-links.py
+
 echo "== tests (every crate, with the UCX data path)"
 cargo test --workspace --all-features --locked
 
