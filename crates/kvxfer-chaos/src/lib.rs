@@ -7,6 +7,10 @@
 //!   stdin/stdout, so tests can `kill -9` one side mid-pull.
 //! - The `kvxfer-soak` binary: thousands of parents with random n, cancels, skipped
 //!   children and peer restarts, then the books must balance.
+//! - The `kvxfer-hostile` binary: many hostile connections (silent, slow-loris, half-open,
+//!   floods, oversized hellos, pins, log floods) against a prefill agent in a child process
+//!   while a legitimate decode agent pulls; reports its latency against a quiet baseline and
+//!   the prefill's RSS, descriptors, CPU time, counters and log volume.
 #![forbid(unsafe_code)]
 
 pub mod proxy;
