@@ -125,7 +125,8 @@ pub struct PrefillSnapshot {
     pub connections_accepted: u64,
     /// Gauge: connections open now (served, not yet closed).
     pub connections_open: u64,
-    /// Connections refused at the connection limit.
+    /// Connections refused at a connection limit: of connections served, or of handshakes
+    /// under way.
     pub connections_refused_limit: u64,
     /// Handshakes refused (version, layout, authentication).
     pub handshakes_refused: u64,

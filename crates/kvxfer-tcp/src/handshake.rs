@@ -368,18 +368,24 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     scratch: &mut Vec<u8>,
 ) -> Result<Option<v1::Hello>, FrameError> {
     let _ = buf;
-    accept_buffered(stream, ctx, peer, &mut FrameReader::new(), scratch).await
+    let accepted =
+        accept_buffered(stream, ctx, peer, &mut FrameReader::new(), scratch, crate::admit_any()).await?;
+    Ok(accepted.map(|(hello, _)| hello))
 }
 
 /// [`accept`] reading through `reader`, which keeps what the peer sent after the
-/// handshake for the frames that follow.
+/// handshake for the frames that follow, and asking `admit` for the connection's place
+/// once the handshake verified, before the `HelloAck` (a refusal is answered with a
+/// LIMIT_EXCEEDED error instead). With the hello, what `admit` returned: the connection
+/// holds it until it ends.
 pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     ctx: &ServeContext,
     peer: &str,
     reader: &mut FrameReader,
     scratch: &mut Vec<u8>,
-) -> Result<Option<v1::Hello>, FrameError> {
+    admit: crate::Admit,
+) -> Result<Option<(v1::Hello, Box<dyn Send>)>, FrameError> {
     let mut hello_body = Vec::new();
     let io = ctx.limits.io_timeout;
     // Before the peer proved anything its frames are capped at `Limits::max_hello_len`.
@@ -481,6 +487,17 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
         send_error(stream, io, code, msg).await?;
         return Ok(None);
     }
+    let admitted = match admit() {
+        Ok(admitted) => admitted,
+        Err(why) => {
+            let msg = why.count_and_explain(ctx);
+            if let Some(suppressed) = ctx.counters.warnings.allow() {
+                warn!(%peer, suppressed, "connection refused after its handshake: {msg}");
+            }
+            send_error(stream, io, ErrorCode::LimitExceeded, msg).await?;
+            return Ok(None);
+        }
+    };
     let authenticated = proven.is_some();
     debug!(%peer, peer_engine = %Peer(&hello.engine_id), peer_agent = %Peer(&hello.agent_name), authenticated, "handshake ok");
     scratch.clear();
@@ -492,7 +509,7 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
         Frame::HelloProof(v1::HelloProof { mac }).encode(scratch);
     }
     write_within(stream, scratch, io).await?;
-    Ok(Some(hello))
+    Ok(Some((hello, admitted)))
 }
 
 /// What an answer other than the expected one means for the connecting side: the peer's

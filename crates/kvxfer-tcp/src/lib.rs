@@ -48,7 +48,7 @@ pub use client::PinGrant;
 pub use client::{check_crc, ClientError, Connection, SliceSpec};
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};
-pub use server::{refuse_connection, serve_connection, Refusal, ServeContext};
+pub use server::{admit_any, refuse_connection, serve_connection, Admit, Refusal, ServeContext};
 pub use stats::{ServerCounters, ServerStats};
 
 use std::time::Duration;
@@ -61,10 +61,13 @@ pub struct Limits {
     /// A read or write that makes no progress for this long fails the connection (on the
     /// prefill side every reply is written within it, or the connection is reset).
     pub io_timeout: Duration,
-    /// Connections a prefill agent serves at once; more are refused with an error frame.
+    /// Connections a prefill agent serves at once, counted from their handshake on; more are
+    /// refused in place of the `HelloAck` with an error frame. A connection takes its place
+    /// only once its handshake verified (authenticated, when a cluster key is set): until
+    /// then it holds one of `max_handshakes`.
     pub max_connections: usize,
-    /// Connections one peer may have open at a prefill agent at once; more are refused with
-    /// an error frame, so one peer cannot take every slot. A peer is one IPv4 address, or one
+    /// Connections one peer may have open at a prefill agent at once (counted from their
+    /// handshake on); more are refused with an error frame, so one peer cannot take every slot. A peer is one IPv4 address, or one
     /// IPv6 /64 (a host is routinely given a whole /64; an IPv4-mapped address counts as its
     /// IPv4 address). Decode ranks behind one NAT share a cap: raise it for such deployments.
     pub max_connections_per_peer: usize,
@@ -112,6 +115,16 @@ pub struct Limits {
     /// nonce are held, not the decoded hello. Default 8 KiB (a hello names its layout and
     /// shape: a few bytes per segment and group).
     pub max_hello_len: u32,
+    /// Connections a prefill agent holds before their handshake verified (the hello not yet
+    /// read, or the proof awaited), each for `io_timeout` at most; more are refused at once
+    /// with an error frame (counted in `preauth_refused`). Separate from `max_connections`:
+    /// connections that never say anything cannot take the places of authenticated ones.
+    /// Each holds a read window and a hello (`max_hello_len`) at most. Default 1024.
+    pub max_handshakes: usize,
+    /// Of `max_handshakes`, those one peer (an IPv4 address or an IPv6 /64, as for
+    /// `max_connections_per_peer`) may hold at once. Default 32: 16 silent addresses hold
+    /// 512 at most, half the default budget; decode ranks behind one NAT share it.
+    pub max_handshakes_per_peer: usize,
 }
 
 impl Limits {
@@ -152,6 +165,8 @@ impl Default for Limits {
             arm_wait: Duration::from_secs(5),
             max_leases_per_frame: 4096,
             max_hello_len: 8 << 10,
+            max_handshakes: 1024,
+            max_handshakes_per_peer: 32,
         }
     }
 }

@@ -224,7 +224,7 @@ pub(crate) mod tests {
                 let listener = TcpListener::from_std(listener).expect("listener");
                 loop {
                     let (s, _) = listener.accept().await.expect("accept");
-                    tokio::spawn(serve_connection(s, ctx.clone()));
+                    tokio::spawn(serve_connection(s, ctx.clone(), crate::admit_any()));
                 }
             });
         });

@@ -22,43 +22,82 @@ use crate::stats::bump;
 pub use crate::context::ServeContext;
 pub use crate::stats::{ServerCounters, ServerStats, WarnBudget, WARNINGS_PER_SECOND};
 
-/// Why [`refuse_connection`] turns a connection away.
+/// Why a connection is turned away: by [`refuse_connection`] before its handshake, or in
+/// place of its `HelloAck` when its [`Admit`] refuses it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Refusal {
     /// `Limits::max_connections` are open.
     TooManyConnections,
     /// The peer has `Limits::max_connections_per_peer` open.
     TooManyFromPeer,
+    /// `Limits::max_handshakes` are under way.
+    TooManyHandshakes,
+    /// The peer has `Limits::max_handshakes_per_peer` under way.
+    TooManyHandshakesFromPeer,
 }
 
-/// Serves one accepted connection until the peer closes it or breaks the protocol.
-pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>) {
+impl Refusal {
+    /// Counts the refusal and says what the peer is told.
+    pub(crate) fn count_and_explain(self, ctx: &ServeContext) -> String {
+        let (counter, what) = match self {
+            Refusal::TooManyConnections => (
+                &ctx.counters.connections_refused,
+                format!("at most {} connections at once", ctx.limits.max_connections),
+            ),
+            Refusal::TooManyFromPeer => (
+                &ctx.counters.peer_connections_refused,
+                format!(
+                    "at most {} connections at once from one peer address",
+                    ctx.limits.max_connections_per_peer
+                ),
+            ),
+            Refusal::TooManyHandshakes => (
+                &ctx.counters.preauth_refused,
+                format!("at most {} handshakes at once", ctx.limits.max_handshakes),
+            ),
+            Refusal::TooManyHandshakesFromPeer => (
+                &ctx.counters.preauth_refused,
+                format!(
+                    "at most {} handshakes at once from one peer address",
+                    ctx.limits.max_handshakes_per_peer
+                ),
+            ),
+        };
+        bump(counter);
+        format!("this agent serves {what}")
+    }
+}
+
+/// Takes a connection's place among those served (`Limits::max_connections`,
+/// `Limits::max_connections_per_peer`) once its handshake verified, and gives back what it
+/// held before (its place among the handshakes under way). What it returns is held until
+/// the connection ends; a refusal is answered with a LIMIT_EXCEEDED error in place of the
+/// `HelloAck`. Dropped uncalled when the handshake fails.
+pub type Admit = Box<dyn FnOnce() -> Result<Box<dyn Send>, Refusal> + Send>;
+
+/// An [`Admit`] that admits every connection (a server that counts nothing).
+pub fn admit_any() -> Admit {
+    Box::new(|| Ok(Box::new(())))
+}
+
+/// Serves one accepted connection until the peer closes it or breaks the protocol;
+/// `admit` is asked once its handshake verified.
+pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>, admit: Admit) {
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     bump(&ctx.counters.connections);
     crate::tune_stream(&stream, ctx.limits.io_timeout);
-    match serve_inner(&mut stream, &ctx, &peer).await {
+    match serve_inner(&mut stream, &ctx, &peer, admit).await {
         Ok(()) => debug!(%peer, "connection closed"),
         Err(e) => debug!(%peer, error = %Peer(&e), "connection ended"),
     }
 }
 
-/// Refuses a connection accepted past `Limits::max_connections` or
-/// `Limits::max_connections_per_peer`: one error frame (bounded by the I/O timeout), then
+/// Refuses a connection before its handshake (`Limits::max_handshakes`,
+/// `Limits::max_handshakes_per_peer`): one error frame (bounded by the I/O timeout), then
 /// close.
 pub async fn refuse_connection(mut stream: TcpStream, ctx: Arc<ServeContext>, why: Refusal) {
-    let msg = match why {
-        Refusal::TooManyConnections => {
-            bump(&ctx.counters.connections_refused);
-            format!("this agent serves at most {} connections at once", ctx.limits.max_connections)
-        }
-        Refusal::TooManyFromPeer => {
-            bump(&ctx.counters.peer_connections_refused);
-            format!(
-                "this agent serves at most {} connections at once from one peer address",
-                ctx.limits.max_connections_per_peer
-            )
-        }
-    };
+    let msg = why.count_and_explain(&ctx);
     if let Some(suppressed) = ctx.counters.warnings.allow() {
         warn!(peer = ?stream.peer_addr().ok(), suppressed, "connection refused: {msg}");
     }
@@ -94,16 +133,24 @@ async fn flush(stream: &mut TcpStream, ctx: &ServeContext, batch: &mut Vec<u8>) 
     written
 }
 
-async fn serve_inner(stream: &mut TcpStream, ctx: &ServeContext, peer: &str) -> Result<(), FrameError> {
+async fn serve_inner(
+    stream: &mut TcpStream,
+    ctx: &ServeContext,
+    peer: &str,
+    admit: Admit,
+) -> Result<(), FrameError> {
     let max = ctx.limits.max_frame_len;
     let mut reader = frame::FrameReader::new();
     let mut scratch = Vec::new();
 
     // Handshake (authenticated when either side has a cluster key): nothing else is read
     // or said before it succeeded.
-    if crate::handshake::accept_buffered(stream, ctx, peer, &mut reader, &mut scratch).await?.is_none() {
+    // `_admitted` holds the connection's place until it ends.
+    let Some((_, _admitted)) =
+        crate::handshake::accept_buffered(stream, ctx, peer, &mut reader, &mut scratch, admit).await?
+    else {
         return Ok(());
-    }
+    };
 
     // Read guards of one-sided reads; dropped with the connection.
     let mut pins = Pins::default();
@@ -306,7 +353,7 @@ mod tests {
         let serving = tokio::spawn(async move {
             for _ in 0..connections {
                 let (s, _) = listener.accept().await.expect("accept");
-                serve_connection(s, ctx.clone()).await;
+                serve_connection(s, ctx.clone(), admit_any()).await;
             }
         });
         (addr, serving)

@@ -55,6 +55,9 @@ pub struct ServerCounters {
     pub peer_connections_refused: AtomicU64,
     /// Connections closed after `Limits::idle_timeout` without a frame or a pin.
     pub idle_closed: AtomicU64,
+    /// Connections refused before their handshake because `Limits::max_handshakes` were
+    /// under way, or `Limits::max_handshakes_per_peer` from their peer.
+    pub preauth_refused: AtomicU64,
     /// Connections reset because a read's payload did not move within its overall deadline
     /// (`Limits::transfer_deadline`, capped at the lease's maximum lifetime plus
     /// `Limits::io_timeout`), or because the peer did not take a reply within
@@ -124,6 +127,7 @@ pub struct ServerStats {
     pub auth_failed: u64,
     pub peer_connections_refused: u64,
     pub idle_closed: u64,
+    pub preauth_refused: u64,
     pub slow_transfers: u64,
     pub arm_waits: u64,
     pub arm_wait_expired: u64,
@@ -153,6 +157,7 @@ impl ServerCounters {
             auth_failed: l(&self.auth_failed),
             peer_connections_refused: l(&self.peer_connections_refused),
             idle_closed: l(&self.idle_closed),
+            preauth_refused: l(&self.preauth_refused),
             slow_transfers: l(&self.slow_transfers),
             arm_waits: l(&self.arm_waits),
             arm_wait_expired: l(&self.arm_wait_expired),

@@ -242,7 +242,7 @@ fn prefill_snapshot(table: &LeaseTable, counters: &ServerCounters, open: &Atomic
         reads_refused: s.reads_refused,
         connections_accepted: s.connections,
         connections_open: open.load(Ordering::Relaxed),
-        connections_refused_limit: s.connections_refused + s.peer_connections_refused,
+        connections_refused_limit: s.connections_refused + s.peer_connections_refused + s.preauth_refused,
         handshakes_refused: s.handshakes_refused,
         protocol_errors: s.protocol_errors + s.stalled_frames,
         pins_made: s.pins,

@@ -13,7 +13,7 @@ use kvxfer_core::{
     LeaseTable, ParentStatus, ParentTracker, PrefillResult, RetractOutcome,
 };
 use kvxfer_mem::KvMemory;
-use kvxfer_tcp::{serve_connection, Refusal, ServeContext, ServerCounters, ServerStats};
+use kvxfer_tcp::{serve_connection, Admit, Refusal, ServeContext, ServerCounters, ServerStats};
 use tokio::net::TcpListener;
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
@@ -656,7 +656,8 @@ fn no_route(bound: SocketAddr, source: std::io::Error) -> Error {
     }
 }
 
-/// Connections open per peer, for `Limits::max_connections_per_peer`.
+/// Connections open per peer, for `Limits::max_connections_per_peer` (and handshakes under
+/// way per peer, for `Limits::max_handshakes_per_peer`).
 #[derive(Debug, Default)]
 struct PeerCounts(Mutex<HashMap<IpAddr, usize>>);
 
@@ -706,9 +707,51 @@ impl Drop for PeerSlot {
     }
 }
 
+/// The places a connection can hold: among the handshakes under way (taken when it is
+/// accepted), and among the connections served (taken once its handshake verified).
+struct Places {
+    handshakes: Arc<tokio::sync::Semaphore>,
+    handshakes_per_peer: Arc<PeerCounts>,
+    served: Arc<tokio::sync::Semaphore>,
+    served_per_peer: Arc<PeerCounts>,
+}
+
+impl Places {
+    fn new(limits: &kvxfer_tcp::Limits) -> Self {
+        Places {
+            handshakes: Arc::new(tokio::sync::Semaphore::new(limits.max_handshakes.max(1))),
+            handshakes_per_peer: Arc::new(PeerCounts::default()),
+            served: Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1))),
+            served_per_peer: Arc::new(PeerCounts::default()),
+        }
+    }
+
+    /// A place among the handshakes under way for a connection from `ip`, and what takes
+    /// its place among the connections served once its handshake verified (giving the
+    /// first back); or why it is refused now.
+    fn handshake(&self, ip: IpAddr, limits: &kvxfer_tcp::Limits) -> Result<Admit, Refusal> {
+        let permit = self.handshakes.clone().try_acquire_owned().map_err(|_| Refusal::TooManyHandshakes)?;
+        let slot = self
+            .handshakes_per_peer
+            .take(ip, limits.max_handshakes_per_peer)
+            .ok_or(Refusal::TooManyHandshakesFromPeer)?;
+        let (served, per_peer, max_per_peer) =
+            (self.served.clone(), self.served_per_peer.clone(), limits.max_connections_per_peer);
+        Ok(Box::new(move || {
+            drop((permit, slot));
+            let permit = served.try_acquire_owned().map_err(|_| Refusal::TooManyConnections)?;
+            let slot = per_peer.take(ip, max_per_peer).ok_or(Refusal::TooManyFromPeer)?;
+            Ok(Box::new((permit, slot)) as Box<dyn Send>)
+        }))
+    }
+}
+
+/// Accepts connections until the agent stops accepting. A connection holds a place among
+/// the handshakes under way until its handshake verified, and only then one among the
+/// connections served (`Places`): connections that never complete a handshake cannot
+/// take the places of authenticated ones.
 async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<Shared>) {
-    let open = Arc::new(tokio::sync::Semaphore::new(ctx.limits.max_connections.max(1)));
-    let per_peer = Arc::new(PeerCounts::default());
+    let places = Places::new(&ctx.limits);
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -716,37 +759,22 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<
             () = shared.stop_accepting.cancelled() => return,
         };
         match accepted {
-            Ok((stream, peer)) => match open.clone().try_acquire_owned() {
-                Ok(permit) => match per_peer.take(peer.ip(), ctx.limits.max_connections_per_peer) {
-                    Some(slot) => {
-                        let (ctx, stop) = (ctx.clone(), shared.stop.clone());
-                        let open = shared.connections_open.clone();
-                        open.fetch_add(1, Ordering::Relaxed);
-                        shared.connections.spawn(async move {
-                            tokio::select! {
-                                () = serve_connection(stream, ctx) => {}
-                                // Shutdown: the connection (and any read guard) is dropped.
-                                () = stop.cancelled() => {}
-                            }
-                            open.fetch_sub(1, Ordering::Relaxed);
-                            drop(slot);
-                            drop(permit);
-                        });
-                    }
-                    None => {
-                        shared.connections.spawn(kvxfer_tcp::refuse_connection(
-                            stream,
-                            ctx.clone(),
-                            Refusal::TooManyFromPeer,
-                        ));
-                    }
-                },
-                Err(_) => {
-                    shared.connections.spawn(kvxfer_tcp::refuse_connection(
-                        stream,
-                        ctx.clone(),
-                        Refusal::TooManyConnections,
-                    ));
+            Ok((stream, peer)) => match places.handshake(peer.ip(), &ctx.limits) {
+                Ok(admit) => {
+                    let (ctx, stop) = (ctx.clone(), shared.stop.clone());
+                    let open = shared.connections_open.clone();
+                    open.fetch_add(1, Ordering::Relaxed);
+                    shared.connections.spawn(async move {
+                        tokio::select! {
+                            () = serve_connection(stream, ctx, admit) => {}
+                            // Shutdown: the connection (and any read guard) is dropped.
+                            () = stop.cancelled() => {}
+                        }
+                        open.fetch_sub(1, Ordering::Relaxed);
+                    });
+                }
+                Err(why) => {
+                    shared.connections.spawn(kvxfer_tcp::refuse_connection(stream, ctx.clone(), why));
                 }
             },
             Err(e) => {

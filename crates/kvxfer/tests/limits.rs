@@ -40,7 +40,10 @@ fn connections_past_the_limit_are_refused_with_an_error_frame() {
             s
         })
         .collect();
+    // A connection takes its place once its handshake verified: the third is refused in
+    // place of its HelloAck.
     let mut third = TcpStream::connect(addr).expect("connect");
+    third.write_all(&hello(&layout)).expect("hello");
     assert_eq!(first_frame_type(&mut third), v1::FrameType::Error as u8);
     assert_eq!(prefill.stats().server.connections_refused, 1);
     drop(open);
@@ -326,19 +329,14 @@ fn connections_per_peer_address_are_capped() {
         })
         .collect();
     let mut third = TcpStream::connect(addr).expect("connect");
+    third.write_all(&hello(&layout)).expect("hello");
     assert_eq!(first_frame_type(&mut third), v1::FrameType::Error as u8);
     let s = prefill.stats().server;
     assert_eq!((s.peer_connections_refused, s.connections_refused), (1, 0));
     // Another loopback address is another peer.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
-    rt.block_on(async {
-        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-        socket.bind("127.0.0.2:0".parse().expect("addr")).expect("bind 127.0.0.2");
-        let mut other = socket.connect(addr).await.expect("connect").into_std().expect("std");
-        other.set_nonblocking(false).expect("blocking");
-        other.write_all(&hello(&layout)).expect("hello");
-        assert_eq!(first_frame_type(&mut other), v1::FrameType::HelloAck as u8);
-    });
+    let mut other = connect_from("127.0.0.2", addr);
+    other.write_all(&hello(&layout)).expect("hello");
+    assert_eq!(first_frame_type(&mut other), v1::FrameType::HelloAck as u8);
     drop(open);
     eventually("a slot frees up", || {
         let mut s = TcpStream::connect(addr).expect("connect");
@@ -407,4 +405,51 @@ fn a_trickling_sender_fails_the_read_at_the_overall_deadline() {
         "the read must fail at its deadline, not when the sender gives up: {err}"
     );
     server.join().expect("server");
+}
+
+/// A connection to `addr` from the loopback address `ip` (127.0.0.0/8 all routes locally).
+fn connect_from(ip: &str, addr: std::net::SocketAddr) -> TcpStream {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    let from: std::net::SocketAddr = format!("{ip}:0").parse().expect("address");
+    socket.bind(&from.into()).expect("bind");
+    socket.connect(&addr.into()).expect("connect");
+    socket.into()
+}
+
+/// Hostile-peer review: a connection took its place among `max_connections` when it was
+/// accepted, and one that sent nothing kept it for `io_timeout`: with the defaults four
+/// silent source addresses took every place (again after each timeout), locking every keyed
+/// decode agent out, and nothing was counted. Now a connection holds a place among the
+/// handshakes under way (capped per address, refusals counted in `preauth_refused`) until its
+/// handshake verified, and only then one among the connections served.
+#[test]
+fn silent_connections_do_not_take_the_places_of_authenticated_ones() {
+    let mut config = AgentConfig::new("prefill").io_timeout(Duration::from_secs(120));
+    config.limits.max_connections = 4;
+    config.limits.max_handshakes_per_peer = 2;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let addr = prefill.local_addr();
+    // As many silent connections as there are places, from two addresses.
+    let silent: Vec<TcpStream> = ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"]
+        .iter()
+        .map(|ip| connect_from(ip, addr))
+        .collect();
+    eventually("every silent connection is accepted", || prefill.stats().server.connections == 4);
+    // A third from one address is refused at once (it sent nothing), and counted.
+    let mut third = connect_from("127.0.0.3", addr);
+    assert_eq!(first_frame_type(&mut third), v1::FrameType::Error as u8);
+    let s = prefill.stats().server;
+    assert_eq!((s.preauth_refused, s.connections_refused, s.peer_connections_refused), (1, 0, 0), "{s:?}");
+    // A keyed decode agent from another address still pulls.
+    let decode = decode_with(AgentConfig::new("decode"), layout);
+    let h = prefill.lease(kvxfer::LeaseRequest::new("R", 0, 1, vec![1, 2])).expect("lease");
+    let report = decode
+        .submit(kvxfer::PrefillResult::new("R", 1, vec![h]).expect("result"), vec![vec![3, 4]])
+        .expect("submit")
+        .wait();
+    assert!(report.all_done(), "{report:?}");
+    assert!(verify(&decode, &[1, 2], &[3, 4]), "every byte pulled");
+    assert_eq!(wait_ends(&prefill, 1, Duration::from_secs(10))[0].kind, EndKind::Pulled);
+    drop(silent);
 }
