@@ -21,14 +21,14 @@ pub const MAX_PEER_CHARS: usize = 128;
 #[derive(Debug, Clone, Copy)]
 pub struct Peer<T>(pub T);
 
-/// An engine process's incarnation as every log line and output writes it: `0x` and 16
-/// lower-case hex digits (`0x00a2c4e6f8091b3d`).
+/// An engine process's incarnation as every log line, error and output writes it: 16
+/// lower-case hex digits (`00a2c4e6f8091b3d`), as etcd records hold it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Incarnation(pub u64);
 
 impl Display for Incarnation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#018x}", self.0)
+        write!(f, "{:016x}", self.0)
     }
 }
 
@@ -80,8 +80,8 @@ mod tests {
 
     #[test]
     fn incarnations_are_written_as_16_hex_digits() {
-        assert_eq!(Incarnation(0xa2).to_string(), "0x00000000000000a2");
-        assert_eq!(Incarnation(u64::MAX).to_string(), "0xffffffffffffffff");
+        assert_eq!(Incarnation(0xa2).to_string(), "00000000000000a2");
+        assert_eq!(Incarnation(u64::MAX).to_string(), "ffffffffffffffff");
     }
 
     #[test]

@@ -112,9 +112,10 @@ pub enum PullError {
     /// made the hand-off (it restarted: its leases are gone). Advice: retry from a fresh
     /// hand-off.
     #[error(
-        "stale hand-off: {peer} is engine {found_engine} incarnation {found_incarnation:#x}, but the \
+        "stale hand-off: {peer} is engine {found_engine} incarnation {}, but the \
          hand-off names engine {expected_engine} incarnation {} (the prefill worker restarted; its \
          leases are gone)",
+        crate::log::Incarnation(*found_incarnation),
         fmt_incarnation(*expected_incarnation)
     )]
     PeerRestarted {
@@ -275,7 +276,7 @@ fn fmt_incarnation(i: u64) -> String {
     if i == 0 {
         "not stated".to_owned()
     } else {
-        format!("{i:#x}")
+        crate::log::Incarnation(i).to_string()
     }
 }
 

@@ -27,6 +27,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+use kvxfer_core::log;
 use kvxfer_core::pull::PullError;
 use kvxfer_core::{EndKind, EngineInfo, LeaseTable};
 use kvxfer_tcp::ServerCounters;
@@ -366,15 +367,18 @@ impl DecodeCluster {
             Ok(()) => {}
             Err(ResolveError::StaleIncarnation { registered, .. }) => {
                 return Err(not_registered(format!(
-                    "incarnation {inc:#x} is not registered in etcd namespace {ns:?}: the rank at {} is \
-                     incarnation {registered:#x} now (the process restarted): its leases are gone",
-                    engine.addr()
+                    "incarnation {} is not registered in etcd namespace {ns:?}: the rank at {} is \
+                     incarnation {} now (the process restarted): its leases are gone",
+                    log::Incarnation(inc),
+                    engine.addr(),
+                    log::Incarnation(registered)
                 )));
             }
             Err(_) => {
                 return Err(not_registered(format!(
-                    "incarnation {inc:#x} left etcd namespace {ns:?} (deregistered, or its lease expired after a \
-                     crash, or replaced by a restart): its leases are gone"
+                    "incarnation {} left etcd namespace {ns:?} (deregistered, or its lease expired after a \
+                     crash, or replaced by a restart): its leases are gone",
+                    log::Incarnation(inc)
                 )));
             }
         }
@@ -453,7 +457,7 @@ async fn invalidate_on_events(
         let addr = old.record.addr.to_string();
         if inner.invalidate_peer(&addr) {
             counters.peers_invalidated.fetch_add(1, Ordering::Relaxed);
-            info!(engine = %old.key, %addr, incarnation = %format_args!("{:#x}", old.record.incarnation), "engine left or changed in etcd: pooled connections dropped");
+            info!(engine = %old.key, %addr, incarnation = %log::Incarnation(old.record.incarnation), "engine left or changed in etcd: pooled connections dropped");
         } else {
             debug!(engine = %old.key, %addr, "engine left or changed in etcd (no pooled connections)");
         }

@@ -178,7 +178,7 @@ mod discovery {
 
         let report = decode.submit(with_address, blocks(16, 2)).expect("submit").wait();
         let messages = assert_engine_gone(&report);
-        let incarnation = format!("{:#x}", prefill.incarnation());
+        let incarnation = format!("{:016x}", prefill.incarnation());
         assert!(messages[0].contains(&incarnation) && messages[0].contains("engine-b"), "{messages:?}");
         let report = decode.submit(engine_only, blocks(24, 2)).expect("submit").wait();
         assert_engine_gone(&report);

@@ -659,7 +659,7 @@ fn a_restart_with_the_same_engine_id_is_told_apart_by_its_incarnation() {
     let ChildOutcome::Failed { error: reason, .. } = &report.children[0].outcome else {
         panic!("{report:?}")
     };
-    for needle in ["stale hand-off", &format!("{old:#x}"), &format!("{new:#x}")] {
+    for needle in ["stale hand-off", &format!("{old:016x}"), &format!("{new:016x}")] {
         assert!(reason.to_string().contains(needle), "{reason:?} should name {needle}");
     }
     assert_eq!(second.stats().server.reads_refused, 0, "nothing was read from the new process");

@@ -38,6 +38,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use kvxfer::blocking::{DecodeAgent, PrefillAgent};
 use kvxfer::{AgentConfig, BlockLayout, ChildOutcome, KvMemory, TransportChoice};
+use kvxfer_core::log::Incarnation;
 use kvxfer_mem::pattern;
 use kvxfer_proto::Message;
 use serde_json::{json, Value};
@@ -171,7 +172,7 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
     let agent = PrefillAgent::start(config, listen, mem).map_err(|e| e.to_string())?;
     emit(json!({
         "event": "listening", "addr": agent.local_addr().to_string(),
-        "incarnation": format!("{:016x}", agent.incarnation()),
+        "incarnation": Incarnation(agent.incarnation()).to_string(),
         "engine_id": engine_id,
     }));
     #[cfg(feature = "cluster")]
@@ -382,8 +383,8 @@ fn directory_event(e: &kvxfer::cluster::DirectoryEvent) -> Value {
     };
     json!({
         "event": "directory", "kind": kind, "engine": entry.key.engine_id.as_str(), "rank": entry.key.rank,
-        "addr": entry.record.addr.to_string(), "incarnation": format!("{:016x}", entry.record.incarnation),
-        "old_incarnation": old.map(|o| format!("{:016x}", o.record.incarnation)),
+        "addr": entry.record.addr.to_string(), "incarnation": Incarnation(entry.record.incarnation).to_string(),
+        "old_incarnation": old.map(|o| Incarnation(o.record.incarnation).to_string()),
         "transports": entry.record.transports.iter().map(|t| t.as_str()).collect::<Vec<_>>(),
     })
 }

@@ -262,8 +262,10 @@ impl DecodeAgent {
             .map(|c| (c.engine().engine_id.as_str(), c.engine().addr(), c.engine().incarnation))
             .collect();
         if engines.len() > 1 {
-            let engines =
-                engines.iter().map(|(id, a, inc)| format!("{id}@{a} incarnation {inc:#x}")).collect();
+            let engines = engines
+                .iter()
+                .map(|(id, a, inc)| format!("{id}@{a} incarnation {}", log::Incarnation(*inc)))
+                .collect();
             return Err(SubmitError::MixedEngines { parent, engines }.into());
         }
         // Every group's blocks in one flat id space per side (the identity for one group).

@@ -281,7 +281,7 @@ impl Pull {
         if stale(&ack) {
             // Our connections may predate a restart of the worker at this address: start
             // over once with fresh ones before calling the hand-off stale.
-            debug!(peer = %peer.addr, had = %log::Peer(&ack.engine_id), had_incarnation = ack.incarnation, want = %want.engine_id, want_incarnation = want.incarnation, "engine changed; reconnecting");
+            debug!(peer = %peer.addr, had = %log::Peer(&ack.engine_id), had_incarnation = %log::Incarnation(ack.incarnation), want = %want.engine_id, want_incarnation = %log::Incarnation(want.incarnation), "engine changed; reconnecting");
             peer.reset();
             ack = hello().await?;
         }
