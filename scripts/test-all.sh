@@ -46,6 +46,8 @@ if grep -E '\b(WARN|ERROR)\b' "$mdbook_log"; then
 fi
 rm -f "$mdbook_log"
 python3 scripts/check-doc-links.py
+# The API docs too: every intra-doc link resolves (doctests run with the tests below).
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked -q
 
 echo "== tests (every crate, with the UCX data path)"
 cargo test --workspace --all-features --locked

@@ -1,17 +1,17 @@
 //! The Python binding of kvxfer: module `kvxfer._kvxfer`, wrapped by the pure-Python
 //! package in `python/kvxfer/` (type stubs, the vLLM connector, the benchmark).
 //!
-//! - [`memory`]: `Segment` and `Memory` — Python-owned buffers (numpy arrays, CPU torch
+//! - `memory`: `Segment` and `Memory` — Python-owned buffers (numpy arrays, CPU torch
 //!   tensors, duck-typed) registered as a block layout, kept alive while registered.
-//! - [`prefill`]: `PrefillAgent` — lease, arm (the two-phase lease), cancel, lease ends.
-//! - [`decode`]: `DecodeAgent` and `Pull` — non-blocking pulls of children given as
+//! - `prefill`: `PrefillAgent` — lease, arm (the two-phase lease), cancel, lease ends.
+//! - `decode`: `DecodeAgent` and `Pull` — non-blocking pulls of children given as
 //!   `kv_transfer_params` dicts, per-child reports, cancels, queued-lease heartbeats.
-//! - [`params`]: `Handoff` and the dict ↔ `KvTransferParams` conversion.
-//! - [`shape`]: `KvShape` — a rank's TP size and rank, heads and head dim, for pairing
+//! - `params`: `Handoff` and the dict ↔ `KvTransferParams` conversion.
+//! - `shape`: `KvShape` — a rank's TP size and rank, heads and head dim, for pairing
 //!   engines of different tensor-parallel or block sizes.
-//! - [`errors`]: the exception classes mirroring the Rust error enums.
+//! - `errors`: the exception classes mirroring the Rust error enums.
 //!
-//! Each agent runs kvxfer's async agent on a tokio runtime of its own ([`host`]); every call
+//! Each agent runs kvxfer's async agent on a tokio runtime of its own (`host`); every call
 //! that waits releases the GIL. Nothing here panics on Python input: every failure is a
 //! Python exception.
 

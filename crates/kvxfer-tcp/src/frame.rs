@@ -67,7 +67,7 @@ pub enum FrameError {
     /// No progress within the I/O timeout.
     #[error("timed out")]
     Timeout,
-    /// No frame started within the idle allowance ([`read_frame_timed`]); nothing was
+    /// No frame started within the idle allowance ([`FrameReader::read_frame_timed`]); nothing was
     /// consumed and the connection is still in step.
     #[error("idle")]
     Idle,
