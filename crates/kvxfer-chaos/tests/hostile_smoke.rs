@@ -30,6 +30,8 @@ fn the_hostile_load_generator_reports_pulls_that_went_through_under_attack() {
             assert!(stats["connects"].as_u64() > Some(0), "{name}: {stats}");
         }
     }
+    // A legitimate peer's new connections were tried during the attack.
+    assert!(attack["new_connections"]["count"].as_u64() > Some(0), "{attack}");
     // The prefill's counters and resources were read.
     assert!(attack["counters"]["server"]["connections"].as_u64() > Some(0), "{attack}");
     assert!(attack["prefill"]["rss_peak_mib"].as_f64() > Some(0.0), "{attack}");

@@ -253,6 +253,15 @@ impl AttackCtx {
         }
     }
 
+    /// The hello of the legitimate prober.
+    pub(crate) fn probe_hello(&self) -> v1::Hello {
+        v1::Hello {
+            engine_id: "legit-probe".into(),
+            agent_name: "kvxfer-hostile-probe".into(),
+            ..self.hello(0)
+        }
+    }
+
     /// Remembers a lease the legitimate agent pulled.
     pub(crate) fn pulled(&self, id: String, token: Vec<u8>) {
         let mut q = self.ended.lock().unwrap_or_else(|p| p.into_inner());

@@ -52,10 +52,17 @@ struct RunArgs {
     /// Seconds of the quiet baseline before it.
     #[arg(long, default_value_t = 20.0)]
     baseline_secs: f64,
-    /// Also run each selected attack alone for this many seconds after the combined phase
-    /// (0: not).
+    /// Also run each selected attack alone for this many seconds after the combined phase,
+    /// each against a fresh prefill process with a baseline of its own (0: not).
     #[arg(long, default_value_t = 0.0)]
     each_secs: f64,
+    /// Seconds of the quiet baseline before each attack alone (`--each-secs`; each runs
+    /// against a fresh prefill process).
+    #[arg(long, default_value_t = 5.0)]
+    each_baseline_secs: f64,
+    /// Milliseconds between two new connections of the legitimate prober.
+    #[arg(long, default_value_t = 250)]
+    probe_interval_ms: u64,
     /// Seconds after an attack phase before the prefill's RSS "after" is read.
     #[arg(long, default_value_t = 2.0)]
     settle_secs: f64,
@@ -112,7 +119,38 @@ struct Legit {
     agent: Arc<DecodeAgent>,
     phase: AtomicUsize,
     pulls: Mutex<Vec<Pull>>,
+    /// New connections of a legitimate peer (handshake only), one after the other.
+    probes: Mutex<Vec<Pull>>,
     stop: AtomicBool,
+}
+
+/// A legitimate peer's new connection, every `every`: connect and handshake (with the
+/// cluster key when there is one), then close. Shows whether hostile connections hold the
+/// permits a new legitimate peer needs.
+fn probe_loop(
+    legit: &Legit,
+    addr: &str,
+    hello: &kvxfer_proto::v1::Hello,
+    key: Option<&ClusterKey>,
+    every: Duration,
+) {
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+    while !legit.stop.load(Ordering::Relaxed) {
+        let phase = legit.phase.load(Ordering::Relaxed);
+        let started = Instant::now();
+        let connect = kvxfer_tcp::Connection::connect_with_key(addr, hello, key, kvxfer::Limits::default());
+        let error = match rt.block_on(async { tokio::time::timeout(Duration::from_secs(30), connect).await })
+        {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(short(&e.to_string())),
+            Err(_) => Some("no handshake within 30 s".to_owned()),
+        };
+        let took = started.elapsed();
+        if phase != NO_PHASE {
+            legit.probes.lock().unwrap_or_else(|p| p.into_inner()).push(Pull { phase, took, error });
+        }
+        std::thread::sleep(every.saturating_sub(took));
+    }
 }
 
 fn legit_loop(legit: &Legit, target: &Target, ctx: &AttackCtx, pull_blocks: u32) {
@@ -366,13 +404,14 @@ fn counter_delta(before: &Value, end: &Value) -> Value {
     Value::Object(out)
 }
 
-fn phase_json(p: &PhaseReport, pulls: &[&Pull]) -> Value {
+fn phase_json(p: &PhaseReport, pulls: &[&Pull], probes: &[&Pull]) -> Value {
     let mib = |k: u64| round3(k as f64 / 1024.0);
     let attack_stats: Map<String, Value> =
         p.attack_stats.iter().map(|(a, s)| (a.name().to_owned(), s.to_json(*a))).collect();
     json!({
         "name": p.name, "attacks": attacks::names(&p.attacks), "secs": round3(p.secs),
         "pulls": pull_figures(pulls, p.secs),
+        "new_connections": pull_figures(probes, p.secs),
         "prefill": {
             "rss_before_mib": mib(p.rss_before_kib), "rss_peak_mib": mib(p.rss_peak_kib),
             "rss_after_mib": mib(p.rss_after_kib),
@@ -403,7 +442,7 @@ fn table(report: &Value) -> String {
         c["conns"], c["addrs"], c["attacks"], c["keyed"], c["insider"]
     );
     s += &format!(
-        "{:<22} {:>6} {:>7} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>6} {:>7} {:>7} {:>10}\n",
+        "{:<32} {:>6} {:>7} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>6} {:>7} {:>7} {:>10} {:>15} {:>9}\n",
         "phase",
         "pulls",
         "pulls/s",
@@ -417,14 +456,16 @@ fn table(report: &Value) -> String {
         "fdspk",
         "CPU s",
         "gen CPU",
-        "log bytes"
+        "log bytes",
+        "new conn ok/all",
+        "p99 ms"
     );
     let f = |v: &Value| v.as_f64().map_or("-".to_owned(), |x| format!("{x:.3}"));
     let empty = Vec::new();
     for p in report["phases"].as_array().unwrap_or(&empty) {
         let (q, r) = (&p["pulls"], &p["prefill"]);
         s += &format!(
-            "{:<22} {:>6} {:>7.1} {:>6} {:>9} {:>9} {:>9} {:>8.1} {:>8.1} {:>8.1} {:>6} {:>7.2} {:>7.2} {:>10}\n",
+            "{:<32} {:>6} {:>7.1} {:>6} {:>9} {:>9} {:>9} {:>8.1} {:>8.1} {:>8.1} {:>6} {:>7.2} {:>7.2} {:>10} {:>15} {:>9}\n",
             p["name"].as_str().unwrap_or(""),
             q["count"].to_string(),
             q["per_sec"].as_f64().unwrap_or(0.0),
@@ -439,6 +480,8 @@ fn table(report: &Value) -> String {
             r["cpu_secs"].as_f64().unwrap_or(0.0),
             p["generator_cpu_secs"].as_f64().unwrap_or(0.0),
             r["log_bytes"].to_string(),
+            format!("{}/{}", p["new_connections"]["ok"], p["new_connections"]["count"]),
+            f(&p["new_connections"]["p99_ms"]),
         );
     }
     for p in report["phases"].as_array().unwrap_or(&empty) {
@@ -453,9 +496,11 @@ fn table(report: &Value) -> String {
                 s += &format!("\n  {a}: {v}");
             }
         }
-        if let Some(e) = p["pulls"]["errors"].as_object() {
-            for (k, v) in e {
-                s += &format!("\n  pull error x{v}: {k}");
+        for (what, key) in [("pull", "pulls"), ("new connection", "new_connections")] {
+            if let Some(e) = p[key]["errors"].as_object() {
+                for (k, v) in e {
+                    s += &format!("\n  {what} error x{v}: {k}");
+                }
             }
         }
         s += "\n";
@@ -464,28 +509,39 @@ fn table(report: &Value) -> String {
         s += "\nagainst the baseline:\n";
         for x in sm {
             s += &format!(
-                "  {:<22} p50 x{}  p99 x{}  pulls/s x{}  RSS +{} MiB  failed {}\n",
+                "  {:<32} p50 x{}  p99 x{}  pulls/s x{}  RSS +{} MiB  failed {}  new connections failed {}\n",
                 x["phase"].as_str().unwrap_or(""),
                 f(&x["p50_ratio"]),
                 f(&x["p99_ratio"]),
                 f(&x["pulls_per_sec_ratio"]),
                 f(&x["rss_growth_mib"]),
-                x["pulls_failed"]
+                x["pulls_failed"],
+                x["new_connections_failed"]
             );
         }
     }
     s
 }
 
-fn run(args: &RunArgs) -> Result<(), String> {
-    let attack_list = Attack::parse_list(&args.attacks)?;
+/// One prefill child, one legitimate decode agent and prober, and their phases: a quiet
+/// baseline, then `attacks` at once. Returns the phases' JSON and their summary against the
+/// baseline.
+fn session(
+    args: &RunArgs,
+    label: &str,
+    attack_list: &[Attack],
+    baseline: f64,
+    duration: f64,
+) -> Result<(Vec<Value>, Vec<Value>, bool), String> {
     let layout = args.target.layout()?;
     let key_hex = args.key.as_deref().map(str::trim);
     let key = |k: &str| ClusterKey::from_hex(k).map_err(|e| format!("--key: {e}"));
     let legit_key = key_hex.map(key).transpose()?;
+    let probe_key = key_hex.map(key).transpose()?;
     let hostile_key = if args.insider { key_hex.map(key).transpose()? } else { None };
     let (log_path, remove_log) = match &args.log_file {
-        Some(p) => (p.clone(), false),
+        Some(p) if label.is_empty() => (p.clone(), false),
+        Some(p) => (PathBuf::from(format!("{}.{}", p.display(), label.replace(':', "-"))), false),
         None => (std::env::temp_dir().join(format!("kvxfer-hostile-{}.log", std::process::id())), true),
     };
     let target = Target::start(&args.target, key_hex, &args.log_filter, &log_path)?;
@@ -501,9 +557,16 @@ fn run(args: &RunArgs) -> Result<(), String> {
         agent,
         phase: AtomicUsize::new(NO_PHASE),
         pulls: Mutex::new(Vec::new()),
+        probes: Mutex::new(Vec::new()),
         stop: AtomicBool::new(false),
     });
-    let ctx = Arc::new(AttackCtx::new(target.addr, args.addrs, layout, hostile_key, secs(args.trickle_secs)));
+    let ctx = Arc::new(AttackCtx::new(
+        target.addr,
+        args.addrs,
+        layout.clone(),
+        hostile_key,
+        secs(args.trickle_secs),
+    ));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -513,14 +576,16 @@ fn run(args: &RunArgs) -> Result<(), String> {
     let phases_run = std::thread::scope(|scope| -> Result<Vec<PhaseReport>, String> {
         let (l, t, c) = (&*legit, &target, &*ctx);
         let puller = scope.spawn(move || legit_loop(l, t, c, args.pull_blocks.max(1)));
+        let probe_every = Duration::from_millis(args.probe_interval_ms);
+        let (addr, hello) = (target.addr.to_string(), ctx.probe_hello());
+        let prober = scope.spawn(move || probe_loop(l, &addr, &hello, probe_key.as_ref(), probe_every));
         let runner =
             Runner { args, target: &target, sampler: &sampler, legit: &legit, ctx: ctx.clone(), rt: &rt };
-        let mut plan: Vec<(String, Vec<Attack>, f64)> = vec![("baseline".into(), vec![], args.baseline_secs)];
+        let name = |n: &str| if label.is_empty() { n.to_owned() } else { format!("{label} {n}") };
+        let mut plan: Vec<(String, Vec<Attack>, f64)> = vec![(name("baseline"), vec![], baseline)];
         if !attack_list.is_empty() {
-            plan.push(("attack".into(), attack_list.clone(), args.duration));
-        }
-        if args.each_secs > 0.0 && attack_list.len() > 1 {
-            plan.extend(attack_list.iter().map(|a| (format!("only:{}", a.name()), vec![*a], args.each_secs)));
+            let attack_name = if label.is_empty() { "attack".to_owned() } else { label.to_owned() };
+            plan.push((attack_name, attack_list.to_vec(), duration));
         }
         let mut out = Vec::new();
         let mut failure = None;
@@ -535,6 +600,7 @@ fn run(args: &RunArgs) -> Result<(), String> {
         }
         legit.stop.store(true, Ordering::Relaxed);
         let _ = puller.join();
+        let _ = prober.join();
         match failure {
             Some(e) => Err(e),
             None => Ok(out),
@@ -543,7 +609,7 @@ fn run(args: &RunArgs) -> Result<(), String> {
     sampler.stop();
     rt.shutdown_timeout(Duration::from_secs(2));
     let offers_ucx = target.offers_ucx;
-    let total_log = target.log_bytes();
+    legit.agent.shutdown();
     target.stop();
     if remove_log {
         let _ = std::fs::remove_file(&log_path);
@@ -551,37 +617,56 @@ fn run(args: &RunArgs) -> Result<(), String> {
     let phases = phases_run?;
 
     let pulls = legit.pulls.lock().unwrap_or_else(|p| p.into_inner());
-    let phase_values: Vec<Value> = phases
-        .iter()
-        .enumerate()
-        .map(|(i, p)| phase_json(p, &pulls.iter().filter(|x| x.phase == i).collect::<Vec<_>>()))
-        .collect();
-    let base = &phase_values[0]["pulls"];
+    let probes = legit.probes.lock().unwrap_or_else(|p| p.into_inner());
+    fn of(v: &[Pull], i: usize) -> Vec<&Pull> {
+        v.iter().filter(|x| x.phase == i).collect()
+    }
+    let phase_values: Vec<Value> =
+        phases.iter().enumerate().map(|(i, p)| phase_json(p, &of(&pulls, i), &of(&probes, i))).collect();
+    let base = &phase_values[0];
     let summary: Vec<Value> = phase_values
         .iter()
         .skip(1)
         .map(|p| {
+            let (q, b) = (&p["pulls"], &base["pulls"]);
             json!({
                 "phase": p["name"],
-                "p50_ratio": ratio(&p["pulls"]["p50_ms"], &base["p50_ms"]),
-                "p99_ratio": ratio(&p["pulls"]["p99_ms"], &base["p99_ms"]),
-                "pulls_per_sec_ratio": ratio(&p["pulls"]["per_sec"], &base["per_sec"]),
+                "p50_ratio": ratio(&q["p50_ms"], &b["p50_ms"]),
+                "p99_ratio": ratio(&q["p99_ms"], &b["p99_ms"]),
+                "pulls_per_sec_ratio": ratio(&q["per_sec"], &b["per_sec"]),
                 "rss_growth_mib": p["prefill"]["rss_growth_mib"],
-                "pulls_failed": p["pulls"]["failed"],
+                "pulls_failed": q["failed"],
+                "new_connections_failed": p["new_connections"]["failed"],
+                "new_connection_p99_ratio": ratio(&p["new_connections"]["p99_ms"], &base["new_connections"]["p99_ms"]),
             })
         })
         .collect();
+    Ok((phase_values, summary, offers_ucx))
+}
+
+fn run(args: &RunArgs) -> Result<(), String> {
+    let attack_list = Attack::parse_list(&args.attacks)?;
+    let (mut phases, mut summary, offers_ucx) =
+        session(args, "", &attack_list, args.baseline_secs, args.duration)?;
+    if args.each_secs > 0.0 && attack_list.len() > 1 {
+        for a in &attack_list {
+            let label = format!("only:{}", a.name());
+            let (p, s, _) = session(args, &label, &[*a], args.each_baseline_secs, args.each_secs)?;
+            phases.extend(p);
+            summary.extend(s);
+        }
+    }
     let report = json!({
         "config": {
             "conns": args.conns, "addrs": args.addrs, "attacks": attacks::names(&attack_list),
-            "duration_secs": args.duration, "baseline_secs": args.baseline_secs, "each_secs": args.each_secs,
+            "duration_secs": args.duration, "baseline_secs": args.baseline_secs,
+            "each_secs": args.each_secs, "each_baseline_secs": args.each_baseline_secs,
             "keyed": args.key.is_some(), "insider": args.insider && args.key.is_some(),
             "pull_blocks": args.pull_blocks, "blocks": args.target.blocks, "block_bytes": args.target.block_bytes,
             "transport": args.target.transport.to_string(), "prefill_offers_ucx": offers_ucx,
-            "log_filter": args.log_filter,
+            "log_filter": args.log_filter, "probe_interval_ms": args.probe_interval_ms,
         },
-        "prefill_log_bytes_total": total_log,
-        "phases": phase_values,
+        "phases": phases,
         "summary": summary,
     });
     if args.json {
