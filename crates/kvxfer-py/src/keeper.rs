@@ -8,7 +8,9 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvxfer_core::{log, ChildHandoff};
+use std::time::Instant;
+
+use kvxfer_core::{log, ChildHandoff, EngineInfo};
 use kvxfer_proto::v1::{self, LeaseOutcome};
 use kvxfer_tcp::{ClusterKey, Connection, Limits};
 use tracing::{debug, warn};
@@ -21,7 +23,7 @@ pub(crate) struct Keeper {
     hello: v1::Hello,
     key: Option<ClusterKey>,
     limits: Limits,
-    conns: tokio::sync::Mutex<HashMap<String, Connection>>,
+    conns: tokio::sync::Mutex<HashMap<String, (Connection, Instant)>>,
     sent: AtomicU64,
     extended: AtomicU64,
     unrecognized: AtomicU64,
@@ -55,40 +57,59 @@ impl Keeper {
         }
     }
 
-    /// One heartbeat exchange with the prefill agent at `addr`: a pooled connection, or a
-    /// new one; a connection whose exchange failed is dropped. Each lease comes with the
-    /// incarnation its hand-off names (0: not stated): a lease of another incarnation than
-    /// the process answering went with the process that made it and is answered unrecognized
-    /// here, not sent (the prefill side would hold the frame for its arm wait).
-    async fn exchange(&self, addr: &str, leases: Vec<(v1::LeaseRef, u64)>) -> Option<Vec<LeaseOutcome>> {
-        let pooled = self.conns.lock().await.remove(addr).filter(|c| !c.closed_by_peer());
-        let mut conn = match pooled {
-            Some(c) => c,
-            None => {
-                match Connection::connect_with_key(addr, &self.hello, self.key.as_ref(), self.limits).await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        warn!(peer = %addr, error = %e, "queued-lease heartbeat: cannot reach the prefill agent");
-                        return None;
-                    }
-                }
+    /// A connection to the prefill agent at `addr`: a pooled one the peer has not closed and
+    /// that has been idle for less than half the idle timeout, or (`fresh`, or none pooled) a
+    /// new one.
+    async fn connection(&self, addr: &str, fresh: bool) -> Option<Connection> {
+        let max_idle = self.limits.idle_timeout / 2;
+        let pooled = self.conns.lock().await.remove(addr);
+        if let Some((c, _)) =
+            pooled.filter(|(c, since)| !fresh && !c.closed_by_peer() && since.elapsed() < max_idle)
+        {
+            return Some(c);
+        }
+        match Connection::connect_with_key(addr, &self.hello, self.key.as_ref(), self.limits).await {
+            Ok(c) => Some(c),
+            Err(e) => {
+                warn!(peer = %addr, error = %e, "queued-lease heartbeat: cannot reach the prefill agent");
+                None
             }
+        }
+    }
+
+    /// One heartbeat exchange with the prefill agent at `addr`; a connection whose exchange
+    /// failed is dropped. Each lease comes with the engine id and incarnation its hand-off
+    /// names (incarnation 0: not stated): a lease of another process than the one answering
+    /// (asked again on a new connection before it counts — a pooled connection may predate a
+    /// crash) went with the process that made it and is answered unrecognized here, not sent
+    /// (the prefill side would hold the frame for its arm wait).
+    async fn exchange(
+        &self,
+        addr: &str,
+        leases: Vec<(v1::LeaseRef, &EngineInfo)>,
+    ) -> Option<Vec<LeaseOutcome>> {
+        let made_by = |ack: &v1::HelloAck, e: &EngineInfo| {
+            (e.engine_id.is_empty() || e.engine_id == ack.engine_id)
+                && (e.incarnation == 0 || e.incarnation == ack.incarnation)
         };
-        let running = conn.peer_hello().incarnation;
+        let mut conn = self.connection(addr, false).await?;
+        if leases.iter().any(|(_, e)| !made_by(conn.peer_hello(), e)) {
+            conn = self.connection(addr, true).await?;
+        }
+        let ack = conn.peer_hello().clone();
         let (live, gone): (Vec<_>, Vec<_>) =
-            leases.into_iter().enumerate().partition(|(_, (_, inc))| *inc == 0 || *inc == running);
+            leases.into_iter().enumerate().partition(|(_, (_, e))| made_by(&ack, e));
         let mut out = vec![LeaseOutcome::Unrecognized; live.len() + gone.len()];
         if !gone.is_empty() {
-            debug!(peer = %addr, leases = gone.len(), incarnation = %log::Incarnation(running), "queued-lease heartbeat: leases of an earlier incarnation not sent");
+            debug!(peer = %addr, leases = gone.len(), engine = %log::Peer(&ack.engine_id), incarnation = %log::Incarnation(ack.incarnation), "queued-lease heartbeat: leases of another process not sent");
         }
         if live.is_empty() {
-            self.conns.lock().await.insert(addr.to_owned(), conn);
             return Some(out);
         }
         let (at, refs): (Vec<usize>, Vec<v1::LeaseRef>) = live.into_iter().map(|(i, (r, _))| (i, r)).unzip();
         match conn.heartbeat(refs).await {
             Ok(outcomes) => {
-                self.conns.lock().await.insert(addr.to_owned(), conn);
+                self.conns.lock().await.insert(addr.to_owned(), (conn, Instant::now()));
                 for (i, o) in at.into_iter().zip(outcomes) {
                     out[i] = o;
                 }
@@ -117,7 +138,7 @@ impl Keeper {
                         remote_request_id: handoffs[i].remote_request_id().to_owned(),
                         lease_token: handoffs[i].token().as_bytes().to_vec(),
                     };
-                    (r, handoffs[i].engine().incarnation)
+                    (r, handoffs[i].engine())
                 })
                 .collect();
             self.sent.fetch_add(1, Ordering::Relaxed);

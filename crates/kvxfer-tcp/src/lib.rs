@@ -116,14 +116,18 @@ pub struct Limits {
     /// shape: a few bytes per segment and group).
     pub max_hello_len: u32,
     /// Connections a prefill agent holds before their handshake verified (the hello not yet
-    /// read, or the proof awaited), each for `io_timeout` at most; more are refused at once
-    /// with an error frame (counted in `preauth_refused`). Separate from `max_connections`:
+    /// read, or the proof awaited: each read, and each write, within `io_timeout`); more are
+    /// refused at once with an error frame (counted in `preauth_refused`). Separate from `max_connections`:
     /// connections that never say anything cannot take the places of authenticated ones.
     /// Each holds a read window and a hello (`max_hello_len`) at most. Default 1024.
     pub max_handshakes: usize,
     /// Of `max_handshakes`, those one peer (an IPv4 address or an IPv6 /64, as for
     /// `max_connections_per_peer`) may hold at once. Default 32: 16 silent addresses hold
-    /// 512 at most, half the default budget; decode ranks behind one NAT share it.
+    /// 512 at most, half the default budget, and 32 addresses fill it; a decode agent opens
+    /// at most 8 control and `AgentConfig::connections_per_peer` data connections to one
+    /// prefill agent at once; decode agents behind one NAT share the cap (raise it there).
+    /// Without a cluster key anyone completes a handshake: these places protect only
+    /// `max_connections` of keyed agents.
     pub max_handshakes_per_peer: usize,
 }
 

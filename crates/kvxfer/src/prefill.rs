@@ -30,7 +30,8 @@ pub struct PrefillStats {
     pub leases: LeaseStats,
     /// Connections: bytes and reads served, refusals, protocol errors.
     pub server: ServerStats,
-    /// Connections open now (served; refused ones are not counted).
+    /// Connections open now whose handshake verified (served; refused ones and those still
+    /// in their handshake are not counted).
     pub connections_open: u64,
 }
 
@@ -729,7 +730,12 @@ impl Places {
     /// A place among the handshakes under way for a connection from `ip`, and what takes
     /// its place among the connections served once its handshake verified (giving the
     /// first back); or why it is refused now.
-    fn handshake(&self, ip: IpAddr, limits: &kvxfer_tcp::Limits) -> Result<Admit, Refusal> {
+    fn handshake(
+        &self,
+        ip: IpAddr,
+        limits: &kvxfer_tcp::Limits,
+        open: &Arc<AtomicU64>,
+    ) -> Result<Admit, Refusal> {
         let permit = self.handshakes.clone().try_acquire_owned().map_err(|_| Refusal::TooManyHandshakes)?;
         let slot = self
             .handshakes_per_peer
@@ -737,12 +743,29 @@ impl Places {
             .ok_or(Refusal::TooManyHandshakesFromPeer)?;
         let (served, per_peer, max_per_peer) =
             (self.served.clone(), self.served_per_peer.clone(), limits.max_connections_per_peer);
+        let open = open.clone();
         Ok(Box::new(move || {
             drop((permit, slot));
             let permit = served.try_acquire_owned().map_err(|_| Refusal::TooManyConnections)?;
             let slot = per_peer.take(ip, max_per_peer).ok_or(Refusal::TooManyFromPeer)?;
-            Ok(Box::new((permit, slot)) as Box<dyn Send>)
+            Ok(Box::new((permit, slot, OpenConnection::new(open))) as Box<dyn Send>)
         }))
+    }
+}
+
+/// One served connection in `PrefillStats::connections_open`, until dropped.
+struct OpenConnection(Arc<AtomicU64>);
+
+impl OpenConnection {
+    fn new(open: Arc<AtomicU64>) -> Self {
+        open.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(open)
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -759,18 +782,15 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<
             () = shared.stop_accepting.cancelled() => return,
         };
         match accepted {
-            Ok((stream, peer)) => match places.handshake(peer.ip(), &ctx.limits) {
+            Ok((stream, peer)) => match places.handshake(peer.ip(), &ctx.limits, &shared.connections_open) {
                 Ok(admit) => {
                     let (ctx, stop) = (ctx.clone(), shared.stop.clone());
-                    let open = shared.connections_open.clone();
-                    open.fetch_add(1, Ordering::Relaxed);
                     shared.connections.spawn(async move {
                         tokio::select! {
                             () = serve_connection(stream, ctx, admit) => {}
                             // Shutdown: the connection (and any read guard) is dropped.
                             () = stop.cancelled() => {}
                         }
-                        open.fetch_sub(1, Ordering::Relaxed);
                     });
                 }
                 Err(why) => {

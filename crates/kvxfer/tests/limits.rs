@@ -453,3 +453,60 @@ fn silent_connections_do_not_take_the_places_of_authenticated_ones() {
     assert_eq!(wait_ends(&prefill, 1, Duration::from_secs(10))[0].kind, EndKind::Pulled);
     drop(silent);
 }
+
+/// Review of the pooled control connections: a burst of pulls starting at once against an
+/// empty pool opened one control connection per pull (each took the places of a handshake
+/// and a connection at the prefill agent). The pulls share what the first ones opened: at
+/// most 8 control connections and `connections_per_peer` data connections.
+#[test]
+fn a_burst_of_pulls_shares_a_bounded_set_of_connections() {
+    let prefill = prefill(64, Duration::from_secs(30));
+    let decode = decode(64);
+    let pulls: Vec<_> = (0..32u32)
+        .map(|i| {
+            let h = prefill.lease(kvxfer::LeaseRequest::new(format!("R{i}"), 0, 1, vec![i])).expect("lease");
+            let result = kvxfer::PrefillResult::new(format!("R{i}"), 1, vec![h]).expect("result");
+            decode.submit(result, vec![vec![32 + i]]).expect("submit")
+        })
+        .collect();
+    for pull in pulls {
+        let report = pull.wait();
+        assert!(report.all_done(), "{report:?}");
+    }
+    let remote: Vec<BlockId> = (0..32).collect();
+    let local: Vec<BlockId> = (32..64).collect();
+    assert!(verify(&decode, &remote, &local), "every byte pulled");
+    let opened = decode.stats().connections_opened;
+    // Two data connections (the default `connections_per_peer`) and eight control ones.
+    assert!(opened <= 10, "{opened} connections opened for 32 pulls");
+    assert_eq!(prefill.stats().server.connections, opened);
+}
+
+/// With a cluster key, a connection past `max_connections` is refused after its proof
+/// verified, in place of the HelloAck, and the connecting side reads it as a refused
+/// handshake naming the limit.
+#[test]
+fn a_keyed_connection_past_the_limit_is_refused_after_its_proof() {
+    let mut config = AgentConfig::new("prefill");
+    config.limits.max_connections = 1;
+    let layout = BlockLayout::single(16, BLOCK).expect("layout");
+    let prefill = prefill_with(config, layout.clone());
+    let addr = prefill.local_addr().to_string();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let key = test_key();
+        let hello = raw_hello(&layout, "raw");
+        let limits = kvxfer::Limits::default();
+        let first =
+            kvxfer_tcp::Connection::connect_with_key(&addr, &hello, Some(&key), limits).await.expect("first");
+        assert!(first.peer_hello().authenticated);
+        match kvxfer_tcp::Connection::connect_with_key(&addr, &hello, Some(&key), limits).await {
+            Err(kvxfer_tcp::ClientError::Handshake { message, .. }) => {
+                assert!(message.contains("at most 1 connections"), "{message}")
+            }
+            other => panic!("the second connection must be refused: {:?}", other.map(|_| ())),
+        }
+        let s = prefill.stats().server;
+        assert_eq!((s.connections_refused, s.auth_failed, s.handshakes_refused), (1, 0, 0), "{s:?}");
+    });
+}

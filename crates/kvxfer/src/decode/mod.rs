@@ -361,9 +361,11 @@ impl DecodeAgent {
 
     /// Releases the lease of a child this agent will not pull — a request aborted while it
     /// still waited in the decode queue (vLLM aborts those), or a child of a result this
-    /// worker takes only part of — without reading anything: a cancel goes over the peer's
-    /// control connection (retried on a fresh connection like a pull's, bounded by the io
+    /// worker takes only part of — without reading anything: a cancel goes over a control
+    /// connection to the peer (retried on a fresh connection like a pull's, bounded by the io
     /// timeout), so the prefill side frees the blocks now rather than at the lease's expiry.
+    /// A hand-off naming another incarnation than the one answering at its address (asked
+    /// on a new connection before it counts) is not sent: its lease went with its process.
     ///
     /// Returns whether the prefill side released the lease (also when an earlier release had,
     /// and its answer was lost); false when the lease had been pulled or had expired, was
@@ -391,8 +393,16 @@ impl DecodeAgent {
         // it does not know for its arm wait).
         let want = child.engine();
         if want.incarnation != 0 {
-            let refused = match peer.hello(&self.inner).await {
-                Ok(ack) if ack.engine_id == want.engine_id && ack.incarnation == want.incarnation => None,
+            let same =
+                |ack: &v1::HelloAck| ack.engine_id == want.engine_id && ack.incarnation == want.incarnation;
+            // A pooled connection may predate a restart (a crash sends no FIN): another
+            // process answering is asked again on a new connection before it counts.
+            let ack = match peer.hello(&self.inner).await {
+                Ok(ack) if !same(&ack) => peer.fresh_hello(&self.inner).await,
+                other => other,
+            };
+            let refused = match ack {
+                Ok(ack) if same(&ack) => None,
                 Ok(ack) => Some(format!(
                     "{} is {} incarnation {} now, not {} incarnation {}: the lease ended with the process that made it",
                     addr,

@@ -1,12 +1,13 @@
-//! The prefill agents a decode agent talks to: pooled data connections, one control
-//! connection per peer (notify / heartbeat / cancel never wait behind a large read), and the
+//! The prefill agents a decode agent talks to: pooled data connections, pooled control
+//! connections of their own (notify / heartbeat / cancel never wait behind a large read, nor
+//! behind each other), and the
 //! mapping of connection errors to typed [`PullError`]s. A peer's pool itself ([`Peer`]) is
 //! the agent's shared state ([`super::shared`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::report::add;
-use super::shared::{Inner, Peer};
+use super::shared::{Inner, Peer, Pooled};
 use kvxfer_core::log;
 use kvxfer_core::pull::{MismatchField, PullError};
 use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
@@ -46,19 +47,38 @@ impl Peer {
 
     /// The peer's handshake answer: an idle control connection's, or a new connection's
     /// (then pooled). It waits behind no exchange under way, only for a control permit when
-    /// it has to connect while [`super::shared::CONTROL_CONNECTIONS_PER_PEER`] exchanges run.
+    /// no connection is idle and [`super::shared::CONTROL_CONNECTIONS_PER_PEER`] are in use;
+    /// a burst of pulls shares the connections the first ones opened.
     pub(crate) async fn hello(&self, inner: &Inner) -> Result<v1::HelloAck, ClientError> {
-        let (pooled, generation) = self.checkout_control();
-        if let Some(conn) = pooled {
-            let ack = conn.peer_hello().clone();
-            self.checkin_control(conn, generation);
+        let idle_ack = || {
+            let (pooled, generation) = self.checkout_control();
+            pooled.map(|p| {
+                let ack = p.conn.peer_hello().clone();
+                // Nothing was sent: it keeps its idle time.
+                self.checkin_control(p, generation);
+                ack
+            })
+        };
+        if let Some(ack) = idle_ack() {
             return Ok(ack);
         }
         // The semaphore is never closed.
         let _permit = self.control_permits.acquire().await.ok();
+        // Another hello may have pooled a connection while this one waited.
+        if let Some(ack) = idle_ack() {
+            return Ok(ack);
+        }
+        self.fresh_hello(inner).await
+    }
+
+    /// The handshake answer of a new control connection (then pooled): what answers at the
+    /// address now, whatever the pooled connections say. The caller holds a control permit,
+    /// or accepts one connection more.
+    pub(crate) async fn fresh_hello(&self, inner: &Inner) -> Result<v1::HelloAck, ClientError> {
+        let generation = self.lock_control().generation;
         let conn = inner.connect(&self.addr).await?;
         let ack = conn.peer_hello().clone();
-        self.checkin_control(conn, generation);
+        self.checkin_control(Pooled::new(conn), generation);
         Ok(ack)
     }
 
@@ -86,18 +106,25 @@ impl Peer {
         op: &ControlOp,
         reachable: &AtomicBool,
     ) -> Option<(Result<ControlReply, ClientError>, u32)> {
-        // The semaphore is never closed.
-        let _permit = self.control_permits.acquire().await.ok();
-        if !reachable.load(Ordering::Relaxed) {
-            return None;
-        }
         let io = inner.config.limits.io_timeout;
         let started = std::time::Instant::now();
         let budget =
             tokio::time::Instant::from_std(crate::runtime::instant_after(started, io.saturating_mul(2)));
+        // The wait for a control permit counts against the budget: every one held past it
+        // by exchanges the peer does not answer means the peer cannot answer this one either.
+        // (The semaphore is never closed.)
+        let Ok(_permit) = tokio::time::timeout_at(budget, self.control_permits.acquire()).await else {
+            debug!(peer = %self.addr, "every control connection stayed busy for the exchange's whole time; the peer counts as unreachable");
+            reachable.store(false, Ordering::Relaxed);
+            return None;
+        };
+        if !reachable.load(Ordering::Relaxed) {
+            return None;
+        }
         let mut attempt = 1;
         loop {
             let (pooled, generation) = self.checkout_control();
+            let pooled = pooled.map(|p| p.conn);
             let reused = pooled.is_some();
             let deadline =
                 tokio::time::Instant::from_std(crate::runtime::instant_after(std::time::Instant::now(), io))
@@ -109,7 +136,7 @@ impl Peer {
                 };
                 let r = op.run(&mut conn).await;
                 if r.as_ref().err().is_none_or(ClientError::connection_usable) {
-                    self.checkin_control(conn, generation);
+                    self.checkin_control(Pooled::new(conn), generation);
                 }
                 r
             };

@@ -166,13 +166,8 @@ impl Pull {
                     }
                     Action::Copy { copies, .. } => this.copy(&copies),
                     Action::Notify(i) | Action::CancelLease(i) => {
-                        // A heartbeat still waiting for its answer holds the control
-                        // connection: it is cut short (its connection dropped, so its late
-                        // reply is never read as this exchange's answer) rather than make the
-                        // notify or cancel wait for it.
-                        if heartbeat.take().is_some() {
-                            machine.heartbeat_answered(Instant::now(), true);
-                        }
+                        // On a control connection of its own: a heartbeat still waiting for
+                        // its answer delays it no more than a large read does.
                         let f: IoFuture<'_> = match action {
                             Action::Notify(_) => Box::pin(this.notify(&peer, i)),
                             _ => Box::pin(this.cancel_lease(&peer, i)),

@@ -580,8 +580,8 @@ impl RankPull {
         ok
     }
 
-    /// Tells every rank of `ranks` about child `i` at once (each rank's exchanges queue on
-    /// its own control connection): whether all acknowledged.
+    /// Tells every rank of `ranks` about child `i` at once (each rank's exchanges run on
+    /// control connections of their own): whether all acknowledged.
     async fn tell_all(&self, ranks: Vec<(u32, &Peer)>, i: usize, release: bool) -> bool {
         let told = ranks.into_iter().map(|(rank, peer)| self.tell(peer, rank, i, release));
         futures::future::join_all(told).await.into_iter().all(|ok| ok)

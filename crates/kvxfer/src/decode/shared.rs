@@ -191,9 +191,11 @@ impl Pooled {
 /// the frames of a connection in order, and holds a frame naming a lease it does not know
 /// for up to its `Limits::arm_wait` (the lease may be about to be armed), so an exchange
 /// never waits behind another one's arm wait unless this many wait at once.
-pub(crate) const CONTROL_CONNECTIONS_PER_PEER: usize = 16;
+pub(crate) const CONTROL_CONNECTIONS_PER_PEER: usize = 8;
 
-/// A peer's idle control connections, and the generation they belong to: [`Peer::reset`]
+/// A peer's idle control connections (at most [`CONTROL_CONNECTIONS_PER_PEER`]: with those
+/// in use, a decode agent holds twice that at most to one prefill agent), and the generation
+/// they belong to: [`Peer::reset`]
 /// starts a new one, so a connection an exchange held across the reset is not pooled again.
 #[derive(Default)]
 pub(super) struct ControlPool {
@@ -298,18 +300,19 @@ impl Peer {
 
     /// An idle control connection that may be reused, and the pool's generation (to give it
     /// back with [`Peer::checkin_control`]).
-    pub(super) fn checkout_control(&self) -> (Option<Connection>, u64) {
+    pub(super) fn checkout_control(&self) -> (Option<Pooled>, u64) {
         let mut control = self.lock_control();
         let max_idle = self.max_idle;
-        let conn = std::iter::from_fn(|| control.idle.pop()).find(|p| p.reusable(max_idle)).map(|p| p.conn);
-        (conn, control.generation)
+        let pooled = std::iter::from_fn(|| control.idle.pop()).find(|p| p.reusable(max_idle));
+        (pooled, control.generation)
     }
 
-    /// Pools a control connection again, unless the peer was reset since it was checked out.
-    pub(super) fn checkin_control(&self, conn: Connection, generation: u64) {
+    /// Pools a control connection again, unless the peer was reset since it was checked out
+    /// or [`CONTROL_CONNECTIONS_PER_PEER`] are idle (then it is closed).
+    pub(super) fn checkin_control(&self, pooled: Pooled, generation: u64) {
         let mut control = self.lock_control();
-        if control.generation == generation {
-            control.idle.push(Pooled::new(conn));
+        if control.generation == generation && control.idle.len() < CONTROL_CONNECTIONS_PER_PEER {
+            control.idle.push(pooled);
         }
     }
 
