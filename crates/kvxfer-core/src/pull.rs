@@ -281,6 +281,33 @@ fn fmt_incarnation(i: u64) -> String {
 }
 
 impl PullError {
+    /// The snake-case name of the variant (`lease_unknown`, `timeout`, ...): the `kind` the
+    /// Python binding's `PullError` carries and the label metrics count failures by.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PullError::Connect { .. } => "connect",
+            PullError::Incompatible { .. } => "incompatible",
+            PullError::HandshakeRefused { .. } => "handshake_refused",
+            PullError::Authentication { .. } => "authentication",
+            PullError::PeerRestarted { .. } => "peer_restarted",
+            PullError::LeaseUnknown { .. } => "lease_unknown",
+            PullError::LeaseEnded { .. } => "lease_ended",
+            PullError::Refused { .. } => "refused",
+            PullError::Integrity { .. } => "integrity",
+            PullError::Timeout { .. } => "timeout",
+            PullError::ConnectionLost { .. } => "connection_lost",
+            PullError::Protocol { .. } => "protocol",
+            PullError::RemoteBlocksOutOfRange { .. } => "remote_blocks_out_of_range",
+            PullError::TransportUnavailable { .. } => "transport_unavailable",
+            PullError::UcxRead { .. } => "ucx_read",
+            PullError::PinNotHeld { .. } => "pin_not_held",
+            PullError::EngineNotRegistered { .. } => "engine_not_registered",
+            PullError::SiblingFailed { .. } => "sibling_failed",
+            PullError::Shutdown => "shutdown",
+            PullError::LocalBlocks { .. } => "local_blocks",
+        }
+    }
+
     /// What a serving engine should do about this failure.
     pub fn advice(&self) -> Advice {
         match self {

@@ -172,33 +172,6 @@ pub(crate) fn to_py(py: Python<'_>, e: kvxfer::Error) -> PyErr {
     }
 }
 
-/// The snake-case name of a `PullError` variant.
-pub(crate) fn pull_kind(e: &RustPullError) -> &'static str {
-    use RustPullError as P;
-    match e {
-        P::Connect { .. } => "connect",
-        P::Incompatible { .. } => "incompatible",
-        P::HandshakeRefused { .. } => "handshake_refused",
-        P::Authentication { .. } => "authentication",
-        P::PeerRestarted { .. } => "peer_restarted",
-        P::LeaseUnknown { .. } => "lease_unknown",
-        P::LeaseEnded { .. } => "lease_ended",
-        P::Refused { .. } => "refused",
-        P::Integrity { .. } => "integrity",
-        P::Timeout { .. } => "timeout",
-        P::ConnectionLost { .. } => "connection_lost",
-        P::Protocol { .. } => "protocol",
-        P::RemoteBlocksOutOfRange { .. } => "remote_blocks_out_of_range",
-        P::TransportUnavailable { .. } => "transport_unavailable",
-        P::UcxRead { .. } => "ucx_read",
-        P::PinNotHeld { .. } => "pin_not_held",
-        P::EngineNotRegistered { .. } => "engine_not_registered",
-        P::SiblingFailed { .. } => "sibling_failed",
-        P::Shutdown => "shutdown",
-        _ => "other",
-    }
-}
-
 /// The snake-case name of an `Advice`.
 pub(crate) fn advice_name(a: Advice) -> &'static str {
     match a {
@@ -217,7 +190,7 @@ pub(crate) fn pull_error(
     child_index: u32,
 ) -> Py<PyAny> {
     let attrs = [
-        ("kind", s(py, pull_kind(e))),
+        ("kind", s(py, e.kind())),
         ("advice", s(py, advice_name(e.advice()))),
         (
             "retryable",
