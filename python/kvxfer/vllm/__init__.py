@@ -53,7 +53,8 @@ handshake metadata, so several instances share a host), ``kvxfer_listen_host`` (
 ``kvxfer_kv_layout`` (default ``"auto"``: from the tensors' shapes and strides),
 ``kvxfer_decode_tp_size``, ``kvxfer_total_kv_heads``, ``kvxfer_host_staging`` (stage through
 host memory even for a CPU cache). Different TP sizes and block sizes between prefill and
-decode need caches whose blocks hold whole heads (HND) or MLA; see the README's table.
+decode need caches whose blocks hold whole heads (HND) or MLA; see the table in
+docs/src/guides/heterogeneous.md.
 
 vLLM is imported lazily: without it this package still imports (the base classes fall back
 to plain stand-ins).
