@@ -30,8 +30,9 @@ pub(crate) enum Attack {
     /// A hello, then requests written without ever reading the answers (a tiny receive
     /// buffer).
     HalfOpen,
-    /// After a hello: pipelined heartbeats, cancels and notifies of unknown leases, and
-    /// heartbeats naming the most leases a frame may name, near `max_frame_len`.
+    /// After a hello: pipelined heartbeats, cancels and notifies of unknown leases (half of
+    /// the slots), or heartbeats naming the most leases a frame may name, near
+    /// `max_frame_len` (the other half).
     FrameFlood,
     /// After a hello: cancels of unknown leases (each answered only after `arm_wait`).
     StaleRelease,
@@ -484,10 +485,15 @@ async fn run_session(
             }
             let n_small = small.len() as u64;
             let small = encode(&small);
+            // Half of the slots send only the big heartbeats: behind the small frames (each
+            // unknown lease waits `arm_wait`), a big one would not be read within a phase.
+            let big_only = slot.is_multiple_of(2);
             with_drain(stream, stats, |mut w| async move {
-                while send(&mut w, &small, n_small, stats).await
-                    && send(&mut w, &ctx.big_heartbeat, 1, stats).await
-                {}
+                if big_only {
+                    while send(&mut w, &ctx.big_heartbeat, 1, stats).await {}
+                } else {
+                    while send(&mut w, &small, n_small, stats).await {}
+                }
             })
             .await
         }
