@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, ALLOW, CONTENT_TYPE};
+use hyper::header::{HeaderValue, ACCEPT, ALLOW, CONTENT_TYPE, VARY};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::runtime::Handle;
@@ -16,7 +16,7 @@ use tokio::sync::{oneshot, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::error::{Error, MetricsError};
-use crate::metrics::{Metrics, OPENMETRICS_CONTENT_TYPE};
+use crate::metrics::{Format, Metrics};
 
 /// Most scrapes served at once; further connections are closed at once.
 const MAX_CONNECTIONS: usize = 64;
@@ -28,7 +28,9 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// and never reads the answers, which blocks the connection in a write, frees its slot.
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 
-/// Serves `GET /metrics` (OpenMetrics text); every other path is 404, other methods 405.
+/// Serves `GET /metrics`: the Prometheus text format 0.0.4, or OpenMetrics text when the
+/// request's `Accept` header prefers it ([`Format::negotiate`]); every other path is 404,
+/// other methods 405.
 #[derive(Debug)]
 pub struct MetricsServer {
     addr: SocketAddr,
@@ -146,10 +148,15 @@ fn respond(metrics: &Metrics, req: &Request<Incoming>) -> Response<Full<Bytes>> 
         response.headers_mut().insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
         return response;
     }
-    match metrics.encode() {
+    // Several Accept headers are one list.
+    let accept: Vec<&str> = req.headers().get_all(ACCEPT).iter().filter_map(|v| v.to_str().ok()).collect();
+    let format = Format::negotiate((!accept.is_empty()).then(|| accept.join(",")).as_deref());
+    match metrics.encode_as(format) {
         Ok(body) => {
             let mut response = Response::new(Full::new(Bytes::from(body)));
-            response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(OPENMETRICS_CONTENT_TYPE));
+            let headers = response.headers_mut();
+            headers.insert(CONTENT_TYPE, HeaderValue::from_static(format.content_type()));
+            headers.insert(VARY, HeaderValue::from_static("Accept"));
             response
         }
         Err(e) => {

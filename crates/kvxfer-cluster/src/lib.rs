@@ -99,7 +99,9 @@
 //!
 //! [`Metrics`] holds kvxfer's Prometheus families; agents plug their existing counters in as
 //! snapshot closures read at scrape time (no cost on the data path) and observe the latency
-//! histograms directly. [`MetricsServer`] serves the OpenMetrics text at `GET /metrics`.
+//! histograms (and failed children by error kind) directly. [`MetricsServer`] serves them at
+//! `GET /metrics`: the Prometheus text format 0.0.4, or OpenMetrics when the scraper's
+//! `Accept` header asks for it.
 //!
 //! # Runtime
 //!
@@ -126,9 +128,11 @@ pub use error::{ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, 
 pub use etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusWatch};
 pub use http::MetricsServer;
 pub use metrics::{
-    ChildPullOutcome, DecodeSnapshot, HandoffOutcome, Metrics, PerTransport, PrefillSnapshot, SourceGuard,
-    Transport, OPENMETRICS_CONTENT_TYPE,
+    ChildPullOutcome, DecodeSnapshot, Format, HandoffOutcome, Metrics, PerTransport, PrefillSnapshot,
+    SourceGuard, Transport, OPENMETRICS_CONTENT_TYPE, PROMETHEUS_TEXT_CONTENT_TYPE,
 };
 pub use names::{engines_prefix, AgentName, EngineId, EngineKey, Namespace, TransportName, KEY_LAYOUT};
 pub use record::{AdvertiseAddr, EngineRecord, Host, MAX_RECORD_LEN, MAX_TRANSPORTS, RECORD_VERSION};
-pub use registration::{Registration, RegistrationConfig, RegistrationStats, MAX_LEASE_TTL, MIN_LEASE_TTL};
+pub use registration::{
+    Registration, RegistrationConfig, RegistrationStats, MAX_KEEPALIVE_INTERVAL, MAX_LEASE_TTL, MIN_LEASE_TTL,
+};

@@ -12,16 +12,28 @@
 //! Registrations and directories report their etcd state the same way
 //! ([`Metrics::add_registration`], [`Metrics::add_directory`]).
 //!
-//! Every name starts with `kvxfer_`; counters end in `_total`, units are in the name
+//! Every name starts with `kvxfer_` (but `process_start_time_seconds`, the name every
+//! Prometheus client library gives it); counters end in `_total`, units are in the name
 //! (`_bytes`, `_seconds`); labels are bounded enums (transport, outcome, kind, side,
-//! component, state, reason) — never request ids.
+//! component, state, reason) — never request ids — and `kvxfer_build_info` names the
+//! version, engine id, rank and incarnation of each registration.
+//!
+//! A family appears once the process has something it describes: the prefill families
+//! (histogram included) once a prefill source was added or a lease's life observed, the
+//! decode ones once a decode source was added or a pull observed; RDMA series only once an
+//! RDMA count is not zero (no RDMA data path is built).
+//!
+//! Two text formats ([`Format`]): OpenMetrics 1.0 ([`Metrics::encode`]) and the Prometheus
+//! text format 0.0.4 ([`Metrics::encode_prometheus`]); `/metrics` answers the one the
+//! scraper's `Accept` header prefers, the Prometheus one when it names neither.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
@@ -34,8 +46,61 @@ use crate::error::MetricsError;
 use crate::etcd::{EtcdState, EtcdStatus};
 use crate::registration::{Registration, RegistrationStats};
 
-/// The OpenMetrics text content type `/metrics` answers with.
+/// The OpenMetrics text content type `/metrics` answers with when the scraper asks for it.
 pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The Prometheus text format's (0.0.4) content type, what `/metrics` answers by default.
+pub const PROMETHEUS_TEXT_CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// A text exposition format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0 text (ends with `# EOF`).
+    OpenMetrics,
+    /// The Prometheus text format, version 0.0.4.
+    PrometheusText,
+}
+
+impl Format {
+    /// The `Content-Type` of this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => OPENMETRICS_CONTENT_TYPE,
+            Format::PrometheusText => PROMETHEUS_TEXT_CONTENT_TYPE,
+        }
+    }
+
+    /// The format an HTTP `Accept` header asks for: OpenMetrics when it names
+    /// `application/openmetrics-text` with a quality above zero and at least that of any
+    /// `text/plain` it names (as Prometheus asks: OpenMetrics first, the text format as a
+    /// fallback); the Prometheus text format otherwise (no header, `text/plain`, `*/*`).
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let Some(accept) = accept else { return Format::PrometheusText };
+        let (mut openmetrics, mut text) = (0.0f32, 0.0f32);
+        for range in accept.split(',') {
+            let mut parts = range.split(';');
+            let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
+            let mut q = 1.0f32;
+            for param in parts {
+                if let Some((k, v)) = param.split_once('=') {
+                    if k.trim().eq_ignore_ascii_case("q") {
+                        q = v.trim().parse().unwrap_or(0.0);
+                    }
+                }
+            }
+            match media.as_str() {
+                "application/openmetrics-text" => openmetrics = openmetrics.max(q),
+                "text/plain" => text = text.max(q),
+                _ => {}
+            }
+        }
+        if openmetrics > 0.0 && openmetrics >= text {
+            Format::OpenMetrics
+        } else {
+            Format::PrometheusText
+        }
+    }
+}
 
 /// A data path, as a label value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -69,7 +134,7 @@ pub struct PerTransport {
     pub tcp: u64,
     /// Over UCX.
     pub ucx: u64,
-    /// Over RDMA verbs.
+    /// Over RDMA verbs (no RDMA data path is built: exported only when not zero).
     pub rdma: u64,
 }
 
@@ -89,8 +154,14 @@ impl PerTransport {
         self.rdma += o.rdma;
     }
 
-    fn samples(&self) -> [(&'static str, u64); 3] {
-        Transport::ALL.map(|t| (t.as_str(), self.get(t)))
+    /// TCP and UCX always; RDMA only once its count is not zero (no RDMA data path is
+    /// built: a series always at zero would only suggest one).
+    fn samples(&self) -> Vec<(&'static str, u64)> {
+        Transport::ALL
+            .into_iter()
+            .filter(|t| *t != Transport::Rdma || self.rdma > 0)
+            .map(|t| (t.as_str(), self.get(t)))
+            .collect()
     }
 }
 
@@ -149,7 +220,8 @@ pub struct DecodeSnapshot {
     pub pulls: u64,
     /// Children pulled and notified.
     pub children_done: u64,
-    /// Children failed.
+    /// Children failed. In the agent's own stats only: the exposition counts failed
+    /// children by error kind as each one is reported ([`Metrics::count_child_failure`]).
     pub children_failed: u64,
     /// Children cancelled.
     pub children_cancelled: u64,
@@ -445,12 +517,38 @@ impl Drop for SourceGuard {
     }
 }
 
+/// Most distinct error kinds the failure counter keeps apart; later ones count as `other`
+/// (`PullError` has about twenty).
+const MAX_FAILURE_KINDS: usize = 64;
+
+/// An engine rank this process registered, for `kvxfer_build_info`.
+#[derive(Debug, Clone)]
+struct Identity {
+    id: u64,
+    engine_id: String,
+    rank: String,
+    incarnation: String,
+}
+
+/// What agents observe directly (histograms, failures by kind) and the registrations'
+/// identities, shared with the collector.
 #[derive(Clone)]
 struct Sources {
     prefill: Shared<PrefillSnapshot>,
     decode: Shared<DecodeSnapshot>,
     registration: Shared<RegistrationSnapshot>,
     directory: Shared<DirectorySnapshot>,
+    pull_duration: Histogram,
+    child_pull: HistogramFamily,
+    child_handoff: HistogramFamily,
+    /// Whether a lease's life (prefill) or a pull (decode) was observed.
+    prefill_observed: Arc<AtomicBool>,
+    decode_observed: Arc<AtomicBool>,
+    /// Failed children by `PullError` kind, in first-seen order.
+    failures: Arc<Mutex<Vec<(String, u64)>>>,
+    identities: Arc<Mutex<(u64, Vec<Identity>)>>,
+    /// Unix time the process started, in seconds.
+    process_start: f64,
 }
 
 impl fmt::Debug for Sources {
@@ -464,9 +562,6 @@ impl fmt::Debug for Sources {
 pub struct Metrics {
     registry: Registry,
     sources: Sources,
-    pull_duration: Histogram,
-    child_pull: HistogramFamily,
-    child_handoff: HistogramFamily,
 }
 
 impl fmt::Debug for Metrics {
@@ -491,39 +586,51 @@ fn handoff_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
 }
 
+/// When this process started (Unix seconds): Linux's `/proc/self/stat` start time (clock
+/// ticks after boot, at 100 per second — the USER_HZ every Linux exports, as Prometheus'
+/// procfs reads it) plus the boot time of `/proc/stat`; elsewhere, the first call's time.
+fn process_start_time() -> f64 {
+    fn from_proc() -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the command (in parentheses, which may hold spaces): state is field 3,
+        // starttime field 22.
+        let after = stat.rsplit_once(')')?.1;
+        let ticks: u64 = after.split_whitespace().nth(19)?.parse().ok()?;
+        let boot = std::fs::read_to_string("/proc/stat").ok()?;
+        let btime: u64 = boot.lines().find_map(|l| l.strip_prefix("btime "))?.trim().parse().ok()?;
+        Some(btime as f64 + ticks as f64 / 100.0)
+    }
+    static START: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *START.get_or_init(|| {
+        from_proc().unwrap_or_else(|| {
+            SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+        })
+    })
+}
+
 impl Metrics {
-    /// An empty registry with every family (sources added later fill them).
+    /// An empty registry (sources and observations add their families).
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("kvxfer");
-        let pull_duration = pull_histogram();
-        registry.register_with_unit(
-            "pull_duration",
-            "Decode side: time from submitting a prefill result to its last child's report",
-            Unit::Seconds,
-            pull_duration.clone(),
-        );
-        let child_pull: HistogramFamily = Family::new_with_constructor(pull_histogram);
-        registry.register_with_unit(
-            "child_pull_duration",
-            "Decode side: time from submitting a prefill result to one child's report, by outcome",
-            Unit::Seconds,
-            child_pull.clone(),
-        );
-        let child_handoff: HistogramFamily = Family::new_with_constructor(handoff_histogram);
-        registry.register_with_unit(
-            "child_handoff_duration",
-            "Prefill side: time from leasing a child's blocks to the lease's end, by outcome",
-            Unit::Seconds,
-            child_handoff.clone(),
-        );
+        let mut registry = Registry::default();
         let sources = Sources {
             prefill: Arc::new(Mutex::new(SourceSet::new())),
             decode: Arc::new(Mutex::new(SourceSet::new())),
             registration: Arc::new(Mutex::new(SourceSet::new())),
             directory: Arc::new(Mutex::new(SourceSet::new())),
+            pull_duration: pull_histogram(),
+            child_pull: Family::new_with_constructor(pull_histogram),
+            child_handoff: Family::new_with_constructor(handoff_histogram),
+            prefill_observed: Arc::new(AtomicBool::new(false)),
+            decode_observed: Arc::new(AtomicBool::new(false)),
+            failures: Arc::new(Mutex::new(Vec::new())),
+            identities: Arc::new(Mutex::new((0, Vec::new()))),
+            process_start: process_start_time(),
         };
-        registry.register_collector(Box::new(SnapshotCollector { sources: sources.clone() }));
-        Self { registry, sources, pull_duration, child_pull, child_handoff }
+        registry
+            .sub_registry_with_prefix("kvxfer")
+            .register_collector(Box::new(SnapshotCollector { sources: sources.clone() }));
+        registry.register_collector(Box::new(ProcessCollector { start: sources.process_start }));
+        Self { registry, sources }
     }
 
     /// Reads a prefill agent's counters at every scrape, until the guard is dropped.
@@ -542,16 +649,37 @@ impl Metrics {
         add_source(&self.sources.decode, Box::new(source))
     }
 
-    /// Reports a registration's etcd state and counters, until the guard is dropped.
+    /// Reports a registration's etcd state and counters, and its engine id, rank and
+    /// incarnation in `kvxfer_build_info`, until the guard is dropped.
     pub fn add_registration(&self, registration: &Registration) -> SourceGuard {
         let shared = registration.shared().clone();
-        add_source(
+        let inner = add_source(
             &self.sources.registration,
             Box::new(move || RegistrationSnapshot {
                 etcd: EtcdPart::of(&shared.status.get()),
                 stats: shared.stats(),
             }),
-        )
+        );
+        let identities = self.sources.identities.clone();
+        let id = {
+            let mut ids = lock(&identities);
+            let id = ids.0;
+            ids.0 += 1;
+            let key = registration.key();
+            ids.1.push(Identity {
+                id,
+                engine_id: key.engine_id.as_str().to_owned(),
+                rank: key.rank.to_string(),
+                incarnation: format!("{:016x}", registration.record().incarnation),
+            });
+            id
+        };
+        SourceGuard {
+            retire: Some(Box::new(move || {
+                drop(inner);
+                lock(&identities).1.retain(|i| i.id != id);
+            })),
+        }
     }
 
     /// Reports a directory's etcd state and counters, until the guard is dropped.
@@ -568,25 +696,85 @@ impl Metrics {
 
     /// Records one pull's duration (submit to last child report).
     pub fn observe_pull(&self, duration: Duration) {
-        self.pull_duration.observe(duration.as_secs_f64());
+        self.sources.decode_observed.store(true, Ordering::Relaxed);
+        self.sources.pull_duration.observe(duration.as_secs_f64());
     }
 
     /// Records how long one child of a pull took (submit to its report) and how it ended.
+    /// A failed child is counted by [`Self::count_child_failure`], not here.
     pub fn observe_child_pull(&self, outcome: ChildPullOutcome, duration: Duration) {
-        self.child_pull.get_or_create(&[("outcome", outcome.as_str())]).observe(duration.as_secs_f64());
+        self.sources.decode_observed.store(true, Ordering::Relaxed);
+        self.sources
+            .child_pull
+            .get_or_create(&[("outcome", outcome.as_str())])
+            .observe(duration.as_secs_f64());
+    }
+
+    /// Counts one failed child of a pull under its error kind (`PullError::kind`, e.g.
+    /// `engine_not_registered`): `kvxfer_children_total{outcome="failed",kind=...}`.
+    pub fn count_child_failure(&self, kind: &str) {
+        self.sources.decode_observed.store(true, Ordering::Relaxed);
+        let mut failures = lock(&self.sources.failures);
+        let kind = if failures.len() >= MAX_FAILURE_KINDS && !failures.iter().any(|(k, _)| k == kind) {
+            "other"
+        } else {
+            kind
+        };
+        match failures.iter_mut().find(|(k, _)| k == kind) {
+            Some((_, n)) => *n += 1,
+            None => failures.push((kind.to_owned(), 1)),
+        }
     }
 
     /// Records one lease's life (leased to ended) with how it ended.
     pub fn observe_child_handoff(&self, outcome: HandoffOutcome, duration: Duration) {
-        self.child_handoff.get_or_create(&[("outcome", outcome.as_str())]).observe(duration.as_secs_f64());
+        self.sources.prefill_observed.store(true, Ordering::Relaxed);
+        self.sources
+            .child_handoff
+            .get_or_create(&[("outcome", outcome.as_str())])
+            .observe(duration.as_secs_f64());
     }
 
     /// The OpenMetrics text exposition (ends with `# EOF`).
     pub fn encode(&self) -> Result<String, MetricsError> {
+        self.encode_as(Format::OpenMetrics)
+    }
+
+    /// The Prometheus text exposition (format 0.0.4).
+    pub fn encode_prometheus(&self) -> Result<String, MetricsError> {
+        self.encode_as(Format::PrometheusText)
+    }
+
+    /// The exposition in `format`.
+    pub fn encode_as(&self, format: Format) -> Result<String, MetricsError> {
         let mut text = String::with_capacity(8192);
-        prometheus_client::encoding::text::encode(&mut text, &self.registry)
-            .map_err(|_| MetricsError::Encode)?;
+        match format {
+            Format::OpenMetrics => prometheus_client::encoding::text::encode(&mut text, &self.registry),
+            Format::PrometheusText => {
+                prometheus_client::encoding::prometheus_text::encode(&mut text, &self.registry)
+            }
+        }
+        .map_err(|_| MetricsError::Encode)?;
         Ok(text)
+    }
+}
+
+/// `process_start_time_seconds` (outside the `kvxfer_` prefix, as every client library
+/// names it).
+#[derive(Debug)]
+struct ProcessCollector {
+    start: f64,
+}
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> fmt::Result {
+        let m = enc.encode_descriptor(
+            "process_start_time",
+            "Start time of the process since the Unix epoch, in seconds.",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(self.start).encode(m)
     }
 }
 
@@ -631,6 +819,17 @@ impl Writer<'_, '_> {
         let m = self.enc.encode_descriptor(name, &sentence(help), None, MetricType::Gauge)?;
         ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(m)
     }
+
+    fn histogram(&mut self, name: &str, help: &str, metric: &impl EncodeMetric) -> fmt::Result {
+        let m =
+            self.enc.encode_descriptor(name, &sentence(help), Some(&Unit::Seconds), MetricType::Histogram)?;
+        metric.encode(m)
+    }
+}
+
+/// One info sample (`<name>_info{labels} 1`).
+fn info(m: &mut MetricEncoder<'_>, labels: &[(&str, &str)]) -> fmt::Result {
+    m.encode_info(&labels)
 }
 
 impl Collector for SnapshotCollector {
@@ -640,7 +839,56 @@ impl Collector for SnapshotCollector {
         let decode = lock(&self.sources.decode).total();
         let registration = lock(&self.sources.registration).total();
         let directory = lock(&self.sources.directory).total();
+        let failures = lock(&self.sources.failures).clone();
+        let identities = lock(&self.sources.identities).1.clone();
+        // A side's histograms only in a process with that side (a prefill-only process has
+        // no pulls to time, a decode-only one no leases).
+        let prefill_side = prefill.is_some() || self.sources.prefill_observed.load(Ordering::Relaxed);
+        let decode_side = decode.is_some() || self.sources.decode_observed.load(Ordering::Relaxed);
         let mut w = Writer { enc: &mut enc };
+        {
+            let mut m = w.enc.encode_descriptor(
+                "build",
+                "The kvxfer version, and the engine id, rank and incarnation (16 hex digits) of each \
+                 engine rank this process registered.",
+                None,
+                MetricType::Info,
+            )?;
+            let version = env!("CARGO_PKG_VERSION");
+            if identities.is_empty() {
+                info(&mut m, &[("version", version)])?;
+            }
+            for i in &identities {
+                info(
+                    &mut m,
+                    &[
+                        ("version", version),
+                        ("engine_id", &i.engine_id),
+                        ("rank", &i.rank),
+                        ("incarnation", &i.incarnation),
+                    ],
+                )?;
+            }
+        }
+        if prefill_side {
+            w.histogram(
+                "child_handoff_duration",
+                "Prefill side: time from leasing a child's blocks to the lease's end, by outcome",
+                &self.sources.child_handoff,
+            )?;
+        }
+        if decode_side {
+            w.histogram(
+                "pull_duration",
+                "Decode side: time from submitting a prefill result to its last child's report",
+                &self.sources.pull_duration,
+            )?;
+            w.histogram(
+                "child_pull_duration",
+                "Decode side: time from submitting a prefill result to one child's report, by outcome",
+                &self.sources.child_pull,
+            )?;
+        }
         let bytes = Some(&Unit::Bytes);
         if let Some(p) = &prefill {
             w.counter("leases_made", "Leases made (one per child hand-off)", None, p.leases_made)?;
@@ -726,19 +974,23 @@ impl Collector for SnapshotCollector {
                 &sides,
             )?;
         }
-        if let Some(d) = decode {
+        if let Some(d) = &decode {
             w.counter("pulls", "Prefill results submitted for pulling", None, d.pulls)?;
-            w.counters(
-                "children",
-                "Children of pulls, by outcome",
-                None,
-                "outcome",
-                &[
-                    ("done", d.children_done),
-                    ("failed", d.children_failed),
-                    ("cancelled", d.children_cancelled),
-                ],
-            )?;
+            {
+                let mut m = w.enc.encode_descriptor(
+                    "children",
+                    &sentence("Children of pulls, by outcome; failed ones by error kind (PullError::kind)"),
+                    None,
+                    MetricType::Counter,
+                )?;
+                for (outcome, n) in [("done", d.children_done), ("cancelled", d.children_cancelled)] {
+                    ConstCounter::new(n).encode(m.encode_family(&[("outcome", outcome)])?)?;
+                }
+                for (kind, n) in &failures {
+                    let labels = [("outcome", "failed"), ("kind", kind.as_str())];
+                    ConstCounter::new(*n).encode(m.encode_family(&labels)?)?;
+                }
+            }
             w.counters(
                 "pulled",
                 "Bytes pulled over the wire, by transport",

@@ -540,7 +540,10 @@ impl Pull {
             let kind = match &outcome {
                 ChildOutcome::Done { .. } => crate::cluster::ChildPullOutcome::Done,
                 ChildOutcome::Cancelled { .. } => crate::cluster::ChildPullOutcome::Cancelled,
-                _ => crate::cluster::ChildPullOutcome::Failed,
+                ChildOutcome::Failed { error, .. } | ChildOutcome::FailedBlocksHeld { error, .. } => {
+                    m.count_child_failure(error.kind());
+                    crate::cluster::ChildPullOutcome::Failed
+                }
             };
             m.observe_child_pull(kind, self.started.elapsed());
         }

@@ -826,6 +826,12 @@ impl RankPull {
         let child = &self.results[0].children()[i];
         // Cancelled children are counted too (they were not, before the count was shared).
         self.inner.counters.count_report(child.remote_request_id(), &outcome);
+        #[cfg(feature = "cluster")]
+        if let ChildOutcome::Failed { error, .. } | ChildOutcome::FailedBlocksHeld { error, .. } = &outcome {
+            if let Some(m) = self.inner.cluster.as_ref().and_then(crate::cluster::DecodeCluster::metrics) {
+                m.count_child_failure(error.kind());
+            }
+        }
         let _ = reports.send(ChildReport {
             child_index: child.child_index(),
             remote_request_id: child.remote_request_id().to_owned(),
