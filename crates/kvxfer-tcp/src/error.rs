@@ -28,6 +28,16 @@ pub enum ClientError {
         /// The peer's message, naming both values.
         message: String,
     },
+    /// The peer refused the handshake at one of its connection limits (`LIMIT_EXCEEDED`:
+    /// `Limits::max_connections`, `max_handshakes` or their per-peer caps): it is there and
+    /// busy; a later attempt may be taken.
+    #[error("handshake with {peer} refused: {message}")]
+    Busy {
+        /// The peer's address.
+        peer: String,
+        /// The peer's message, naming the limit.
+        message: String,
+    },
     /// The two sides are not compatible: protocol versions or layout compatibility hashes
     /// differ (refused by the peer, or found in its `HelloAck`).
     #[error("handshake with {peer} refused: {message}")]

@@ -524,6 +524,9 @@ fn unexpected(peer: &str, f: Frame) -> ClientError {
                     let peer = peer.to_owned();
                     return ClientError::Incompatible { peer, code, message: e.message, remote: None };
                 }
+                Ok(ErrorCode::LimitExceeded) => {
+                    return ClientError::Busy { peer: peer.to_owned(), message: e.message }
+                }
                 _ => return ClientError::Handshake { peer: peer.to_owned(), message: e.message },
             };
             ClientError::Auth { peer: peer.to_owned(), reason }

@@ -501,7 +501,7 @@ fn a_keyed_connection_past_the_limit_is_refused_after_its_proof() {
             kvxfer_tcp::Connection::connect_with_key(&addr, &hello, Some(&key), limits).await.expect("first");
         assert!(first.peer_hello().authenticated);
         match kvxfer_tcp::Connection::connect_with_key(&addr, &hello, Some(&key), limits).await {
-            Err(kvxfer_tcp::ClientError::Handshake { message, .. }) => {
+            Err(kvxfer_tcp::ClientError::Busy { message, .. }) => {
                 assert!(message.contains("at most 1 connections"), "{message}")
             }
             other => panic!("the second connection must be refused: {:?}", other.map(|_| ())),

@@ -167,6 +167,12 @@ impl Peer {
                     debug!(peer = %self.addr, error = %log::Peer(&e), attempt, "control exchange failed; retrying on a fresh connection");
                     add(&inner.counters.control_retries, 1);
                     attempt += 1;
+                    // Refused at a connection limit: the peer is there and busy; the retry
+                    // waits a little (jittered, within the budget) for a place to free up.
+                    if matches!(e, ClientError::Busy { .. }) {
+                        let pause = std::time::Duration::from_millis(20 + rand::random::<u64>() % 80);
+                        tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(budget)).await;
+                    }
                 }
                 _ => return Some((r, attempt)),
             }
@@ -212,7 +218,8 @@ impl ControlOp {
 }
 
 /// Whether a failed control exchange means the peer cannot be reached at all (no point in
-/// retrying), rather than that one exchange broke.
+/// retrying), rather than that one exchange broke. A handshake refused at a connection limit
+/// (`ClientError::Busy`) is not: the peer is there, and the exchange is retried.
 pub(crate) fn unreachable_peer(e: &ClientError) -> bool {
     matches!(
         e,
@@ -246,7 +253,7 @@ pub(crate) fn pull_error(e: &ClientError, inner: &Inner) -> PullError {
                 message: message.clone(),
             }
         }
-        ClientError::Handshake { peer, message } => {
+        ClientError::Handshake { peer, message } | ClientError::Busy { peer, message } => {
             PullError::HandshakeRefused { peer: peer.clone(), message: message.clone() }
         }
         ClientError::Frame { peer, source: FrameError::Timeout } => {
