@@ -227,9 +227,11 @@ impl EngineKey {
     }
 }
 
+/// The full etcd key, namespace included ([`EngineKey::to_key`]): every log line names a
+/// key this one way.
 impl fmt::Display for EngineKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.engine_id, self.rank)
+        write!(f, "{}{}/{}", engines_prefix(&self.namespace), self.engine_id, self.rank)
     }
 }
 
@@ -251,6 +253,15 @@ mod tests {
         let key = EngineKey::new(ns(), EngineId::new("75192ab7-d1c6-48cf").expect("valid"), 3);
         assert_eq!(key.to_key(), "/prod/v1/engines/75192ab7-d1c6-48cf/3");
         assert_eq!(EngineKey::parse(&ns(), key.to_key().as_bytes()), Ok(key));
+    }
+
+    /// Logs name a key one way, the full key (`registered in etcd` wrote it with the
+    /// namespace, `etcd registration revoked` and the directory's lines without).
+    #[test]
+    fn a_key_is_displayed_as_the_full_etcd_key() {
+        let key = EngineKey::new(ns(), EngineId::new("e").expect("valid"), 0);
+        assert_eq!(key.to_string(), key.to_key());
+        assert_eq!(key.to_string(), "/prod/v1/engines/e/0");
     }
 
     #[test]

@@ -26,18 +26,24 @@
 //! directory changes, and `"kind":"present"` for what it had listed already); `{"cmd":"lease",..,"engine_only":true}` hands out results naming only
 //! the engine id; `--metrics ADDR` serves `/metrics` (`{"event":"metrics","addr":..}`).
 //!
+//! SIGTERM or SIGINT shuts the agent down gracefully — a prefill node deregisters from etcd
+//! first, so decode agents see its hand-offs fail as `EngineNotRegistered` rather than at a
+//! refused connection, then releases its live leases (their `lease_end` lines follow) — and
+//! prints `{"event":"shutdown","signal":"SIGTERM"}` before exiting with status 0.
+//!
 //! Both roles authenticate peers with the cluster key of `KVXFER_CLUSTER_KEY` (hex) or
 //! `KVXFER_CLUSTER_KEY_FILE`, and run unauthenticated when neither is set. A decode node
 //! also reports blocks held by a one-sided read it could not stop
 //! (`"outcome":"failed_blocks_held"`) and, when that read completes,
 //! `{"event":"reclaimed","children":[..],"local_blocks":[..]}`.
 
-use std::io::BufRead;
+use std::io::{BufRead, IsTerminal};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use kvxfer::blocking::{DecodeAgent, PrefillAgent};
-use kvxfer::{AgentConfig, BlockLayout, ChildOutcome, KvMemory, TransportChoice};
+use kvxfer::{Advice, AgentConfig, BlockLayout, ChildOutcome, EndKind, KvMemory, TransportChoice};
 use kvxfer_core::log::Incarnation;
 use kvxfer_mem::pattern;
 use kvxfer_proto::Message;
@@ -105,6 +111,10 @@ struct Common {
     /// Registration lease TTL in seconds (prefill, with `--etcd`).
     #[arg(long, default_value_t = 10)]
     registration_ttl_s: u64,
+    /// How long a prefill node waits for its key to be in etcd before it prints
+    /// `{"event":"registered","ok":false,..}` (it keeps registering in the background).
+    #[arg(long, default_value_t = 15)]
+    registration_wait_s: u64,
     /// The host hand-offs name (prefill; default: the listen address).
     #[arg(long)]
     advertise_host: Option<String>,
@@ -165,11 +175,70 @@ fn commands() -> impl Iterator<Item = Value> {
     })
 }
 
-fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
+/// SIGTERM and SIGINT, caught from startup on (their default, ending the process at once,
+/// would leave the etcd key to its TTL and every live lease to expire).
+struct Signals {
+    runtime: tokio::runtime::Runtime,
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, String> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .map_err(|e| format!("signal runtime: {e}"))?;
+        let entered = runtime.enter();
+        let err = |e: std::io::Error| format!("installing the SIGTERM/SIGINT handlers: {e}");
+        let term = signal(SignalKind::terminate()).map_err(err)?;
+        let int = signal(SignalKind::interrupt()).map_err(err)?;
+        drop(entered);
+        Ok(Self { runtime, term, int })
+    }
+
+    /// On a thread of its own: waits for a signal, then runs `stop` (outside any runtime, so
+    /// the blocking agents' shutdown waits to its end), says so and exits with status 0.
+    fn on_signal(mut self, stop: impl FnOnce() + Send + 'static) {
+        std::thread::spawn(move || {
+            let (term, int) = (&mut self.term, &mut self.int);
+            let name = self.runtime.block_on(async {
+                tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = int.recv() => "SIGINT",
+                }
+            });
+            tracing::info!(signal = name, "shutting down");
+            stop();
+            emit(json!({"event": "shutdown", "signal": name}));
+            std::process::exit(0);
+        });
+    }
+}
+
+fn end_kind(kind: EndKind) -> &'static str {
+    match kind {
+        EndKind::Pulled => "Pulled",
+        EndKind::Released => "Released",
+        EndKind::Expired => "Expired",
+    }
+}
+
+fn advice_name(advice: Advice) -> &'static str {
+    match advice {
+        Advice::RetryFreshHandoff => "RetryFreshHandoff",
+        Advice::Recompute => "Recompute",
+        Advice::FailRequest => "FailRequest",
+        _ => "Unknown",
+    }
+}
+
+fn prefill(common: &Common, ttl: Duration, listen: &str, signals: Signals) -> Result<(), String> {
     let mem = pattern::alloc_filled(common.layout()?).map_err(|e| e.to_string())?;
     let config = common.config("node-prefill")?.lease_ttl(ttl);
     let engine_id = config.engine_id.clone();
-    let agent = PrefillAgent::start(config, listen, mem).map_err(|e| e.to_string())?;
+    let agent = Arc::new(PrefillAgent::start(config, listen, mem).map_err(|e| e.to_string())?);
     emit(json!({
         "event": "listening", "addr": agent.local_addr().to_string(),
         "incarnation": Incarnation(agent.incarnation()).to_string(),
@@ -181,20 +250,32 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
             emit(json!({"event": "metrics", "addr": addr.to_string()}));
         }
         if agent.registration_status().is_some() {
-            match agent.wait_registered(Duration::from_secs(15)) {
+            match agent.wait_registered(Duration::from_secs(common.registration_wait_s)) {
                 Ok(_) => emit(json!({"event": "registered", "ok": true})),
-                Err(s) => emit(json!({"event": "registered", "ok": false, "status": format!("{s:?}")})),
+                Err(s) => emit(json!({
+                    "event": "registered", "ok": false,
+                    "state": s.as_ref().map(|s| s.state.as_str()),
+                    "last_error": s.as_ref().and_then(|s| s.last_error.as_deref()),
+                    "failures": s.as_ref().map(|s| s.failures),
+                })),
             }
         }
     }
     let events = agent.events().clone();
-    std::thread::spawn(move || {
+    let ends = std::thread::spawn(move || {
         for e in events.iter() {
             emit(json!({
                 "event": "lease_end", "parent": &*e.parent_request_id, "child": e.child_index,
-                "kind": format!("{:?}", e.kind),
+                "kind": end_kind(e.kind),
             }));
         }
+    });
+    // Shutdown deregisters first (the key is gone before the listener closes), then
+    // releases the live leases: their ends are printed before the shutdown line.
+    let stopping = agent.clone();
+    signals.on_signal(move || {
+        stopping.shutdown();
+        let _ = ends.join();
     });
     let mut next_block = 0u32;
     for cmd in commands() {
@@ -244,9 +325,11 @@ fn prefill(common: &Common, ttl: Duration, listen: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn decode(common: &Common) -> Result<(), String> {
+fn decode(common: &Common, signals: Signals) -> Result<(), String> {
     let mem = KvMemory::alloc(common.layout()?).map_err(|e| e.to_string())?;
-    let agent = DecodeAgent::start(common.config("node-decode")?, mem).map_err(|e| e.to_string())?;
+    let agent = Arc::new(DecodeAgent::start(common.config("node-decode")?, mem).map_err(|e| e.to_string())?);
+    let stopping = agent.clone();
+    signals.on_signal(move || stopping.shutdown());
     emit(json!({"event": "ready"}));
     #[cfg(feature = "cluster")]
     {
@@ -329,7 +412,7 @@ fn decode(common: &Common) -> Result<(), String> {
                     }));
                 }
                 ChildOutcome::Failed { error: reason, invalid_local_blocks } => emit(json!({
-                    "event": "child", "child": i, "outcome": "failed", "reason": reason.to_string(), "advice": format!("{:?}", reason.advice()),
+                    "event": "child", "child": i, "outcome": "failed", "reason": reason.to_string(), "advice": advice_name(reason.advice()),
                     "error_kind": error_kind(reason),
                     "invalid_local_blocks": invalid_local_blocks,
                 })),
@@ -337,7 +420,7 @@ fn decode(common: &Common) -> Result<(), String> {
                     emit(json!({"event": "child", "child": i, "outcome": "cancelled"}))
                 }
                 ChildOutcome::FailedBlocksHeld { error: reason, held_local_blocks } => emit(json!({
-                    "event": "child", "child": i, "outcome": "failed_blocks_held", "reason": reason.to_string(), "advice": format!("{:?}", reason.advice()),
+                    "event": "child", "child": i, "outcome": "failed_blocks_held", "reason": reason.to_string(), "advice": advice_name(reason.advice()),
                     "error_kind": error_kind(reason),
                     "held_local_blocks": held_local_blocks,
                 })),
@@ -357,12 +440,16 @@ fn main() -> std::process::ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: escape codes in a log file are noise.
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
     let cli = Cli::parse();
-    let r = match &cli.role {
-        Role::Prefill { common, ttl_ms, listen } => prefill(common, Duration::from_millis(*ttl_ms), listen),
-        Role::Decode { common } => decode(common),
-    };
+    let r = Signals::install().and_then(|signals| match &cli.role {
+        Role::Prefill { common, ttl_ms, listen } => {
+            prefill(common, Duration::from_millis(*ttl_ms), listen, signals)
+        }
+        Role::Decode { common } => decode(common, signals),
+    });
     match r {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -389,8 +476,15 @@ fn directory_event(e: &kvxfer::cluster::DirectoryEvent) -> Value {
     })
 }
 
-/// The name of the `PullError` variant at the root of `e` (a sibling's failure: its cause).
+/// The name of the `PullError` variant at the root of `e` (a sibling's failure: its cause),
+/// `EngineNotRegistered`: `PullError::kind` (`engine_not_registered`) in upper camel case.
 fn error_kind(e: &kvxfer::PullError) -> String {
-    let debug = format!("{:?}", e.root_cause());
-    debug.split([' ', '{', '(']).next().unwrap_or_default().to_owned()
+    e.root_cause()
+        .kind()
+        .split('_')
+        .map(|word| {
+            let mut chars = word.chars();
+            chars.next().map(|c| c.to_ascii_uppercase().to_string() + chars.as_str()).unwrap_or_default()
+        })
+        .collect()
 }

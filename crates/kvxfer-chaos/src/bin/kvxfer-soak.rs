@@ -334,6 +334,8 @@ fn main() -> std::process::ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: escape codes in a log file are noise.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     let mut cli = Cli::parse();
     cli.key = match kvxfer::ClusterKey::from_env() {

@@ -1,7 +1,8 @@
-//! Registers one engine rank in etcd and keeps its lease alive until stdin closes (then
-//! revokes it: the key goes at once) or the process is killed (the key expires within the
-//! TTL). Prints one JSON line once registered. Used by the `kill -9` discovery test; also
-//! a way to publish an engine by hand.
+//! Registers one engine rank in etcd and keeps its lease alive until stdin closes or
+//! SIGTERM/SIGINT arrives (then revokes it: the key goes at once) or the process is killed
+//! with SIGKILL (the key expires within the TTL). Prints one JSON line once registered and
+//! one once revoked. Used by the `kill -9` discovery test; also a way to publish an engine
+//! by hand.
 
 use std::io::Read;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use kvxfer_cluster::{
 };
 
 #[derive(Parser, Debug)]
-#[command(about = "Register an engine rank in etcd until stdin closes or the process dies")]
+#[command(about = "Register an engine rank in etcd until stdin closes, SIGTERM/SIGINT, or the process dies")]
 struct Args {
     /// etcd client URL (repeat for several).
     #[arg(long = "etcd", required = true)]
@@ -62,8 +63,11 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: escape codes in a log file are noise.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -95,11 +99,16 @@ fn run() -> Result<(), String> {
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    // Signal handlers before the registration exists: a SIGTERM from then on deregisters.
+    let mut signals = {
+        let _entered = runtime.enter();
+        Signals::new().map_err(|e| format!("installing the SIGTERM/SIGINT handlers: {e}"))?
+    };
     let config = RegistrationConfig { key: key.clone(), record, ttl: Duration::from_secs(args.ttl_secs) };
     let registration = Registration::start(runtime.handle(), EtcdConfig::new(args.etcd), config)
         .map_err(|e| e.to_string())?;
     // stdin closing is the signal to leave cleanly; a blocking thread watches for it.
-    let (eof_tx, eof_rx) = tokio::sync::oneshot::channel::<()>();
+    let (eof_tx, mut eof_rx) = tokio::sync::oneshot::channel::<()>();
     std::thread::spawn(move || {
         let mut sink = [0u8; 256];
         let mut stdin = std::io::stdin();
@@ -108,10 +117,14 @@ fn run() -> Result<(), String> {
     });
     runtime.block_on(async {
         let mut status = registration.status_watch();
-        let registered = status
-            .wait_until(Duration::MAX, |s| s.state == kvxfer_cluster::EtcdState::Connected)
-            .await
-            .is_ok();
+        let registered = tokio::select! {
+            r = status.wait_until(Duration::MAX, |s| s.state == kvxfer_cluster::EtcdState::Connected) => r.is_ok(),
+            why = signals.recv() => {
+                tracing::info!(signal = why, "stopping before the first registration");
+                false
+            }
+            _ = &mut eof_rx => false,
+        };
         if registered {
             let lease = registration.lease_id().unwrap_or(0);
             let line = serde_json::json!({
@@ -123,9 +136,36 @@ fn run() -> Result<(), String> {
             });
             println!("{line}");
         }
-        let _ = eof_rx.await;
+        if registered {
+            tokio::select! {
+                why = signals.recv() => tracing::info!(signal = why, "deregistering"),
+                _ = &mut eof_rx => tracing::info!("stdin closed: deregistering"),
+            }
+        }
         registration.shutdown().await.map_err(|e| e.to_string())?;
         println!("{}", serde_json::json!({ "event": "revoked", "key": key.to_key() }));
         Ok(())
     })
+}
+
+/// SIGTERM and SIGINT, as one stream.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Installs the handlers (inside a runtime).
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
+    }
+
+    /// The next signal's name.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
 }
