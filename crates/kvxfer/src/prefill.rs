@@ -499,11 +499,14 @@ impl PrefillAgent {
 }
 
 impl PrefillAgent {
-    /// Shuts the agent down gracefully: stops accepting connections, lets reads and pins in
-    /// flight finish (up to `AgentConfig::shutdown_grace`), ends every live lease as
-    /// released (each end delivered on [`Self::events`] — nothing is revoked silently),
-    /// closes every connection, and returns once every end was delivered and the agent's
-    /// tasks ended. Later calls return at once.
+    /// Shuts the agent down gracefully: deregisters from etcd first (with discovery: the key
+    /// is gone before anything else stops), then stops accepting connections, lets reads
+    /// and pins in flight finish (up to `AgentConfig::shutdown_grace`), ends every live
+    /// lease as released (each end delivered on [`Self::events`] — nothing is revoked
+    /// silently), closes every connection, and returns once every end was delivered and the
+    /// agent's tasks ended. Later calls return at once. Call it on SIGTERM/SIGINT (kvxfer
+    /// installs no signal handler): killed by the default action, a process leaves its key
+    /// until its lease expires.
     pub async fn shutdown(&self) {
         run_shutdown(self.shared.clone()).await;
     }
@@ -516,12 +519,20 @@ impl PrefillAgent {
 
 impl Drop for PrefillAgent {
     /// Never blocks: signals shutdown and leaves the bounded drain to a task that keeps the
-    /// agent's memory (and UCX target) alive until it finished.
+    /// agent's memory (and UCX target) alive until it finished. A registered agent keeps
+    /// accepting until that task deregistered it (the key goes first, as in
+    /// [`Self::shutdown`]); any other stops accepting at once.
     fn drop(&mut self) {
         if self.shared.stop.is_cancelled() {
             return;
         }
-        self.shared.stop_accepting.cancel();
+        #[cfg(feature = "cluster")]
+        let registered = self.shared.cluster.as_ref().is_some_and(|c| c.registration_status().is_some());
+        #[cfg(not(feature = "cluster"))]
+        let registered = false;
+        if !registered {
+            self.shared.stop_accepting.cancel();
+        }
         // If the runtime is gone, its tasks were dropped with it.
         self.handle.spawn(self.shutdown_task());
     }
@@ -530,7 +541,10 @@ impl Drop for PrefillAgent {
 /// The graceful shutdown (see [`PrefillAgent::shutdown`]); safe to run more than once.
 async fn run_shutdown(shared: Arc<Shared>) {
     // Deregistered first: decode agents see the key go (and stop pulling from here) before
-    // any connection closes.
+    // the listener closes or any connection does — their pulls of this agent's hand-offs
+    // then fail as `EngineNotRegistered`, not at a refused connection. (With etcd
+    // unreachable this waits for the revoke's request timeout; the key then expires with
+    // its lease.)
     #[cfg(feature = "cluster")]
     if let Some(c) = &shared.cluster {
         c.deregister().await;
