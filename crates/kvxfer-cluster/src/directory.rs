@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::backoff::{Backoff, WarnLimiter};
 use crate::error::{Error, EtcdError, EtcdOp, RecordError, ResolveError};
-use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusCell, StatusWatch};
+use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, Failover, StatusCell, StatusWatch};
 use crate::names::{engines_prefix, EngineId, EngineKey, Namespace};
 use crate::record::{AdvertiseAddr, EngineRecord};
 
@@ -739,11 +739,13 @@ impl Watcher {
     async fn run(self, mut stop: oneshot::Receiver<()>) {
         let mut rng = rand::rngs::StdRng::from_os_rng();
         let mut backoff = Backoff::new(self.etcd.backoff_initial, self.etcd.backoff_max);
+        let mut failover = Failover::default();
         loop {
             let failed = tokio::select! {
                 _ = &mut stop => break,
-                e = self.session(&mut backoff) => e,
+                e = self.session(&mut backoff, &mut failover) => e,
             };
+            failover.session_failed();
             let delay = backoff.next_delay(&mut rng);
             if self.shared.status.failed(&failed) {
                 tracing::warn!(prefix = %self.prefix, error = %failed, "engine directory degraded; serving from its cache and retrying");
@@ -759,11 +761,15 @@ impl Watcher {
     }
 
     /// One connection: list, watch, apply until something fails. Never returns `Ok`.
-    async fn session(&self, backoff: &mut Backoff) -> EtcdError {
+    async fn session(&self, backoff: &mut Backoff, failover: &mut Failover) -> EtcdError {
         let etcd = &self.etcd;
-        // A fresh client per attempt: no state survives from a broken connection.
-        let client: Client = match etcd.client().await {
-            Ok(c) => c,
+        // A fresh client per attempt, of one live member: no state survives from a broken
+        // connection.
+        let client: Client = match etcd.connect(failover).await {
+            Ok((c, endpoint)) => {
+                self.shared.status.endpoint(&endpoint);
+                c
+            }
             Err(e) => return e,
         };
         let (revision, listing) = match self.list(&client).await {

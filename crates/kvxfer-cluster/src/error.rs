@@ -191,6 +191,8 @@ pub enum EtcdOp {
     List,
     /// Watching the engines.
     Watch,
+    /// Checking that a member answers (a linearizable read) before using it.
+    Health,
 }
 
 impl std::fmt::Display for EtcdOp {
@@ -204,6 +206,7 @@ impl std::fmt::Display for EtcdOp {
             EtcdOp::Revoke => "lease revoke",
             EtcdOp::List => "list",
             EtcdOp::Watch => "watch",
+            EtcdOp::Health => "health check",
         })
     }
 }
@@ -227,6 +230,13 @@ pub enum EtcdError {
         op: EtcdOp,
         /// How long it waited.
         after: Duration,
+    },
+    /// No endpoint answered a health check (every member down, unreachable, or without a
+    /// quorum).
+    #[error("no etcd endpoint answered: {tried}")]
+    NoEndpoint {
+        /// Each endpoint tried, with its failure.
+        tried: String,
     },
     /// A stream (watch or keep-alive) ended or was cancelled by etcd.
     #[error("etcd {op} stream ended: {reason}")]

@@ -4,7 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{Client, ConnectOptions, GetOptions};
 
 use crate::error::{ConfigError, EtcdError, EtcdOp};
 
@@ -60,16 +60,68 @@ impl EtcdConfig {
         Ok(())
     }
 
-    /// Makes a client. etcd-client connects lazily, so this does no I/O and succeeds while
-    /// etcd is down; every call made with it is bounded by [`Self::call`].
-    pub(crate) async fn client(&self) -> Result<Client, EtcdError> {
+    /// The endpoints given, trimmed, empty ones left out.
+    fn endpoint_list(&self) -> Vec<&str> {
+        self.endpoints.iter().map(|e| e.trim()).filter(|e| !e.is_empty()).collect()
+    }
+
+    /// A client of the one member at `endpoint`. etcd-client connects lazily, so this does
+    /// no I/O; it asks for a member with a leader (`require_leader`): a member cut off from
+    /// its cluster's quorum refuses requests and ends the streams it serves instead of
+    /// hanging them.
+    async fn client_of(&self, endpoint: &str) -> Result<Client, EtcdError> {
         let options = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_keep_alive(self.keepalive_interval, self.keepalive_timeout)
-            .with_keep_alive_while_idle(true);
-        let endpoints: Vec<&str> =
-            self.endpoints.iter().map(|e| e.trim()).filter(|e| !e.is_empty()).collect();
-        self.call(EtcdOp::Connect, Client::connect(endpoints, Some(options))).await
+            .with_keep_alive_while_idle(true)
+            .with_require_leader(true);
+        self.call(EtcdOp::Connect, Client::connect([endpoint], Some(options))).await
+    }
+
+    /// Connects to one member at a time, trying the endpoints in turn from
+    /// `failover`'s next one, and returns the first that answers a linearizable read (a
+    /// cheap count of one key, which needs the member to be in a quorum with a leader) —
+    /// so every lease grant, put, keep-alive and watch of a session goes over one
+    /// connection to a live member. etcd-client spreads requests over all its endpoints
+    /// and leaves failover to its user: a keep-alive stream opened to a dead member would
+    /// fail however healthy the others are. Each try is bounded by the connect and request
+    /// timeouts; when none answers the error names every endpoint's failure.
+    pub(crate) async fn connect(&self, failover: &mut Failover) -> Result<(Client, Arc<str>), EtcdError> {
+        let endpoints = self.endpoint_list();
+        if endpoints.is_empty() {
+            return Err(EtcdError::NoEndpoint { tried: String::new() });
+        }
+        let mut tried = Vec::new();
+        for step in 0..endpoints.len() {
+            let index = (failover.next + step) % endpoints.len();
+            let endpoint = endpoints[index];
+            let probe = async {
+                let mut client = self.client_of(endpoint).await?;
+                let options = GetOptions::new().with_count_only();
+                self.call(EtcdOp::Health, client.get(HEALTH_KEY, Some(options))).await?;
+                Ok::<_, EtcdError>(client)
+            };
+            match probe.await {
+                Ok(client) => {
+                    if step > 0 {
+                        tracing::debug!(endpoint, skipped = ?tried, "etcd: connected to the next live member");
+                    }
+                    failover.next = index;
+                    failover.current = Some(index);
+                    return Ok((client, Arc::from(endpoint)));
+                }
+                Err(e) => tried.push(format!("{endpoint}: {e}")),
+            }
+        }
+        // All failed: start from the next one next time.
+        failover.next = (failover.next + 1) % endpoints.len();
+        failover.current = None;
+        if endpoints.len() == 1 {
+            // One endpoint: its own error, as before.
+            let only = tried.pop().unwrap_or_default();
+            return Err(EtcdError::NoEndpoint { tried: only });
+        }
+        Err(EtcdError::NoEndpoint { tried: tried.join("; ") })
     }
 
     /// Runs one etcd call with the request timeout.
@@ -82,6 +134,27 @@ impl EtcdConfig {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(source)) => Err(EtcdError::Client { op, source }),
             Err(_) => Err(EtcdError::Timeout { op, after: self.request_timeout }),
+        }
+    }
+}
+
+/// The key a connection's health check counts (any key does: the read is what matters).
+const HEALTH_KEY: &str = "health";
+
+/// Which etcd member to try first: the one in use, until a session on it fails; then the
+/// next one. One per registration or directory task.
+#[derive(Debug, Default)]
+pub(crate) struct Failover {
+    next: usize,
+    current: Option<usize>,
+}
+
+impl Failover {
+    /// The session on the member in use failed: try the next member first next time (a
+    /// dead member is then not asked first again; a healthy one is asked again in turn).
+    pub(crate) fn session_failed(&mut self) {
+        if let Some(current) = self.current.take() {
+            self.next = current + 1;
         }
     }
 }
@@ -128,6 +201,9 @@ pub struct EtcdStatus {
     pub failures: u64,
     /// Times it became connected again after a failure.
     pub recoveries: u64,
+    /// The endpoint of the etcd member it is (or was last) connected to: one member at a
+    /// time, rotated on failure.
+    pub endpoint: Option<Arc<str>>,
 }
 
 /// The shared, watchable status of one registration or directory.
@@ -144,6 +220,7 @@ impl StatusCell {
             last_error: None,
             failures: 0,
             recoveries: 0,
+            endpoint: None,
         };
         Self { tx: tokio::sync::watch::Sender::new(status) }
     }
@@ -187,6 +264,17 @@ impl StatusCell {
             }
         });
         was_ok
+    }
+
+    /// Records the endpoint of the member in use.
+    pub(crate) fn endpoint(&self, endpoint: &Arc<str>) {
+        self.tx.send_if_modified(|s| {
+            if s.endpoint.as_ref() == Some(endpoint) {
+                return false;
+            }
+            s.endpoint = Some(endpoint.clone());
+            true
+        });
     }
 
     pub(crate) fn stopped(&self) {

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd_client::{
     Client, Compare, CompareOp, EventType, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::backoff::Backoff;
 use crate::error::{ConfigError, Error, EtcdError, EtcdOp};
-use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusCell, StatusWatch};
+use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, Failover, StatusCell, StatusWatch};
 use crate::names::EngineKey;
 use crate::record::EngineRecord;
 
@@ -24,6 +24,24 @@ pub const MIN_LEASE_TTL: Duration = Duration::from_secs(2);
 /// The longest lease TTL accepted here (a day: longer only delays crash detection).
 pub const MAX_LEASE_TTL: Duration = Duration::from_secs(86_400);
 
+/// The longest time between two keep-alives: they go every TTL/3, but at least this often,
+/// so that an etcd stall, a failover to another member or a leader election may last up
+/// to about TTL − 1.5 s (this interval, plus a quick reconnection) before the lease runs
+/// out. A renewal is one small message to etcd's leader (no raft round).
+pub const MAX_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The longest wait between two reconnection attempts while the lease may still be alive
+/// (its TTL since the last answer has not run out): every moment of a stall or failover
+/// counts against the lease. Once it is surely gone the usual backoff applies.
+const LEASE_SAVING_RETRY: Duration = Duration::from_millis(200);
+
+/// How often a lease of `ttl_secs` is kept alive: every TTL/3, at most
+/// [`MAX_KEEPALIVE_INTERVAL`] apart.
+fn keepalive_interval(ttl_secs: i64) -> Duration {
+    let ttl_ms = u64::try_from(ttl_secs).unwrap_or(1).max(1).saturating_mul(1000);
+    Duration::from_millis(ttl_ms / 3).min(MAX_KEEPALIVE_INTERVAL)
+}
+
 /// What to register.
 #[derive(Debug, Clone)]
 pub struct RegistrationConfig {
@@ -32,7 +50,10 @@ pub struct RegistrationConfig {
     /// What.
     pub record: EngineRecord,
     /// The lease TTL: a crashed agent's key disappears at most this long after its last
-    /// keep-alive (keep-alives go every TTL/3). Whole seconds, [`MIN_LEASE_TTL`] or more.
+    /// keep-alive (keep-alives go every TTL/3, at least every second). It is also how long
+    /// etcd may be unreachable (stalled, failing over, electing a leader) before a live
+    /// agent's key goes and comes back: stalls up to about TTL − 1.5 s are survived. Whole
+    /// seconds, [`MIN_LEASE_TTL`] or more.
     pub ttl: Duration,
 }
 
@@ -218,6 +239,19 @@ struct Keeper {
     ttl_secs: i64,
 }
 
+/// What a session keeps across reconnections.
+#[derive(Default)]
+struct Conn {
+    /// The client of the member in use (`None`: connect first).
+    client: Option<Client>,
+    /// The lease the key is on.
+    lease: Option<i64>,
+    /// Until when the lease runs at least, as of its last answer.
+    lease_until: Option<Instant>,
+    /// Which member to try first.
+    failover: Failover,
+}
+
 /// What putting the key came to.
 enum Claim {
     /// The key holds this registration's record, as of `revision`.
@@ -249,27 +283,32 @@ impl Keeper {
     async fn run(self, mut stop: oneshot::Receiver<Stop>) -> Result<(), EtcdError> {
         let mut rng = rand::rngs::StdRng::from_os_rng();
         let mut backoff = Backoff::new(self.etcd.backoff_initial, self.etcd.backoff_max);
-        let mut client: Option<Client> = None;
-        let mut lease: Option<i64> = None;
+        let mut conn = Conn::default();
         let key = self.key.to_key();
         loop {
             let ended = tokio::select! {
-                s = &mut stop => return self.stop(s.ok(), client, lease).await,
-                ended = self.session(&key, &mut client, &mut lease, &mut backoff) => ended,
+                s = &mut stop => return self.stop(s.ok(), conn.client, conn.lease).await,
+                ended = self.session(&key, &mut conn, &mut backoff) => ended,
             };
             match ended {
                 SessionEnd::LeaseLost => continue,
                 SessionEnd::Failed(e) => {
-                    // A fresh client per attempt: no state survives from a broken connection.
-                    client = None;
-                    let delay = backoff.next_delay(&mut rng);
+                    // A fresh client per attempt, on the next member first: no state
+                    // survives from a broken connection.
+                    conn.client = None;
+                    conn.failover.session_failed();
+                    let mut delay = backoff.next_delay(&mut rng);
+                    if conn.lease.is_some() && conn.lease_until.is_some_and(|t| t > Instant::now()) {
+                        // The lease may still be saved: every moment counts.
+                        delay = delay.min(LEASE_SAVING_RETRY);
+                    }
                     if self.shared.status.failed(&e) {
                         tracing::warn!(key = %key, error = %e, "etcd registration degraded; retrying (the key stays until its lease expires)");
                     } else {
                         tracing::debug!(key = %key, error = %e, retry_in = ?delay, "etcd registration still failing");
                     }
                     tokio::select! {
-                        s = &mut stop => return self.stop(s.ok(), client, lease).await,
+                        s = &mut stop => return self.stop(s.ok(), conn.client, conn.lease).await,
                         _ = tokio::time::sleep(delay) => {}
                     }
                 }
@@ -280,27 +319,28 @@ impl Keeper {
     /// Grants (or keeps) a lease, puts the key on it, then keeps the lease alive and
     /// watches the key until something fails: a key deleted under the live lease is put
     /// back; a key another incarnation holds is left alone (a conflict) until it is free.
-    async fn session(
-        &self,
-        key: &str,
-        client: &mut Option<Client>,
-        lease: &mut Option<i64>,
-        backoff: &mut Backoff,
-    ) -> SessionEnd {
+    async fn session(&self, key: &str, conn: &mut Conn, backoff: &mut Backoff) -> SessionEnd {
         let etcd = &self.etcd;
+        let Conn { client, lease, lease_until, failover } = conn;
         let c = match client {
             Some(c) => c,
-            None => match etcd.client().await {
-                Ok(c) => client.insert(c),
+            None => match etcd.connect(failover).await {
+                Ok((c, endpoint)) => {
+                    self.shared.status.endpoint(&endpoint);
+                    client.insert(c)
+                }
                 Err(e) => return e.into(),
             },
         };
         let counters = &self.shared.counters;
         if let Some(id) = *lease {
             // After a broken connection: is the lease still there (etcd restarted with its
-            // data, or a short outage)? Then keep it, else grant a new one.
+            // data, a short outage, another member)? Then keep it, else grant a new one.
+            let asked = Instant::now();
             match etcd.call(EtcdOp::TimeToLive, c.lease_time_to_live(id, None)).await {
-                Ok(r) if r.ttl() > 0 => {}
+                Ok(r) if r.ttl() > 0 => {
+                    *lease_until = Some(asked + Duration::from_secs(r.ttl().unsigned_abs()));
+                }
                 Ok(_) => {
                     counters.leases_lost.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(key = %key, lease = %format_args!("{id:x}"), "etcd lease expired while disconnected; granting a new one");
@@ -313,6 +353,7 @@ impl Keeper {
             Some(id) => (id, self.ttl_secs),
             None => match etcd.call(EtcdOp::Grant, c.lease_grant(self.ttl_secs, None)).await {
                 Ok(r) => {
+                    *lease_until = Some(Instant::now() + Duration::from_secs(r.ttl().unsigned_abs()));
                     counters.grants.fetch_add(1, Ordering::Relaxed);
                     *lease = Some(r.id());
                     self.shared.lease.store(r.id(), Ordering::Relaxed);
@@ -349,10 +390,13 @@ impl Keeper {
                 (false, revision)
             }
         };
+        // Opening the stream renews the lease once (etcd-client waits for that answer).
+        let opened = Instant::now();
         let (mut keeper, mut responses) = match etcd.call(EtcdOp::KeepAlive, c.lease_keep_alive(id)).await {
             Ok(pair) => pair,
             Err(e) => return e.into(),
         };
+        *lease_until = Some(opened + Duration::from_secs(ttl.unsigned_abs()));
         let watch = c.watch(key, Some(WatchOptions::new().with_start_revision(revision + 1)));
         let mut watch = match etcd.call(EtcdOp::Watch, watch).await {
             Ok(w) => w,
@@ -366,26 +410,31 @@ impl Keeper {
                 tracing::info!(key = %key, lease = %format_args!("{id:x}"), ttl_s = ttl, "registered in etcd");
             }
         }
-        let interval = Duration::from_millis(u64::try_from(ttl).unwrap_or(1).saturating_mul(1000) / 3);
+        let interval = keepalive_interval(ttl);
+        // An unanswered keep-alive ends the session once it has waited this long: the next
+        // member is then tried while the lease still runs.
+        let answer_timeout = interval.max(etcd.request_timeout);
         let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Whether a keep-alive went out and its answer has not come yet.
-        let mut awaiting = false;
+        // Since when a keep-alive has been waiting for its answer.
+        let mut unanswered: Option<Instant> = None;
         loop {
             tokio::select! {
                 _ = ticks.tick() => {
-                    // An answer must come before the next keep-alive is due.
-                    if awaiting {
-                        return EtcdError::Timeout { op: EtcdOp::KeepAlive, after: interval }.into();
+                    if let Some(since) = unanswered.filter(|t| t.elapsed() >= answer_timeout) {
+                        return EtcdError::Timeout { op: EtcdOp::KeepAlive, after: since.elapsed() }.into();
                     }
                     if let Err(source) = keeper.keep_alive().await {
                         return EtcdError::Client { op: EtcdOp::KeepAlive, source }.into();
                     }
-                    awaiting = true;
+                    unanswered.get_or_insert_with(Instant::now);
                 }
                 answer = responses.message() => match answer {
                     Ok(Some(r)) if r.ttl() > 0 => {
-                        awaiting = false;
+                        // The lease runs its TTL from when the oldest unanswered keep-alive
+                        // went out, at the latest.
+                        let sent = unanswered.take().unwrap_or_else(Instant::now);
+                        *lease_until = Some(sent + Duration::from_secs(r.ttl().unsigned_abs()));
                         counters.keepalives.fetch_add(1, Ordering::Relaxed);
                     }
                     Ok(Some(_)) => {
@@ -520,7 +569,7 @@ impl Keeper {
             (Some(Stop::Revoke), Some(id)) => {
                 let mut c = match client {
                     Some(c) => c,
-                    None => self.etcd.client().await?,
+                    None => self.etcd.connect(&mut Failover::default()).await?.0,
                 };
                 let revoked = match self.etcd.call(EtcdOp::Revoke, c.lease_revoke(id)).await {
                     Ok(_) => Ok(()),

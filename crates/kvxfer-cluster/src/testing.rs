@@ -195,15 +195,7 @@ impl EtcdServer {
 
     /// `GET /health` answers `"health":"true"`.
     fn healthy(&self) -> bool {
-        let addr = SocketAddr::new(self.launch.ip, self.client_port);
-        let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else { return false };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-        if s.write_all(b"GET /health HTTP/1.0\r\nHost: etcd\r\n\r\n").is_err() {
-            return false;
-        }
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body);
-        body.contains(r#""health":"true""#)
+        healthy_at(SocketAddr::new(self.launch.ip, self.client_port))
     }
 
     /// Kills etcd (SIGKILL) and waits for it to exit. The data directory stays.
@@ -282,6 +274,37 @@ impl Drop for EtcdServer {
     }
 }
 
+/// One HTTP/1.0 exchange with etcd's HTTP API at `addr`: the whole response, or `None`.
+fn http_exchange(addr: SocketAddr, request: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    s.write_all(request.as_bytes()).ok()?;
+    let mut response = String::new();
+    let _ = s.read_to_string(&mut response);
+    Some(response)
+}
+
+/// etcd at `addr` says `GET /health` → `"health":"true"` (it is in a quorum with a leader).
+fn healthy_at(addr: SocketAddr) -> bool {
+    http_exchange(addr, "GET /health HTTP/1.0\r\nHost: etcd\r\n\r\n")
+        .is_some_and(|body| body.contains(r#""health":"true""#))
+}
+
+/// etcd's maintenance status through its JSON gateway: (this member's id, the leader's id).
+fn member_status(addr: SocketAddr) -> Option<(String, String)> {
+    let body = "{}";
+    let request = format!(
+        "POST /v3/maintenance/status HTTP/1.0\r\nHost: etcd\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let response = http_exchange(addr, &request)?;
+    let json: serde_json::Value = serde_json::from_str(response.split("\r\n\r\n").nth(1)?).ok()?;
+    let id = json.get("header")?.get("member_id")?.as_str()?.to_owned();
+    let leader = json.get("leader")?.as_str()?.to_owned();
+    Some((id, leader))
+}
+
 fn tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
@@ -299,6 +322,297 @@ pub fn fast_config(endpoint: &str) -> EtcdConfig {
     c.backoff_initial = Duration::from_millis(50);
     c.backoff_max = Duration::from_millis(500);
     c
+}
+
+/// One member of an [`EtcdCluster`].
+#[derive(Debug)]
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+    starts: u32,
+}
+
+/// A real etcd cluster of several members (three for a quorum that survives one loss) on
+/// 127.0.0.1 free ports, each with its own data directory under one temporary directory;
+/// every member is killed and the directory removed when dropped (also on panic). For
+/// failover tests: kill, freeze or restart one member and see the clients carry on.
+#[derive(Debug)]
+pub struct EtcdCluster {
+    members: Vec<Member>,
+    dir: tempfile::TempDir,
+    args: Vec<String>,
+    token: String,
+}
+
+impl EtcdCluster {
+    /// Starts a fresh cluster of `size` members (pings allowed every 100 ms, as
+    /// [`EtcdLaunch::for_tests`]) and waits until every member is healthy.
+    ///
+    /// # Panics
+    /// When etcd is not installed or the cluster does not come up (with the members' logs).
+    pub fn start(size: usize) -> Self {
+        Self::launch(size, vec!["--grpc-keepalive-min-time=100ms".into()]).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts a fresh cluster of `size` members with the extra etcd options `args`.
+    pub fn launch(size: usize, args: Vec<String>) -> Result<Self, String> {
+        if etcd_binary().is_none() {
+            return Err(
+                "the etcd binary was not found on PATH: install Debian's etcd-server package or set \
+                        ETCD_BIN"
+                    .into(),
+            );
+        }
+        // One launch at a time per process (tests run in parallel threads): members of two
+        // clusters starting at once were seen to exit at start.
+        static LAUNCHES: std::sync::Mutex<u32> = std::sync::Mutex::new(0);
+        let mut launches = LAUNCHES.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut last = String::new();
+        for attempt in 0..3 {
+            *launches += 1;
+            let dir = tempfile::Builder::new()
+                .prefix("kvxfer-etcd-cluster-")
+                .tempdir()
+                .map_err(|e| format!("temp dir: {e}"))?;
+            // Hold every port until all are picked, so that no two members get the same.
+            let listeners: Vec<TcpListener> = (0..2 * size)
+                .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
+            let ports: Vec<u16> = listeners
+                .iter()
+                .map(|l| l.local_addr().map(|a| a.port()))
+                .collect::<Result<_, _>>()
+                .map_err(|e| e.to_string())?;
+            drop(listeners);
+            let members = (0..size)
+                .map(|i| Member {
+                    name: format!("m{i}"),
+                    client_port: ports[2 * i],
+                    peer_port: ports[2 * i + 1],
+                    child: None,
+                    starts: 0,
+                })
+                .collect();
+            let token = format!("kvxfer-cluster-{}-{}-{attempt}", std::process::id(), *launches);
+            let mut cluster = Self { members, dir, args: args.clone(), token };
+            match cluster.spawn_all() {
+                Ok(()) => return Ok(cluster),
+                Err(e) => last = e,
+            }
+        }
+        Err(format!("the etcd cluster did not start: {last}"))
+    }
+
+    fn initial_cluster(&self) -> String {
+        let peers: Vec<String> =
+            self.members.iter().map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port)).collect();
+        peers.join(",")
+    }
+
+    fn log_path(&self, i: usize) -> PathBuf {
+        self.dir.path().join(format!("{}-{}.log", self.members[i].name, self.members[i].starts))
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<(), String> {
+        let initial = self.initial_cluster();
+        self.members[i].starts += 1;
+        let log_path = self.log_path(i);
+        let m = &self.members[i];
+        let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
+        let err_log = log.try_clone().map_err(|e| e.to_string())?;
+        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let etcd = etcd_binary().ok_or("etcd not found")?;
+        let child = Command::new(&etcd)
+            .arg(format!("--name={}", m.name))
+            .arg(format!("--data-dir={}", self.dir.path().join(&m.name).display()))
+            .arg(format!("--listen-client-urls={client}"))
+            .arg(format!("--advertise-client-urls={client}"))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster={initial}"))
+            .arg("--initial-cluster-state=new")
+            .arg(format!("--initial-cluster-token={}", self.token))
+            .arg("--logger=zap")
+            .arg("--log-level=warn")
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(err_log))
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}", etcd.display()))?;
+        self.members[i].child = Some(child);
+        Ok(())
+    }
+
+    fn spawn_all(&mut self) -> Result<(), String> {
+        for i in 0..self.members.len() {
+            if let Err(e) = self.spawn(i) {
+                self.kill_all();
+                return Err(e);
+            }
+        }
+        let all: Vec<usize> = (0..self.members.len()).collect();
+        self.wait_healthy(&all)
+    }
+
+    /// Waits until the members `which` answer healthy; a member that exits fails it.
+    fn wait_healthy(&mut self, which: &[usize]) -> Result<(), String> {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let mut all = true;
+            for &i in which {
+                if let Some(child) = self.members[i].child.as_mut() {
+                    if let Ok(Some(status)) = child.try_wait() {
+                        self.members[i].child = None;
+                        let log = tail(&self.log_path(i));
+                        self.kill_all();
+                        return Err(format!("etcd member {i} exited with {status}: {log}"));
+                    }
+                }
+                all &= self.healthy(i);
+            }
+            if all {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let logs: Vec<String> = which.iter().map(|&i| tail(&self.log_path(i))).collect();
+                self.kill_all();
+                return Err(format!(
+                    "etcd members not healthy after {START_TIMEOUT:?}: {}",
+                    logs.join("\n---\n")
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn addr(&self, i: usize) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.members[i].client_port))
+    }
+
+    /// Member `i` answers healthy (it is up and the cluster has a leader).
+    pub fn healthy(&self, i: usize) -> bool {
+        self.members[i].child.is_some() && healthy_at(self.addr(i))
+    }
+
+    /// The number of members.
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Member `i`'s client URL.
+    pub fn endpoint(&self, i: usize) -> String {
+        format!("http://127.0.0.1:{}", self.members[i].client_port)
+    }
+
+    /// Every member's client URL, in order.
+    pub fn endpoints(&self) -> Vec<String> {
+        (0..self.members.len()).map(|i| self.endpoint(i)).collect()
+    }
+
+    /// The member whose client URL is `endpoint`.
+    pub fn member_of(&self, endpoint: &str) -> Option<usize> {
+        (0..self.members.len()).find(|&i| self.endpoint(i) == endpoint.trim_end_matches('/'))
+    }
+
+    /// [`fast_config`] with every member's URL.
+    pub fn config(&self) -> EtcdConfig {
+        let mut c = fast_config(&self.endpoint(0));
+        c.endpoints = self.endpoints();
+        c
+    }
+
+    /// The member that is the raft leader now, as a running member says (`None`: no leader,
+    /// or no running member answered).
+    pub fn leader(&self) -> Option<usize> {
+        let running = || (0..self.members.len()).filter(|&i| self.members[i].child.is_some());
+        let leader = running().find_map(|i| member_status(self.addr(i)).map(|(_, leader)| leader))?;
+        running().find(|&j| member_status(self.addr(j)).is_some_and(|(id, _)| id == leader))
+    }
+
+    /// Kills member `i` (SIGKILL) and waits for it to exit; its data directory stays.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.members[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn kill_all(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+
+    /// Freezes member `i` (SIGSTOP).
+    ///
+    /// # Panics
+    /// When it is not running or `kill` fails.
+    pub fn pause(&self, i: usize) {
+        self.signal(i, "-STOP");
+    }
+
+    /// Thaws member `i` (SIGCONT).
+    ///
+    /// # Panics
+    /// When it is not running or `kill` fails.
+    pub fn resume(&self, i: usize) {
+        self.signal(i, "-CONT");
+    }
+
+    fn signal(&self, i: usize, signal: &str) {
+        let pid = self.members[i]
+            .child
+            .as_ref()
+            .map(|c| c.id().to_string())
+            .unwrap_or_else(|| panic!("etcd member {i} not running"));
+        let status = Command::new("kill").args([signal, &pid]).status();
+        assert!(status.as_ref().is_ok_and(|s| s.success()), "kill {signal} {pid}: {status:?}");
+    }
+
+    /// Starts member `i` again with its data directory (it rejoins the cluster) and waits
+    /// until it is healthy.
+    ///
+    /// # Panics
+    /// When it does not come back.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        if let Err(e) = self.spawn(i).and_then(|()| self.wait_healthy(&[i])) {
+            panic!("etcd member {i} did not restart: {e}");
+        }
+    }
+
+    /// A raw client of member `i`, for writing what agents would not.
+    ///
+    /// # Panics
+    /// When the client cannot be made.
+    pub async fn client(&self, i: usize) -> etcd_client::Client {
+        match etcd_client::Client::connect([self.endpoint(i)], None).await {
+            Ok(c) => c,
+            Err(e) => panic!("etcd client: {e}"),
+        }
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        // SIGKILL ends a stopped process too; the temporary directory goes with `dir`.
+        self.kill_all();
+    }
+}
+
+/// An endpoint where nothing listens (a port of 127.0.0.1 bound and released): what a dead
+/// etcd member looks like to a client.
+///
+/// # Panics
+/// When no port can be bound.
+pub fn dead_endpoint() -> String {
+    let port = free_ports().unwrap_or_else(|e| panic!("{e}")).0;
+    format!("http://127.0.0.1:{port}")
 }
 
 /// The etcd client crate, for tests that write what agents would not (leases, raw values).
