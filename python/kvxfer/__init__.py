@@ -7,6 +7,11 @@ every child's hand-off becomes its own ``kv_transfer_params`` dict. A decode wor
 (:meth:`DecodeAgent.submit`) and reports per child. Every lease ends exactly once: pulled,
 released or (loudly) expired.
 
+Shut agents down before the process exits (``shutdown()``, or ``with`` blocks):
+:func:`shutdown_on_signals` and :func:`shutdown_at_exit` (:mod:`kvxfer.lifecycle`) do it on
+SIGTERM/SIGINT and at interpreter exit for processes of your own (not under vLLM, which
+shuts the connector down itself).
+
 The vLLM connector is :class:`kvxfer.vllm.KvxferConnector`; ``python -m kvxfer.bench`` is the
 benchmark.
 """
@@ -36,6 +41,7 @@ from ._kvxfer import (
     protocol_version,
 )
 from .kvcache import kv_cache_heads, kv_cache_memory, kv_cache_segments
+from .lifecycle import shutdown_at_exit, shutdown_on_signals
 
 __all__ = [
     "AgentClosedError",
@@ -61,4 +67,6 @@ __all__ = [
     "kv_cache_memory",
     "kv_cache_segments",
     "protocol_version",
+    "shutdown_at_exit",
+    "shutdown_on_signals",
 ]
