@@ -487,7 +487,11 @@ pub(crate) struct Shared {
     cache: RwLock<DirectoryCache>,
     subscribers: Mutex<Vec<mpsc::UnboundedSender<DirectoryEvent>>>,
     counters: Counters,
+    /// A first listing has filled the cache.
     synced: AtomicBool,
+    /// The cache is current: listed, and watching since (not degraded). A stale cache may
+    /// lack a restarted process's record, so restarts are judged from it only when current.
+    current: AtomicBool,
     warn: Mutex<WarnLimiter>,
     /// Rate limit of the per-event info logs (a flood of keys cannot flood the log).
     event_logs: Mutex<WarnLimiter>,
@@ -611,6 +615,7 @@ impl EngineDirectory {
             subscribers: Mutex::new(Vec::new()),
             counters: Counters::default(),
             synced: AtomicBool::new(false),
+            current: AtomicBool::new(false),
             warn: Mutex::new(WarnLimiter::new(10)),
             event_logs: Mutex::new(WarnLimiter::new(EVENT_LOGS_PER_SECOND)),
             rules: RecordRules::new(namespace.clone(), options.expected_compat_hash),
@@ -649,9 +654,12 @@ impl EngineDirectory {
     /// refused) at `addr` (when it names one) may be pulled from, judged from the cache
     /// alone: [`ResolveError::Gone`] when the directory saw that incarnation deleted or
     /// replaced and does not list it again; [`ResolveError::StaleIncarnation`] when the
-    /// directory has listed etcd and the rank registered at `addr` is another incarnation
-    /// (a restart this agent may not have seen happen). Checked under the cache's lock,
-    /// so it never lags the events subscribers receive.
+    /// cache is current ([`Self::is_current`]: listed, and watching since) and the rank
+    /// registered at `addr` is another incarnation (a restart this agent may not have seen
+    /// happen). While degraded the cache may predate a restart (a process restarted while
+    /// etcd is down cannot register), so an incarnation it does not know is not refused
+    /// then: the pull's handshake checks the incarnation anyway. Checked under the cache's
+    /// lock, so it never lags the events subscribers receive.
     pub fn check_handoff(
         &self,
         engine_id: &str,
@@ -659,7 +667,7 @@ impl EngineDirectory {
         addr: Option<&AdvertiseAddr>,
     ) -> Result<(), ResolveError> {
         let cache = self.shared.cache();
-        cache.check_handoff(engine_id, incarnation, addr, self.is_synced())
+        cache.check_handoff(engine_id, incarnation, addr, self.is_current())
     }
 
     /// Every cached rank of `engine_id`, by rank.
@@ -679,9 +687,16 @@ impl EngineDirectory {
         DirectoryEvents { rx }
     }
 
-    /// Whether a first listing has filled the cache.
+    /// Whether a first listing has filled the cache (it stays filled while degraded).
     pub fn is_synced(&self) -> bool {
         self.shared.synced.load(Ordering::Acquire)
+    }
+
+    /// Whether the cache is current: listed, and watching etcd since (false from the first
+    /// failure until the next listing). A cache that is not current answers [`Self::resolve`]
+    /// with the last state seen, but [`Self::check_handoff`] does not judge restarts by it.
+    pub fn is_current(&self) -> bool {
+        self.shared.current.load(Ordering::Acquire)
     }
 
     /// Waits until the cache is filled from etcd and being watched, up to `timeout`.
@@ -745,6 +760,8 @@ impl Watcher {
                 _ = &mut stop => break,
                 e = self.session(&mut backoff, &mut failover) => e,
             };
+            // From now on the cache may miss changes: restarts are not judged by it.
+            self.shared.current.store(false, Ordering::Release);
             failover.session_failed();
             let delay = backoff.next_delay(&mut rng);
             if self.shared.status.failed(&failed) {
@@ -757,6 +774,7 @@ impl Watcher {
                 _ = tokio::time::sleep(delay) => {}
             }
         }
+        self.shared.current.store(false, Ordering::Release);
         self.shared.status.stopped();
     }
 
@@ -782,6 +800,7 @@ impl Watcher {
         // under another incarnation) can be judged — also in the window before the watch
         // below is set up (a check made then saw a filled cache but called it unlisted).
         self.shared.synced.store(true, Ordering::Release);
+        self.shared.current.store(true, Ordering::Release);
         // Fragments: etcd splits a response larger than its request limit (1.5 MiB by
         // default) instead of sending one that could exceed the client's.
         let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1).with_fragment();

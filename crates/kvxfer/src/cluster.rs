@@ -365,13 +365,15 @@ impl DecodeCluster {
             .flatten();
         match dir.check_handoff(&engine.engine_id, inc, at.as_ref()) {
             Ok(()) => {}
+            // Only judged while the directory is current (listed and watching): a stale
+            // cache (etcd unreachable) may list the process a restart replaced.
             Err(ResolveError::StaleIncarnation { registered, .. }) => {
                 return Err(not_registered(format!(
-                    "incarnation {} is not registered in etcd namespace {ns:?}: the rank at {} is \
-                     incarnation {} now (the process restarted): its leases are gone",
+                    "incarnation {} is not registered in etcd namespace {ns:?}: etcd lists incarnation {} \
+                     at {} (the process there restarted; the hand-off's leases are gone)",
                     log::Incarnation(inc),
-                    engine.addr(),
-                    log::Incarnation(registered)
+                    log::Incarnation(registered),
+                    engine.addr()
                 )));
             }
             Err(_) => {

@@ -385,6 +385,78 @@ mod discovery {
         drop(prefill);
     }
 
+    /// A prefill process restarted (same address, a new incarnation) while etcd is down
+    /// cannot register, and the decode side's cache still lists its predecessor there: a
+    /// degraded directory does not judge restarts by that stale cache, so the new process's
+    /// hand-offs pull (its handshake checks the incarnation). Once etcd is back the new
+    /// process registers, the directory lists it, and the old incarnation is gone.
+    #[test]
+    fn a_prefill_restarted_while_etcd_is_down_is_pulled_from() {
+        let mut etcd = EtcdServer::start();
+        let old = prefill_in(&etcd, "engine-r", 10);
+        let addr = old.local_addr();
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-r", old.incarnation());
+        let dir = decode.directory().expect("directory").clone();
+        let result = old.lease_parent("P1", blocks(0, 2), 1, None).expect("lease");
+        assert_done_and_verified(
+            &decode,
+            &decode.submit(result, blocks(0, 2)).expect("submit").wait(),
+            &blocks(0, 2),
+        );
+
+        etcd.kill();
+        wait_for("the directory degraded", || dir.status().state == EtcdState::Degraded);
+        assert!(!dir.is_current() && dir.is_synced());
+        let old_incarnation = old.incarnation();
+        old.shutdown();
+        drop(old);
+        // The restart: same engine, same address, a new incarnation.
+        let config = AgentConfig::new("prefill")
+            .engine_id("engine-r")
+            .io_timeout(Duration::from_secs(5))
+            .discovery(discovery(&etcd, 10));
+        let mem = kvxfer_mem::pattern::alloc_filled(layout(64)).expect("patterned memory");
+        let new =
+            PrefillAgent::start(keyed(config), &addr.to_string(), mem).expect("restarted prefill agent");
+        assert_ne!(new.incarnation(), old_incarnation);
+        assert_eq!(
+            dir.resolve("engine-r", 0).map(|e| e.record.incarnation),
+            Some(old_incarnation),
+            "the stale cache lists the old process"
+        );
+        for (i, parent) in ["P2", "P3"].into_iter().enumerate() {
+            let remote = blocks(8 + 4 * i as u32, 2);
+            let result = new.lease_parent(parent, remote.clone(), 1, None).expect("lease");
+            // With its address, and naming only the engine id (the cached address is the same).
+            let result = if i == 0 { result } else { result.engine_only() };
+            let report = decode.submit(result, remote.clone()).expect("submit").wait();
+            assert_done_and_verified(&decode, &report, &remote);
+        }
+
+        // etcd back: the new process registers over its predecessor's record, the directory
+        // lists it, and a hand-off of the old incarnation is refused as gone.
+        etcd.restart();
+        if let Err(status) = new.wait_registered(Duration::from_secs(15)) {
+            panic!("not registered: {status:?}");
+        }
+        wait_resolves(&decode, "engine-r", new.incarnation());
+        wait_for("the directory current", || dir.is_current());
+        let old_addr = kvxfer_cluster::AdvertiseAddr::from_socket_addr(addr).expect("addr");
+        assert!(matches!(
+            dir.check_handoff("engine-r", old_incarnation, Some(&old_addr)),
+            Err(kvxfer_cluster::ResolveError::Gone { .. })
+        ));
+        let result = new.lease_parent("P4", blocks(32, 2), 1, None).expect("lease");
+        assert_done_and_verified(
+            &decode,
+            &decode.submit(result, blocks(32, 2)).expect("submit").wait(),
+            &blocks(32, 2),
+        );
+        drop(decode);
+        drop(new);
+    }
+
     /// An IPv6 advertise host written in a non-canonical form: hand-offs and the registered
     /// record name the same address, so an event about the record finds the pooled peer.
     #[test]
