@@ -12,6 +12,8 @@ use crate::error::{ConfigError, EtcdError, EtcdOp};
 #[derive(Debug, Clone)]
 pub struct EtcdConfig {
     /// Client URLs, e.g. `http://10.0.0.1:2379` (`host:port` means `http://host:port`).
+    /// List every member of an HA cluster: one member is used at a time, the next one when
+    /// it fails ([`EtcdStatus::endpoint`] says which).
     pub endpoints: Vec<String>,
     /// Longest wait for a TCP connection to an endpoint.
     pub connect_timeout: Duration,

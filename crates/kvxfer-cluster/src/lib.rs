@@ -43,7 +43,18 @@
 //! ## Leases and TTL
 //!
 //! A [`Registration`] grants an etcd lease (TTL configurable, 2 s — etcd's default minimum
-//! — or more), puts the key on it, and keeps it alive every TTL/3 from a background task:
+//! — or more), puts the key on it, and keeps it alive every TTL/3, at least every second
+//! ([`MAX_KEEPALIVE_INTERVAL`]), from a background task:
+//!
+//! - One etcd member at a time: the endpoints are tried in turn and the first that answers
+//!   a linearizable read is used for the whole session (grant, puts, keep-alives, watch);
+//!   a failed session moves to the next member ([`EtcdStatus::endpoint`] says which).
+//!   etcd-client itself spreads requests over every endpoint, so one dead member broke
+//!   sessions however healthy the others were.
+//! - The TTL is also how long etcd may be unreachable before a live engine's key expires:
+//!   a keep-alive unanswered for max(interval, request timeout) ends the session, and while
+//!   the lease may still be alive reconnections are retried every 200 ms at most, so a stall
+//!   or failover of up to about TTL − 1.5 s leaves the key (and the decode side) untouched.
 //!
 //! - [`Registration::shutdown`] revokes the lease: the key is deleted at once.
 //! - A crash (or dropping the `Registration`) stops the keep-alives: etcd deletes the key
@@ -91,7 +102,8 @@
 //! rate-limited warning and a counter; the watcher never stops for them.
 //!
 //! On any failure (etcd down or restarted, watch cancelled or compacted) the directory keeps
-//! answering from its cache, reports `Degraded`, and retries with backoff; when it gets
+//! answering from its cache, reports `Degraded` (and stops judging restarts by the cache:
+//! [`EngineDirectory::is_current`]), and retries with backoff; when it gets
 //! through it lists again and emits `Removed`/`Updated`/`Added` for whatever changed
 //! meanwhile, then watches from the new listing's revision.
 //!

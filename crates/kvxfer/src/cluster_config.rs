@@ -11,7 +11,9 @@ use kvxfer_cluster::{EtcdConfig, Metrics, Namespace};
 use crate::error::Error;
 
 /// The default registration TTL: a crashed prefill process's key is gone at most this long
-/// after its last keep-alive.
+/// after its last keep-alive, and etcd may be unreachable for up to about 8.5 s (TTL − 1.5 s:
+/// a stall, a member failure, a leader election) before a live engine's key expires and
+/// decode agents see it leave and return.
 pub const DEFAULT_REGISTRATION_TTL: Duration = Duration::from_secs(10);
 
 /// An agent's cluster settings ([`AgentConfig::cluster`](crate::AgentConfig)); the default
@@ -37,7 +39,11 @@ pub struct DiscoveryConfig {
     /// The deployment's namespace (the first key segment; printable ASCII without `/`).
     pub namespace: String,
     /// The registration lease's TTL (whole seconds, 2 s or more): how long a crashed prefill
-    /// process stays registered at most. Keep-alives go every TTL/3. Default 10 s.
+    /// process stays registered at most, and — less about 1.5 s — how long etcd may be
+    /// unreachable before a live one's key expires and comes back (its pooled connections
+    /// dropped on the decode side). Keep-alives go every TTL/3, at least every second.
+    /// Default 10 s; 2 s only on one host or in tests (a 1 s etcd stall then flaps every
+    /// engine). See the cluster guide's "Choosing the TTL".
     pub registration_ttl: Duration,
 }
 
