@@ -38,7 +38,13 @@ mod shape;
 fn enable_logging(filter: &str) -> bool {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init().is_ok()
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // No colour codes in a log written to a file or a pipe (vLLM's logs usually are).
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init()
+        .is_ok()
 }
 
 /// The wire protocol version this build speaks.
