@@ -273,11 +273,13 @@ mod discovery {
         etcd.kill();
     }
 
-    /// `GET /metrics` over HTTP/1.0: the samples by series.
+    /// `GET /metrics` over HTTP/1.0, asking for OpenMetrics (the default answer is the
+    /// Prometheus text format): the samples by series.
     fn scrape(addr: std::net::SocketAddr) -> BTreeMap<String, f64> {
         let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");
         s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: test\r\n\r\n").expect("request");
+        let request = "GET /metrics HTTP/1.0\r\nHost: test\r\nAccept: application/openmetrics-text\r\n\r\n";
+        s.write_all(request.as_bytes()).expect("request");
         let mut text = String::new();
         s.read_to_string(&mut text).expect("response");
         assert!(text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"), "{text}");
