@@ -52,7 +52,7 @@
 //!   etcd-client itself spreads requests over every endpoint, so one dead member broke
 //!   sessions however healthy the others were.
 //! - The TTL is also how long etcd may be unreachable before a live engine's key expires:
-//!   a keep-alive unanswered for max(interval, request timeout) ends the session, and while
+//!   a keep-alive unanswered for an interval ends the session, and while
 //!   the lease may still be alive reconnections are retried every 200 ms at most, so a stall
 //!   or failover of up to about TTL − 1.5 s leaves the key (and the decode side) untouched.
 //!

@@ -411,9 +411,10 @@ impl Keeper {
             }
         }
         let interval = keepalive_interval(ttl);
-        // An unanswered keep-alive ends the session once it has waited this long: the next
-        // member is then tried while the lease still runs.
-        let answer_timeout = interval.max(etcd.request_timeout);
+        // An unanswered keep-alive ends the session once it has waited an interval (a
+        // renewal takes milliseconds): a hung member is left within two intervals, and the
+        // next member is tried while the lease still runs.
+        let answer_timeout = interval;
         let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Since when a keep-alive has been waiting for its answer.

@@ -1,12 +1,12 @@
 //! Pulls under steady load while one member of a three-member etcd cluster is killed
-//! (`kill -9`): a prefill agent registered through all three endpoints, a decode agent
-//! resolving through discovery, pulling continuously; after the kill a second prefill agent
-//! starts with the dead member listed first and is pulled from too. No pull may fail, and
-//! the first engine's key keeps its lease.
+//! (`kill -9`) or frozen (SIGSTOP): a prefill agent registered through all three endpoints,
+//! a decode agent resolving through discovery, pulling continuously; after the kill a second
+//! prefill agent starts with the dead member listed first and is pulled from too. No pull may
+//! fail, and the first engine's key keeps its lease.
 //!
-//! Each scenario (a follower killed, the leader killed) loads for 10 s by default; the figures of a longer run (pulls done and
-//! failed, the time from the kill to the registration's and the directory's reconnection)
-//! are printed. The 60 s run:
+//! Each scenario (a follower killed, the leader killed, a follower frozen) loads for 10 s by
+//! default; the figures of a longer run (pulls done and failed, the time from the kill to the
+//! registration's and the directory's reconnection) are printed. The 60 s run:
 //!
 //! ```sh
 //! KVXFER_ETCD_HA_SECS=60 cargo test -p kvxfer --features cluster --test etcd_ha -- --nocapture --test-threads=1
@@ -47,6 +47,9 @@ enum Victim {
     Follower,
     /// The raft leader, the member both agents connect to (listed first).
     Leader,
+    /// A follower both agents connect to, frozen (SIGSTOP) instead of killed: its
+    /// connections stay open and nothing answers.
+    Frozen,
 }
 
 /// What a run came to.
@@ -107,7 +110,7 @@ fn run(victim: Victim) -> Figures {
     };
     let target = match victim {
         Victim::Leader => leader,
-        Victim::Follower => (leader + 1) % cluster.size(),
+        Victim::Follower | Victim::Frozen => (leader + 1) % cluster.size(),
     };
     // `--etcd T --etcd X --etcd Y` with the default timeouts and backoff: the victim
     // first, so both agents connect to it.
@@ -152,7 +155,10 @@ fn run(victim: Victim) -> Figures {
     };
     std::thread::sleep(load / 3);
     let killed = Instant::now();
-    cluster.kill(target);
+    match victim {
+        Victim::Frozen => cluster.pause(target),
+        _ => cluster.kill(target),
+    }
     let prefill = &puller.1;
     let registration_back = reconnected(killed, &dead, || prefill.registration_status());
     let directory_back = reconnected(killed, &dead, || Some(dir.status()));
@@ -293,12 +299,13 @@ fn check(f: &Figures) {
 }
 
 /// The member both agents use is killed under load: first a follower, then (a fresh
-/// cluster) the leader — a failover and an election at once. One test, the scenarios one
+/// cluster) the leader — a failover and an election at once — then a follower is frozen
+/// (SIGSTOP: nothing resets the connections, the agents must notice the silence). One test, the scenarios one
 /// after the other: a second cluster started while the first one's agents were loading the
 /// machine had members exit at start.
 #[test]
 fn a_killed_etcd_member_of_three_fails_no_pull() {
-    for victim in [Victim::Follower, Victim::Leader] {
+    for victim in [Victim::Follower, Victim::Leader, Victim::Frozen] {
         check(&run(victim));
     }
 }
