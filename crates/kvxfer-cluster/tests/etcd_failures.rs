@@ -34,6 +34,12 @@ async fn directory(etcd: EtcdConfig) -> EngineDirectory {
     dir
 }
 
+/// The creation revision of engine-s's key (0: absent).
+async fn created_revision(etcd: &support::EtcdServer) -> i64 {
+    let got = etcd.client().await.get(key("engine-s", 0).to_key(), None).await.expect("get");
+    got.kvs().first().map_or(0, |kv| kv.create_revision())
+}
+
 /// Every event queued now.
 fn drain(events: &mut DirectoryEvents) -> Vec<DirectoryEvent> {
     std::iter::from_fn(|| events.try_recv()).collect()
@@ -91,6 +97,7 @@ async fn an_etcd_stall_shorter_than_the_ttl_does_not_flap_a_live_engine() {
     registered(&reg).await;
     wait_added(&mut events, &["engine-s"]).await;
     let lease = reg.lease_id();
+    let created = created_revision(&etcd).await;
 
     // Right after a keep-alive answer, then 1.8 s on: keep-alives every TTL/3 = 2 s
     // leave the lease 4.2 s then, so a 4 s stall ends 0.2 s before it expires.
@@ -121,6 +128,9 @@ async fn an_etcd_stall_shorter_than_the_ttl_does_not_flap_a_live_engine() {
     );
     assert_eq!((stats.grants, stats.leases_lost), (1, 0), "{stats:?}");
     assert_eq!(reg.lease_id(), lease, "the same lease throughout");
+    // Deleted and put again (what a directory connected meanwhile sees as Removed, Added)
+    // would show as a new creation revision.
+    assert_eq!(created_revision(&etcd).await, created, "the key was deleted and put again");
     assert!(dir.resolve("engine-s", 0).is_some());
     reg.shutdown().await.expect("shutdown");
     dir.shutdown().await;
