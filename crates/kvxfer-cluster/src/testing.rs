@@ -365,8 +365,11 @@ impl EtcdCluster {
                     .into(),
             );
         }
-        // One launch at a time per process (tests run in parallel threads): members of two
-        // clusters starting at once were seen to exit at start.
+        // One launch at a time per process (tests run in parallel threads), each with its own
+        // cluster token. (A cluster launched while another test of the same process loaded
+        // the machine with agents and a cluster of its own had members exit at once with
+        // status 1 or 2 and an empty log, this lock or not; cause not found — etcd_ha runs
+        // its scenarios one after the other.)
         static LAUNCHES: std::sync::Mutex<u32> = std::sync::Mutex::new(0);
         let mut launches = LAUNCHES.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut last = String::new();

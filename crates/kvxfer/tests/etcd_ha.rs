@@ -302,7 +302,7 @@ fn check(f: &Figures) {
 /// cluster) the leader — a failover and an election at once — then a follower is frozen
 /// (SIGSTOP: nothing resets the connections, the agents must notice the silence). One test, the scenarios one
 /// after the other: a second cluster started while the first one's agents were loading the
-/// machine had members exit at start.
+/// machine had members exit at start (see `EtcdCluster::launch`).
 #[test]
 fn a_killed_etcd_member_of_three_fails_no_pull() {
     for victim in [Victim::Follower, Victim::Leader, Victim::Frozen] {
