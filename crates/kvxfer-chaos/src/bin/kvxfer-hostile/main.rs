@@ -686,6 +686,8 @@ fn main() -> std::process::ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        // The prefill child's stderr is a file: its volume is measured without colour codes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     let r = match &cli.mode {
         Some(Mode::ServePrefill(t)) => target::serve(t),
