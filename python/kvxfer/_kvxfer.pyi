@@ -32,8 +32,9 @@ class LeaseError(KvxferError):
 
     kind: str
     """'already_leased', 'blocks_out_of_range', 'no_blocks', 'duplicate_block',
-    'no_consumers', 'too_many_children', 'bad_child_index', 'child_count_mismatch',
-    'id_mismatch', 'zero_token', 'token_reused', 'wrong_engine' or 'other'."""
+    'group_count', 'no_consumers', 'too_many_children', 'bad_child_index',
+    'child_count_mismatch', 'closed', 'id_mismatch', 'zero_token', 'token_reused',
+    'wrong_engine' or 'other'."""
 
 class ParamsError(KvxferError):
     """A ``kv_transfer_params`` dict could not be read or turned into a hand-off."""
@@ -56,7 +57,8 @@ class PullError(KvxferError):
     """'connect', 'incompatible', 'handshake_refused', 'authentication', 'peer_restarted',
     'lease_unknown', 'lease_ended', 'refused', 'integrity', 'timeout', 'connection_lost',
     'protocol', 'remote_blocks_out_of_range', 'transport_unavailable', 'ucx_read',
-    'pin_not_held', 'sibling_failed', 'shutdown' or 'other'."""
+    'pin_not_held', 'engine_not_registered', 'sibling_failed', 'shutdown' or
+    'local_blocks'."""
     advice: str
     """What to do: 'retry_fresh_handoff', 'recompute' or 'fail_request'."""
     retryable: bool

@@ -102,6 +102,8 @@ fn lease_kind(e: &kvxfer_core::LeaseError) -> &'static str {
         L::BlocksOutOfRange { .. } => "blocks_out_of_range",
         L::NoBlocks(_) => "no_blocks",
         L::DuplicateBlock { .. } => "duplicate_block",
+        L::GroupCount { .. } => "group_count",
+        L::Closed(_) => "closed",
         L::NoConsumers(_) => "no_consumers",
         L::TooManyChildren { .. } => "too_many_children",
         L::BadChildIndex { .. } => "bad_child_index",
