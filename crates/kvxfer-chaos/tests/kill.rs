@@ -1,99 +1,13 @@
 //! `kill -9` of either side mid-pull, with real processes (`kvxfer-node`). A fault proxy
 //! between them stalls the payload so the kill lands mid-pull every time.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use kvxfer_chaos::{Direction, Fault, FaultKind, FaultProxy};
 use serde_json::{json, Value};
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvxfer-node");
-
-/// A node process, killed when dropped.
-struct Node {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<Value>,
-}
-
-impl Node {
-    fn start(args: &[&str]) -> Node {
-        let mut child = Command::new(BIN)
-            .args(args)
-            // Both nodes of a test share a cluster key, as a deployment would.
-            .env(kvxfer::CLUSTER_KEY_ENV, "6b696c6c2d7465737420636c7573746572206b6579")
-            .env_remove(kvxfer::CLUSTER_KEY_FILE_ENV)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn kvxfer-node");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let v: Value =
-                    serde_json::from_str(&l).unwrap_or_else(|_| json!({"event": "unparsed", "line": l}));
-                if tx.send(v).is_err() {
-                    return;
-                }
-            }
-        });
-        Node { child, stdin, lines }
-    }
-
-    fn send(&mut self, cmd: Value) {
-        writeln!(self.stdin, "{cmd}").expect("write command");
-    }
-
-    /// The next line whose event is `event`, skipping (and returning in `skipped`) others.
-    fn wait_event(&self, event: &str, timeout: Duration, skipped: &mut Vec<Value>) -> Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            match self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(v) if v["event"] == event => return v,
-                Ok(v) => skipped.push(v),
-                Err(RecvTimeoutError::Timeout) => panic!("no {event} within {timeout:?}; saw {skipped:?}"),
-                Err(RecvTimeoutError::Disconnected) => panic!("node exited before {event}; saw {skipped:?}"),
-            }
-        }
-    }
-
-    /// `count` events named `event`, in arrival order.
-    fn wait_events(&self, event: &str, count: usize, timeout: Duration) -> (Vec<Value>, Vec<Value>) {
-        let deadline = Instant::now() + timeout;
-        let mut skipped = Vec::new();
-        let got = (0..count)
-            .map(|_| self.wait_event(event, deadline.saturating_duration_since(Instant::now()), &mut skipped))
-            .collect();
-        (got, skipped)
-    }
-
-    /// Sends `signal` (`STOP`, `CONT`) to the process.
-    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
-    fn signal(&self, signal: &str) {
-        let ok = Command::new("kill")
-            .args([&format!("-{signal}"), &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(ok.success(), "kill -{signal}");
-    }
-
-    fn kill9(&mut self) {
-        // Child::kill is SIGKILL on Unix: no destructor, no goodbye frame.
-        self.child.kill().expect("kill -9");
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod node;
+use node::Node;
 
 const N: u64 = 4;
 /// 16 blocks of 64 KiB: a 1 MiB payload per child.
@@ -177,7 +91,7 @@ fn decode_killed_mid_pull_leases_expire_and_the_owner_is_told() {
         took.as_secs_f64()
     );
     // Nothing more ends later (no double end).
-    let more = prefill.lines.recv_timeout(Duration::from_millis(300));
+    let more = prefill.next_line(Duration::from_millis(300));
     assert!(!matches!(&more, Ok(v) if v["event"] == "lease_end"), "{more:?}");
 }
 

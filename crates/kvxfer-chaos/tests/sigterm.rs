@@ -3,79 +3,14 @@
 //! fails as `EngineNotRegistered`, not at a refused connection.
 #![cfg(feature = "cluster")]
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use kvxfer_cluster::testing::EtcdServer;
 use serde_json::{json, Value};
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvxfer-node");
-
-/// A node process, killed when dropped.
-struct Node {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<Value>,
-    seen: Vec<Value>,
-}
-
-impl Node {
-    fn start(args: &[&str]) -> Node {
-        let mut child = Command::new(BIN)
-            .args(args)
-            .env(kvxfer::CLUSTER_KEY_ENV, "7369677465726d2d7465737420636c7573746572206b6579")
-            .env_remove(kvxfer::CLUSTER_KEY_FILE_ENV)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn kvxfer-node");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let v: Value =
-                    serde_json::from_str(&l).unwrap_or_else(|_| json!({"event": "unparsed", "line": l}));
-                if tx.send(v).is_err() {
-                    return;
-                }
-            }
-        });
-        Node { child, stdin, lines, seen: Vec::new() }
-    }
-
-    fn send(&mut self, cmd: Value) {
-        writeln!(self.stdin, "{cmd}").expect("write command");
-    }
-
-    /// The next line that `matches`, within `timeout` (other lines are kept in `seen`).
-    fn wait(&mut self, what: &str, timeout: Duration, matches: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            match self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(v) if matches(&v) => return v,
-                Ok(v) => self.seen.push(v),
-                Err(RecvTimeoutError::Timeout) => panic!("no {what} within {timeout:?}; saw {:?}", self.seen),
-                Err(RecvTimeoutError::Disconnected) => {
-                    panic!("node exited before {what}; saw {:?}", self.seen)
-                }
-            }
-        }
-    }
-
-    fn event(&mut self, event: &str, timeout: Duration) -> Value {
-        self.wait(event, timeout, |v| v["event"] == event)
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod node;
+use node::Node;
 
 /// The registration's lease TTL: far longer than the bound the test allows for the key to go.
 const TTL_S: &str = "60";
@@ -111,9 +46,7 @@ fn sigterm_deregisters_a_prefill_node_at_once() {
         prefill.event("result", Duration::from_secs(10))["result"].as_str().expect("result").to_owned();
 
     let sent = Instant::now();
-    let ok =
-        Command::new("kill").args(["-TERM", &prefill.child.id().to_string()]).status().expect("run kill");
-    assert!(ok.success(), "kill -TERM");
+    prefill.signal("TERM");
 
     // The key goes at once (revoked), not when its 60 s lease runs out.
     decode.wait("the prefill engine removed", GONE_WITHIN, |v| {
