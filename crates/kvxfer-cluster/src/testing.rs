@@ -54,6 +54,46 @@ impl EtcdLaunch {
     }
 }
 
+/// One etcd member's command line (a lone server is a cluster of one): its name, data
+/// directory, client and peer URLs, the initial cluster and its token, warnings only, and
+/// `extra` options.
+struct MemberCommand<'a> {
+    name: &'a str,
+    data_dir: &'a Path,
+    client: &'a str,
+    peer: &'a str,
+    initial_cluster: &'a str,
+    token: &'a str,
+    extra: &'a [String],
+}
+
+impl MemberCommand<'_> {
+    /// Runs `command` (etcd at `etcd`, or a wrapper that execs it) with the member's options,
+    /// its output in a new file at `log_path`.
+    fn spawn(&self, mut command: Command, etcd: &Path, log_path: &Path) -> Result<Child, String> {
+        let log = std::fs::File::create(log_path).map_err(|e| e.to_string())?;
+        let err_log = log.try_clone().map_err(|e| e.to_string())?;
+        command
+            .arg(format!("--name={}", self.name))
+            .arg(format!("--data-dir={}", self.data_dir.display()))
+            .arg(format!("--listen-client-urls={}", self.client))
+            .arg(format!("--advertise-client-urls={}", self.client))
+            .arg(format!("--listen-peer-urls={}", self.peer))
+            .arg(format!("--initial-advertise-peer-urls={}", self.peer))
+            .arg(format!("--initial-cluster={}", self.initial_cluster))
+            .arg("--initial-cluster-state=new")
+            .arg(format!("--initial-cluster-token={}", self.token))
+            .arg("--logger=zap")
+            .arg("--log-level=warn")
+            .args(self.extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(err_log))
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}", etcd.display()))
+    }
+}
+
 /// A running etcd.
 #[derive(Debug)]
 pub struct EtcdServer {
@@ -142,12 +182,10 @@ impl EtcdServer {
 
     fn spawn_and_wait(&mut self) -> Result<(), String> {
         self.starts += 1;
-        let log = std::fs::File::create(self.log_path()).map_err(|e| e.to_string())?;
-        let err_log = log.try_clone().map_err(|e| e.to_string())?;
         let peer = format!("http://{}", SocketAddr::new(self.launch.ip, self.peer_port));
         let client = self.endpoint();
         let etcd = etcd_binary().ok_or("etcd not found")?;
-        let mut command = match self.launch.wrapper.split_first() {
+        let command = match self.launch.wrapper.split_first() {
             Some((program, args)) => {
                 let mut c = Command::new(program);
                 c.args(args).arg(&etcd);
@@ -155,25 +193,16 @@ impl EtcdServer {
             }
             None => Command::new(&etcd),
         };
-        let child = command
-            .arg("--name=kvxfer-test")
-            .arg(format!("--data-dir={}", self.data_dir().display()))
-            .arg(format!("--listen-client-urls={client}"))
-            .arg(format!("--advertise-client-urls={client}"))
-            .arg(format!("--listen-peer-urls={peer}"))
-            .arg(format!("--initial-advertise-peer-urls={peer}"))
-            .arg(format!("--initial-cluster=kvxfer-test={peer}"))
-            .arg("--initial-cluster-state=new")
-            .arg(format!("--initial-cluster-token=kvxfer-test-{}", std::process::id()))
-            .arg("--logger=zap")
-            .arg("--log-level=warn")
-            .args(&self.launch.args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(err_log))
-            .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", etcd.display()))?;
-        self.child = Some(child);
+        let member = MemberCommand {
+            name: "kvxfer-test",
+            data_dir: &self.data_dir(),
+            client: &client,
+            peer: &peer,
+            initial_cluster: &format!("kvxfer-test={peer}"),
+            token: &format!("kvxfer-test-{}", std::process::id()),
+            extra: &self.launch.args,
+        };
+        self.child = Some(member.spawn(command, &etcd, &self.log_path())?);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Some(child) = self.child.as_mut() {
@@ -424,29 +453,19 @@ impl EtcdCluster {
         self.members[i].starts += 1;
         let log_path = self.log_path(i);
         let m = &self.members[i];
-        let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
-        let err_log = log.try_clone().map_err(|e| e.to_string())?;
         let client = format!("http://127.0.0.1:{}", m.client_port);
         let peer = format!("http://127.0.0.1:{}", m.peer_port);
         let etcd = etcd_binary().ok_or("etcd not found")?;
-        let child = Command::new(&etcd)
-            .arg(format!("--name={}", m.name))
-            .arg(format!("--data-dir={}", self.dir.path().join(&m.name).display()))
-            .arg(format!("--listen-client-urls={client}"))
-            .arg(format!("--advertise-client-urls={client}"))
-            .arg(format!("--listen-peer-urls={peer}"))
-            .arg(format!("--initial-advertise-peer-urls={peer}"))
-            .arg(format!("--initial-cluster={initial}"))
-            .arg("--initial-cluster-state=new")
-            .arg(format!("--initial-cluster-token={}", self.token))
-            .arg("--logger=zap")
-            .arg("--log-level=warn")
-            .args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(err_log))
-            .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", etcd.display()))?;
+        let member = MemberCommand {
+            name: &m.name,
+            data_dir: &self.dir.path().join(&m.name),
+            client: &client,
+            peer: &peer,
+            initial_cluster: &initial,
+            token: &self.token,
+            extra: &self.args,
+        };
+        let child = member.spawn(Command::new(&etcd), &etcd, &log_path)?;
         self.members[i].child = Some(child);
         Ok(())
     }
