@@ -104,6 +104,9 @@ impl Keeper {
             debug!(peer = %addr, leases = gone.len(), engine = %log::Peer(&ack.engine_id), incarnation = %log::Incarnation(ack.incarnation), "queued-lease heartbeat: leases of another process not sent");
         }
         if live.is_empty() {
+            // Only a new connection tells every lease gone (a pooled one is asked again on
+            // one): it is pooled for the next heartbeat rather than made again.
+            self.conns.lock().await.insert(addr.to_owned(), (conn, Instant::now()));
             return Some(out);
         }
         let (at, refs): (Vec<usize>, Vec<v1::LeaseRef>) = live.into_iter().map(|(i, (r, _))| (i, r)).unzip();
