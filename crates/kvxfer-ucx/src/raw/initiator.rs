@@ -365,6 +365,17 @@ pub(crate) fn run_initiator(
         }
     }
     signal.disarm();
+    // Commands sent before the stop but after the loop's last look are answered, not dropped
+    // with their `done` never called (a connect made just before the initiator's drop).
+    while let Ok(cmd) = commands.try_recv() {
+        match cmd {
+            Command::Connect { done, .. } => {
+                done(Err(UcxError::other("connect", "the UCX initiator is stopping")))
+            }
+            Command::Get { done, .. } => done(Err(UcxError::other("get", "the UCX initiator is stopping"))),
+            Command::Disconnect { .. } | Command::Abort { .. } => {}
+        }
+    }
     if leak {
         std::mem::forget((jobs, peers, closing, wiring, maps, worker, ctx, keep_alive));
         return;
