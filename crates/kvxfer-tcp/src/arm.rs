@@ -34,15 +34,6 @@ fn named(f: &Frame) -> Vec<(&str, &[u8])> {
     }
 }
 
-/// How many leases `f` names (checked against `Limits::max_leases_per_frame`).
-pub(crate) fn leases_named(f: &Frame) -> usize {
-    match f {
-        Frame::ReadRequest(_) | Frame::Pin(_) | Frame::Notify(_) | Frame::Cancel(_) => 1,
-        Frame::Heartbeat(hb) => hb.leases.len(),
-        _ => 0,
-    }
-}
-
 /// Whether some lease `f` names is not (yet) known with its token.
 fn unarmed(ctx: &ServeContext, f: &Frame) -> bool {
     named(f).into_iter().any(|(id, token)| !ctx.table.knows(id, token))
@@ -60,6 +51,15 @@ pub(crate) async fn wait_for_arm(ctx: &ServeContext, f: &Frame) {
     if !may_wait(ctx, f) {
         return;
     }
+    // What the frame holds while it waits, drawn from the agent's budget: a frame that
+    // does not fit is answered now, as for a lease still unknown.
+    let cost = f.wire_len().saturating_add(named(f).len().saturating_mul(64));
+    let permit = u32::try_from(cost).ok().and_then(|n| ctx.budgets.arm_wait.try_acquire_many(n).ok());
+    let Some(_held) = permit else {
+        bump(&ctx.counters.arm_wait_refused);
+        debug!(frame = ?f.frame_type(), cost, "no room to wait for an arm; answering as unknown");
+        return;
+    };
     bump(&ctx.counters.arm_waits);
     // Saturating: an `arm_wait` too large for an `Instant` waits a year.
     let deadline =

@@ -38,6 +38,32 @@ pub struct ServeContext {
     /// waiting for their lease to be armed (`Limits::arm_wait`). The owner of the table
     /// connects it with [`LeaseTable::set_lease_hook`].
     pub leases_made: Arc<tokio::sync::Notify>,
+    /// The agent-wide byte budgets its connections share.
+    pub budgets: ServeBudgets,
+}
+
+/// Byte budgets every connection of one prefill agent draws from (one semaphore permit per
+/// byte).
+#[derive(Debug, Clone)]
+pub struct ServeBudgets {
+    /// Frames larger than a read window while they arrive (`Limits::max_buffered_frame_bytes`).
+    pub frames: Arc<tokio::sync::Semaphore>,
+    /// Frames waiting for an arm (`Limits::max_arm_wait_bytes`).
+    pub arm_wait: Arc<tokio::sync::Semaphore>,
+}
+
+impl ServeBudgets {
+    /// Budgets sized by `limits` (the frame budget never below `max_frame_len`, so the
+    /// largest frame allowed can always be read).
+    pub fn new(limits: &Limits) -> Self {
+        let cap = |n: usize| n.min(tokio::sync::Semaphore::MAX_PERMITS);
+        let frames =
+            limits.max_buffered_frame_bytes.max(limits.max_frame_len as usize + crate::frame::HEADER_LEN);
+        ServeBudgets {
+            frames: Arc::new(tokio::sync::Semaphore::new(cap(frames))),
+            arm_wait: Arc::new(tokio::sync::Semaphore::new(cap(limits.max_arm_wait_bytes))),
+        }
+    }
 }
 
 /// Writes one frame to the peer within `Limits::io_timeout`. A peer that sends frames but

@@ -1,10 +1,12 @@
 //! Frames: `length: u32 BE | type: u8 | protobuf body`, `length` counting type and body.
 
 use std::io;
+use std::sync::Arc;
 
 use kvxfer_proto::v1::{self, FrameType};
 use prost::Message;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 5;
@@ -53,6 +55,14 @@ pub enum FrameError {
     /// A length prefix of 0 (no room for the type byte).
     #[error("empty frame")]
     Empty,
+    /// A heartbeat named more leases than allowed (counted before decoding).
+    #[error("a heartbeat named {named} leases; at most {max} are accepted per frame")]
+    TooManyLeases {
+        /// Lease references on the wire.
+        named: u64,
+        /// Maximum configured.
+        max: u32,
+    },
     /// A type byte this version does not know.
     #[error("unknown frame type {0}")]
     UnknownType(u8),
@@ -79,6 +89,7 @@ impl FrameError {
     pub(crate) fn answer_code(&self) -> Option<v1::ErrorCode> {
         match self {
             FrameError::TooLarge { .. } => Some(v1::ErrorCode::FrameTooLarge),
+            FrameError::TooManyLeases { .. } => Some(v1::ErrorCode::LimitExceeded),
             FrameError::UnknownType(_) => Some(v1::ErrorCode::UnknownFrameType),
             FrameError::Malformed { .. } | FrameError::Empty => Some(v1::ErrorCode::Malformed),
             FrameError::Closed | FrameError::Io(_) | FrameError::Timeout | FrameError::Idle => None,
@@ -130,6 +141,11 @@ impl Frame {
             Frame::Unpin(m) => m,
             Frame::UnpinAck(m) => m,
         }
+    }
+
+    /// Bytes of the whole frame on the wire (header and body).
+    pub fn wire_len(&self) -> usize {
+        HEADER_LEN + self.body().len()
     }
 
     /// Appends the whole frame (header and body) to `out`.
@@ -190,13 +206,93 @@ impl<M: Message> MessageRef for M {
     }
 }
 
-/// Parses a header: returns the type byte and the body length. Refuses lengths over `max`
-/// before anything is allocated.
-pub fn parse_header(h: [u8; HEADER_LEN], max: u32) -> Result<(u8, usize), FrameError> {
+/// The largest frame a reader accepts, by type: `max` for the frames that carry many ranges
+/// or leases (`ReadRequest`, `Pin`, `Heartbeat`), `small` (never above `max`) for every
+/// other type. A prefill agent reads its decode peers with `small` set to
+/// `Limits::max_small_frame_len`, so a notify, cancel or unpin (or a frame a decode peer has
+/// no business sending) cannot make it buffer and decode a megabyte; a plain `u32` is the
+/// same cap for every type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameCaps {
+    /// Cap of `ReadRequest`, `Pin` and `Heartbeat` frames (and the ceiling of `small`).
+    pub max: u32,
+    /// Cap of every other frame type.
+    pub small: u32,
+    /// Most leases a `Heartbeat` may name, counted on the wire before it is decoded (a
+    /// lease reference of 2 bytes decodes to ~50).
+    pub max_leases: u32,
+}
+
+impl FrameCaps {
+    /// The cap of a frame whose type byte is `ty` (unknown types get `small`).
+    pub fn of(self, ty: u8) -> u32 {
+        let many = [FrameType::ReadRequest, FrameType::Pin, FrameType::Heartbeat];
+        match many.iter().any(|t| *t as i32 == i32::from(ty)) {
+            true => self.max,
+            false => self.small.min(self.max),
+        }
+    }
+}
+
+impl From<u32> for FrameCaps {
+    fn from(max: u32) -> Self {
+        FrameCaps { max, small: max, max_leases: u32::MAX }
+    }
+}
+
+/// Decodes a body of type `ty` within `caps`: a heartbeat naming more than
+/// `caps.max_leases` leases is refused from its wire bytes, before anything is decoded.
+fn decode_within(ty: u8, body: &[u8], caps: FrameCaps) -> Result<Frame, FrameError> {
+    if i32::from(ty) == FrameType::Heartbeat as i32 && caps.max_leases != u32::MAX {
+        // A body the walk cannot read is not counted: decoding it fails below.
+        if let Some(named) = count_field(body, 1) {
+            if named > u64::from(caps.max_leases) {
+                return Err(FrameError::TooManyLeases { named, max: caps.max_leases });
+            }
+        }
+    }
+    Frame::decode(ty, body)
+}
+
+/// How many times field `tag` occurs at the top level of the protobuf message `body`
+/// (walks the wire format, decodes nothing); `None` when `body` is not well-formed
+/// protobuf.
+fn count_field(mut body: &[u8], tag: u32) -> Option<u64> {
+    use prost::encoding::{decode_key, decode_varint, WireType};
+    let (mut n, mut depth) = (0u64, 0u32);
+    while !body.is_empty() {
+        let (t, wire) = decode_key(&mut body).ok()?;
+        n += u64::from(depth == 0 && t == tag);
+        let skip = match wire {
+            WireType::Varint => {
+                decode_varint(&mut body).ok()?;
+                0
+            }
+            WireType::SixtyFourBit => 8,
+            WireType::ThirtyTwoBit => 4,
+            WireType::LengthDelimited => usize::try_from(decode_varint(&mut body).ok()?).ok()?,
+            WireType::StartGroup => {
+                depth += 1;
+                0
+            }
+            WireType::EndGroup => {
+                depth = depth.checked_sub(1)?;
+                0
+            }
+        };
+        body = body.get(skip..)?;
+    }
+    (depth == 0).then_some(n)
+}
+
+/// Parses a header: returns the type byte and the body length. Refuses lengths over the
+/// type's cap before anything is allocated.
+pub fn parse_header(h: [u8; HEADER_LEN], caps: impl Into<FrameCaps>) -> Result<(u8, usize), FrameError> {
     let len = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
     if len == 0 {
         return Err(FrameError::Empty);
     }
+    let max = caps.into().of(h[4]);
     if len > max {
         return Err(FrameError::TooLarge { len, max });
     }
@@ -205,7 +301,8 @@ pub fn parse_header(h: [u8; HEADER_LEN], max: u32) -> Result<(u8, usize), FrameE
 
 /// Decodes every complete frame at the front of `buf` (for fuzzing and property tests of
 /// the codec): returns the frames and the bytes consumed, or the first error.
-pub fn decode_all(mut buf: &[u8], max: u32) -> Result<(Vec<Frame>, usize), FrameError> {
+pub fn decode_all(mut buf: &[u8], max: impl Into<FrameCaps>) -> Result<(Vec<Frame>, usize), FrameError> {
+    let max: FrameCaps = max.into();
     let total = buf.len();
     let mut frames = Vec::new();
     while buf.len() >= HEADER_LEN {
@@ -213,7 +310,7 @@ pub fn decode_all(mut buf: &[u8], max: u32) -> Result<(Vec<Frame>, usize), Frame
         h.copy_from_slice(&buf[..HEADER_LEN]);
         let (ty, body_len) = parse_header(h, max)?;
         let Some(body) = buf.get(HEADER_LEN..HEADER_LEN + body_len) else { break };
-        frames.push(Frame::decode(ty, body)?);
+        frames.push(decode_within(ty, body, max)?);
         buf = &buf[HEADER_LEN + body_len..];
     }
     Ok((frames, total - buf.len()))
@@ -224,9 +321,10 @@ pub fn decode_all(mut buf: &[u8], max: u32) -> Result<(Vec<Frame>, usize), Frame
 /// times).
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
-    max: u32,
+    max: impl Into<FrameCaps>,
     buf: &mut Vec<u8>,
 ) -> Result<Frame, FrameError> {
+    let max: FrameCaps = max.into();
     let mut h = [0u8; HEADER_LEN];
     // A clean close is only a close before the first header byte.
     let n = r.read(&mut h).await?;
@@ -238,7 +336,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     buf.clear();
     buf.resize(body_len, 0);
     r.read_exact(buf).await?;
-    Frame::decode(ty, buf)
+    decode_within(ty, buf, max)
 }
 
 /// Bytes a [`FrameReader`] asks the kernel for per read when no larger frame is under way:
@@ -255,12 +353,21 @@ pub const READ_WINDOW: usize = 8 * 1024;
 /// read with: a frame's length is checked against `max` from its header before the buffer
 /// grows for it, and the buffer shrinks back once that frame is taken. Reads are cancel-safe
 /// (bytes are never lost when a read's future is dropped).
+///
+/// A reader made [`with_budget`](Self::with_budget) takes its frames' bytes from a budget
+/// it shares with other readers before growing past the window, and gives them back when
+/// the buffer shrinks: many connections that each send one large frame slowly hold at most
+/// the budget between them, and wait (within their reads' timeouts) for the rest.
 #[derive(Debug)]
 pub struct FrameReader {
     /// Always initialised; bytes `start..end` are read but not yet taken.
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// Bytes shared by the readers that grow past the window (`None`: not bounded).
+    budget: Option<Arc<Semaphore>>,
+    /// What this reader took from `budget` for its grown buffer.
+    held: Option<OwnedSemaphorePermit>,
 }
 
 impl Default for FrameReader {
@@ -272,7 +379,28 @@ impl Default for FrameReader {
 impl FrameReader {
     /// An empty reader with a [`READ_WINDOW`] buffer.
     pub fn new() -> Self {
-        FrameReader { buf: vec![0; READ_WINDOW], start: 0, end: 0 }
+        FrameReader { buf: vec![0; READ_WINDOW], start: 0, end: 0, budget: None, held: None }
+    }
+
+    /// An empty reader that takes the bytes of a buffer grown past [`READ_WINDOW`] from
+    /// `budget` (one permit per byte) before growing it, waiting for them when they are
+    /// taken; the budget must hold at least the largest frame it is asked to read.
+    pub fn with_budget(budget: Arc<Semaphore>) -> Self {
+        FrameReader { budget: Some(budget), ..Self::new() }
+    }
+
+    /// Takes `need` bytes from the budget (if any) for a buffer about to grow to `need`.
+    async fn reserve(&mut self, need: usize) {
+        let Some(budget) = &self.budget else { return };
+        if self.held.as_ref().is_some_and(|p| p.num_permits() >= need) {
+            return;
+        }
+        // Given back first: holding some while waiting for more could leave two readers
+        // each holding half of what the other waits for.
+        self.held = None;
+        let n = u32::try_from(need).unwrap_or(u32::MAX);
+        // The budget is never closed; if it were, the frame would be read unbounded.
+        self.held = budget.clone().acquire_many_owned(n).await.ok();
     }
 
     /// The bytes read but not yet taken.
@@ -288,13 +416,14 @@ impl FrameReader {
             if self.buf.len() > READ_WINDOW {
                 self.buf.truncate(READ_WINDOW);
                 self.buf.shrink_to_fit();
+                self.held = None;
             }
         }
     }
 
     /// The next frame's type byte and body length when all of it is buffered; `None` while
     /// bytes of it are missing. Its header is checked as [`parse_header`] does.
-    fn next_whole(&self, max: u32) -> Result<Option<(u8, usize)>, FrameError> {
+    fn next_whole(&self, max: FrameCaps) -> Result<Option<(u8, usize)>, FrameError> {
         let b = self.buffered();
         let Some(h) = b.first_chunk::<HEADER_LEN>() else { return Ok(None) };
         let (ty, body_len) = parse_header(*h, max)?;
@@ -302,20 +431,23 @@ impl FrameReader {
     }
 
     /// Whether a whole frame of at most `max` bytes is buffered (taken without waiting).
-    pub fn holds_frame(&self, max: u32) -> bool {
+    pub fn holds_frame(&self, max: impl Into<FrameCaps>) -> bool {
+        let max: FrameCaps = max.into();
         matches!(self.next_whole(max), Ok(Some(_)))
     }
 
     /// The next frame when all of it is buffered, decoded but not taken.
-    pub fn peek_frame(&self, max: u32) -> Option<Frame> {
+    pub fn peek_frame(&self, max: impl Into<FrameCaps>) -> Option<Frame> {
+        let max: FrameCaps = max.into();
         let (ty, body_len) = self.next_whole(max).ok()??;
-        Frame::decode(ty, &self.buffered()[HEADER_LEN..HEADER_LEN + body_len]).ok()
+        decode_within(ty, &self.buffered()[HEADER_LEN..HEADER_LEN + body_len], max).ok()
     }
 
     /// Takes and decodes the next frame when all of it is buffered (`None` otherwise).
-    pub fn try_frame(&mut self, max: u32) -> Result<Option<Frame>, FrameError> {
+    pub fn try_frame(&mut self, max: impl Into<FrameCaps>) -> Result<Option<Frame>, FrameError> {
+        let max: FrameCaps = max.into();
         let Some((ty, body_len)) = self.next_whole(max)? else { return Ok(None) };
-        let frame = Frame::decode(ty, &self.buffered()[HEADER_LEN..HEADER_LEN + body_len]);
+        let frame = decode_within(ty, &self.buffered()[HEADER_LEN..HEADER_LEN + body_len], max);
         self.consume(HEADER_LEN + body_len);
         frame.map(Some)
     }
@@ -341,7 +473,7 @@ impl FrameReader {
 
     /// Bytes from the first buffered one to the end of the next frame: its whole length
     /// when its header is buffered (checked against `max` first), else a header's.
-    fn frame_need(&self, max: u32) -> Result<usize, FrameError> {
+    fn frame_need(&self, max: FrameCaps) -> Result<usize, FrameError> {
         Ok(match self.buffered().first_chunk::<HEADER_LEN>() {
             Some(h) => HEADER_LEN + parse_header(*h, max)?.1,
             None => HEADER_LEN,
@@ -350,8 +482,12 @@ impl FrameReader {
 
     /// One read into the buffer, with room for the rest of the next frame; returns the
     /// bytes read (0: end of stream).
-    async fn fill<R: AsyncRead + Unpin>(&mut self, r: &mut R, max: u32) -> Result<usize, FrameError> {
+    async fn fill<R: AsyncRead + Unpin>(&mut self, r: &mut R, max: FrameCaps) -> Result<usize, FrameError> {
         let need = self.frame_need(max)?;
+        if need > self.buf.len() {
+            // Cancel-safe: nothing is read or moved before the bytes are held.
+            self.reserve(need).await;
+        }
         self.make_room(need);
         let n = r.read(&mut self.buf[self.end..]).await?;
         self.end += n;
@@ -362,7 +498,7 @@ impl FrameReader {
     async fn wait_whole<R: AsyncRead + Unpin>(
         &mut self,
         r: &mut R,
-        max: u32,
+        max: FrameCaps,
     ) -> Result<(u8, usize), FrameError> {
         loop {
             if let Some(whole) = self.next_whole(max)? {
@@ -382,8 +518,9 @@ impl FrameReader {
     pub async fn read_frame<R: AsyncRead + Unpin>(
         &mut self,
         r: &mut R,
-        max: u32,
+        max: impl Into<FrameCaps>,
     ) -> Result<Frame, FrameError> {
+        let max: FrameCaps = max.into();
         self.wait_whole(r, max).await?;
         self.try_frame(max)?.ok_or(FrameError::Closed)
     }
@@ -393,9 +530,10 @@ impl FrameReader {
     pub async fn read_frame_and_body<R: AsyncRead + Unpin>(
         &mut self,
         r: &mut R,
-        max: u32,
+        max: impl Into<FrameCaps>,
         body: &mut Vec<u8>,
     ) -> Result<Frame, FrameError> {
+        let max: FrameCaps = max.into();
         let (_, body_len) = self.wait_whole(r, max).await?;
         body.clear();
         body.extend_from_slice(&self.buffered()[HEADER_LEN..HEADER_LEN + body_len]);
@@ -409,10 +547,11 @@ impl FrameReader {
     pub async fn read_frame_timed<R: AsyncRead + Unpin>(
         &mut self,
         r: &mut R,
-        max: u32,
+        max: impl Into<FrameCaps>,
         idle: Option<std::time::Duration>,
         progress: std::time::Duration,
     ) -> Result<Frame, FrameError> {
+        let max: FrameCaps = max.into();
         if let Some(f) = self.try_frame(max)? {
             return Ok(f);
         }
@@ -497,6 +636,129 @@ mod tests {
         assert!(matches!(Frame::decode(0, &[]), Err(FrameError::UnknownType(0))));
         assert!(matches!(Frame::decode(200, &[]), Err(FrameError::UnknownType(200))));
         assert!(matches!(Frame::decode(3, &[0xff, 0xff]), Err(FrameError::Malformed { .. })));
+    }
+
+    /// Hostile-peer review: a heartbeat of 2-byte lease references decoded to ~25x its size
+    /// before its lease count was checked. The count is now read from the wire: the frame
+    /// is refused without decoding, and the walk agrees with prost on what it counts.
+    #[test]
+    fn a_heartbeat_naming_too_many_leases_is_refused_before_decoding() {
+        let caps = FrameCaps { max: 1 << 20, small: 16 << 10, max_leases: 4 };
+        let hb = |n: usize| {
+            let leases = (0..n).map(|_| v1::LeaseRef::default()).collect();
+            let mut out = Vec::new();
+            Frame::Heartbeat(v1::Heartbeat { leases }).encode(&mut out);
+            out
+        };
+        for (n, ok) in [(4, true), (5, false), (300_000, false)] {
+            let bytes = hb(n);
+            match decode_all(&bytes, caps) {
+                Ok((frames, _)) => {
+                    assert!(ok && matches!(&frames[..], [Frame::Heartbeat(h)] if h.leases.len() == n))
+                }
+                Err(FrameError::TooManyLeases { named, max: 4 }) => assert!(!ok && named == n as u64),
+                Err(e) => panic!("{n}: {e}"),
+            }
+        }
+        // Other fields, unknown fields and groups are not counted; a body the walk cannot
+        // read is left to prost, which refuses it.
+        let mut body = Vec::new();
+        prost::encoding::encode_key(7, prost::encoding::WireType::StartGroup, &mut body);
+        prost::encoding::encode_key(1, prost::encoding::WireType::Varint, &mut body);
+        body.push(1);
+        prost::encoding::encode_key(7, prost::encoding::WireType::EndGroup, &mut body);
+        body.extend_from_slice(&hb(3)[HEADER_LEN..]);
+        assert_eq!(count_field(&body, 1), Some(3));
+        assert_eq!(count_field(&[0x0a, 0x05, 0x00], 1), None);
+        assert!(matches!(
+            decode_within(FrameType::Heartbeat as u8, &[0x0a, 0x05, 0x00], caps),
+            Err(FrameError::Malformed { .. })
+        ));
+    }
+
+    proptest! {
+        /// The wire walk counts what prost decodes.
+        #[test]
+        fn the_lease_count_on_the_wire_is_what_prost_decodes(ids in proptest::collection::vec(".{0,8}", 0..40)) {
+            let leases: Vec<v1::LeaseRef> = ids.iter().map(|i| v1::LeaseRef { remote_request_id: i.clone(), lease_token: vec![1; 3] }).collect();
+            let body = v1::Heartbeat { leases }.encode_to_vec();
+            prop_assert_eq!(count_field(&body, 1), Some(ids.len() as u64));
+        }
+    }
+
+    /// Hostile-peer review: only `ReadRequest`, `Pin` and `Heartbeat` may be large; a notify
+    /// (or any other type) over the small cap is refused at its header, before its body is
+    /// buffered.
+    #[test]
+    fn only_frames_that_name_many_things_may_be_large() {
+        let caps = FrameCaps { max: 1 << 20, small: 16 << 10, max_leases: 4096 };
+        let header = |ty: FrameType, len: u32| {
+            let mut h = [0u8; HEADER_LEN];
+            h[..4].copy_from_slice(&len.to_be_bytes());
+            h[4] = ty as u8;
+            h
+        };
+        for ty in [FrameType::ReadRequest, FrameType::Pin, FrameType::Heartbeat] {
+            assert!(parse_header(header(ty, 1 << 20), caps).is_ok(), "{ty:?}");
+        }
+        for ty in
+            [FrameType::Notify, FrameType::Cancel, FrameType::Unpin, FrameType::Hello, FrameType::HelloAck]
+        {
+            assert!(parse_header(header(ty, 16 << 10), caps).is_ok(), "{ty:?}");
+            let refused = parse_header(header(ty, (16 << 10) + 1), caps);
+            assert!(matches!(refused, Err(FrameError::TooLarge { max, .. }) if max == 16 << 10), "{ty:?}");
+        }
+        // An unknown type byte gets the small cap too; a plain u32 caps every type alike.
+        assert!(parse_header([0, 1, 0, 0, 200], caps).is_err());
+        assert!(parse_header(header(FrameType::Notify, 1 << 20), 1 << 20).is_ok());
+    }
+
+    /// Hostile-peer review: a thousand connections each trickling a 1 MiB frame held a
+    /// gigabyte of read buffers. Readers made with a budget take a grown buffer's bytes
+    /// from it first: a second large frame waits while the first holds the budget, and
+    /// is read once the first was taken.
+    #[test]
+    fn readers_share_a_budget_for_large_frames() {
+        runtime().block_on(async {
+            let budget = Arc::new(Semaphore::new(40 << 10));
+            let frame = |tag| {
+                let mut out = Vec::new();
+                sized_frame(30 << 10, tag).encode(&mut out);
+                out
+            };
+            let (mut a_in, mut a_out) = tokio::io::duplex(1 << 20);
+            let (mut b_in, mut b_out) = tokio::io::duplex(1 << 20);
+            let (mut a, mut b) =
+                (FrameReader::with_budget(budget.clone()), FrameReader::with_budget(budget.clone()));
+            // A's frame arrives in part: A holds its 30 KiB.
+            let fa = frame(1);
+            a_in.write_all(&fa[..1000]).await.expect("write");
+            let mut a_read = Box::pin(a.read_frame(&mut a_out, caps_all()));
+            assert!(poll_once(a_read.as_mut()).is_none());
+            assert_eq!(budget.available_permits(), (40 << 10) - fa.len());
+            // B's whole frame is there, but the budget is not: B waits, buffering nothing.
+            b_in.write_all(&frame(2)).await.expect("write");
+            let mut b_read = Box::pin(b.read_frame(&mut b_out, caps_all()));
+            assert!(poll_once(b_read.as_mut()).is_none());
+            // A's frame completes and is taken: its bytes go back, and B reads.
+            a_in.write_all(&fa[1000..]).await.expect("write");
+            assert_eq!(a_read.await.expect("a"), sized_frame(30 << 10, 1));
+            assert_eq!(b_read.await.expect("b"), sized_frame(30 << 10, 2));
+            assert_eq!(budget.available_permits(), 40 << 10);
+        });
+    }
+
+    fn caps_all() -> FrameCaps {
+        FrameCaps::from(1 << 20)
+    }
+
+    /// Polls `f` once (with a waker that does nothing).
+    fn poll_once<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> Option<F::Output> {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match f.poll(&mut cx) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
     }
 
     /// A frame whose body size is about `len` bytes (a notify with an id that long).

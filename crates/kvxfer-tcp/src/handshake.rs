@@ -730,6 +730,7 @@ pub(crate) mod tests {
             limits: Limits::default(),
             counters: Arc::new(ServerCounters::default()),
             leases_made: Arc::new(tokio::sync::Notify::new()),
+            budgets: crate::ServeBudgets::new(&Limits::default()),
         }
     }
 

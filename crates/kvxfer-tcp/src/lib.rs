@@ -48,7 +48,9 @@ pub use client::PinGrant;
 pub use client::{check_crc, ClientError, Connection, SliceSpec};
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};
-pub use server::{admit_any, refuse_connection, serve_connection, Admit, Refusal, ServeContext};
+pub use server::{
+    admit_any, refuse_connection, serve_connection, Admit, Refusal, ServeBudgets, ServeContext,
+};
 pub use stats::{ServerCounters, ServerStats};
 
 use std::time::Duration;
@@ -129,6 +131,23 @@ pub struct Limits {
     /// Without a cluster key anyone completes a handshake: these places protect only
     /// `max_connections` of keyed agents.
     pub max_handshakes_per_peer: usize,
+    /// Largest `Notify`, `Cancel` or `Unpin` frame — and any frame a decode peer has no
+    /// business sending after its handshake — a prefill agent accepts, checked at the header
+    /// (FRAME_TOO_LARGE, then close; counted in `protocol_errors`). Only `ReadRequest`, `Pin`
+    /// and `Heartbeat` frames may reach `max_frame_len`. Default 16 KiB: a request id and a
+    /// token, or a consumer id, are a few hundred bytes.
+    pub max_small_frame_len: u32,
+    /// Bytes the connections of a prefill agent may hold between them in frames larger
+    /// than a read window (8 KiB) while they arrive: a connection whose next frame is
+    /// larger waits for its share (within `io_timeout`, else the connection is closed as
+    /// stalled), so a thousand peers each trickling a 1 MiB frame hold this, not a
+    /// gigabyte. Raised to `max_frame_len` when below it. Default 32 MiB.
+    pub max_buffered_frame_bytes: usize,
+    /// Bytes of frames (their wire size plus 64 per lease named) a prefill agent holds
+    /// waiting for their leases to be armed (`arm_wait`), all connections together; a frame
+    /// that does not fit is answered at once, as for a lease still unknown (counted in
+    /// `arm_wait_refused`). Default 16 MiB: some 50,000 notifies of ~300 bytes.
+    pub max_arm_wait_bytes: usize,
 }
 
 impl Limits {
@@ -147,6 +166,16 @@ impl Limits {
     /// allowance.
     pub fn pin_hold(&self, bytes: u64) -> Duration {
         self.pin_timeout.saturating_add(self.transfer_allowance(bytes))
+    }
+
+    /// The per-type caps a prefill agent reads its decode peers' frames with (after the
+    /// handshake).
+    pub fn serve_caps(&self) -> frame::FrameCaps {
+        frame::FrameCaps {
+            max: self.max_frame_len,
+            small: self.max_small_frame_len,
+            max_leases: u32::try_from(self.max_leases_per_frame).unwrap_or(u32::MAX - 1),
+        }
     }
 }
 
@@ -171,6 +200,9 @@ impl Default for Limits {
             max_hello_len: 8 << 10,
             max_handshakes: 1024,
             max_handshakes_per_peer: 32,
+            max_small_frame_len: 16 << 10,
+            max_buffered_frame_bytes: 32 << 20,
+            max_arm_wait_bytes: 16 << 20,
         }
     }
 }

@@ -71,24 +71,12 @@ impl Pins {
 
     /// Answers a `Pin`: the read guard is taken and held (for `Limits::pin_hold` of its
     /// bytes, at most until the lease's maximum lifetime plus the io timeout) and a `PinAck`
-    /// answered, or the request is refused — by an agent that offers no one-sided transport
-    /// (UCX), past `Limits::max_inflight_reads`, for a sequence number in use, or as a read
+    /// answered, or the request is refused — past `Limits::max_inflight_reads`, for a sequence number in use, or as a read
     /// would be. A pin's CRC (`pin_crc32c`) is computed on tokio's blocking pool, not on a
     /// runtime worker (a 128 MiB range takes milliseconds), with the read guard moved into
     /// that task: the lease's blocks stay pinned until the CRC finished, even if this future
     /// is dropped.
     pub(crate) async fn pin(&mut self, ctx: &ServeContext, req: &v1::ReadRequest, now: Instant) -> Frame {
-        if !offers_one_sided(ctx) {
-            bump(&ctx.counters.pins_refused);
-            if let Some(suppressed) = ctx.counters.warnings.allow() {
-                warn!(remote_request_id = %Peer(&req.remote_request_id), seq = req.seq, suppressed, "pin refused: this agent offers no one-sided transport");
-            }
-            let msg = format!(
-                "pin {} refused: this agent offers no one-sided transport (UCX); read over TCP instead",
-                req.seq
-            );
-            return Frame::error(ErrorCode::LimitExceeded, msg, req.seq);
-        }
         if self.by_seq.len() >= ctx.limits.max_inflight_reads || self.by_seq.contains_key(&req.seq) {
             bump(&ctx.counters.pins_refused);
             let msg = format!(
@@ -158,9 +146,26 @@ impl Pins {
 }
 
 /// Whether this agent offers a one-sided transport (UCX): pins exist only for one-sided
-/// reads, so an agent serving TCP alone refuses them.
-fn offers_one_sided(ctx: &ServeContext) -> bool {
+/// reads, so an agent serving TCP alone refuses them — and closes the connection, since no
+/// decode agent pins an agent that offered it no UCX (see [`refuse_pin`]).
+pub(crate) fn offers_one_sided(ctx: &ServeContext) -> bool {
     ctx.hello_ack.transports.iter().any(|t| t.transport == v1::Transport::Ucx as i32)
+}
+
+/// What a pin sent to an agent that offers no one-sided transport is answered with before
+/// its connection closes (counted in `pins_refused`): a decode agent reads over TCP from such
+/// an agent and never pins it, so the peer is broken or hostile, and closing makes a flood of
+/// pins cost a handshake each instead of an answer each.
+pub(crate) fn refuse_pin(ctx: &ServeContext, req: &v1::ReadRequest) -> (ErrorCode, String) {
+    bump(&ctx.counters.pins_refused);
+    if let Some(suppressed) = ctx.counters.warnings.allow() {
+        warn!(remote_request_id = %Peer(&req.remote_request_id), seq = req.seq, suppressed, "pin refused, closing the connection: this agent offers no one-sided transport");
+    }
+    let msg = format!(
+        "pin {} refused: this agent offers no one-sided transport (UCX); read over TCP instead",
+        req.seq
+    );
+    (ErrorCode::LimitExceeded, msg)
 }
 
 /// CRC-32C of the blocks of `ranges`, which `guard` keeps leased.
@@ -260,7 +265,9 @@ pub(crate) mod tests {
 
     /// Hostile-peer review: pins exist for one-sided (UCX) reads, yet an agent serving TCP
     /// alone granted them (each one holding a lease's blocks, and with `pin_crc32c` a CRC
-    /// over the range). Now it refuses them, counted, without touching the lease.
+    /// over the range). Now it refuses them, counted, without touching the lease, and
+    /// closes the connection (`kvxfer-hostile` pin-crc: 1.5 million refusals in 10 s cost
+    /// more than the pulls got).
     #[test]
     fn a_tcp_only_agent_refuses_pins() {
         let mut c = ctx(None);
@@ -278,6 +285,8 @@ pub(crate) mod tests {
             assert_eq!(e.code, ErrorCode::LimitExceeded as i32, "{e:?}");
             assert_eq!(e.seq, 1);
             assert!(e.message.contains("no one-sided transport"), "{e:?}");
+            // And the connection ends: a flood of pins costs a handshake each.
+            assert!(matches!(reader.read_frame(&mut s, 1 << 20).await, Err(crate::FrameError::Closed)));
         });
         let stats = ctx.counters.snapshot();
         assert_eq!((stats.pins, stats.pins_open, stats.pins_refused), (0, 0, 1));

@@ -259,16 +259,17 @@ pub(crate) fn notify_follows(
     reader: &mut FrameReader,
     id: &str,
     token: &[u8],
-    max_frame_len: u32,
+    caps: impl Into<crate::frame::FrameCaps>,
 ) -> bool {
-    if !reader.holds_frame(max_frame_len) {
+    let caps = caps.into();
+    if !reader.holds_frame(caps) {
         match stream.try_read(reader.spare()) {
             Ok(n) => reader.filled(n),
             Err(_) => return false,
         }
     }
     matches!(
-        reader.peek_frame(max_frame_len),
+        reader.peek_frame(caps),
         Some(Frame::Notify(n)) if n.remote_request_id == id && n.lease_token == token
     )
 }

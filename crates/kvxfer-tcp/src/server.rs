@@ -19,7 +19,7 @@ use crate::frame::{self, Frame, FrameError};
 use crate::pins::Pins;
 use crate::stats::bump;
 
-pub use crate::context::ServeContext;
+pub use crate::context::{ServeBudgets, ServeContext};
 pub use crate::stats::{ServerCounters, ServerStats, WarnBudget, WARNINGS_PER_SECOND};
 
 /// Why a connection is turned away: by [`refuse_connection`] before its handshake, or in
@@ -139,8 +139,8 @@ async fn serve_inner(
     peer: &str,
     admit: Admit,
 ) -> Result<(), FrameError> {
-    let max = ctx.limits.max_frame_len;
-    let mut reader = frame::FrameReader::new();
+    let max = ctx.limits.serve_caps();
+    let mut reader = frame::FrameReader::with_budget(ctx.budgets.frames.clone());
     let mut scratch = Vec::new();
 
     // Handshake (authenticated when either side has a cluster key): nothing else is read
@@ -205,22 +205,6 @@ async fn serve_inner(
             }
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
-        // A frame naming more leases than allowed is refused before it waits or looks
-        // anything up (its decoded ids and tokens are dropped with the connection).
-        let leases = crate::arm::leases_named(&f);
-        if leases > ctx.limits.max_leases_per_frame {
-            flush(stream, ctx, &mut batch).await?;
-            bump(&ctx.counters.protocol_errors);
-            let message = format!(
-                "a {:?} frame named {leases} leases; this agent accepts at most {} per frame",
-                f.frame_type(),
-                ctx.limits.max_leases_per_frame
-            );
-            if let Some(suppressed) = ctx.counters.warnings.allow() {
-                warn!(suppressed, "closing connection: {message}");
-            }
-            return refuse(stream, ctx, ErrorCode::LimitExceeded, message, 0).await;
-        }
         // A frame naming a lease that is not armed yet waits (bounded) for it: the answers
         // before it do not.
         if crate::arm::may_wait(ctx, &f) {
@@ -261,9 +245,9 @@ async fn serve_inner(
                     refused_read = Some(id);
                 }
             }
-            Action::Close { code, message } => {
+            Action::Close { code, message, seq } => {
                 flush(stream, ctx, &mut batch).await?;
-                return refuse(stream, ctx, code, message, 0).await;
+                return refuse(stream, ctx, code, message, seq).await;
             }
         }
     }
@@ -284,6 +268,8 @@ enum Action {
         code: ErrorCode,
         /// What the peer is told.
         message: String,
+        /// The sequence number of the request refused (0: none).
+        seq: u64,
     },
 }
 
@@ -306,6 +292,10 @@ fn dispatch(
             debug!(remote_request_id = %Peer(&n.remote_request_id), "notification behind a refused read; not counted");
             Frame::NotifyAck(v1::NotifyAck { outcome: v1::LeaseOutcome::Unrecognized as i32, remaining: 0 })
         }
+        Frame::Pin(req) if !crate::pins::offers_one_sided(ctx) => {
+            let (code, message) = crate::pins::refuse_pin(ctx, &req);
+            return Action::Close { code, message, seq: req.seq };
+        }
         Frame::Pin(req) => return Action::Pin(req),
         Frame::Unpin(u) => pins.unpin(ctx, &u),
         Frame::Notify(n) => crate::control::notify(ctx, &n, now),
@@ -314,7 +304,7 @@ fn dispatch(
         other => {
             bump(&ctx.counters.protocol_errors);
             let message = format!("unexpected {:?} frame from a decode peer", other.frame_type());
-            return Action::Close { code: ErrorCode::Malformed, message };
+            return Action::Close { code: ErrorCode::Malformed, message, seq: 0 };
         }
     };
     Action::Reply(reply)
@@ -466,6 +456,101 @@ mod tests {
         // Only the four leases of the frame at the limit were looked up.
         assert_eq!(ctx.table.stats().unrecognized, 4);
         assert_eq!(ctx.counters.protocol_errors.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    /// Serves every connection to the returned address at once, until the test ends.
+    async fn serve_all(ctx: Arc<ServeContext>) -> std::net::SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                tokio::spawn(serve_connection(s, ctx.clone(), admit_any()));
+            }
+        });
+        addr
+    }
+
+    /// A connection past its handshake, with the reader of its answers.
+    async fn connected(addr: std::net::SocketAddr) -> (TcpStream, FrameReader) {
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        let mut reader = FrameReader::new();
+        let limits = crate::Limits::default();
+        crate::handshake::initiate_buffered(&mut client, &mut reader, "prefill", &hello(), None, &limits)
+            .await
+            .expect("handshake");
+        (client, reader)
+    }
+
+    /// Waits (bounded) until `counter` reaches `n`.
+    async fn until_counted(counter: &std::sync::atomic::AtomicU64, n: u64) {
+        for _ in 0..3000 {
+            if counter.load(std::sync::atomic::Ordering::Relaxed) >= n {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("the counter never reached {n}");
+    }
+
+    /// Hostile-peer review: a notify of an unknown lease with a 1 MiB id was buffered,
+    /// decoded and held for `arm_wait` on every connection (1,024 of them: +1.5 GiB). A
+    /// notify over `Limits::max_small_frame_len` is refused at its header — here before its
+    /// body was even sent — and the connection closed.
+    #[tokio::test]
+    async fn a_large_notify_is_refused_at_its_header() {
+        let ctx = Arc::new(ctx(None));
+        let addr = serve_all(ctx.clone()).await;
+        let (mut client, mut reader) = connected(addr).await;
+        let mut header = (1u32 << 20).to_be_bytes().to_vec();
+        header.push(v1::FrameType::Notify as u8);
+        client.write_all(&header).await.expect("write");
+        let answer = reader.read_frame(&mut client, 1 << 20).await.expect("an answer before the body");
+        let Frame::Error(e) = &answer else { panic!("not refused: {answer:?}") };
+        assert_eq!(e.code, ErrorCode::FrameTooLarge as i32, "{e:?}");
+        assert!(matches!(reader.read_frame(&mut client, 1 << 20).await, Err(FrameError::Closed)));
+        assert_eq!(ctx.counters.protocol_errors.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    /// Hostile-peer review: frames naming unknown leases were each held for `arm_wait`,
+    /// however many and however large. Together they now hold at most
+    /// `Limits::max_arm_wait_bytes`: a frame that does not fit in what is left is answered
+    /// at once, as unknown, while the one that fit still waits.
+    #[tokio::test]
+    async fn frames_waiting_for_an_arm_hold_at_most_their_budget() {
+        let mut ctx = ctx(None);
+        ctx.limits.arm_wait = std::time::Duration::from_secs(3600);
+        ctx.limits.max_arm_wait_bytes = 1000;
+        ctx.budgets = ServeBudgets::new(&ctx.limits);
+        let ctx = Arc::new(ctx);
+        let addr = serve_all(ctx.clone()).await;
+        let notify = |id_len: usize| {
+            let mut out = Vec::new();
+            Frame::Notify(v1::Notify {
+                remote_request_id: "u".repeat(id_len),
+                lease_token: vec![1; 16],
+                consumer_id: "d".into(),
+            })
+            .encode(&mut out);
+            out
+        };
+        let (mut waiting, _waiting_reader) = connected(addr).await;
+        waiting.write_all(&notify(100)).await.expect("write");
+        until_counted(&ctx.counters.arm_waits, 1).await;
+
+        let (mut late, mut late_reader) = connected(addr).await;
+        late.write_all(&notify(800)).await.expect("write");
+        // (Without the budget it would wait the hour: the bound only turns a hang into a failure.)
+        let answer = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            late_reader.read_frame(&mut late, 1 << 20),
+        )
+        .await
+        .expect("answered without waiting for an arm")
+        .expect("an answer");
+        let unknown = v1::LeaseOutcome::Unrecognized as i32;
+        assert!(matches!(&answer, Frame::NotifyAck(a) if a.outcome == unknown), "{answer:?}");
+        let c = ctx.counters.snapshot();
+        assert_eq!((c.arm_waits, c.arm_wait_refused, c.arm_wait_expired), (1, 1, 0), "{c:?}");
     }
 
     /// A decode side's heartbeat of more leases than one frame may name goes out in frames of

@@ -68,6 +68,9 @@ pub struct ServerCounters {
     /// Of those, frames whose lease was still unknown when `Limits::arm_wait` ran out (then
     /// answered as unknown).
     pub arm_wait_expired: AtomicU64,
+    /// Frames answered at once although a lease they named was unknown, because the
+    /// agent's frames waiting for an arm held `Limits::max_arm_wait_bytes` already.
+    pub arm_wait_refused: AtomicU64,
     /// Rate limit of the warnings peers can trigger at will.
     pub warnings: WarnBudget,
 }
@@ -131,6 +134,7 @@ pub struct ServerStats {
     pub slow_transfers: u64,
     pub arm_waits: u64,
     pub arm_wait_expired: u64,
+    pub arm_wait_refused: u64,
 }
 
 impl ServerCounters {
@@ -161,6 +165,7 @@ impl ServerCounters {
             slow_transfers: l(&self.slow_transfers),
             arm_waits: l(&self.arm_waits),
             arm_wait_expired: l(&self.arm_wait_expired),
+            arm_wait_refused: l(&self.arm_wait_refused),
         }
     }
 }

@@ -217,6 +217,7 @@ impl PrefillAgent {
             limits: config.limits,
             counters: counters.clone(),
             leases_made,
+            budgets: kvxfer_tcp::ServeBudgets::new(&config.limits),
         });
         let connections_open = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cluster")]
