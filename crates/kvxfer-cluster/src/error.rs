@@ -24,6 +24,43 @@ pub enum Error {
     /// An engine named by a hand-off cannot be pulled from.
     #[error(transparent)]
     Resolve(#[from] ResolveError),
+    /// A registration gave up for a reason retrying cannot mend.
+    #[error(transparent)]
+    Registration(#[from] RegistrationError),
+}
+
+/// Why a registration gave up for good (its state is then [`crate::EtcdState::Failed`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistrationError {
+    /// Another live process holds this engine rank's key: two processes registered the same
+    /// engine id and rank. The one that came second is refused; the first keeps its key.
+    #[error(
+        "engine rank {key} is already registered by a live process ({holder}; its lease {lease:x} is \
+         being kept alive): two processes cannot share an engine id and rank, so this one is not \
+         registered. Stop the other process or give this one another engine id (a restart after a \
+         crash waits for the old key's lease to expire instead)"
+    )]
+    EngineTaken {
+        /// The key.
+        key: String,
+        /// Who holds it: the incarnation and address of its record.
+        holder: String,
+        /// The holder's etcd lease.
+        lease: i64,
+    },
+    /// The key holds a value on no lease (written by hand): it never expires, so waiting for
+    /// it cannot help.
+    #[error(
+        "engine rank {key} holds a value on no etcd lease ({holder}), which never expires: this process \
+         is not registered. Delete the key (etcdctl del {key}) if no process owns it"
+    )]
+    HeldWithoutLease {
+        /// The key.
+        key: String,
+        /// What it holds.
+        holder: String,
+    },
 }
 
 /// Why the directory cannot give a usable address for an engine rank.
@@ -193,6 +230,8 @@ pub enum EtcdOp {
     Watch,
     /// Checking that a member answers (a linearizable read) before using it.
     Health,
+    /// Reading a key.
+    Get,
 }
 
 impl std::fmt::Display for EtcdOp {
@@ -207,6 +246,7 @@ impl std::fmt::Display for EtcdOp {
             EtcdOp::List => "list",
             EtcdOp::Watch => "watch",
             EtcdOp::Health => "health check",
+            EtcdOp::Get => "get",
         })
     }
 }

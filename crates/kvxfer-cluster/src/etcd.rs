@@ -172,6 +172,10 @@ pub enum EtcdState {
     Degraded,
     /// Shut down.
     Stopped,
+    /// Gave up for good: a reason retrying cannot mend (another live process registered the
+    /// same engine rank; see [`crate::RegistrationError`]). `last_error` says which; nothing
+    /// is retried.
+    Failed,
 }
 
 impl EtcdState {
@@ -182,12 +186,18 @@ impl EtcdState {
             EtcdState::Connected => "connected",
             EtcdState::Degraded => "degraded",
             EtcdState::Stopped => "stopped",
+            EtcdState::Failed => "failed",
         }
     }
 
     /// Every state, for metrics that list all of them.
-    pub const ALL: [EtcdState; 4] =
-        [EtcdState::Connecting, EtcdState::Connected, EtcdState::Degraded, EtcdState::Stopped];
+    pub const ALL: [EtcdState; 5] = [
+        EtcdState::Connecting,
+        EtcdState::Connected,
+        EtcdState::Degraded,
+        EtcdState::Stopped,
+        EtcdState::Failed,
+    ];
 }
 
 /// A snapshot of a registration's or directory's connection to etcd.
@@ -279,8 +289,21 @@ impl StatusCell {
         });
     }
 
+    /// Records a permanent failure: state `Failed`, with `error` as the last error.
+    pub(crate) fn gave_up(&self, error: &dyn std::fmt::Display) {
+        self.tx.send_modify(|s| {
+            s.failures += 1;
+            s.last_error = Some(Arc::from(error.to_string()));
+            s.state = EtcdState::Failed;
+            s.since = Instant::now();
+        });
+    }
+
     pub(crate) fn stopped(&self) {
         self.tx.send_modify(|s| {
+            if s.state == EtcdState::Failed {
+                return; // stays Failed: the reason is what a caller needs to see
+            }
             s.state = EtcdState::Stopped;
             s.since = Instant::now();
         });

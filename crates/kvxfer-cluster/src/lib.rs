@@ -68,13 +68,18 @@
 //! - A keep-alive answered with TTL 0 (expired or revoked) → new lease and put at once.
 //! - The registration watches its own key: deleted under its live lease (by hand) → put
 //!   back at once.
-//! - Only the first put takes the key whatever it holds (a restart replaces its crashed
-//!   predecessor's record). Every later one is a transaction that puts only if the key is
-//!   absent or holds this registration's own record: a process back from a stall longer
-//!   than its TTL never overwrites the replacement that registered meanwhile. Another
-//!   incarnation's record (found then, or put over ours) is a conflict: an error in the log,
-//!   [`RegistrationStats::conflicts`], status `Degraded`, and the key is taken again only
-//!   once it is free.
+//! - One live process per engine rank: every put is a transaction that puts only if the key
+//!   is absent or holds this registration's own record. Before its first put a
+//!   registration that finds another incarnation's key watches that key's lease: not
+//!   renewed (a crashed predecessor), it runs out and the restart registers — within about
+//!   the TTL of the crash; renewed (a live process with the same engine id and rank), the
+//!   newcomer gives up with [`RegistrationError::EngineTaken`] (state
+//!   [`EtcdState::Failed`], [`Registration::failure`]) and the first keeps its key. A key on
+//!   no lease never expires: refused at once. After the first put, a process back from a
+//!   stall longer than its TTL never overwrites the replacement that registered meanwhile:
+//!   another incarnation's record (found then, or put over ours) is a conflict — an error
+//!   in the log, [`RegistrationStats::conflicts`], status `Degraded` — and the key is taken
+//!   again only once it is free.
 //!
 //! ## Invalidation
 //!
@@ -136,7 +141,10 @@ pub use directory::{
     DirectoryEvent, DirectoryEvents, DirectoryOptions, DirectoryStats, EngineDirectory, EngineEntry,
     IgnoreReason, DEFAULT_MAX_ENTRIES,
 };
-pub use error::{ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, RecordError, ResolveError};
+pub use error::{
+    ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, RecordError, RegistrationError,
+    ResolveError,
+};
 pub use etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusWatch};
 pub use http::MetricsServer;
 pub use metrics::{

@@ -345,14 +345,14 @@ impl Snapshot for DecodeSnapshot {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct EtcdPart {
     /// Gauge: how many are in each state of [`EtcdState::ALL`].
-    in_state: [u64; 4],
+    in_state: [u64; EtcdState::ALL.len()],
     failures: u64,
     recoveries: u64,
 }
 
 impl EtcdPart {
     fn of(status: &EtcdStatus) -> Self {
-        let mut in_state = [0; 4];
+        let mut in_state = [0; EtcdState::ALL.len()];
         if let Some(i) = EtcdState::ALL.iter().position(|s| *s == status.state) {
             in_state[i] = 1;
         }

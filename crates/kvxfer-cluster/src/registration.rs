@@ -1,7 +1,7 @@
 //! One engine rank's key in etcd, on a lease kept alive by a background task.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use etcd_client::{
@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::backoff::Backoff;
-use crate::error::{ConfigError, Error, EtcdError, EtcdOp};
+use crate::error::{ConfigError, Error, EtcdError, EtcdOp, RegistrationError};
 use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, Failover, StatusCell, StatusWatch};
 use crate::names::EngineKey;
 use crate::record::EngineRecord;
@@ -34,6 +34,15 @@ pub const MAX_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
 /// (its TTL since the last answer has not run out): every moment of a stall or failover
 /// counts against the lease. Once it is surely gone the usual backoff applies.
 const LEASE_SAVING_RETRY: Duration = Duration::from_millis(200);
+
+/// How often a first registration that found another incarnation's key looks again (is it
+/// gone, is its lease being renewed?).
+const HOLDER_POLL: Duration = Duration::from_millis(250);
+
+/// How much of the time measured between two answers about the holder's lease is not
+/// trusted (request latency): a lease left alone loses at least `floor(waited - this)`
+/// whole seconds of its remaining TTL in between.
+const HOLDER_CLOCK_SLACK: Duration = Duration::from_millis(300);
 
 /// How often a lease of `ttl_secs` is kept alive: every TTL/3, at most
 /// [`MAX_KEEPALIVE_INTERVAL`] apart.
@@ -96,6 +105,8 @@ pub(crate) struct Shared {
     lease: AtomicI64,
     /// Whether the key was put once: later puts take it only if free or still ours.
     claimed: AtomicBool,
+    /// Why it gave up for good, if it did.
+    failure: OnceLock<RegistrationError>,
 }
 
 impl Shared {
@@ -151,6 +162,7 @@ impl Registration {
             counters: Counters::default(),
             lease: AtomicI64::new(0),
             claimed: AtomicBool::new(false),
+            failure: OnceLock::new(),
         });
         let (stop_tx, stop_rx) = oneshot::channel();
         let task = Keeper {
@@ -184,10 +196,23 @@ impl Registration {
         self.shared.status.subscribe()
     }
 
-    /// Waits until the key is in etcd (state `Connected`), up to `timeout`; on timeout
-    /// returns the status as it then is (with the last error).
+    /// Waits until the key is in etcd (state `Connected`), up to `timeout`; on timeout, or
+    /// at once when the registration gave up ([`EtcdState::Failed`]: another live process
+    /// holds the key — [`Self::failure`] says why), returns the status as it then is (with
+    /// the last error).
     pub async fn wait_registered(&self, timeout: Duration) -> Result<EtcdStatus, EtcdStatus> {
-        self.status_watch().wait_until(timeout, |s| s.state == EtcdState::Connected).await
+        let ended = |s: &EtcdStatus| matches!(s.state, EtcdState::Connected | EtcdState::Failed);
+        match self.status_watch().wait_until(timeout, ended).await {
+            Ok(s) if s.state == EtcdState::Connected => Ok(s),
+            Ok(s) | Err(s) => Err(s),
+        }
+    }
+
+    /// Why the registration gave up for good, if it did (its state is then
+    /// [`EtcdState::Failed`] and nothing is retried): another live process registered the
+    /// same engine id and rank first, or the key holds a value on no lease.
+    pub fn failure(&self) -> Option<&RegistrationError> {
+        self.shared.failure.get()
     }
 
     /// The etcd lease the key is on now, if any (for diagnostics).
@@ -265,12 +290,24 @@ fn incarnation_of(value: &[u8]) -> Option<u64> {
     EngineRecord::from_json(value).ok().map(|r| r.incarnation)
 }
 
+/// Who a stored value says holds the key, for messages.
+fn holder_of(value: &[u8]) -> String {
+    match EngineRecord::from_json(value) {
+        Ok(r) => format!("incarnation {:016x} at {}", r.incarnation, r.addr),
+        Err(_) => "a value that is not an engine record".to_owned(),
+    }
+}
+
 /// Why a session ended.
 enum SessionEnd {
     /// The lease expired or was revoked: grant a new one now.
     LeaseLost,
+    /// The key was taken between the wait for it and the first put: look at it again now.
+    Again,
     /// etcd failed: retry after a backoff.
     Failed(EtcdError),
+    /// Nothing retrying can mend (a live duplicate holds the key): give up.
+    Refused(RegistrationError),
 }
 
 impl From<EtcdError> for SessionEnd {
@@ -291,7 +328,16 @@ impl Keeper {
                 ended = self.session(&key, &mut conn, &mut backoff) => ended,
             };
             match ended {
-                SessionEnd::LeaseLost => continue,
+                SessionEnd::LeaseLost | SessionEnd::Again => continue,
+                SessionEnd::Refused(why) => {
+                    tracing::error!(key = %key, error = %why, "etcd registration refused");
+                    // The reason first: whoever sees the state `Failed` finds it set.
+                    let status_error = why.to_string();
+                    let _ = self.shared.failure.set(why);
+                    self.shared.status.gave_up(&status_error);
+                    // The lease granted for the put that never happened: not needed.
+                    return self.stop(Some(Stop::Revoke), conn.client, conn.lease).await;
+                }
                 SessionEnd::Failed(e) => {
                     // A fresh client per attempt, on the next member first: no state
                     // survives from a broken connection.
@@ -303,7 +349,11 @@ impl Keeper {
                         delay = delay.min(LEASE_SAVING_RETRY);
                     }
                     if self.shared.status.failed(&e) {
-                        tracing::warn!(key = %key, error = %e, "etcd registration degraded; retrying (the key stays until its lease expires)");
+                        if self.shared.claimed.load(Ordering::Relaxed) {
+                            tracing::warn!(key = %key, error = %e, "etcd registration degraded; retrying (the key stays until its lease expires)");
+                        } else {
+                            tracing::warn!(key = %key, error = %e, "etcd registration failing; retrying (not registered yet: no key was written)");
+                        }
                     } else {
                         tracing::debug!(key = %key, error = %e, retry_in = ?delay, "etcd registration still failing");
                     }
@@ -333,6 +383,14 @@ impl Keeper {
             },
         };
         let counters = &self.shared.counters;
+        // The first put waits for another incarnation's key to go (a crashed predecessor's
+        // lease running out), and gives up if the holder is alive.
+        let first = !self.shared.claimed.load(Ordering::Relaxed);
+        if first {
+            if let Err(end) = self.await_free_key(c, key).await {
+                return end;
+            }
+        }
         if let Some(id) = *lease {
             // After a broken connection: is the lease still there (etcd restarted with its
             // data, a short outage, another member)? Then keep it, else grant a new one.
@@ -362,23 +420,22 @@ impl Keeper {
                 Err(e) => return e.into(),
             },
         };
-        // The first put of this registration takes the key whatever it holds (a restart
-        // that beat the old process's lease replaces its record). Every later one, after a
-        // lost lease or a broken connection, takes it only if it is free or still ours: a
-        // replacement that registered meanwhile keeps it.
-        let first = !self.shared.claimed.load(Ordering::Relaxed);
-        let claim = if first {
-            let put = c.put(key, self.value.clone(), Some(PutOptions::new().with_lease(id)));
-            match etcd.call(EtcdOp::Put, put).await {
-                Ok(r) => Claim::Put { revision: r.header().map_or(0, |h| h.revision()) },
-                Err(e) => return self.put_failed(e, key, id, lease),
-            }
-        } else {
-            match self.claim(c, key, id).await {
-                Ok(claim) => claim,
-                Err(e) => return self.put_failed(e, key, id, lease),
-            }
+        // Every put takes the key only if it is free or still ours: a live process that
+        // registered the same engine rank first keeps it, and so does a replacement that
+        // registered while this one was cut off.
+        let claim = match self.claim(c, key, id).await {
+            Ok(claim) => claim,
+            Err(e) => return self.put_failed(e, key, id, lease),
         };
+        if first && matches!(claim, Claim::Held { .. }) {
+            // Taken since the wait found it free: wait (or refuse) again, on a new lease then.
+            if let Err(e) = etcd.call(EtcdOp::Revoke, c.lease_revoke(id)).await {
+                tracing::debug!(key = %key, error = %e, "could not revoke an unused lease; it expires");
+            }
+            *lease = None;
+            self.shared.lease.store(0, Ordering::Relaxed);
+            return SessionEnd::Again;
+        }
         let (mut holding, revision) = match claim {
             Claim::Put { revision } => {
                 self.shared.claimed.store(true, Ordering::Relaxed);
@@ -503,6 +560,69 @@ impl Keeper {
                     }
                 }
             }
+        }
+    }
+
+    /// Before this registration's first put: returns once the key is free (or holds this
+    /// registration's own record). Another incarnation's key on a lease that is running out
+    /// — a crashed predecessor's — is waited for (etcd deletes it when its TTL runs out: a
+    /// restart right after a crash registers within about the TTL). A holder whose lease is
+    /// being renewed is a live process with the same engine id and rank: refused (so is a
+    /// value on no lease, which never expires).
+    ///
+    /// Renewal is told from the lease's remaining TTL, which etcd gives in whole seconds: a
+    /// lease left alone for `d` seconds reads at least `floor(d)` less, so a reading that
+    /// went down by less than that over a second or more was renewed. A holder not seen
+    /// renewed is waited for until its lease should have run out, plus slack.
+    async fn await_free_key(&self, c: &mut Client, key: &str) -> Result<(), SessionEnd> {
+        let etcd = &self.etcd;
+        // The holder's lease, when it was first read, and what it had left then.
+        let mut seen: Option<(i64, Instant, i64)> = None;
+        loop {
+            let got = etcd.call(EtcdOp::Get, c.get(key, None)).await?;
+            let Some(kv) = got.kvs().first() else { return Ok(()) };
+            if kv.value() == self.value.as_slice() {
+                return Ok(());
+            }
+            let holder = holder_of(kv.value());
+            let holder_lease = kv.lease();
+            if holder_lease == 0 {
+                return Err(SessionEnd::Refused(RegistrationError::HeldWithoutLease {
+                    key: key.into(),
+                    holder,
+                }));
+            }
+            let remaining =
+                match etcd.call(EtcdOp::TimeToLive, c.lease_time_to_live(holder_lease, None)).await {
+                    Ok(r) => r.ttl(),
+                    Err(e) if is_lease_not_found(&e) => -1,
+                    Err(e) => return Err(e.into()),
+                };
+            let now = Instant::now();
+            match seen {
+                Some((l, since, left)) if l == holder_lease => {
+                    let waited = now.saturating_duration_since(since);
+                    let lost = i64::try_from(waited.saturating_sub(HOLDER_CLOCK_SLACK).as_secs())
+                        .unwrap_or(i64::MAX);
+                    // Renewed: more left than a lease left alone could have.
+                    let renewed = remaining > 0 && lost >= 1 && remaining > left.saturating_sub(lost);
+                    // Still there well after it should have run out: renewed meanwhile.
+                    let overdue =
+                        waited > Duration::from_secs(left.unsigned_abs()) + 2 * MAX_KEEPALIVE_INTERVAL;
+                    if renewed || overdue {
+                        let why =
+                            RegistrationError::EngineTaken { key: key.into(), holder, lease: holder_lease };
+                        return Err(SessionEnd::Refused(why));
+                    }
+                }
+                _ if remaining > 0 => {
+                    seen = Some((holder_lease, now, remaining));
+                    tracing::warn!(key = %key, %holder, lease = %format_args!("{holder_lease:x}"), left_s = remaining, "etcd key of this engine rank held by another process: waiting for its lease to run out (a restart after a crash); refused if it is renewed (a live process with the same engine id)");
+                }
+                // Run out: etcd deletes the key at its next expiry check.
+                _ => {}
+            }
+            tokio::time::sleep(HOLDER_POLL).await;
         }
     }
 

@@ -184,46 +184,104 @@ async fn registering_process_revokes_when_told_to_leave() {
     dir.shutdown().await;
 }
 
+/// A restart right after a crash: the new process (same engine rank, a new incarnation)
+/// finds its predecessor's key still on a lease nobody renews, waits for it to run out, and
+/// registers. The directory sees the old incarnation go and the new one come.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn new_incarnation_is_an_update_and_outlives_the_old_lease() {
+async fn a_restart_after_a_crash_registers_once_the_old_lease_runs_out() {
     let etcd = start_etcd();
     let dir = directory(&etcd).await;
     let mut events = dir.subscribe();
     let old = register(&etcd, "engine-r", 0x01);
     registered(&old).await;
     wait_event(&mut events, "Added", |e| is_added(e, "engine-r")).await;
-    let old_lease = old.lease_id().expect("lease");
     drop(old); // the old process crashed: its key stays until its lease runs out
+    let crashed = Instant::now();
 
     let new = register(&etcd, "engine-r", 0x02);
     registered(&new).await;
-    match next_event(&mut events, "Updated").await {
-        DirectoryEvent::Updated { old, new } => {
-            assert_eq!((old.record.incarnation, new.record.incarnation), (0x01, 0x02));
-        }
-        other => panic!("expected Updated, got {other:?}"),
-    }
-    assert_eq!(dir.resolve("engine-r", 0).map(|e| e.record.incarnation), Some(0x02));
-    // A hand-off issued by the crashed process is stale; one from the new process is fine.
+    let took = crashed.elapsed();
+    eprintln!("a restart registered {took:?} after its predecessor crashed (TTL {TTL:?})");
+    let removed = next_event(&mut events, "the crashed process's key expiring").await;
+    assert!(is_removed(&removed, "engine-r"), "{removed:?}");
+    let added = next_event(&mut events, "Added the restart").await;
+    let DirectoryEvent::Added(entry) = added else { panic!("expected Added, got {added:?}") };
+    assert_eq!(entry.record.incarnation, 0x02);
+    assert_eq!(new.stats().conflicts, 0, "{:?}", new.stats());
+    // A hand-off issued by the crashed process is gone; one from the new process is fine.
     assert!(matches!(
         dir.resolve_current("engine-r", 0, Some(0x01)),
-        Err(ResolveError::StaleIncarnation { handoff: 0x01, registered: 0x02, .. })
+        Err(ResolveError::StaleIncarnation { .. })
     ));
     assert!(dir.resolve_current("engine-r", 0, Some(0x02)).is_ok());
+    new.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}
 
-    // The old lease ending must not take the new registration's key with it.
-    let mut client = etcd.client().await;
-    client.lease_revoke(old_lease).await.expect("revoke the old lease");
+/// Two live processes registering the same engine rank: the second is refused with a
+/// clear error (state `failed`, nothing retried) and the first keeps its key, its lease and
+/// its directory entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_live_registration_of_the_same_engine_rank_is_refused() {
+    let etcd = start_etcd();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let first = register(&etcd, "engine-d", 0x01);
+    registered(&first).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-d")).await;
+    let lease = first.lease_id().expect("lease");
+
+    let started = Instant::now();
+    let second = register(&etcd, "engine-d", 0x02);
+    let status = match second.wait_registered(WAIT).await {
+        Ok(status) => panic!("a second live process registered the same engine rank: {status:?}"),
+        Err(status) => status,
+    };
+    eprintln!("the duplicate was refused after {:?} (TTL {TTL:?})", started.elapsed());
+    assert_eq!(status.state.as_str(), "failed", "{status:?}");
+    let message = status.last_error.expect("the reason").to_string();
+    assert!(message.contains("already registered by a live process"), "{message}");
+    assert!(message.contains("incarnation 0000000000000001"), "{message}");
+    assert!(message.contains("/kvxfer-test/v1/engines/engine-d/0"), "{message}");
+
+    // The first keeps its key, on its lease, for longer than a TTL.
+    tokio::time::sleep(TTL * 2).await;
+    assert_eq!(stored(&etcd, "engine-d").await, Some((record(7000, 0x01), lease)));
+    assert_eq!(first.status().state, EtcdState::Connected);
+    assert_eq!(first.stats().conflicts, 0, "{:?}", first.stats());
+    assert_eq!(dir.resolve("engine-d", 0).map(|e| e.record.incarnation), Some(0x01));
+    // Still the refused state, and shutting the refused one down leaves the first's key.
+    assert_eq!(second.status().state.as_str(), "failed");
+    second.shutdown().await.expect("shutdown of the refused registration");
+    assert_eq!(stored(&etcd, "engine-d").await, Some((record(7000, 0x01), lease)));
     let marker = register(&etcd, "marker", 9);
     registered(&marker).await;
-    // Events arrive in order: a Removed for engine-r would come before the marker's Added.
     let next = next_event(&mut events, "the marker's Added").await;
-    assert!(is_added(&next, "marker"), "engine-r must stay registered, got {next:?}");
-    assert_eq!(stored(&etcd, "engine-r").await.map(|(r, _)| r.incarnation), Some(0x02));
-
-    new.shutdown().await.expect("shutdown");
-    marker.shutdown().await.expect("shutdown");
+    assert!(is_added(&next, "marker"), "engine-d must stay the first's, got {next:?}");
+    for r in [first, marker] {
+        r.shutdown().await.expect("shutdown");
+    }
     dir.shutdown().await;
+}
+
+/// A value put under an engine rank's key on no lease never expires: the registration says
+/// so at once instead of waiting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_on_no_lease_is_refused_with_what_to_do() {
+    let etcd = start_etcd();
+    let mut client = etcd.client().await;
+    client.put(key("engine-h", 0).to_key(), record(7100, 0x0f).to_json(), None).await.expect("put");
+    let reg = register(&etcd, "engine-h", 0x02);
+    let status = reg.wait_registered(WAIT).await.expect_err("refused");
+    assert_eq!(status.state, EtcdState::Failed, "{status:?}");
+    match reg.failure() {
+        Some(kvxfer_cluster::RegistrationError::HeldWithoutLease { holder, .. }) => {
+            assert!(holder.contains("incarnation 000000000000000f"), "{holder}");
+        }
+        other => panic!("expected HeldWithoutLease, got {other:?}"),
+    }
+    assert!(status.last_error.expect("reason").contains("etcdctl del"));
+    reg.shutdown().await.expect("shutdown");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -298,6 +298,8 @@ impl PrefillAgent {
 
     /// Waits until the registration is in etcd, up to `timeout`: `Ok` once registered,
     /// `Err` with the status then (etcd unreachable, or no discovery configured: `None`).
+    /// A registration that gave up (state `Failed`: another live process registered the
+    /// same engine id and rank first) returns `Err` at once, its `last_error` saying why.
     /// The agent serves either way; this is for callers that hand out hand-offs naming only
     /// the engine id, which decode agents can resolve only once they saw the key.
     #[cfg(feature = "cluster")]
@@ -305,9 +307,15 @@ impl PrefillAgent {
         &self,
         timeout: Duration,
     ) -> Result<crate::cluster::EtcdStatus, Option<crate::cluster::EtcdStatus>> {
+        use crate::cluster::EtcdState;
         let watch = self.shared.cluster.as_ref().and_then(crate::cluster::PrefillCluster::registration_watch);
         let Some(mut watch) = watch else { return Err(None) };
-        watch.wait_until(timeout, |s| s.state == crate::cluster::EtcdState::Connected).await.map_err(Some)
+        let ended =
+            |s: &crate::cluster::EtcdStatus| matches!(s.state, EtcdState::Connected | EtcdState::Failed);
+        match watch.wait_until(timeout, ended).await {
+            Ok(s) if s.state == EtcdState::Connected => Ok(s),
+            Ok(s) | Err(s) => Err(Some(s)),
+        }
     }
 
     /// The address `/metrics` is served on, when configured.

@@ -436,8 +436,10 @@ mod discovery {
             assert_done_and_verified(&decode, &report, &remote);
         }
 
-        // etcd back: the new process registers over its predecessor's record, the directory
-        // lists it, and a hand-off of the old incarnation is refused as gone.
+        // etcd back: the new process registers once its predecessor's key expires (its
+        // lease, not renewed by anyone, runs out within the 10 s TTL etcd's restart gave
+        // it), the directory lists it, and a hand-off of the old incarnation is refused as
+        // gone.
         etcd.restart();
         if let Err(status) = new.wait_registered(Duration::from_secs(15)) {
             panic!("not registered: {status:?}");
@@ -489,5 +491,52 @@ mod discovery {
         prefill.shutdown();
         wait_for("the peer invalidated", || decode.stats().peers_invalidated == 1);
         drop(decode);
+    }
+
+    /// A second prefill process started with the engine id of a live one: its registration
+    /// is refused with a clear error (state `Failed`, `wait_registered` says why), and the
+    /// first keeps its key — its hand-offs, with their address or naming only the engine,
+    /// go on being pulled, and no decode agent drops its connections.
+    #[test]
+    fn a_second_prefill_with_a_live_ones_engine_id_is_refused_and_the_first_keeps_serving() {
+        let etcd = EtcdServer::start();
+        let first = prefill_in(&etcd, "engine-dup", 2);
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-dup", first.incarnation());
+        let config = AgentConfig::new("prefill")
+            .engine_id("engine-dup")
+            .io_timeout(Duration::from_secs(5))
+            .discovery(discovery(&etcd, 2));
+        let second = prefill_with(config, layout(64));
+        let status = match second.wait_registered(Duration::from_secs(15)) {
+            Ok(status) => panic!("the duplicate registered: {status:?}"),
+            Err(status) => status.expect("discovery is configured"),
+        };
+        assert_eq!(status.state, EtcdState::Failed, "{status:?}");
+        let message = status.last_error.expect("why").to_string();
+        assert!(message.contains("already registered by a live process"), "{message}");
+        assert!(message.contains(&format!("{:016x}", first.incarnation())), "{message}");
+
+        // Two TTLs later the first still holds the key, and its hand-offs pull.
+        std::thread::sleep(Duration::from_secs(4));
+        let dir = decode.directory().expect("directory").clone();
+        assert_eq!(dir.resolve("engine-dup", 0).map(|e| e.record.incarnation), Some(first.incarnation()));
+        for (i, parent) in ["P1", "P2"].into_iter().enumerate() {
+            let remote = blocks(4 * i as u32, 2);
+            let result = first.lease_parent(parent, remote.clone(), 1, None).expect("lease");
+            let result = if i == 0 { result } else { result.engine_only() };
+            let report = decode.submit(result, remote.clone()).expect("submit").wait();
+            assert_done_and_verified(&decode, &report, &remote);
+        }
+        assert_eq!(decode.stats().peers_invalidated, 0);
+        assert_eq!(first.registration_status().map(|s| s.state), Some(EtcdState::Connected));
+        // The refused process shuts down without touching the first's key.
+        second.shutdown();
+        drop(second);
+        let result = first.lease_parent("P3", blocks(16, 2), 1, None).expect("lease").engine_only();
+        let report = decode.submit(result, blocks(16, 2)).expect("submit").wait();
+        assert_done_and_verified(&decode, &report, &blocks(16, 2));
+        drop(decode);
+        drop(first);
     }
 }

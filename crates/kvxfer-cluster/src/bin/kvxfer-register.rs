@@ -1,7 +1,8 @@
 //! Registers one engine rank in etcd and keeps its lease alive until stdin closes or
 //! SIGTERM/SIGINT arrives (then revokes it: the key goes at once) or the process is killed
 //! with SIGKILL (the key expires within the TTL). Prints one JSON line once registered and
-//! one once revoked. Used by the `kill -9` discovery test; also a way to publish an engine
+//! one once revoked. Exits with status 1 and the reason when the registration is refused
+//! (another live process holds the engine rank). Used by the `kill -9` discovery test; also a way to publish an engine
 //! by hand.
 
 use std::io::Read;
@@ -117,8 +118,19 @@ fn run() -> Result<(), String> {
     });
     runtime.block_on(async {
         let mut status = registration.status_watch();
+        let ended = |s: &kvxfer_cluster::EtcdStatus| {
+            matches!(s.state, kvxfer_cluster::EtcdState::Connected | kvxfer_cluster::EtcdState::Failed)
+        };
         let registered = tokio::select! {
-            r = status.wait_until(Duration::MAX, |s| s.state == kvxfer_cluster::EtcdState::Connected) => r.is_ok(),
+            r = status.wait_until(Duration::MAX, ended) => {
+                if let Some(why) = registration.failure() {
+                    // Refused for good (another live process holds the engine rank): say so, exit 1.
+                    let why = why.to_string();
+                    let _ = registration.shutdown().await;
+                    return Err(why);
+                }
+                r.is_ok()
+            }
             why = signals.recv() => {
                 tracing::info!(signal = why, "stopping before the first registration");
                 false
