@@ -37,7 +37,9 @@ pub enum DirectoryEvent {
     /// A rank appeared.
     Added(Arc<EngineEntry>),
     /// A rank's record changed: a new incarnation (the agent restarted), or a new address,
-    /// transports, layout or protocol. Connections to `old` must not be reused.
+    /// transports, layout or protocol — connections to `old` must not be reused — or only
+    /// whether it is draining ([`EngineRecord::draining`]; same agent, connections stay
+    /// good: [`DirectoryEvent::invalidates`] says which).
     Updated {
         /// What was cached.
         old: Arc<EngineEntry>,
@@ -55,6 +57,29 @@ impl DirectoryEvent {
         match self {
             DirectoryEvent::Added(e) | DirectoryEvent::Removed(e) => &e.key,
             DirectoryEvent::Updated { new, .. } => &new.key,
+        }
+    }
+
+    /// Whether connections made for the old record must be dropped: a rank removed, or
+    /// updated to another agent or place (not when only its draining state changed).
+    pub fn invalidates(&self) -> bool {
+        match self {
+            DirectoryEvent::Added(_) => false,
+            DirectoryEvent::Removed(_) => true,
+            DirectoryEvent::Updated { old, new } => !old.record.same_agent(&new.record),
+        }
+    }
+
+    /// Whether this event starts (`Some(true)`) or ends (`Some(false)`) a rank's draining;
+    /// `None` when its draining state did not change (an `Added` rank that is draining
+    /// already says `Some(true)`).
+    pub fn draining_changed(&self) -> Option<bool> {
+        match self {
+            DirectoryEvent::Added(e) => e.record.draining.then_some(true),
+            DirectoryEvent::Removed(_) => None,
+            DirectoryEvent::Updated { old, new } => {
+                (old.record.draining != new.record.draining).then_some(new.record.draining)
+            }
         }
     }
 }
@@ -938,6 +963,7 @@ mod tests {
             protocol_version: 2,
             incarnation,
             agent: AgentName::new("p").expect("name"),
+            draining: false,
         }
         .to_json()
     }

@@ -81,6 +81,23 @@
 //!   in the log, [`RegistrationStats::conflicts`], status `Degraded` — and the key is taken
 //!   again only once it is free.
 //!
+//! ## Draining
+//!
+//! An engine drains — takes no new hand-offs while the ones it made are pulled and end as
+//! usual — while [`Registration::drain`] is in force or its drain key exists:
+//!
+//! ```text
+//! /<namespace>/v1/drain/<engine_id>      (any value; delete it to undrain)
+//! ```
+//!
+//! The registration watches that key and puts its record again with `"draining":true`
+//! ([`EngineRecord::draining`]; the field is left out when false, so a serving engine's
+//! record is unchanged): the same key, lease and incarnation, so directories report it as
+//! an `Updated` event whose [`DirectoryEvent::invalidates`] is false (connections stay),
+//! and routers reading [`EngineDirectory::resolve`] / [`EngineDirectory::entries`] stop
+//! sending it prefills. Refusing new hand-offs is the owner's part: a kvxfer prefill agent
+//! refuses new leases (`kvxfer::Error::Draining`).
+//!
 //! ## Invalidation
 //!
 //! An [`EngineDirectory`] lists the prefix (in pages, all at the first page's revision),
@@ -151,7 +168,9 @@ pub use metrics::{
     ChildPullOutcome, DecodeSnapshot, Format, HandoffOutcome, Metrics, PerTransport, PrefillSnapshot,
     SourceGuard, Transport, OPENMETRICS_CONTENT_TYPE, PROMETHEUS_TEXT_CONTENT_TYPE,
 };
-pub use names::{engines_prefix, AgentName, EngineId, EngineKey, Namespace, TransportName, KEY_LAYOUT};
+pub use names::{
+    drain_key, engines_prefix, AgentName, EngineId, EngineKey, Namespace, TransportName, KEY_LAYOUT,
+};
 pub use record::{AdvertiseAddr, EngineRecord, Host, MAX_RECORD_LEN, MAX_TRANSPORTS, RECORD_VERSION};
 pub use registration::{
     Registration, RegistrationConfig, RegistrationStats, MAX_KEEPALIVE_INTERVAL, MAX_LEASE_TTL, MIN_LEASE_TTL,

@@ -209,6 +209,12 @@ impl EngineKey {
         format!("{}{}/{}", engines_prefix(&self.namespace), self.engine_id, self.rank)
     }
 
+    /// The etcd key that drains this rank's whole engine while it exists:
+    /// `/<namespace>/v1/drain/<engine_id>` ([`drain_key`]).
+    pub fn drain_key(&self) -> String {
+        drain_key(&self.namespace, &self.engine_id)
+    }
+
     /// Parses a key found under `engines_prefix(namespace)`: exactly `<engine_id>/<rank>`
     /// follows the prefix, with a canonical decimal rank.
     pub fn parse(namespace: &Namespace, key: &[u8]) -> Result<Self, NameError> {
@@ -238,6 +244,13 @@ impl fmt::Display for EngineKey {
 /// The prefix every engine key of `namespace` starts with: `/<namespace>/v1/engines/`.
 pub fn engines_prefix(namespace: &Namespace) -> String {
     format!("/{namespace}/{KEY_LAYOUT}/engines/")
+}
+
+/// The key an operator puts (any value) to drain every rank of `engine_id`, and deletes to
+/// undrain it: `/<namespace>/v1/drain/<engine_id>`. Outside the engines prefix, so a
+/// directory never reads it as an engine.
+pub fn drain_key(namespace: &Namespace, engine_id: &EngineId) -> String {
+    format!("/{namespace}/{KEY_LAYOUT}/drain/{engine_id}")
 }
 
 #[cfg(test)]

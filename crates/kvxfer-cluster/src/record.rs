@@ -145,6 +145,10 @@ pub struct EngineRecord {
     pub incarnation: u64,
     /// The agent's name, for logs.
     pub agent: AgentName,
+    /// Draining: the engine takes no new hand-offs (its leases are refused) while the ones
+    /// it made are still pulled. Routers stop sending it prefills; connections to it stay
+    /// good. Written as `"draining":true`, and left out when false.
+    pub draining: bool,
 }
 
 /// The JSON shape of version 1. Unknown fields are ignored (later additions within a
@@ -159,6 +163,12 @@ struct WireV1 {
     incarnation: String,
     #[serde(default)]
     agent: String,
+    #[serde(default, skip_serializing_if = "is_false")]
+    draining: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[derive(Serialize, Deserialize)]
@@ -197,6 +207,7 @@ impl EngineRecord {
             protocol_version: self.protocol_version,
             incarnation: format!("{:016x}", self.incarnation),
             agent: self.agent.as_str().to_owned(),
+            draining: self.draining,
         };
         serde_json::to_vec(&wire).expect("a struct of strings and integers always serializes")
     }
@@ -228,7 +239,20 @@ impl EngineRecord {
             protocol_version: wire.protocol_version,
             incarnation: hex16("incarnation", &wire.incarnation)?,
             agent: AgentName::new(&wire.agent).map_err(field("agent"))?,
+            draining: wire.draining,
         })
+    }
+
+    /// Whether `other` describes the same agent at the same place — everything but
+    /// `draining` equal: connections made for one are good for the other.
+    pub fn same_agent(&self, other: &EngineRecord) -> bool {
+        let Self { addr, transports, compat_hash, protocol_version, incarnation, agent, draining: _ } = self;
+        *addr == other.addr
+            && *transports == other.transports
+            && *compat_hash == other.compat_hash
+            && *protocol_version == other.protocol_version
+            && *incarnation == other.incarnation
+            && *agent == other.agent
     }
 
     /// Whether it offers `transport`.
@@ -249,6 +273,7 @@ mod tests {
             protocol_version: 2,
             incarnation: 0xfeed_0000_0000_0001,
             agent: AgentName::new("prefill-0").expect("name"),
+            draining: false,
         }
     }
 
@@ -265,6 +290,22 @@ mod tests {
         assert!(json.contains(r#""host":"::1""#), "{json}");
         assert!(json.contains(r#""incarnation":"feed000000000001""#), "{json}");
         assert!(json.contains(r#""compat_hash":"0123456789abcdef""#), "{json}");
+    }
+
+    /// `draining` is written only when set (a serving engine's record is what it was), read
+    /// back, and ignored by `same_agent`.
+    #[test]
+    fn draining_is_written_only_when_set() {
+        let serving = record("10.0.0.7");
+        let json = String::from_utf8(serving.to_json()).expect("utf8");
+        assert!(!json.contains("draining"), "{json}");
+        let draining = EngineRecord { draining: true, ..serving.clone() };
+        let json = draining.to_json();
+        assert!(String::from_utf8_lossy(&json).contains(r#""draining":true"#));
+        assert_eq!(EngineRecord::from_json(&json), Ok(draining.clone()));
+        assert!(serving.same_agent(&draining) && serving != draining);
+        let moved = EngineRecord { incarnation: 2, ..serving.clone() };
+        assert!(!serving.same_agent(&moved));
     }
 
     #[test]

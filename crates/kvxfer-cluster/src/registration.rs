@@ -5,11 +5,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use etcd_client::{
-    Client, Compare, CompareOp, EventType, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use rand::SeedableRng;
 use tokio::runtime::Handle;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
 use crate::backoff::Backoff;
@@ -107,9 +107,19 @@ pub(crate) struct Shared {
     claimed: AtomicBool,
     /// Why it gave up for good, if it did.
     failure: OnceLock<RegistrationError>,
+    /// Draining because the owner said so ([`Registration::drain`]).
+    drain_called: AtomicBool,
+    /// Draining because the engine's drain key exists in etcd.
+    drain_keyed: AtomicBool,
+    /// Either drain flag changed: the record is put again with the new state.
+    drain_changed: Notify,
 }
 
 impl Shared {
+    fn is_draining(&self) -> bool {
+        self.drain_called.load(Ordering::Relaxed) || self.drain_keyed.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn stats(&self) -> RegistrationStats {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         RegistrationStats {
@@ -163,13 +173,17 @@ impl Registration {
             lease: AtomicI64::new(0),
             claimed: AtomicBool::new(false),
             failure: OnceLock::new(),
+            drain_called: AtomicBool::new(false),
+            drain_keyed: AtomicBool::new(false),
+            drain_changed: Notify::new(),
         });
         let (stop_tx, stop_rx) = oneshot::channel();
         let task = Keeper {
             shared: shared.clone(),
             etcd,
             key: config.key.clone(),
-            value: config.record.to_json(),
+            drain_key: config.key.drain_key(),
+            record: config.record.clone(),
             ttl_secs: i64::try_from(ttl_secs).unwrap_or(i64::MAX),
         };
         let task = runtime.spawn(task.run(stop_rx));
@@ -181,9 +195,36 @@ impl Registration {
         &self.key
     }
 
-    /// The registered record.
+    /// The registered record, as given at start (the stored one also says whether the
+    /// engine is draining: [`Self::is_draining`]).
     pub fn record(&self) -> &EngineRecord {
         &self.record
+    }
+
+    /// Starts draining: the record is put again with `"draining":true`, so directories
+    /// (and the routers reading them) see that this engine takes no new hand-offs, while
+    /// the key, its lease and every connection stay. What "no new hand-offs" means is up
+    /// to the owner (a kvxfer prefill agent refuses new leases). Returns at once; without
+    /// etcd the new state is put when it is back. Draining also starts while the engine's
+    /// drain key `/<ns>/v1/drain/<engine_id>` exists ([`EngineKey::drain_key`]).
+    pub fn drain(&self) {
+        if !self.shared.drain_called.swap(true, Ordering::Relaxed) {
+            self.shared.drain_changed.notify_one();
+        }
+    }
+
+    /// Ends a drain started by [`Self::drain`] (one held by the drain key lasts until the
+    /// key is deleted).
+    pub fn undrain(&self) {
+        if self.shared.drain_called.swap(false, Ordering::Relaxed) {
+            self.shared.drain_changed.notify_one();
+        }
+    }
+
+    /// Whether the engine is draining: [`Self::drain`] was called, or the engine's drain
+    /// key exists (as of the registration's last look at etcd).
+    pub fn is_draining(&self) -> bool {
+        self.shared.is_draining()
     }
 
     /// Where it stands with etcd.
@@ -260,7 +301,10 @@ struct Keeper {
     shared: Arc<Shared>,
     etcd: EtcdConfig,
     key: EngineKey,
-    value: Vec<u8>,
+    /// `/<ns>/v1/drain/<engine_id>`: drains while it exists.
+    drain_key: String,
+    /// What to register; `draining` is set from the drain flags at each put.
+    record: EngineRecord,
     ttl_secs: i64,
 }
 
@@ -317,6 +361,24 @@ impl From<EtcdError> for SessionEnd {
 }
 
 impl Keeper {
+    /// The value to put now: the record, draining or not.
+    fn value(&self) -> Vec<u8> {
+        EngineRecord { draining: self.shared.is_draining(), ..self.record.clone() }.to_json()
+    }
+
+    /// Whether a stored value is this registration's record (draining or not).
+    fn is_ours(&self, value: &[u8]) -> bool {
+        EngineRecord::from_json(value).is_ok_and(|r| r.same_agent(&self.record))
+    }
+
+    /// Records whether the drain key exists; a change puts the record again.
+    fn drain_key_seen(&self, key: &str, exists: bool) {
+        if self.shared.drain_keyed.swap(exists, Ordering::Relaxed) != exists {
+            tracing::info!(key = %key, drain_key = %self.drain_key, draining = exists, "etcd drain key {}", if exists { "put: draining" } else { "deleted: no longer draining (unless drain() was called)" });
+            self.shared.drain_changed.notify_one();
+        }
+    }
+
     async fn run(self, mut stop: oneshot::Receiver<Stop>) -> Result<(), EtcdError> {
         let mut rng = rand::rngs::StdRng::from_os_rng();
         let mut backoff = Backoff::new(self.etcd.backoff_initial, self.etcd.backoff_max);
@@ -423,6 +485,17 @@ impl Keeper {
         // Every put takes the key only if it is free or still ours: a live process that
         // registered the same engine rank first keeps it, and so does a replacement that
         // registered while this one was cut off.
+        // Whether the engine's drain key exists, before the put (which says so).
+        let drain_revision = {
+            let get = c.get(self.drain_key.as_str(), Some(GetOptions::new().with_count_only()));
+            match etcd.call(EtcdOp::Get, get).await {
+                Ok(r) => {
+                    self.drain_key_seen(key, r.count() > 0);
+                    r.header().map_or(0, |h| h.revision())
+                }
+                Err(e) => return e.into(),
+            }
+        };
         let claim = match self.claim(c, key, id).await {
             Ok(claim) => claim,
             Err(e) => return self.put_failed(e, key, id, lease),
@@ -456,6 +529,14 @@ impl Keeper {
         *lease_until = Some(opened + Duration::from_secs(ttl.unsigned_abs()));
         let watch = c.watch(key, Some(WatchOptions::new().with_start_revision(revision + 1)));
         let mut watch = match etcd.call(EtcdOp::Watch, watch).await {
+            Ok(w) => w,
+            Err(e) => return e.into(),
+        };
+        let drain_watch = c.watch(
+            self.drain_key.as_str(),
+            Some(WatchOptions::new().with_start_revision(drain_revision + 1)),
+        );
+        let mut drain_watch = match etcd.call(EtcdOp::Watch, drain_watch).await {
             Ok(w) => w,
             Err(e) => return e.into(),
         };
@@ -508,6 +589,40 @@ impl Keeper {
                     }
                     Err(source) => return EtcdError::Client { op: EtcdOp::KeepAlive, source }.into(),
                 },
+                _ = self.shared.drain_changed.notified() => {
+                    if !holding {
+                        continue; // put with the new state once the key is ours again
+                    }
+                    match self.claim(c, key, id).await {
+                        Ok(Claim::Put { .. }) => {
+                            counters.puts.fetch_add(1, Ordering::Relaxed);
+                            let draining = self.shared.is_draining();
+                            tracing::info!(key = %key, draining, "etcd registration: draining state put");
+                        }
+                        Ok(Claim::Held { incarnation, .. }) => {
+                            holding = false;
+                            self.conflict(key, incarnation);
+                        }
+                        Err(e) => return self.put_failed(e, key, id, lease),
+                    }
+                }
+                message = drain_watch.message() => {
+                    let response = match message {
+                        Ok(Some(r)) => r,
+                        Ok(None) => {
+                            let reason = "closed by etcd".to_owned();
+                            return EtcdError::StreamEnded { op: EtcdOp::Watch, reason }.into();
+                        }
+                        Err(source) => return EtcdError::Client { op: EtcdOp::Watch, source }.into(),
+                    };
+                    if response.canceled() || response.compact_revision() > 0 {
+                        let reason = format!("cancelled by etcd ({})", response.cancel_reason());
+                        return EtcdError::StreamEnded { op: EtcdOp::Watch, reason }.into();
+                    }
+                    if let Some(last) = response.events().last() {
+                        self.drain_key_seen(key, last.event_type() != EventType::Delete);
+                    }
+                }
                 message = watch.message() => {
                     let response = match message {
                         Ok(Some(r)) => r,
@@ -525,7 +640,13 @@ impl Keeper {
                     // Only the key's latest state matters.
                     let deleted = last.event_type() == EventType::Delete;
                     match last.kv() {
-                        Some(kv) if !deleted && kv.value() == self.value.as_slice() => holding = true,
+                        Some(kv) if !deleted && self.is_ours(kv.value()) => {
+                            holding = true;
+                            if kv.value() != self.value().as_slice() {
+                                // Ours, with a draining state that changed since: put again.
+                                self.shared.drain_changed.notify_one();
+                            }
+                        }
                         Some(kv) if !deleted => {
                             if holding {
                                 holding = false;
@@ -581,7 +702,7 @@ impl Keeper {
         loop {
             let got = etcd.call(EtcdOp::Get, c.get(key, None)).await?;
             let Some(kv) = got.kvs().first() else { return Ok(()) };
-            if kv.value() == self.value.as_slice() {
+            if self.is_ours(kv.value()) {
                 return Ok(());
             }
             let holder = holder_of(kv.value());
@@ -629,7 +750,7 @@ impl Keeper {
     /// Puts the key on lease `id` if it is absent or holds this registration's record
     /// (compared in a transaction, so a replacement's record is never overwritten).
     async fn claim(&self, c: &mut Client, key: &str, id: i64) -> Result<Claim, EtcdError> {
-        let put = || TxnOp::put(key, self.value.clone(), Some(PutOptions::new().with_lease(id)));
+        let put = || TxnOp::put(key, self.value(), Some(PutOptions::new().with_lease(id)));
         let mut when = Compare::version(key, CompareOp::Equal, 0);
         // A few rounds: the key may change between the comparison and the next one.
         for _ in 0..4 {
@@ -649,7 +770,7 @@ impl Keeper {
                 None => Compare::version(key, CompareOp::Equal, 0),
                 // Ours (a put of ours on an older lease, etcd back with its data): put it
                 // on this lease, unless it changes meanwhile.
-                Some((value, mod_revision)) if value == self.value => {
+                Some((value, mod_revision)) if self.is_ours(&value) => {
                     Compare::mod_revision(key, CompareOp::Equal, mod_revision)
                 }
                 Some((value, _)) => return Ok(Claim::Held { incarnation: incarnation_of(&value), revision }),

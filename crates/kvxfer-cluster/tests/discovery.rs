@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvxfer_cluster::testing::{fast_config, EtcdLaunch};
 use kvxfer_cluster::{
-    engines_prefix, DirectoryEvent, DirectoryOptions, EngineDirectory, EngineRecord, EtcdConfig, EtcdState,
-    Registration, RegistrationConfig, ResolveError, StatusWatch,
+    engines_prefix, DirectoryEvent, DirectoryEvents, DirectoryOptions, EngineDirectory, EngineRecord,
+    EtcdConfig, EtcdState, Registration, RegistrationConfig, ResolveError, StatusWatch,
 };
 use support::{
     is_added, is_removed, key, namespace, next_event, record, start_etcd, wait_added, wait_event, EtcdServer,
@@ -282,6 +282,87 @@ async fn a_key_on_no_lease_is_refused_with_what_to_do() {
     }
     assert!(status.last_error.expect("reason").contains("etcdctl del"));
     reg.shutdown().await.expect("shutdown");
+}
+
+/// The next event about `engine`, which must be an `Updated` of the draining state only.
+async fn drain_update(events: &mut DirectoryEvents, engine: &str, draining: bool) -> DirectoryEvent {
+    let e = wait_event(events, &format!("{engine} draining={draining}"), |e| {
+        e.key().engine_id.as_str() == engine
+    })
+    .await;
+    match &e {
+        DirectoryEvent::Updated { old, new } => {
+            assert_eq!(new.record.draining, draining, "{e:?}");
+            assert!(old.record.same_agent(&new.record), "{e:?}");
+            assert_eq!(old.lease, new.lease, "same lease");
+        }
+        other => panic!("expected a draining Updated, got {other:?}"),
+    }
+    assert!(!e.invalidates(), "a drain keeps connections: {e:?}");
+    assert_eq!(e.draining_changed(), Some(draining));
+    e
+}
+
+/// Draining, by the registration's call and by the engine's drain key: the record is put
+/// again saying `"draining":true` (same key, lease and incarnation), the directory reports
+/// an `Updated` that invalidates nothing, and undraining (the call, or deleting the key)
+/// puts it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_by_call_or_by_drain_key_is_seen_by_the_directory() {
+    let etcd = start_etcd();
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-g", 0x0d);
+    registered(&reg).await;
+    wait_event(&mut events, "Added", |e| is_added(e, "engine-g")).await;
+    let lease = reg.lease_id().expect("lease");
+    assert!(!reg.is_draining());
+
+    reg.drain();
+    assert!(reg.is_draining());
+    drain_update(&mut events, "engine-g", true).await;
+    let (stored_record, stored_lease) = stored(&etcd, "engine-g").await.expect("registered");
+    assert!(stored_record.draining && stored_lease == lease, "{stored_record:?}");
+    assert!(dir.resolve("engine-g", 0).is_some_and(|e| e.record.draining));
+    // A hand-off of the draining engine is still good (its leases are to be pulled).
+    assert!(dir.resolve_current("engine-g", 0, Some(0x0d)).is_ok());
+    reg.undrain();
+    drain_update(&mut events, "engine-g", false).await;
+
+    // The operator's way: the drain key.
+    let drain =
+        kvxfer_cluster::drain_key(&namespace(), &kvxfer_cluster::EngineId::new("engine-g").expect("id"));
+    assert_eq!(drain, "/kvxfer-test/v1/drain/engine-g");
+    let mut client = etcd.client().await;
+    client.put(drain.as_str(), "maintenance", None).await.expect("put the drain key");
+    drain_update(&mut events, "engine-g", true).await;
+    assert!(reg.is_draining());
+    client.delete(drain.as_str(), None).await.expect("delete the drain key");
+    drain_update(&mut events, "engine-g", false).await;
+    assert!(!reg.is_draining());
+    let stats = reg.stats();
+    assert_eq!((stats.grants, stats.conflicts, stats.leases_lost), (1, 0, 0), "{stats:?}");
+    assert_eq!(dir.stats().ignored_bad_key, 0, "the drain key is not read as an engine");
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
+}
+
+/// A registration starting while its drain key exists registers draining at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_started_under_a_drain_key_registers_draining() {
+    let etcd = start_etcd();
+    let drain =
+        kvxfer_cluster::drain_key(&namespace(), &kvxfer_cluster::EngineId::new("engine-u").expect("id"));
+    etcd.client().await.put(drain.as_str(), "", None).await.expect("put the drain key");
+    let dir = directory(&etcd).await;
+    let mut events = dir.subscribe();
+    let reg = register(&etcd, "engine-u", 0x0e);
+    registered(&reg).await;
+    let added = wait_event(&mut events, "Added", |e| is_added(e, "engine-u")).await;
+    assert_eq!(added.draining_changed(), Some(true), "{added:?}");
+    assert!(reg.is_draining());
+    reg.shutdown().await.expect("shutdown");
+    dir.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -71,6 +71,21 @@ impl PrefillAgent {
         self.as_async().incarnation()
     }
 
+    /// See [`crate::PrefillAgent::drain`].
+    pub fn drain(&self) {
+        self.as_async().drain();
+    }
+
+    /// See [`crate::PrefillAgent::undrain`].
+    pub fn undrain(&self) {
+        self.as_async().undrain();
+    }
+
+    /// See [`crate::PrefillAgent::is_draining`].
+    pub fn is_draining(&self) -> bool {
+        self.as_async().is_draining()
+    }
+
     /// See [`crate::PrefillAgent::local_addr`].
     pub fn local_addr(&self) -> SocketAddr {
         self.as_async().local_addr()

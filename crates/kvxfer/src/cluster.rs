@@ -139,6 +139,7 @@ impl PrefillCluster {
                     protocol_version: config.protocol_version,
                     incarnation: side.incarnation,
                     agent: AgentName::new(&config.agent_name).map_err(cluster_error)?,
+                    draining: false,
                 };
                 let engine_id = EngineId::new(&config.engine_id).map_err(cluster_error)?;
                 let key = EngineKey::new(d.namespace()?, engine_id, config.rank);
@@ -193,6 +194,26 @@ impl PrefillCluster {
     /// A watch of the registration's state.
     pub(crate) fn registration_watch(&self) -> Option<StatusWatch> {
         self.registration.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(Registration::status_watch)
+    }
+
+    /// Starts (`true`) or ends (`false`) the registration's drain, if registering.
+    pub(crate) fn drain(&self, on: bool) {
+        if let Some(reg) = self.registration.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            if on {
+                reg.drain();
+            } else {
+                reg.undrain();
+            }
+        }
+    }
+
+    /// Whether the registration is draining (called, or the etcd drain key exists).
+    pub(crate) fn is_draining(&self) -> bool {
+        self.registration
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(Registration::is_draining)
     }
 
     /// The `/metrics` address, if served.
@@ -452,7 +473,12 @@ async fn invalidate_on_events(
 ) {
     while let Some(event) = events.recv().await {
         let Some(inner) = inner.upgrade() else { return };
+        if let Some(draining) = event.draining_changed() {
+            let e = event.key();
+            info!(engine = %e, draining, "engine draining state changed in etcd (pooled connections kept)");
+        }
         let old = match &event {
+            _ if !event.invalidates() => continue,
             DirectoryEvent::Added(_) => continue,
             DirectoryEvent::Updated { old, .. } | DirectoryEvent::Removed(old) => old,
         };

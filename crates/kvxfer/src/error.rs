@@ -48,6 +48,17 @@ pub enum Error {
     /// inconsistent).
     #[error("the configured KV-cache shape does not fit the memory: {0}")]
     ShapeMismatch(String),
+    /// The prefill agent is draining ([`crate::PrefillAgent::drain`], or the engine's etcd
+    /// drain key): it makes no new leases, while the ones it made are still pulled and end
+    /// as usual. Send the request to another engine.
+    #[error(
+        "engine {engine_id} is draining: it takes no new hand-offs (its existing leases are still \
+         pulled); prefill this request on another engine"
+    )]
+    Draining {
+        /// The engine id.
+        engine_id: String,
+    },
     /// Binding the listener or starting the runtime failed.
     #[error("{what}: {source}")]
     Io {

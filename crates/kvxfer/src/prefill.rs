@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -65,6 +65,10 @@ struct Shared {
     /// The etcd registration and the metrics, when configured.
     #[cfg(feature = "cluster")]
     cluster: Option<crate::cluster::PrefillCluster>,
+    /// Set by [`PrefillAgent::drain`]: no new leases.
+    draining: AtomicBool,
+    /// The engine id, for the draining refusal.
+    engine_id: String,
 }
 
 /// A prefill worker's agent: owns the lease table and serves the registered KV cache. Runs
@@ -256,6 +260,8 @@ impl PrefillAgent {
             ucx: Mutex::new(ucx.map(crate::runtime::DropOffRuntime::new)),
             #[cfg(feature = "cluster")]
             cluster,
+            draining: AtomicBool::new(false),
+            engine_id: config.engine_id.clone(),
         });
         let (events_tx, events) = crossbeam_channel::unbounded();
         let events_ready = Arc::new(Notify::new());
@@ -338,6 +344,52 @@ impl PrefillAgent {
         false
     }
 
+    /// Starts draining: new leases ([`Self::lease`], [`Self::arm`], [`Self::lease_parent`])
+    /// are refused with [`Error::Draining`], while the leases made before are still read,
+    /// notified, heartbeated, cancelled and expired as usual. With discovery the etcd
+    /// record says `"draining":true` too (same key, lease and incarnation), so routers
+    /// reading the directory stop sending this engine prefills and decode agents keep their
+    /// connections. Putting the engine's drain key `/<ns>/v1/drain/<engine_id>` in etcd
+    /// drains it the same way (deleting the key ends that drain). Returns at once.
+    pub fn drain(&self) {
+        if !self.shared.draining.swap(true, Ordering::Relaxed) {
+            info!(engine_id = %self.shared.engine_id, "draining: new leases are refused, existing ones end as usual");
+        }
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.shared.cluster {
+            c.drain(true);
+        }
+    }
+
+    /// Ends a drain started by [`Self::drain`] (a drain held by the etcd drain key lasts
+    /// until the key is deleted).
+    pub fn undrain(&self) {
+        if self.shared.draining.swap(false, Ordering::Relaxed) {
+            info!(engine_id = %self.shared.engine_id, "no longer draining (unless the etcd drain key exists)");
+        }
+        #[cfg(feature = "cluster")]
+        if let Some(c) = &self.shared.cluster {
+            c.drain(false);
+        }
+    }
+
+    /// Whether new leases are refused: [`Self::drain`] was called, or (with discovery) the
+    /// engine's etcd drain key exists.
+    pub fn is_draining(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        if self.shared.cluster.as_ref().is_some_and(crate::cluster::PrefillCluster::is_draining) {
+            return true;
+        }
+        self.shared.draining.load(Ordering::Relaxed)
+    }
+
+    fn refuse_if_draining(&self) -> Result<(), Error> {
+        if self.is_draining() {
+            return Err(Error::Draining { engine_id: self.shared.engine_id.clone() });
+        }
+        Ok(())
+    }
+
     /// The registered KV cache the agent serves.
     pub fn memory(&self) -> &Arc<KvMemory> {
         &self.shared.memory
@@ -382,6 +434,7 @@ impl PrefillAgent {
             Instant,
         ) -> Result<(ChildHandoff, u64), kvxfer_core::LeaseError>,
     ) -> Result<ChildHandoff, Error> {
+        self.refuse_if_draining()?;
         let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
         let mut tracker = self.lock_tracker();
         let now = Instant::now();
@@ -434,6 +487,7 @@ impl PrefillAgent {
                 req
             })
             .collect();
+        self.refuse_if_draining()?;
         for req in &reqs {
             self.shared.table.validate(req)?;
         }

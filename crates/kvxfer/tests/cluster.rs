@@ -39,7 +39,7 @@ mod discovery {
 
     use kvxfer::blocking::{DecodeAgent, PrefillAgent};
     use kvxfer::cluster::{DiscoveryConfig, EtcdState, Metrics};
-    use kvxfer::{AgentConfig, BlockId, ChildOutcome, PullError, PullReport, TransportChoice};
+    use kvxfer::{AgentConfig, BlockId, ChildOutcome, Error, PullError, PullReport, TransportChoice};
     use kvxfer_cluster::testing::etcd_client::PutOptions;
     use kvxfer_cluster::testing::EtcdServer;
     use kvxfer_cluster::EngineRecord;
@@ -538,5 +538,66 @@ mod discovery {
         assert_done_and_verified(&decode, &report, &blocks(16, 2));
         drop(decode);
         drop(first);
+    }
+
+    /// Draining a prefill agent, by its call and by the engine's etcd drain key: new
+    /// leases are refused with `Error::Draining`; leases made before are pulled (with
+    /// their address and naming only the engine); the decode agent's directory says the
+    /// engine is draining and keeps its connections; undraining lets leases through again.
+    #[test]
+    fn a_draining_prefill_refuses_new_leases_while_its_leases_are_pulled() {
+        let etcd = EtcdServer::start();
+        let prefill = prefill_in(&etcd, "engine-dr", 2);
+        let decode = decode_in(&etcd);
+        wait_resolves(&decode, "engine-dr", prefill.incarnation());
+        let dir = decode.directory().expect("directory").clone();
+        let draining = || dir.resolve("engine-dr", 0).is_some_and(|e| e.record.draining);
+        let report =
+            decode.submit(prefill.lease_parent("P0", blocks(0, 2), 1, None).expect("lease"), blocks(0, 2));
+        assert_done_and_verified(&decode, &report.expect("submit").wait(), &blocks(0, 2));
+        let assert_refused = |parent: &str| match prefill.lease_parent(parent, blocks(40, 2), 1, None) {
+            Err(e @ Error::Draining { .. }) => {
+                assert!(e.to_string().contains("engine-dr is draining"), "{e}")
+            }
+            other => panic!("a draining engine leased {parent}: {other:?}"),
+        };
+
+        for by_key in [false, true] {
+            let existing = prefill.lease_parent("E1", blocks(4, 2), 1, None).expect("lease");
+            let engine_only = prefill.lease_parent("E2", blocks(8, 2), 1, None).expect("lease").engine_only();
+            let drain_key = format!("/{NS}/v1/drain/engine-dr");
+            if by_key {
+                runtime().block_on(async {
+                    etcd.client().await.put(drain_key.as_str(), "", None).await.expect("put the drain key")
+                });
+                wait_for("the agent draining by the key", || prefill.is_draining());
+            } else {
+                prefill.drain();
+                assert!(prefill.is_draining());
+            }
+            assert_refused("N1");
+            wait_for("the directory reporting the engine draining", draining);
+            // What was leased before the drain is still pulled, and ends as usual.
+            let report = decode.submit(existing, blocks(4, 2)).expect("submit").wait();
+            assert_done_and_verified(&decode, &report, &blocks(4, 2));
+            let report = decode.submit(engine_only, blocks(8, 2)).expect("submit").wait();
+            assert_done_and_verified(&decode, &report, &blocks(8, 2));
+            assert_refused("N2");
+            assert_eq!(decode.stats().peers_invalidated, 0, "draining keeps connections");
+            if by_key {
+                runtime().block_on(async {
+                    etcd.client().await.delete(drain_key.as_str(), None).await.expect("delete the drain key")
+                });
+            } else {
+                prefill.undrain();
+            }
+            wait_for("the agent serving again", || !prefill.is_draining());
+            wait_for("the directory reporting the engine serving", || !draining());
+            let result = prefill.lease_parent("A1", blocks(12, 2), 1, None).expect("lease after undrain");
+            let report = decode.submit(result, blocks(12, 2)).expect("submit").wait();
+            assert_done_and_verified(&decode, &report, &blocks(12, 2));
+        }
+        drop(decode);
+        drop(prefill);
     }
 }

@@ -97,6 +97,7 @@ fn run() -> Result<(), String> {
         protocol_version: args.protocol_version,
         incarnation,
         agent: AgentName::new(&args.agent).map_err(s)?,
+        draining: false,
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;

@@ -42,6 +42,7 @@ pub fn record(port: u16, incarnation: u64) -> EngineRecord {
         protocol_version: 2,
         incarnation,
         agent: AgentName::new("test-agent").expect("agent"),
+        draining: false,
     }
 }
 
