@@ -34,7 +34,8 @@ class LeaseError(KvxferError):
     """'already_leased', 'blocks_out_of_range', 'no_blocks', 'duplicate_block',
     'group_count', 'no_consumers', 'too_many_children', 'bad_child_index',
     'child_count_mismatch', 'closed', 'id_mismatch', 'zero_token', 'token_reused',
-    'wrong_engine' or 'other'."""
+    'wrong_engine', 'draining' (the agent is draining: ``PrefillAgent.drain()``) or
+    'other'."""
 
 class ParamsError(KvxferError):
     """A ``kv_transfer_params`` dict could not be read or turned into a hand-off."""
@@ -232,6 +233,15 @@ class PrefillAgent:
     def incarnation(self) -> int: ...
     @property
     def closed(self) -> bool: ...
+    def drain(self) -> None:
+        """Starts draining: new leases (``lease``, ``lease_parent``, ``arm``) raise
+        ``LeaseError`` with kind ``'draining'``; leases made before are still pulled and
+        end as usual."""
+    def undrain(self) -> None:
+        """Ends a drain started by ``drain()``."""
+    @property
+    def draining(self) -> bool:
+        """Whether new leases are refused."""
     def lease(
         self,
         parent: str,

@@ -93,6 +93,25 @@ def test_cancelling_a_child_releases_its_lease(prefill, decode):
     assert kinds == ["pulled", "released"]
 
 
+def test_a_draining_agent_refuses_new_leases_while_its_leases_are_pulled(prefill, decode, src, dst):
+    before = [h.to_params() for h in prefill.lease_parent("D", [[1], [2]])]
+    assert not prefill.draining
+    prefill.drain()
+    assert prefill.draining
+    for refused in (lambda: prefill.lease_parent("N", [[3]]), lambda: prefill.lease("M", 0, 1, [4])):
+        with pytest.raises(kvxfer.LeaseError) as e:
+            refused()
+        assert e.value.kind == "draining" and "is draining" in str(e.value)
+    reports = decode.submit(before, [[5], [6]]).wait(timeout=30)
+    assert [r["outcome"] for r in reports] == ["done", "done"]
+    assert blocks_equal(src, [1, 2], dst, [5, 6])
+    assert sorted(e["kind"] for e in prefill.wait_ends(2, timeout=10)) == ["pulled", "pulled"]
+    prefill.undrain()
+    assert not prefill.draining
+    again = [h.to_params() for h in prefill.lease_parent("A", [[7]])]
+    assert decode.submit(again, [[8]]).wait(timeout=30)[0]["outcome"] == "done"
+
+
 def test_a_pull_waiting_for_its_arm_can_be_cancelled(prefill, decode):
     host, port = prefill.address
     minted = {

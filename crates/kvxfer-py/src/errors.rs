@@ -170,6 +170,7 @@ pub(crate) fn to_py(py: Python<'_>, e: kvxfer::Error) -> PyErr {
             raise::<ConfigError>(py, msg, &[])
         }
         kvxfer::Error::Transport(_) | kvxfer::Error::Io { .. } => raise::<TransportError>(py, msg, &[]),
+        kvxfer::Error::Draining { .. } => raise::<LeaseError>(py, msg, &[("kind", s(py, "draining"))]),
         _ => raise::<KvxferError>(py, msg, &[]),
     }
 }

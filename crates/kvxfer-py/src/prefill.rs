@@ -224,6 +224,26 @@ impl PrefillAgent {
         Ok(self.agent(py)?.incarnation())
     }
 
+    /// Starts draining: new leases (`lease`, `lease_parent`, `arm`) raise `LeaseError` with
+    /// kind `'draining'`, while leases made before are still pulled and end as usual (their
+    /// ends keep arriving on `poll_ends`). Shut down once `stats()` shows no live lease.
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        self.agent(py)?.drain();
+        Ok(())
+    }
+
+    /// Ends a drain started by `drain()`.
+    fn undrain(&self, py: Python<'_>) -> PyResult<()> {
+        self.agent(py)?.undrain();
+        Ok(())
+    }
+
+    /// Whether the agent is draining (new leases refused).
+    #[getter]
+    fn draining(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.agent(py)?.is_draining())
+    }
+
     /// Leases child `child_index` of `parent` (`n` children) over `blocks` (a list, or one
     /// list per KV-cache group); the lease is registered before the hand-off is returned.
     /// `ttl` in seconds (default: `lease_ttl`).
@@ -413,6 +433,7 @@ impl PrefillAgent {
             preauth_refused,
             slow_transfers,
             arm_waits,
+            arm_wait_refused,
             arm_wait_expired,
         } = v;
         let server = PyDict::new(py);
@@ -440,6 +461,7 @@ impl PrefillAgent {
             ("preauth_refused", preauth_refused),
             ("slow_transfers", slow_transfers),
             ("arm_waits", arm_waits),
+            ("arm_wait_refused", arm_wait_refused),
             ("arm_wait_expired", arm_wait_expired),
         ] {
             server.set_item(k, n)?;
