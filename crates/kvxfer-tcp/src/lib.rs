@@ -49,7 +49,8 @@ pub use client::{check_crc, ClientError, Connection, SliceSpec};
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};
 pub use server::{
-    admit_any, refuse_connection, serve_connection, Admit, Refusal, ServeBudgets, ServeContext,
+    admit_any, handshake_connection, refuse_connection, serve_admitted, serve_connection, Admit, Admitted,
+    Refusal, ServeBudgets, ServeContext,
 };
 pub use stats::{ServerCounters, ServerStats};
 
@@ -141,12 +142,14 @@ pub struct Limits {
     /// than a read window (8 KiB) while they arrive: a connection whose next frame is
     /// larger waits for its share (within `io_timeout`, else the connection is closed as
     /// stalled), so a thousand peers each trickling a 1 MiB frame hold this, not a
-    /// gigabyte. Raised to `max_frame_len` when below it. Default 32 MiB.
+    /// gigabyte. Raised to `max_frame_len` when below it. Default 16 MiB (a decode agent's
+    /// frames pass 8 KiB only for reads of over ~1,000 block runs or heartbeats of over ~80
+    /// leases).
     pub max_buffered_frame_bytes: usize,
     /// Bytes of frames (their wire size plus 64 per lease named) a prefill agent holds
     /// waiting for their leases to be armed (`arm_wait`), all connections together; a frame
     /// that does not fit is answered at once, as for a lease still unknown (counted in
-    /// `arm_wait_refused`). Default 16 MiB: some 50,000 notifies of ~300 bytes.
+    /// `arm_wait_refused`). Default 8 MiB: some 25,000 notifies of ~300 bytes.
     pub max_arm_wait_bytes: usize,
 }
 
@@ -201,8 +204,8 @@ impl Default for Limits {
             max_handshakes: 1024,
             max_handshakes_per_peer: 32,
             max_small_frame_len: 16 << 10,
-            max_buffered_frame_bytes: 32 << 20,
-            max_arm_wait_bytes: 16 << 20,
+            max_buffered_frame_bytes: 16 << 20,
+            max_arm_wait_bytes: 8 << 20,
         }
     }
 }

@@ -82,12 +82,65 @@ pub fn admit_any() -> Admit {
 }
 
 /// Serves one accepted connection until the peer closes it or breaks the protocol;
-/// `admit` is asked once its handshake verified.
+/// `admit` is asked once its handshake verified. ([`handshake_connection`] and
+/// [`serve_admitted`] are the same in two halves, for a server that runs them apart.)
 pub async fn serve_connection(mut stream: TcpStream, ctx: Arc<ServeContext>, admit: Admit) {
+    if let Some(admitted) = handshake_connection(&mut stream, &ctx, admit).await {
+        serve_admitted(stream, ctx, admitted).await;
+    }
+}
+
+/// A connection whose handshake verified and that its [`Admit`] admitted: what
+/// [`serve_admitted`] goes on with.
+pub struct Admitted {
+    /// The peer's address, for logs.
+    peer: String,
+    /// Bytes the peer sent after its handshake, already read.
+    reader: frame::FrameReader,
+    /// The connection's place among those served, held until it ends.
+    _place: Box<dyn Send>,
+}
+
+impl std::fmt::Debug for Admitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admitted").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+/// The first half of [`serve_connection`]: counts the connection, tunes its socket and runs
+/// the handshake (authenticated when either side has a cluster key; nothing else is read or
+/// said before it succeeded). `None` when it failed or was refused (the peer was told, when
+/// there was someone to tell). A server may run this on a thread of its own, so peers that
+/// have proved nothing compete with served connections at a lower priority, and move the
+/// stream on (`into_std`, then `from_std` on the serving runtime).
+pub async fn handshake_connection(
+    stream: &mut TcpStream,
+    ctx: &ServeContext,
+    admit: Admit,
+) -> Option<Admitted> {
     let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     bump(&ctx.counters.connections);
-    crate::tune_stream(&stream, ctx.limits.io_timeout);
-    match serve_inner(&mut stream, &ctx, &peer, admit).await {
+    crate::tune_stream(stream, ctx.limits.io_timeout);
+    let mut reader = frame::FrameReader::with_budget(ctx.budgets.frames.clone());
+    let mut scratch = Vec::new();
+    match crate::handshake::accept_buffered(stream, ctx, &peer, &mut reader, &mut scratch, admit).await {
+        Ok(Some((_, place))) => Some(Admitted { peer, reader, _place: place }),
+        Ok(None) => {
+            debug!(%peer, "connection closed at its handshake");
+            None
+        }
+        Err(e) => {
+            debug!(%peer, error = %Peer(&e), "connection ended at its handshake");
+            None
+        }
+    }
+}
+
+/// The second half of [`serve_connection`]: serves an admitted connection until the peer
+/// closes it or breaks the protocol.
+pub async fn serve_admitted(mut stream: TcpStream, ctx: Arc<ServeContext>, admitted: Admitted) {
+    let Admitted { peer, mut reader, _place } = admitted;
+    match serve_frames(&mut stream, &ctx, &mut reader).await {
         Ok(()) => debug!(%peer, "connection closed"),
         Err(e) => debug!(%peer, error = %Peer(&e), "connection ended"),
     }
@@ -133,24 +186,14 @@ async fn flush(stream: &mut TcpStream, ctx: &ServeContext, batch: &mut Vec<u8>) 
     written
 }
 
-async fn serve_inner(
+/// The connection loop after the handshake.
+async fn serve_frames(
     stream: &mut TcpStream,
     ctx: &ServeContext,
-    peer: &str,
-    admit: Admit,
+    reader: &mut frame::FrameReader,
 ) -> Result<(), FrameError> {
     let max = ctx.limits.serve_caps();
-    let mut reader = frame::FrameReader::with_budget(ctx.budgets.frames.clone());
     let mut scratch = Vec::new();
-
-    // Handshake (authenticated when either side has a cluster key): nothing else is read
-    // or said before it succeeded.
-    // `_admitted` holds the connection's place until it ends.
-    let Some((_, _admitted)) =
-        crate::handshake::accept_buffered(stream, ctx, peer, &mut reader, &mut scratch, admit).await?
-    else {
-        return Ok(());
-    };
 
     // Read guards of one-sided reads; dropped with the connection.
     let mut pins = Pins::default();
@@ -162,6 +205,11 @@ async fn serve_inner(
     // that may wait.
     let mut batch: Vec<u8> = Vec::new();
     loop {
+        // One unit of the task's scheduling budget per frame: a peer that pipelines
+        // thousands of frames (they are decoded from the buffer without touching the
+        // socket) yields its worker after tokio's budget, instead of holding it for all of
+        // them while other connections wait.
+        tokio::task::coop::consume_budget().await;
         if !reader.holds_frame(max) {
             flush(stream, ctx, &mut batch).await?;
         }
@@ -234,7 +282,7 @@ async fn serve_inner(
                 flush(stream, ctx, &mut batch).await?;
                 let answer_follows = crate::read::notify_follows(
                     stream,
-                    &mut reader,
+                    reader,
                     &req.remote_request_id,
                     &req.lease_token,
                     max,

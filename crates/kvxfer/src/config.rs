@@ -60,6 +60,14 @@ pub struct AgentConfig {
     /// How long `shutdown` lets reads in flight (and, on a prefill agent, open pins) finish
     /// before it cuts them. Default 5 s.
     pub shutdown_grace: Duration,
+    /// Prefill side: where connections are accepted and their handshakes run until the
+    /// peer proved the cluster key (or, keyless, sent a compatible hello). `Some(nice)`
+    /// (default `Some(10)`): on a thread of the agent's own (named `kvxfer-accept`), whose CPU
+    /// priority is lowered by `nice` (0: left as is; Linux `setpriority` of that thread).
+    /// A flood of connections that prove nothing then gets the CPU the served connections
+    /// leave, not an equal share of it; admitted connections move to the agent's runtime.
+    /// `None`: on the agent's runtime, so the agent starts no thread of its own.
+    pub front_door_nice: Option<i32>,
     /// Data connections a decode agent opens to one prefill agent (pulls of different
     /// children run in parallel over them). Reused across pulls.
     pub connections_per_peer: usize,
@@ -132,6 +140,7 @@ impl AgentConfig {
             limits: Limits::default(),
             worker_threads: 2,
             shutdown_grace: Duration::from_secs(5),
+            front_door_nice: Some(10),
             connections_per_peer: 2,
             notify_with_read: false,
             heartbeat_interval: None,
@@ -318,6 +327,13 @@ impl AgentConfig {
     /// Sets the runtime's thread count (at least 1).
     pub fn worker_threads(mut self, n: usize) -> Self {
         self.worker_threads = n.max(1);
+        self
+    }
+
+    /// Sets where a prefill agent runs its handshakes (see [`Self::front_door_nice`]):
+    /// `Some(nice)` on a front-door thread of that lowered priority, `None` on its runtime.
+    pub fn front_door(mut self, nice: Option<i32>) -> Self {
+        self.front_door_nice = nice;
         self
     }
 

@@ -57,6 +57,7 @@ mod cluster_config;
 mod config;
 mod decode;
 mod error;
+mod front_door;
 mod hello;
 mod prefill;
 mod runtime;

@@ -13,7 +13,7 @@ use kvxfer_core::{
     LeaseTable, ParentStatus, ParentTracker, PrefillResult, RetractOutcome,
 };
 use kvxfer_mem::KvMemory;
-use kvxfer_tcp::{serve_connection, Admit, Refusal, ServeContext, ServerCounters, ServerStats};
+use kvxfer_tcp::{Admit, Refusal, ServeContext, ServerCounters, ServerStats};
 use tokio::net::TcpListener;
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
@@ -157,12 +157,7 @@ impl PrefillAgent {
         let std_listener = std::net::TcpListener::bind(listen)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|source| Error::Io { what: format!("binding {listen}"), source })?;
-        let listener = {
-            let _enter = handle.enter();
-            TcpListener::from_std(std_listener)
-                .map_err(|source| Error::Io { what: format!("binding {listen}"), source })?
-        };
-        let addr = listener
+        let addr = std_listener
             .local_addr()
             .map_err(|source| Error::Io { what: "reading the listen address".into(), source })?;
         let host = advertise_host(config.advertise_host.as_deref(), addr)?;
@@ -265,7 +260,20 @@ impl PrefillAgent {
         });
         let (events_tx, events) = crossbeam_channel::unbounded();
         let events_ready = Arc::new(Notify::new());
-        shared.tasks.spawn_on(accept_loop(listener, ctx, shared.clone()), &handle);
+        let accept = match config.front_door_nice {
+            Some(_) => {
+                let gone = crate::front_door::runtime_gone(&handle, &shared.stop);
+                accept_loop(std_listener, ctx, shared.clone(), handle.clone(), gone)
+            }
+            None => accept_loop(std_listener, ctx, shared.clone(), handle.clone(), CancellationToken::new()),
+        };
+        let accept = match config.front_door_nice {
+            Some(nice) => crate::front_door::spawn(nice, shared.tasks.token(), accept).err(),
+            None => Some(accept),
+        };
+        if let Some(accept) = accept {
+            shared.tasks.spawn_on(accept, &handle);
+        }
         shared.tasks.spawn_on(expiry_loop(shared.clone()), &handle);
         shared
             .tasks
@@ -846,27 +854,47 @@ impl Drop for OpenConnection {
     }
 }
 
-/// Accepts connections until the agent stops accepting. A connection holds a place among
-/// the handshakes under way until its handshake verified, and only then one among the
-/// connections served (`Places`): connections that never complete a handshake cannot
-/// take the places of authenticated ones.
-async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<Shared>) {
+/// Accepts connections until the agent stops accepting (or `runtime_gone`: the front door
+/// outlived the agent's runtime). A connection holds a place among the handshakes under way
+/// until its handshake verified, and only then one among the connections served (`Places`):
+/// connections that never complete a handshake cannot take the places of authenticated
+/// ones. Runs, with the handshakes, on the front door when there is one
+/// (`AgentConfig::front_door_nice`); admitted connections are served on `serve_on`.
+async fn accept_loop(
+    listener: std::net::TcpListener,
+    ctx: Arc<ServeContext>,
+    shared: Arc<Shared>,
+    serve_on: Handle,
+    runtime_gone: CancellationToken,
+) {
+    let listener = match TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(error = %e, "the listener could not be registered; accepting no connections");
+            return;
+        }
+    };
     let places = Places::new(&ctx.limits);
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
             // Dropping the listener stops accepting at once.
             () = shared.stop_accepting.cancelled() => return,
+            () = runtime_gone.cancelled() => return,
         };
         match accepted {
             Ok((stream, peer)) => match places.handshake(peer.ip(), &ctx.limits, &shared.connections_open) {
                 Ok(admit) => {
-                    let (ctx, stop) = (ctx.clone(), shared.stop.clone());
+                    let (ctx, shared_, serve_on) = (ctx.clone(), shared.clone(), serve_on.clone());
                     shared.connections.spawn(async move {
-                        tokio::select! {
-                            () = serve_connection(stream, ctx, admit) => {}
-                            // Shutdown: the connection (and any read guard) is dropped.
-                            () = stop.cancelled() => {}
+                        let mut stream = stream;
+                        let admitted = tokio::select! {
+                            a = kvxfer_tcp::handshake_connection(&mut stream, &ctx, admit) => a,
+                            // Shutdown: the connection is dropped.
+                            () = shared_.stop.cancelled() => None,
+                        };
+                        if let Some(admitted) = admitted {
+                            hand_over(stream, ctx, admitted, &shared_, &serve_on);
                         }
                     });
                 }
@@ -881,6 +909,42 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<ServeContext>, shared: Arc<
             }
         }
     }
+}
+
+/// Serves an admitted connection on `serve_on` (the agent's runtime) until it ends or the
+/// agent stops. The stream leaves the front door's reactor and joins that runtime's.
+fn hand_over(
+    stream: tokio::net::TcpStream,
+    ctx: Arc<ServeContext>,
+    admitted: kvxfer_tcp::Admitted,
+    shared: &Shared,
+    serve_on: &Handle,
+) {
+    let stream = match stream.into_std() {
+        Ok(s) => s,
+        Err(e) => {
+            debug!(error = %e, "an admitted connection could not be handed over");
+            return;
+        }
+    };
+    let stop = shared.stop.clone();
+    shared.connections.spawn_on(
+        async move {
+            let stream = match tokio::net::TcpStream::from_std(stream) {
+                Ok(s) => s,
+                Err(e) => {
+                    debug!(error = %e, "an admitted connection could not be registered");
+                    return;
+                }
+            };
+            tokio::select! {
+                () = kvxfer_tcp::serve_admitted(stream, ctx, admitted) => {}
+                // Shutdown: the connection (and any read guard) is dropped.
+                () = stop.cancelled() => {}
+            }
+        },
+        serve_on,
+    );
 }
 
 impl Shared {

@@ -49,7 +49,7 @@ async fn async_round_with(config: impl Fn(&str) -> AgentConfig) -> usize {
     let result = prefill.lease_parent("T", remote.clone(), 1, None).expect("lease");
     let report = decode.submit(result, remote).expect("submit").await;
     assert!(report.all_done(), "{report:?}");
-    // The agents started no thread of their own.
+    // The agents started no thread of their own but the prefill's front door.
     let during = threads();
     decode.shutdown().await;
     prefill.shutdown().await;
@@ -57,24 +57,74 @@ async fn async_round_with(config: impl Fn(&str) -> AgentConfig) -> usize {
     during
 }
 
+/// The nice value of thread `tid` of this process (field 19 of its `stat`).
+fn nice_of(tid: &str) -> i64 {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).expect("stat");
+    // Fields after the command (which may hold spaces) start after its closing parenthesis.
+    let after = &stat[stat.rfind(')').expect("comm") + 2..];
+    after.split_whitespace().nth(16).and_then(|f| f.parse().ok()).expect("nice")
+}
+
+/// The front door runs at a nice value 10 above the process's (the default), so a flood of
+/// connections that prove nothing gets the CPU the served connections leave.
+fn the_front_door_runs_at_a_lowered_priority() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    let mem = pattern::alloc_filled(layout()).expect("patterned memory");
+    let prefill = rt.block_on(PrefillAgent::start(config("prefill"), "127.0.0.1:0", mem)).expect("prefill");
+    // The thread names itself and lowers its priority as it starts: wait for it (bounded).
+    let main = std::process::id().to_string();
+    let want = (nice_of(&main) + 10).min(19);
+    let door = || {
+        std::fs::read_dir("/proc/self/task").ok()?.filter_map(Result::ok).find_map(|t| {
+            let tid = t.file_name().to_string_lossy().into_owned();
+            let comm = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).ok()?;
+            (comm.trim() == "kvxfer-accept").then(|| nice_of(&tid))
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while door() != Some(want) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(door(), Some(want), "the front door's nice value");
+    rt.block_on(prefill.shutdown());
+}
+
 #[test]
 fn no_agent_leaks_a_thread_in_any_mode() {
     init_tracing();
+    the_front_door_runs_at_a_lowered_priority();
     // On a multi-thread runtime: counted inside it, so its own workers are in both counts.
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
     let before = rt.block_on(async { threads() });
     let during = rt.block_on(async_round());
-    assert_eq!(during, before, "async agents start no threads (TCP)");
+    assert_eq!(during, before + 1, "async agents start one thread, the prefill's front door (TCP)");
     assert_eq!(settle(before), before, "threads after the multi-thread round");
+    // Without a front door, none.
+    let during = rt.block_on(async_round_with(|n| config(n).front_door(None)));
+    assert_eq!(during, before, "async agents without a front door start no threads");
+    assert_eq!(settle(before), before, "threads after the round without a front door");
     drop(rt);
 
     // On a current-thread runtime.
     let base = settle(threads());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
     let during = rt.block_on(async_round());
-    assert_eq!(during, base, "async agents start no threads (TCP, current-thread)");
+    assert_eq!(during, base + 1, "async agents start only the front door (TCP, current-thread)");
     drop(rt);
     assert_eq!(settle(base), base, "threads after the current-thread round");
+
+    // A prefill agent whose runtime is dropped without a shutdown: its front door stops too.
+    let base = settle(threads());
+    {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+        let mem = pattern::alloc_filled(layout()).expect("patterned memory");
+        let prefill =
+            rt.block_on(PrefillAgent::start(config("prefill"), "127.0.0.1:0", mem)).expect("prefill");
+        assert_eq!(threads(), base + 1);
+        drop(rt);
+        drop(prefill);
+    }
+    assert_eq!(settle(base), base, "the front door outlived its agent's runtime");
 
     // The blocking facade from a plain thread: each agent's runtime workers, then none.
     let base = settle(threads());
@@ -91,7 +141,11 @@ fn no_agent_leaks_a_thread_in_any_mode() {
         let result = prefill.lease_parent("B", vec![vec![1], vec![2]], 1, None).expect("lease");
         assert!(decode.submit(result, vec![vec![1], vec![2]]).expect("submit").wait().all_done());
         eprintln!("blocking round: {base} threads before, {} with both agents", threads());
-        assert_eq!(threads(), base + 4, "two runtime workers per blocking agent");
+        assert_eq!(
+            threads(),
+            base + 5,
+            "two runtime workers per blocking agent, and the prefill's front door"
+        );
     }
     assert_eq!(settle(base), base, "threads after the blocking agents were dropped");
 

@@ -83,6 +83,9 @@ struct RunArgs {
     /// The hostile peers hold the cluster key too (a compromised or buggy insider).
     #[arg(long)]
     insider: bool,
+    /// Legitimate pulls a second, paced (0: back to back, as fast as the machine allows).
+    #[arg(long, default_value_t = 0.0)]
+    pull_rate: f64,
     /// Blocks per legitimate hand-off.
     #[arg(long, default_value_t = 1)]
     pull_blocks: u32,
@@ -102,6 +105,14 @@ struct RunArgs {
     /// Print the report as JSON on stdout (the table then goes to stderr).
     #[arg(long)]
     json: bool,
+    /// CPUs the legitimate decode agent (and the generator's own threads) run on, e.g. `0`
+    /// (default: any). With `--prefill-cpus` and `--attacker-cpus`, the attackers' CPU time
+    /// cannot slow the legitimate side down: what is left is the prefill's own cost.
+    #[arg(long, value_parser = target::parse_cpus)]
+    legit_cpus: Option<target::CpuList>,
+    /// CPUs the hostile connections' runtime runs on, e.g. `1` (default: any).
+    #[arg(long, value_parser = target::parse_cpus)]
+    attacker_cpus: Option<target::CpuList>,
 }
 
 /// One legitimate pull: the phase it started in, how long it took, and its failure.
@@ -153,9 +164,24 @@ fn probe_loop(
     }
 }
 
-fn legit_loop(legit: &Legit, target: &Target, ctx: &AttackCtx, pull_blocks: u32) {
+/// The legitimate pulls: back to back (`rate` 0), or paced at `rate` pulls a second — a
+/// steady offered load, so a saturated machine does not decide the latency by itself (a
+/// pull that starts late is not counted from its slot: behind by over a second, the
+/// schedule restarts from now).
+fn legit_loop(legit: &Legit, target: &Target, ctx: &AttackCtx, pull_blocks: u32, rate: f64) {
     let local: Vec<u32> = (0..pull_blocks).collect();
+    let gap = (rate > 0.0).then(|| Duration::from_secs_f64(1.0 / rate));
+    let mut slot = Instant::now();
     while !legit.stop.load(Ordering::Relaxed) {
+        if let Some(gap) = gap {
+            let now = Instant::now();
+            if slot > now {
+                std::thread::sleep(slot - now);
+            } else if now.duration_since(slot) > Duration::from_secs(1) {
+                slot = now;
+            }
+            slot += gap;
+        }
         let phase = legit.phase.load(Ordering::Relaxed);
         let wire = match target.lease(pull_blocks) {
             Ok(w) => w,
@@ -567,15 +593,23 @@ fn session(
         hostile_key,
         secs(args.trickle_secs),
     ));
+    let attacker_cpus = args.attacker_cpus.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
+        .on_thread_start(move || {
+            if let Some(cpus) = &attacker_cpus {
+                if let Err(e) = cpus.pin_current_thread() {
+                    eprintln!("kvxfer-hostile: {e}");
+                }
+            }
+        })
         .build()
         .map_err(|e| format!("runtime: {e}"))?;
 
     let phases_run = std::thread::scope(|scope| -> Result<Vec<PhaseReport>, String> {
         let (l, t, c) = (&*legit, &target, &*ctx);
-        let puller = scope.spawn(move || legit_loop(l, t, c, args.pull_blocks.max(1)));
+        let puller = scope.spawn(move || legit_loop(l, t, c, args.pull_blocks.max(1), args.pull_rate));
         let probe_every = Duration::from_millis(args.probe_interval_ms);
         let (addr, hello) = (target.addr.to_string(), ctx.probe_hello());
         let prober = scope.spawn(move || probe_loop(l, &addr, &hello, probe_key.as_ref(), probe_every));
@@ -645,6 +679,10 @@ fn session(
 }
 
 fn run(args: &RunArgs) -> Result<(), String> {
+    // Before the legitimate agent's threads start: they inherit the CPUs.
+    if let Some(cpus) = &args.legit_cpus {
+        cpus.pin_current_thread()?;
+    }
     let attack_list = Attack::parse_list(&args.attacks)?;
     let (mut phases, mut summary, offers_ucx) =
         session(args, "", &attack_list, args.baseline_secs, args.duration)?;
@@ -662,9 +700,12 @@ fn run(args: &RunArgs) -> Result<(), String> {
             "duration_secs": args.duration, "baseline_secs": args.baseline_secs,
             "each_secs": args.each_secs, "each_baseline_secs": args.each_baseline_secs,
             "keyed": args.key.is_some(), "insider": args.insider && args.key.is_some(),
-            "pull_blocks": args.pull_blocks, "blocks": args.target.blocks, "block_bytes": args.target.block_bytes,
+            "pull_blocks": args.pull_blocks, "pull_rate": args.pull_rate, "blocks": args.target.blocks, "block_bytes": args.target.block_bytes,
             "transport": args.target.transport.to_string(), "prefill_offers_ucx": offers_ucx,
             "log_filter": args.log_filter, "probe_interval_ms": args.probe_interval_ms,
+            "prefill_cpus": args.target.cpus.as_ref().map(ToString::to_string),
+            "legit_cpus": args.legit_cpus.as_ref().map(ToString::to_string),
+            "attacker_cpus": args.attacker_cpus.as_ref().map(ToString::to_string),
         },
         "phases": phases,
         "summary": summary,

@@ -33,6 +33,47 @@ pub(crate) struct TargetArgs {
     /// Data path of both agents: auto, tcp or ucx (ucx needs the `ucx` feature).
     #[arg(long, default_value = "tcp")]
     pub(crate) transport: TransportChoice,
+    /// CPUs the prefill process runs on, e.g. `0` or `0-1` (default: any).
+    #[arg(long = "prefill-cpus", value_parser = parse_cpus)]
+    pub(crate) cpus: Option<CpuList>,
+}
+
+/// A list of CPU numbers (`0`, `0,2`, `0-3`).
+#[derive(Debug, Clone)]
+pub(crate) struct CpuList(Vec<usize>);
+
+impl std::fmt::Display for CpuList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self.0.iter().map(usize::to_string).collect();
+        f.write_str(&parts.join(","))
+    }
+}
+
+/// Parses `0`, `0,2` or `0-3`.
+pub(crate) fn parse_cpus(s: &str) -> Result<CpuList, String> {
+    let mut cpus = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let num = |x: &str| x.trim().parse::<usize>().map_err(|e| format!("CPU {x:?}: {e}"));
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(num(a)?..=num(b)?),
+            None => cpus.push(num(part)?),
+        }
+    }
+    match cpus.iter().all(|&c| c < rustix::thread::CpuSet::MAX_CPU) && !cpus.is_empty() {
+        true => Ok(CpuList(cpus)),
+        false => Err(format!("no usable CPU in {s:?}")),
+    }
+}
+
+impl CpuList {
+    /// Pins the calling thread to these CPUs; threads it starts afterwards inherit them.
+    pub(crate) fn pin_current_thread(&self) -> Result<(), String> {
+        let mut set = rustix::thread::CpuSet::new();
+        for &c in &self.0 {
+            set.set(c);
+        }
+        rustix::thread::sched_setaffinity(None, &set).map_err(|e| format!("pinning to CPUs {self}: {e}"))
+    }
 }
 
 impl TargetArgs {
@@ -52,6 +93,9 @@ impl TargetArgs {
             "--transport".into(),
             self.transport.to_string(),
         ]
+        .into_iter()
+        .chain(self.cpus.iter().flat_map(|c| ["--prefill-cpus".to_owned(), c.to_string()]))
+        .collect()
     }
 }
 
@@ -77,6 +121,10 @@ pub(crate) fn debug_fields(debug: &str) -> Map<String, Value> {
 /// stdin with one JSON line each on stdout. Its cluster key, if any, comes from the
 /// environment (`KVXFER_CLUSTER_KEY`).
 pub(crate) fn serve(args: &TargetArgs) -> Result<(), String> {
+    // Before any thread starts: the agent's threads inherit the CPUs.
+    if let Some(cpus) = &args.cpus {
+        cpus.pin_current_thread()?;
+    }
     let layout = args.layout()?;
     let mem = pattern::alloc_filled(layout).map_err(|e| e.to_string())?;
     let config = AgentConfig::new("hostile-target")
