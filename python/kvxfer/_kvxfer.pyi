@@ -34,6 +34,7 @@ class LeaseError(KvxferError):
     """'already_leased', 'blocks_out_of_range', 'no_blocks', 'duplicate_block',
     'group_count', 'no_consumers', 'too_many_children', 'bad_child_index',
     'child_count_mismatch', 'closed', 'id_mismatch', 'zero_token', 'token_reused',
+    'id_too_long' (a request id over 4096 bytes),
     'wrong_engine', 'draining' (the agent is draining: ``PrefillAgent.drain()``) or
     'other'."""
 

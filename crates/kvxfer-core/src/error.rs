@@ -121,6 +121,17 @@ pub enum LeaseError {
         /// The id the parent, child index and `n` name.
         expected: String,
     },
+    /// The request id is longer than [`crate::MAX_REQUEST_ID_LEN`]: its notify and cancel
+    /// frames would not fit a prefill agent's small-frame cap.
+    #[error("lease for request {start}…: the request id is {len} bytes; at most {max} are accepted")]
+    IdTooLong {
+        /// The id's first characters.
+        start: String,
+        /// Its length in bytes.
+        len: usize,
+        /// [`crate::MAX_REQUEST_ID_LEN`].
+        max: usize,
+    },
     /// [`crate::LeaseTable::arm`]: a token of all zeros (never minted).
     #[error("arming lease {0}: the lease token is all zeros (not minted)")]
     ZeroToken(String),

@@ -41,6 +41,11 @@ use rand_chacha::ChaCha12Rng;
 use sha2::{Digest, Sha256};
 
 use crate::error::{LeaseError, MAX_IDS_SHOWN};
+
+/// Longest request id a lease may have, in bytes: every frame naming a lease (notify,
+/// cancel) must fit a prefill agent's small-frame cap (`Limits::max_small_frame_len`,
+/// 16 KiB by default) with its token and the consumer id.
+pub const MAX_REQUEST_ID_LEN: usize = 4096;
 use crate::handoff::{ChildHandoff, EngineInfo};
 use crate::ids::{child_request_id, fnv1a, LeaseToken, FNV_OFFSET};
 use crate::plan::BlockRange;
@@ -670,6 +675,10 @@ impl LeaseTable {
     /// the same id. Returns the request id.
     pub fn validate(&self, req: &LeaseRequest) -> Result<String, LeaseError> {
         let id = child_request_id(&req.parent_request_id, req.child_index, req.n);
+        if id.len() > MAX_REQUEST_ID_LEN {
+            let start = id.chars().take(32).collect();
+            return Err(LeaseError::IdTooLong { start, len: id.len(), max: MAX_REQUEST_ID_LEN });
+        }
         if req.n > self.config.max_children {
             return Err(LeaseError::TooManyChildren { request: id, n: req.n, max: self.config.max_children });
         }

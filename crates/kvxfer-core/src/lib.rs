@@ -38,7 +38,7 @@ pub use ids::{child_request_id, LeaseToken};
 pub use layout::{groups_compat_hash, BlockLayout, Segment};
 pub use lease::{
     CancelOutcome, EndKind, HeartbeatOutcome, LeaseConfig, LeaseEnd, LeaseRequest, LeaseStats, LeaseTable,
-    NotifyOutcome, ReadGuard, ReadRefused, RetractOutcome,
+    NotifyOutcome, ReadGuard, ReadRefused, RetractOutcome, MAX_REQUEST_ID_LEN,
 };
 pub use params::{KvTransferParams, RemoteBlockIds};
 pub use parent::{ChildState, ParentStatus, ParentTracker};

@@ -41,6 +41,24 @@ fn an_armed_lease_carries_the_minted_id_and_token_and_ends_pulled() {
     assert_eq!(t.stats().leased, 1);
 }
 
+/// Review of the small-frame cap: an id of any length was leased, but a prefill agent caps a
+/// notify or cancel at 16 KiB, so a lease with a 20 KiB id (vLLM takes request ids from a
+/// client's `X-Request-Id`) was read and then never notified. Ids over
+/// `MAX_REQUEST_ID_LEN` are refused when the lease is made or armed; one at the limit is not.
+#[test]
+fn request_ids_longer_than_the_limit_are_refused_at_lease_and_arm() {
+    let t = table();
+    let t0 = Instant::now();
+    let long = "x".repeat(kvxfer_core::MAX_REQUEST_ID_LEN + 1);
+    let e = t.lease(LeaseRequest::new(long.clone(), 0, 1, vec![1]), t0).expect_err("too long");
+    assert!(matches!(e, LeaseError::IdTooLong { len, .. } if len == long.len()), "{e:?}");
+    assert!(e.to_string().len() < 200, "the error does not repeat the id: {e}");
+    let e = t.arm(&long, LeaseRequest::new(long.clone(), 0, 1, vec![1]), token(1), t0).expect_err("too long");
+    assert!(matches!(e, LeaseError::IdTooLong { .. }), "{e:?}");
+    let at_limit = "y".repeat(kvxfer_core::MAX_REQUEST_ID_LEN);
+    t.lease(LeaseRequest::new(at_limit, 0, 1, vec![1]), t0).expect("an id at the limit");
+}
+
 #[test]
 fn arm_refuses_a_mismatched_id_a_zero_token_and_what_lease_refuses() {
     let t = table();

@@ -111,6 +111,7 @@ fn lease_kind(e: &kvxfer_core::LeaseError) -> &'static str {
         L::IdMismatch { .. } => "id_mismatch",
         L::ZeroToken(_) => "zero_token",
         L::TokenReused(_) => "token_reused",
+        L::IdTooLong { .. } => "id_too_long",
         _ => "other",
     }
 }

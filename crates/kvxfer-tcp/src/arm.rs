@@ -34,6 +34,16 @@ fn named(f: &Frame) -> Vec<(&str, &[u8])> {
     }
 }
 
+/// About what a decoded frame holds: its wire size, 64 bytes per lease it names and 8 per
+/// block range (an empty range is 2 bytes on the wire).
+fn held_while_waiting(f: &Frame) -> usize {
+    let ranges = match f {
+        Frame::ReadRequest(r) | Frame::Pin(r) => r.ranges.len(),
+        _ => 0,
+    };
+    f.wire_len().saturating_add(named(f).len().saturating_mul(64)).saturating_add(ranges.saturating_mul(8))
+}
+
 /// Whether some lease `f` names is not (yet) known with its token.
 fn unarmed(ctx: &ServeContext, f: &Frame) -> bool {
     named(f).into_iter().any(|(id, token)| !ctx.table.knows(id, token))
@@ -41,7 +51,9 @@ fn unarmed(ctx: &ServeContext, f: &Frame) -> bool {
 
 /// Whether [`wait_for_arm`] may wait for `f` (it returns at once when not).
 pub(crate) fn may_wait(ctx: &ServeContext, f: &Frame) -> bool {
-    !ctx.limits.arm_wait.is_zero() && unarmed(ctx, f)
+    // A pin to an agent without UCX is refused (and its connection closed) without waiting.
+    let refused_pin = matches!(f, Frame::Pin(_)) && !crate::pins::offers_one_sided(ctx);
+    !ctx.limits.arm_wait.is_zero() && !refused_pin && unarmed(ctx, f)
 }
 
 /// Waits until every lease `f` names is known, or `Limits::arm_wait` passed (counted in
@@ -51,15 +63,24 @@ pub(crate) async fn wait_for_arm(ctx: &ServeContext, f: &Frame) {
     if !may_wait(ctx, f) {
         return;
     }
-    // What the frame holds while it waits, drawn from the agent's budget: a frame that
-    // does not fit is answered now, as for a lease still unknown.
-    let cost = f.wire_len().saturating_add(named(f).len().saturating_mul(64));
-    let permit = u32::try_from(cost).ok().and_then(|n| ctx.budgets.arm_wait.try_acquire_many(n).ok());
-    let Some(_held) = permit else {
-        bump(&ctx.counters.arm_wait_refused);
-        debug!(frame = ?f.frame_type(), cost, "no room to wait for an arm; answering as unknown");
-        return;
+    // What the frame holds while it waits beyond a small frame's worth (each connection has
+    // one frame waiting at most, so small ones are bounded by the connection count), drawn
+    // from the agent's budget: a frame that does not fit is answered now, as for a lease
+    // still unknown. Small frames never wait for the budget, so a peer filling it with
+    // large ones cannot fail other peers' two-phase leases.
+    let cost = held_while_waiting(f).saturating_sub(ctx.limits.max_small_frame_len as usize);
+    let permit = match cost {
+        0 => None,
+        n => match u32::try_from(n).ok().and_then(|n| ctx.budgets.arm_wait.try_acquire_many(n).ok()) {
+            Some(p) => Some(p),
+            None => {
+                bump(&ctx.counters.arm_wait_refused);
+                debug!(frame = ?f.frame_type(), cost, "no room to wait for an arm; answering as unknown");
+                return;
+            }
+        },
     };
+    let _held = permit;
     bump(&ctx.counters.arm_waits);
     // Saturating: an `arm_wait` too large for an `Instant` waits a year.
     let deadline =

@@ -389,18 +389,43 @@ impl FrameReader {
         FrameReader { budget: Some(budget), ..Self::new() }
     }
 
-    /// Takes `need` bytes from the budget (if any) for a buffer about to grow to `need`.
+    /// Takes bytes from the budget (if any) so that it covers a buffer about to grow to
+    /// `need`. While it waits, the buffer is no larger than what it holds (a window at
+    /// least), and the permits it keeps cover exactly that: a buffer grown for an earlier
+    /// frame is not kept uncounted. A reader whose pipelined bytes alone exceed a window
+    /// keeps their permits while it waits for more; two such readers can wait on each
+    /// other until `Limits::io_timeout` closes one.
     async fn reserve(&mut self, need: usize) {
-        let Some(budget) = &self.budget else { return };
-        if self.held.as_ref().is_some_and(|p| p.num_permits() >= need) {
+        let Some(budget) = self.budget.clone() else { return };
+        let held = |r: &Self| r.held.as_ref().map_or(0, OwnedSemaphorePermit::num_permits);
+        if held(self) >= need {
             return;
         }
-        // Given back first: holding some while waiting for more could leave two readers
-        // each holding half of what the other waits for.
-        self.held = None;
-        let n = u32::try_from(need).unwrap_or(u32::MAX);
+        self.shrink_if_small();
+        let more = need.saturating_sub(held(self));
         // The budget is never closed; if it were, the frame would be read unbounded.
-        self.held = budget.clone().acquire_many_owned(n).await.ok();
+        if let Ok(p) = budget.acquire_many_owned(u32::try_from(more).unwrap_or(u32::MAX)).await {
+            match &mut self.held {
+                Some(h) => h.merge(p),
+                None => self.held = Some(p),
+            }
+        }
+    }
+
+    /// When what is buffered fits in a window and the buffer grew past one: moves it to
+    /// the front, shrinks the buffer back to a window and gives its bytes back to the
+    /// budget (a large frame's bytes are held while it arrives, not while it is served).
+    fn shrink_if_small(&mut self) {
+        let len = self.end - self.start;
+        if self.buf.len() <= READ_WINDOW || len > READ_WINDOW {
+            return;
+        }
+        self.buf.copy_within(self.start..self.end, 0);
+        self.start = 0;
+        self.end = len;
+        self.buf.truncate(READ_WINDOW);
+        self.buf.shrink_to_fit();
+        self.held = None;
     }
 
     /// The bytes read but not yet taken.
@@ -413,12 +438,8 @@ impl FrameReader {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
-            if self.buf.len() > READ_WINDOW {
-                self.buf.truncate(READ_WINDOW);
-                self.buf.shrink_to_fit();
-                self.held = None;
-            }
         }
+        self.shrink_if_small();
     }
 
     /// The next frame's type byte and body length when all of it is buffered; `None` while

@@ -146,10 +146,13 @@ pub struct Limits {
     /// frames pass 8 KiB only for reads of over ~1,000 block runs or heartbeats of over ~80
     /// leases).
     pub max_buffered_frame_bytes: usize,
-    /// Bytes of frames (their wire size plus 64 per lease named) a prefill agent holds
-    /// waiting for their leases to be armed (`arm_wait`), all connections together; a frame
-    /// that does not fit is answered at once, as for a lease still unknown (counted in
-    /// `arm_wait_refused`). Default 8 MiB: some 25,000 notifies of ~300 bytes.
+    /// Bytes large frames hold beyond a small frame's worth (`max_small_frame_len`) while
+    /// they wait for their leases to be armed (`arm_wait`), all connections together (a
+    /// frame holds about its wire size, plus 64 per lease named and 8 per block range); a
+    /// large frame that does not fit is answered at once, as for a lease still unknown
+    /// (counted in `arm_wait_refused`). Small frames are not charged — a connection has one
+    /// frame waiting at most — so a peer filling the budget cannot fail other peers'
+    /// two-phase leases. Default 8 MiB.
     pub max_arm_wait_bytes: usize,
 }
 

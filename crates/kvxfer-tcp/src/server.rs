@@ -560,33 +560,41 @@ mod tests {
     }
 
     /// Hostile-peer review: frames naming unknown leases were each held for `arm_wait`,
-    /// however many and however large. Together they now hold at most
-    /// `Limits::max_arm_wait_bytes`: a frame that does not fit in what is left is answered
-    /// at once, as unknown, while the one that fit still waits.
+    /// however many and however large. What large frames hold beyond a small frame's worth
+    /// is now drawn from `Limits::max_arm_wait_bytes`, all connections together: a large
+    /// frame that does not fit in what is left is answered at once, as unknown, while the
+    /// one that fit still waits — and a small frame still waits for its arm, so filling the
+    /// budget does not fail other peers' two-phase leases.
     #[tokio::test]
     async fn frames_waiting_for_an_arm_hold_at_most_their_budget() {
         let mut ctx = ctx(None);
         ctx.limits.arm_wait = std::time::Duration::from_secs(3600);
+        ctx.limits.max_small_frame_len = 256;
         ctx.limits.max_arm_wait_bytes = 1000;
         ctx.budgets = ServeBudgets::new(&ctx.limits);
         let ctx = Arc::new(ctx);
         let addr = serve_all(ctx.clone()).await;
-        let notify = |id_len: usize| {
+        let encode = |f: Frame| {
             let mut out = Vec::new();
-            Frame::Notify(v1::Notify {
-                remote_request_id: "u".repeat(id_len),
-                lease_token: vec![1; 16],
-                consumer_id: "d".into(),
-            })
-            .encode(&mut out);
+            f.encode(&mut out);
             out
         };
+        // ~700 bytes on the wire (+ 4 x 64 decoded): ~700 over the small frame's 256.
+        let heartbeat = |tag: char| {
+            let leases = (0..4)
+                .map(|i| v1::LeaseRef {
+                    remote_request_id: format!("{tag}{i}").repeat(75),
+                    lease_token: vec![1; 16],
+                })
+                .collect();
+            encode(Frame::Heartbeat(v1::Heartbeat { leases }))
+        };
         let (mut waiting, _waiting_reader) = connected(addr).await;
-        waiting.write_all(&notify(100)).await.expect("write");
+        waiting.write_all(&heartbeat('a')).await.expect("write");
         until_counted(&ctx.counters.arm_waits, 1).await;
 
         let (mut late, mut late_reader) = connected(addr).await;
-        late.write_all(&notify(800)).await.expect("write");
+        late.write_all(&heartbeat('b')).await.expect("write");
         // (Without the budget it would wait the hour: the bound only turns a hang into a failure.)
         let answer = tokio::time::timeout(
             std::time::Duration::from_secs(60),
@@ -596,9 +604,20 @@ mod tests {
         .expect("answered without waiting for an arm")
         .expect("an answer");
         let unknown = v1::LeaseOutcome::Unrecognized as i32;
-        assert!(matches!(&answer, Frame::NotifyAck(a) if a.outcome == unknown), "{answer:?}");
+        assert!(matches!(&answer, Frame::HeartbeatAck(a) if a.outcomes == [unknown; 4]), "{answer:?}");
         let c = ctx.counters.snapshot();
         assert_eq!((c.arm_waits, c.arm_wait_refused, c.arm_wait_expired), (1, 1, 0), "{c:?}");
+
+        // A small notify is not charged: it waits for its arm although the budget is short.
+        let (mut small, _small_reader) = connected(addr).await;
+        let notify = v1::Notify {
+            remote_request_id: "n".repeat(50),
+            lease_token: vec![1; 16],
+            consumer_id: "d".into(),
+        };
+        small.write_all(&encode(Frame::Notify(notify))).await.expect("write");
+        until_counted(&ctx.counters.arm_waits, 2).await;
+        assert_eq!(ctx.counters.snapshot().arm_wait_refused, 1);
     }
 
     /// A decode side's heartbeat of more leases than one frame may name goes out in frames of

@@ -15,12 +15,19 @@ pub(crate) const THREAD_NAME: &str = "kvxfer-accept";
 
 /// Runs `accept` on a thread of its own (a current-thread runtime) whose nice value is
 /// raised by `nice`; the thread ends when `accept` returns, dropping the handshakes still
-/// under way, then `token`. `None` when the thread could not be started (`accept` is handed
-/// back, to run elsewhere).
+/// under way, then `token`. `Err(accept)` when the runtime or the thread could not be
+/// started: the caller runs it elsewhere.
 pub(crate) fn spawn<F>(nice: i32, token: TaskTrackerToken, accept: F) -> Result<(), F>
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            warn!(error = %e, "the front-door runtime did not start; handshakes run on the agent's runtime");
+            return Err(accept);
+        }
+    };
     // The future is handed back if the thread cannot start.
     let slot = std::sync::Arc::new(std::sync::Mutex::new(Some(accept)));
     let theirs = slot.clone();
@@ -28,14 +35,9 @@ where
         let accept = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some(accept) = accept else { return };
         lower_priority(nice);
-        match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-            Ok(rt) => {
-                rt.block_on(accept);
-                // Dropping the runtime drops the handshakes under way.
-                drop(rt);
-            }
-            Err(e) => warn!(error = %e, "the front-door runtime did not start; accepting no connections"),
-        }
+        rt.block_on(accept);
+        // Dropping the runtime drops the handshakes under way.
+        drop(rt);
         drop(token);
     });
     match started {

@@ -72,9 +72,10 @@ struct Shared {
 }
 
 /// A prefill worker's agent: owns the lease table and serves the registered KV cache. Runs
-/// on the tokio runtime it was started on (it starts no threads of its own except UCX's
-/// progress thread); [`crate::blocking::PrefillAgent`] is the same agent with a runtime of
-/// its own, for callers without one.
+/// on the tokio runtime it was started on (it starts no threads of its own except its front
+/// door, `AgentConfig::front_door_nice`, and UCX's progress thread);
+/// [`crate::blocking::PrefillAgent`] is the same agent with a runtime of its own, for
+/// callers without one.
 pub struct PrefillAgent {
     shared: Arc<Shared>,
     events: Receiver<LeaseEnd>,
@@ -157,6 +158,14 @@ impl PrefillAgent {
         let std_listener = std::net::TcpListener::bind(listen)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|source| Error::Io { what: format!("binding {listen}"), source })?;
+        // Registered with the agent's runtime once, so a runtime without I/O fails here, not
+        // in the accept loop; the loop registers it again where it runs (the front door).
+        let std_listener = {
+            let _enter = handle.enter();
+            TcpListener::from_std(std_listener)
+                .and_then(TcpListener::into_std)
+                .map_err(|source| Error::Io { what: format!("binding {listen}"), source })?
+        };
         let addr = std_listener
             .local_addr()
             .map_err(|source| Error::Io { what: "reading the listen address".into(), source })?;
@@ -877,10 +886,12 @@ async fn accept_loop(
     let places = Places::new(&ctx.limits);
     loop {
         let accepted = tokio::select! {
-            a = listener.accept() => a,
-            // Dropping the listener stops accepting at once.
+            // Stopping first: nothing is accepted once the agent stopped accepting.
+            biased;
             () = shared.stop_accepting.cancelled() => return,
             () = runtime_gone.cancelled() => return,
+            // Dropping the listener stops accepting at once.
+            a = listener.accept() => a,
         };
         match accepted {
             Ok((stream, peer)) => match places.handshake(peer.ip(), &ctx.limits, &shared.connections_open) {
