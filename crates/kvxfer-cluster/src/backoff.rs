@@ -65,6 +65,40 @@ impl WarnLimiter {
     }
 }
 
+/// How often a warning repeats while etcd stays unreachable.
+pub(crate) const REMINDER_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Warnings while something keeps failing: one at the first failure, then at most one per
+/// interval (each says how many failures it stands for) — neither silence for ever after
+/// the first, nor a line per retry.
+#[derive(Debug)]
+pub(crate) struct Reminder {
+    every: Duration,
+    last: Option<Instant>,
+    unreported: u64,
+}
+
+impl Reminder {
+    pub(crate) fn new(every: Duration) -> Self {
+        Self { every, last: None, unreported: 0 }
+    }
+
+    /// A failure at `now`: `Some(failures since the last warning, this one included)` when
+    /// a warning is due. `first` (the first failure after a success) always warns.
+    pub(crate) fn failed(&mut self, now: Instant, first: bool) -> Option<u64> {
+        if first {
+            self.last = None;
+            self.unreported = 0;
+        }
+        self.unreported += 1;
+        if self.last.is_some_and(|t| now.saturating_duration_since(t) < self.every) {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.unreported))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,6 +118,22 @@ mod tests {
         assert!(ceilings[9] >= Duration::from_secs(1), "{ceilings:?}");
         b.reset();
         assert!(b.next_delay(&mut rng) <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn a_lasting_failure_warns_at_first_then_once_per_interval() {
+        let t0 = Instant::now();
+        let every = Duration::from_secs(60);
+        let mut r = Reminder::new(every);
+        assert_eq!(r.failed(t0, true), Some(1));
+        // Retries every 2 s: silent until the interval has passed.
+        for i in 1..30 {
+            assert_eq!(r.failed(t0 + Duration::from_secs(2 * i), false), None, "retry {i}");
+        }
+        assert_eq!(r.failed(t0 + every, false), Some(30), "the reminder counts the silent ones");
+        assert_eq!(r.failed(t0 + every + Duration::from_secs(1), false), None);
+        // Back, then failing again: a warning at once.
+        assert_eq!(r.failed(t0 + every + Duration::from_secs(2), true), Some(1));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::backoff::{Backoff, WarnLimiter};
+use crate::backoff::{Backoff, Reminder, WarnLimiter, REMINDER_INTERVAL};
 use crate::error::{Error, EtcdError, EtcdOp, RecordError, ResolveError};
 use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, Failover, StatusCell, StatusWatch};
 use crate::names::{engines_prefix, EngineId, EngineKey, Namespace};
@@ -724,9 +724,15 @@ impl EngineDirectory {
         self.shared.current.load(Ordering::Acquire)
     }
 
-    /// Waits until the cache is filled from etcd and being watched, up to `timeout`.
+    /// Waits until the cache is filled from etcd and being watched, up to `timeout`; at
+    /// once `Err` when the directory gave up ([`EtcdState::Failed`]: etcd refused its
+    /// credentials, certificate or permissions — `last_error` says which).
     pub async fn wait_synced(&self, timeout: Duration) -> Result<EtcdStatus, EtcdStatus> {
-        self.status_watch().wait_until(timeout, |s| s.state == EtcdState::Connected).await
+        let ended = |s: &EtcdStatus| matches!(s.state, EtcdState::Connected | EtcdState::Failed);
+        match self.status_watch().wait_until(timeout, ended).await {
+            Ok(s) if s.state == EtcdState::Connected => Ok(s),
+            Ok(s) | Err(s) => Err(s),
+        }
     }
 
     /// Where it stands with etcd.
@@ -780,6 +786,7 @@ impl Watcher {
         let mut rng = rand::rngs::StdRng::from_os_rng();
         let mut backoff = Backoff::new(self.etcd.backoff_initial, self.etcd.backoff_max);
         let mut failover = Failover::default();
+        let mut reminder = Reminder::new(REMINDER_INTERVAL);
         loop {
             let failed = tokio::select! {
                 _ = &mut stop => break,
@@ -787,10 +794,18 @@ impl Watcher {
             };
             // From now on the cache may miss changes: restarts are not judged by it.
             self.shared.current.store(false, Ordering::Release);
+            if failed.is_permanent() {
+                let why = crate::error::RegistrationError::Refused { reason: failed.to_string() };
+                tracing::error!(prefix = %self.prefix, error = %why, "engine directory refused by etcd; it stops (serving from its cache)");
+                self.shared.status.gave_up(&why);
+                break;
+            }
             failover.session_failed();
             let delay = backoff.next_delay(&mut rng);
-            if self.shared.status.failed(&failed) {
-                tracing::warn!(prefix = %self.prefix, error = %failed, "engine directory degraded; serving from its cache and retrying");
+            let first = self.shared.status.failed(&failed);
+            if let Some(failures) = reminder.failed(Instant::now(), first) {
+                let failing_for = self.shared.status.get().since.elapsed();
+                tracing::warn!(prefix = %self.prefix, error = %failed, failures, ?failing_for, "engine directory degraded; serving from its cache and retrying");
             } else {
                 tracing::debug!(prefix = %self.prefix, error = %failed, retry_in = ?delay, "engine directory still cannot reach etcd");
             }
@@ -808,7 +823,7 @@ impl Watcher {
         let etcd = &self.etcd;
         // A fresh client per attempt, of one live member: no state survives from a broken
         // connection.
-        let client: Client = match etcd.connect(failover).await {
+        let client: Client = match etcd.connect(failover, &self.prefix).await {
             Ok((c, endpoint)) => {
                 self.shared.status.endpoint(&endpoint);
                 c

@@ -49,6 +49,17 @@ pub enum RegistrationError {
         /// The holder's etcd lease.
         lease: i64,
     },
+    /// etcd refused this client for a reason retrying cannot mend: wrong user name or
+    /// password, credentials missing while etcd has authentication on, a role without access
+    /// to the namespace, or a certificate etcd or this client does not trust.
+    #[error(
+        "etcd refused this client: {reason}. Check the etcd user and password, its role's \
+         permissions on the namespace prefix, and the TLS certificates; nothing is retried"
+    )]
+    Refused {
+        /// etcd's (or the TLS layer's) answer.
+        reason: String,
+    },
     /// The key holds a value on no lease (written by hand): it never expires, so waiting for
     /// it cannot help.
     #[error(
@@ -288,6 +299,35 @@ pub enum EtcdError {
     },
 }
 
+impl EtcdError {
+    /// Whether retrying cannot help: etcd (or TLS) refused this client — wrong credentials,
+    /// none given while authentication is on, no permission on the keys, an untrusted
+    /// certificate. Unreachable members, timeouts and expired auth tokens are not.
+    pub fn is_permanent(&self) -> bool {
+        let EtcdError::Client { source, .. } = self else { return false };
+        // The whole chain: TLS failures sit in the transport error's sources.
+        let mut text = source.to_string();
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(source);
+        while let Some(c) = cause {
+            text.push_str(": ");
+            text.push_str(&c.to_string());
+            cause = c.source();
+        }
+        const PERMANENT: [&str; 8] = [
+            "authentication failed",
+            "user name is empty",
+            "user name not found",
+            "permission denied",
+            "invalid peer certificate",
+            "certificate required",
+            "bad certificate",
+            "unknown ca",
+        ];
+        let text = text.to_ascii_lowercase();
+        PERMANENT.iter().any(|p| text.contains(p))
+    }
+}
+
 /// A setting out of range.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -295,6 +335,31 @@ pub enum ConfigError {
     /// No etcd endpoint given.
     #[error("no etcd endpoint given")]
     NoEndpoints,
+    /// An etcd endpoint that cannot be used as given.
+    #[error("etcd endpoint {endpoint:?}: {reason}")]
+    Endpoint {
+        /// The endpoint as given.
+        endpoint: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A TLS file that cannot be used.
+    #[error("etcd TLS {what} {path}: {reason}")]
+    TlsFile {
+        /// Which file (CA certificate, client certificate, client key).
+        what: &'static str,
+        /// Its path.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// Security settings from the environment (`KVXFER_ETCD_*`) that do not fit together,
+    /// or an empty user name.
+    #[error("etcd security settings: {reason}")]
+    Env {
+        /// What is wrong.
+        reason: String,
+    },
     /// A lease TTL etcd would not honour.
     #[error("lease TTL {ttl:?} is out of range ({min}..={max} whole seconds)")]
     LeaseTtl {

@@ -1,20 +1,120 @@
 //! The etcd connection settings and the connection state both halves expose.
 
+use std::fmt;
 use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, ConnectOptions, GetOptions};
+use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
 
 use crate::error::{ConfigError, EtcdError, EtcdOp};
+
+/// TLS to etcd, for `https://` endpoints: the CA that signed etcd's server certificate and,
+/// for an etcd started with `--client-cert-auth`, this client's certificate and key (rustls;
+/// PEM files). The key is never printed (`Debug` says whether one is set).
+#[derive(Clone)]
+pub struct EtcdTls {
+    /// PEM of the CA certificate(s) etcd's server certificate must chain to.
+    pub ca_pem: Vec<u8>,
+    /// This client's certificate chain and private key (PEM), when etcd asks for one.
+    pub client_cert: Option<(Vec<u8>, Vec<u8>)>,
+    /// The name etcd's certificate must carry, when not the endpoint's host.
+    pub domain: Option<String>,
+}
+
+impl EtcdTls {
+    /// Reads the CA certificate and, when given, the client certificate and key from PEM
+    /// files; fails at once, naming the file, when one cannot be read or holds no PEM.
+    pub fn from_files(ca: &Path, client: Option<(&Path, &Path)>) -> Result<Self, ConfigError> {
+        let read = |what: &'static str, path: &Path| {
+            let bytes = std::fs::read(path).map_err(|e| ConfigError::TlsFile {
+                what,
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            if !bytes.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(ConfigError::TlsFile {
+                    what,
+                    path: path.display().to_string(),
+                    reason: "no PEM block (-----BEGIN ...) in it".into(),
+                });
+            }
+            Ok(bytes)
+        };
+        let ca_pem = read("CA certificate", ca)?;
+        let client_cert = match client {
+            Some((cert, key)) => Some((read("client certificate", cert)?, read("client key", key)?)),
+            None => None,
+        };
+        Ok(Self { ca_pem, client_cert, domain: None })
+    }
+
+    pub(crate) fn options(&self) -> TlsOptions {
+        let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(&self.ca_pem));
+        if let Some((cert, key)) = &self.client_cert {
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        if let Some(domain) = &self.domain {
+            tls = tls.domain_name(domain.clone());
+        }
+        tls
+    }
+}
+
+impl fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("ca_pem_bytes", &self.ca_pem.len())
+            .field("client_cert", &self.client_cert.as_ref().map(|_| "<certificate and key>"))
+            .field("domain", &self.domain)
+            .finish()
+    }
+}
+
+/// A user name and password for an etcd with authentication on (`etcdctl auth enable`).
+/// The password is never printed.
+#[derive(Clone)]
+pub struct EtcdAuth {
+    user: String,
+    password: String,
+}
+
+impl EtcdAuth {
+    /// `user` with `password`.
+    pub fn new(user: impl Into<String>, password: impl Into<String>) -> Self {
+        Self { user: user.into(), password: password.into() }
+    }
+
+    /// The user name.
+    pub fn user(&self) -> &str {
+        &self.user
+    }
+}
+
+impl fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdAuth").field("user", &self.user).field("password", &"<redacted>").finish()
+    }
+}
 
 /// How to reach etcd and how hard to try.
 #[derive(Debug, Clone)]
 pub struct EtcdConfig {
-    /// Client URLs, e.g. `http://10.0.0.1:2379` (`host:port` means `http://host:port`).
+    /// Client URLs, e.g. `http://10.0.0.1:2379`, or `https://...` with [`Self::tls`]
+    /// (`host:port` means `http://host:port`, or `https://` with TLS). Checked when a
+    /// registration or directory starts: a malformed URL, another scheme, a missing port,
+    /// `https://` without TLS settings or `http://` with them fail at once.
     /// List every member of an HA cluster: one member is used at a time, the next one when
     /// it fails ([`EtcdStatus::endpoint`] says which).
     pub endpoints: Vec<String>,
+    /// TLS settings for `https://` endpoints. `None`: plain `http://`.
+    pub tls: Option<EtcdTls>,
+    /// Credentials for an etcd with authentication on. A wrong password, a missing user
+    /// (`user name is empty`) or a role without access to the namespace stops the
+    /// registration or directory at the first answer, with the reason (state
+    /// [`EtcdState::Failed`]) — it is not retried.
+    pub auth: Option<EtcdAuth>,
     /// Longest wait for a TCP connection to an endpoint.
     pub connect_timeout: Duration,
     /// Longest wait for any one answer (a grant, a put, a list, a watch being set up).
@@ -52,12 +152,81 @@ impl EtcdConfig {
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(2),
             max_response_bytes: 128 << 20,
+            tls: None,
+            auth: None,
         }
     }
 
-    pub(crate) fn check(&self) -> Result<(), ConfigError> {
+    /// Sets the TLS settings (for `https://` endpoints).
+    pub fn tls(mut self, tls: EtcdTls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Sets the credentials.
+    pub fn auth(mut self, auth: EtcdAuth) -> Self {
+        self.auth = Some(auth);
+        self
+    }
+
+    /// Takes TLS settings and credentials from the environment, where set:
+    /// `KVXFER_ETCD_CA` (a PEM file; turns TLS on), `KVXFER_ETCD_CERT` and `KVXFER_ETCD_KEY`
+    /// (the client certificate and key, both or neither), `KVXFER_ETCD_USER` with
+    /// `KVXFER_ETCD_PASSWORD` or `KVXFER_ETCD_PASSWORD_FILE` (its first line). Fails at once
+    /// on a file that cannot be read or an incomplete pair.
+    pub fn security_from_env(mut self) -> Result<Self, ConfigError> {
+        let var = |name: &'static str| std::env::var_os(name).filter(|v| !v.is_empty());
+        let cert = var("KVXFER_ETCD_CERT");
+        let key = var("KVXFER_ETCD_KEY");
+        if cert.is_some() != key.is_some() {
+            return Err(ConfigError::Env {
+                reason:
+                    "KVXFER_ETCD_CERT and KVXFER_ETCD_KEY go together (the client certificate and its key)"
+                        .into(),
+            });
+        }
+        if let Some(ca) = var("KVXFER_ETCD_CA") {
+            let client = cert.as_ref().zip(key.as_ref()).map(|(c, k)| (Path::new(c), Path::new(k)));
+            self.tls = Some(EtcdTls::from_files(Path::new(&ca), client)?);
+        } else if cert.is_some() {
+            return Err(ConfigError::Env { reason: "KVXFER_ETCD_CERT needs KVXFER_ETCD_CA".into() });
+        }
+        if let Some(user) = var("KVXFER_ETCD_USER") {
+            let user = user.to_string_lossy().into_owned();
+            let password = match (var("KVXFER_ETCD_PASSWORD"), var("KVXFER_ETCD_PASSWORD_FILE")) {
+                (Some(p), _) => p.to_string_lossy().into_owned(),
+                (None, Some(file)) => std::fs::read_to_string(&file)
+                    .map_err(|e| ConfigError::Env {
+                        reason: format!("KVXFER_ETCD_PASSWORD_FILE {}: {e}", Path::new(&file).display()),
+                    })?
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned(),
+                (None, None) => {
+                    return Err(ConfigError::Env {
+                        reason: "KVXFER_ETCD_USER needs KVXFER_ETCD_PASSWORD or KVXFER_ETCD_PASSWORD_FILE"
+                            .into(),
+                    })
+                }
+            };
+            self.auth = Some(EtcdAuth::new(user, password));
+        }
+        Ok(self)
+    }
+
+    /// Checks what can be checked without etcd: at least one endpoint, each a well-formed
+    /// `http://host:port` or `https://host:port` URL whose scheme matches the TLS settings,
+    /// and a non-empty user name.
+    pub fn check(&self) -> Result<(), ConfigError> {
         if self.endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError::NoEndpoints);
+        }
+        for endpoint in self.endpoint_list() {
+            check_endpoint(endpoint, self.tls.is_some())?;
+        }
+        if self.auth.as_ref().is_some_and(|a| a.user.is_empty()) {
+            return Err(ConfigError::Env { reason: "the etcd user name is empty".into() });
         }
         Ok(())
     }
@@ -72,23 +241,35 @@ impl EtcdConfig {
     /// its cluster's quorum refuses requests and ends the streams it serves instead of
     /// hanging them.
     async fn client_of(&self, endpoint: &str) -> Result<Client, EtcdError> {
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_keep_alive(self.keepalive_interval, self.keepalive_timeout)
             .with_keep_alive_while_idle(true)
             .with_require_leader(true);
+        if let Some(tls) = &self.tls {
+            options = options.with_tls(tls.options());
+        }
+        if let Some(auth) = &self.auth {
+            options = options.with_user(auth.user.clone(), auth.password.clone());
+        }
         self.call(EtcdOp::Connect, Client::connect([endpoint], Some(options))).await
     }
 
     /// Connects to one member at a time, trying the endpoints in turn from
     /// `failover`'s next one, and returns the first that answers a linearizable read (a
-    /// cheap count of one key, which needs the member to be in a quorum with a leader) —
+    /// cheap count of `probe`, a key the caller may read — its own key or prefix, so a user
+    /// whose role covers only the namespace passes — which needs the member to be in a
+    /// quorum with a leader) —
     /// so every lease grant, put, keep-alive and watch of a session goes over one
     /// connection to a live member. etcd-client spreads requests over all its endpoints
     /// and leaves failover to its user: a keep-alive stream opened to a dead member would
     /// fail however healthy the others are. Each try is bounded by the connect and request
     /// timeouts; when none answers the error names every endpoint's failure.
-    pub(crate) async fn connect(&self, failover: &mut Failover) -> Result<(Client, Arc<str>), EtcdError> {
+    pub(crate) async fn connect(
+        &self,
+        failover: &mut Failover,
+        probe: &str,
+    ) -> Result<(Client, Arc<str>), EtcdError> {
         let endpoints = self.endpoint_list();
         if endpoints.is_empty() {
             return Err(EtcdError::NoEndpoint { tried: String::new() });
@@ -100,7 +281,7 @@ impl EtcdConfig {
             let probe = async {
                 let mut client = self.client_of(endpoint).await?;
                 let options = GetOptions::new().with_count_only();
-                self.call(EtcdOp::Health, client.get(HEALTH_KEY, Some(options))).await?;
+                self.call(EtcdOp::Health, client.get(probe, Some(options))).await?;
                 Ok::<_, EtcdError>(client)
             };
             match probe.await {
@@ -112,6 +293,9 @@ impl EtcdConfig {
                     failover.current = Some(index);
                     return Ok((client, Arc::from(endpoint)));
                 }
+                // Refused for good (credentials, certificates, permissions): every member
+                // would say the same.
+                Err(e) if e.is_permanent() => return Err(e),
                 Err(e) => tried.push(format!("{endpoint}: {e}")),
             }
         }
@@ -140,8 +324,53 @@ impl EtcdConfig {
     }
 }
 
-/// The key a connection's health check counts (any key does: the read is what matters).
-const HEALTH_KEY: &str = "health";
+/// Checks one endpoint URL (see [`EtcdConfig::endpoints`]).
+fn check_endpoint(endpoint: &str, tls: bool) -> Result<(), ConfigError> {
+    let bad = |reason: String| ConfigError::Endpoint { endpoint: endpoint.to_owned(), reason };
+    let (scheme, rest) = match endpoint.split_once("://") {
+        Some((scheme, rest)) => (scheme.to_ascii_lowercase(), rest),
+        None if endpoint.contains('/') => {
+            return Err(bad("not a URL (scheme://host:port) nor host:port".into()));
+        }
+        None => ((if tls { "https" } else { "http" }).to_owned(), endpoint),
+    };
+    match (scheme.as_str(), tls) {
+        ("http", false) | ("https", true) => {}
+        ("https", false) => {
+            return Err(bad(
+                "https:// needs TLS settings (EtcdConfig::tls: the CA certificate, and a client certificate \
+                 if etcd asks for one)"
+                    .into(),
+            ))
+        }
+        ("http", true) => {
+            return Err(bad(
+                "TLS settings are given but the URL is http://: use https:// (or drop the TLS settings)"
+                    .into(),
+            ))
+        }
+        (other, _) => return Err(bad(format!("unsupported scheme {other:?}: use http:// or https://"))),
+    }
+    let uri =
+        format!("{scheme}://{rest}").parse::<hyper::Uri>().map_err(|e| bad(format!("not a URL: {e}")))?;
+    let authority = uri.authority().ok_or_else(|| bad("no host".into()))?;
+    if authority.host().is_empty() || authority.as_str().contains('@') {
+        return Err(bad("no host (or a user name in the URL: use EtcdConfig::auth)".into()));
+    }
+    let text = authority.as_str();
+    match authority.port_u16() {
+        Some(0) => return Err(bad("port 0".into())),
+        Some(_) => {}
+        None if text.ends_with(']') || !text.contains(':') => {
+            return Err(bad("no port (etcd's client port is 2379 by default)".into()))
+        }
+        None => return Err(bad("the port is not a number in 1..=65535".into())),
+    }
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(bad("a path or query after host:port".into()));
+    }
+    Ok(())
+}
 
 /// Which etcd member to try first: the one in use, until a session on it fails; then the
 /// next one. One per registration or directory task.

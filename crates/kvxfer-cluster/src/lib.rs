@@ -162,7 +162,7 @@ pub use error::{
     ConfigError, Error, EtcdError, EtcdOp, MetricsError, NameError, RecordError, RegistrationError,
     ResolveError,
 };
-pub use etcd::{EtcdConfig, EtcdState, EtcdStatus, StatusWatch};
+pub use etcd::{EtcdAuth, EtcdConfig, EtcdState, EtcdStatus, EtcdTls, StatusWatch};
 pub use http::MetricsServer;
 pub use metrics::{
     ChildPullOutcome, DecodeSnapshot, Format, HandoffOutcome, Metrics, PerTransport, PrefillSnapshot,

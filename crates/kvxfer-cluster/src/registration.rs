@@ -12,7 +12,7 @@ use tokio::runtime::Handle;
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
-use crate::backoff::Backoff;
+use crate::backoff::{Backoff, Reminder, REMINDER_INTERVAL};
 use crate::error::{ConfigError, Error, EtcdError, EtcdOp, RegistrationError};
 use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, Failover, StatusCell, StatusWatch};
 use crate::names::EngineKey;
@@ -382,6 +382,7 @@ impl Keeper {
     async fn run(self, mut stop: oneshot::Receiver<Stop>) -> Result<(), EtcdError> {
         let mut rng = rand::rngs::StdRng::from_os_rng();
         let mut backoff = Backoff::new(self.etcd.backoff_initial, self.etcd.backoff_max);
+        let mut reminder = Reminder::new(REMINDER_INTERVAL);
         let mut conn = Conn::default();
         let key = self.key.to_key();
         loop {
@@ -400,6 +401,16 @@ impl Keeper {
                     // The lease granted for the put that never happened: not needed.
                     return self.stop(Some(Stop::Revoke), conn.client, conn.lease).await;
                 }
+                SessionEnd::Failed(e) if e.is_permanent() => {
+                    let why = RegistrationError::Refused { reason: e.to_string() };
+                    tracing::error!(key = %key, error = %why, "etcd registration refused");
+                    let status_error = why.to_string();
+                    let _ = self.shared.failure.set(why);
+                    self.shared.status.gave_up(&status_error);
+                    // Nothing to revoke that this client may revoke: a lease granted before
+                    // a permission was taken away expires with its TTL.
+                    return Ok(());
+                }
                 SessionEnd::Failed(e) => {
                     // A fresh client per attempt, on the next member first: no state
                     // survives from a broken connection.
@@ -410,11 +421,14 @@ impl Keeper {
                         // The lease may still be saved: every moment counts.
                         delay = delay.min(LEASE_SAVING_RETRY);
                     }
-                    if self.shared.status.failed(&e) {
+                    let first = self.shared.status.failed(&e);
+                    if let Some(failures) = reminder.failed(Instant::now(), first) {
+                        let since = self.shared.status.get().since;
+                        let failing_for = since.elapsed();
                         if self.shared.claimed.load(Ordering::Relaxed) {
-                            tracing::warn!(key = %key, error = %e, "etcd registration degraded; retrying (the key stays until its lease expires)");
+                            tracing::warn!(key = %key, error = %e, failures, ?failing_for, "etcd registration degraded; retrying (a key written before stays until its lease expires)");
                         } else {
-                            tracing::warn!(key = %key, error = %e, "etcd registration failing; retrying (not registered yet: no key was written)");
+                            tracing::warn!(key = %key, error = %e, failures, ?failing_for, "etcd registration failing; retrying (not registered yet: no key was written)");
                         }
                     } else {
                         tracing::debug!(key = %key, error = %e, retry_in = ?delay, "etcd registration still failing");
@@ -436,7 +450,7 @@ impl Keeper {
         let Conn { client, lease, lease_until, failover } = conn;
         let c = match client {
             Some(c) => c,
-            None => match etcd.connect(failover).await {
+            None => match etcd.connect(failover, key).await {
                 Ok((c, endpoint)) => {
                     self.shared.status.endpoint(&endpoint);
                     client.insert(c)
@@ -811,7 +825,7 @@ impl Keeper {
             (Some(Stop::Revoke), Some(id)) => {
                 let mut c = match client {
                     Some(c) => c,
-                    None => self.etcd.connect(&mut Failover::default()).await?.0,
+                    None => self.etcd.connect(&mut Failover::default(), &self.key.to_key()).await?.0,
                 };
                 let revoked = match self.etcd.call(EtcdOp::Revoke, c.lease_revoke(id)).await {
                     Ok(_) => Ok(()),

@@ -31,6 +31,126 @@ pub struct EtcdLaunch {
     /// temporary directory). A script that may kill the process before it cleans up gives
     /// one it removes itself.
     pub data_root: Option<PathBuf>,
+    /// Serve clients over TLS with these certificates (`https://` client URL; health is
+    /// then checked on a plain-HTTP metrics port of its own). `None`: plain HTTP.
+    pub tls: Option<TestCerts>,
+}
+
+/// Certificates for a TLS test etcd, made with the `openssl` command line in a directory:
+/// a CA, a server certificate for 127.0.0.1 and `localhost` signed by it, and a client
+/// certificate signed by it (EC P-256; all PEM).
+#[derive(Debug, Clone)]
+pub struct TestCerts {
+    /// The CA certificate.
+    pub ca: PathBuf,
+    /// etcd's certificate.
+    pub server_cert: PathBuf,
+    /// etcd's key.
+    pub server_key: PathBuf,
+    /// A client certificate.
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+    /// Whether etcd asks clients for a certificate signed by the CA (`--client-cert-auth`).
+    pub client_cert_auth: bool,
+}
+
+impl TestCerts {
+    /// Makes a CA (`<name>-ca.pem`), a server and a client certificate in `dir` with the
+    /// `openssl` command line; the error says which command failed and what it printed.
+    pub fn generate(dir: &Path, name: &str) -> Result<Self, String> {
+        let path = |file: &str| dir.join(format!("{name}-{file}"));
+        let run = |args: &[&str]| -> Result<(), String> {
+            let out = Command::new("openssl").args(args).output().map_err(|e| format!("openssl: {e}"))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!("openssl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr)))
+            }
+        };
+        let s = |p: &Path| p.display().to_string();
+        let (ca, ca_key) = (path("ca.pem"), path("ca-key.pem"));
+        run(&["ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", &s(&ca_key)])?;
+        run(&[
+            "req",
+            "-x509",
+            "-new",
+            "-key",
+            &s(&ca_key),
+            "-out",
+            &s(&ca),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={name} test CA"),
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ])?;
+        let leaf = |who: &str, ext: &str| -> Result<(PathBuf, PathBuf), String> {
+            let (cert, key, csr, extfile) = (
+                path(&format!("{who}.pem")),
+                path(&format!("{who}-key.pem")),
+                path(&format!("{who}.csr")),
+                path(&format!("{who}.ext")),
+            );
+            run(&["ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", &s(&key)])?;
+            // A PKCS#8 key: what every TLS stack reads.
+            let pkcs8 = path(&format!("{who}-key8.pem"));
+            run(&["pkcs8", "-topk8", "-nocrypt", "-in", &s(&key), "-out", &s(&pkcs8)])?;
+            std::fs::rename(&pkcs8, &key).map_err(|e| e.to_string())?;
+            run(&["req", "-new", "-key", &s(&key), "-out", &s(&csr), "-subj", &format!("/CN={name}-{who}")])?;
+            std::fs::write(&extfile, ext).map_err(|e| e.to_string())?;
+            run(&[
+                "x509",
+                "-req",
+                "-in",
+                &s(&csr),
+                "-CA",
+                &s(&ca),
+                "-CAkey",
+                &s(&ca_key),
+                "-CAcreateserial",
+                "-out",
+                &s(&cert),
+                "-days",
+                "2",
+                "-extfile",
+                &s(&extfile),
+            ])?;
+            Ok((cert, key))
+        };
+        let (server_cert, server_key) = leaf(
+            "server",
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n\
+             subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        )?;
+        let (client_cert, client_key) = leaf(
+            "client",
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n",
+        )?;
+        Ok(Self { ca, server_cert, server_key, client_cert, client_key, client_cert_auth: true })
+    }
+
+    /// Client settings trusting this CA, with the client certificate.
+    pub fn client_tls(&self) -> crate::etcd::EtcdTls {
+        crate::etcd::EtcdTls::from_files(&self.ca, Some((&self.client_cert, &self.client_key)))
+            .unwrap_or_else(|e| panic!("test certificates: {e}"))
+    }
+
+    /// etcd's options for these certificates.
+    fn etcd_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!("--cert-file={}", self.server_cert.display()),
+            format!("--key-file={}", self.server_key.display()),
+            format!("--trusted-ca-file={}", self.ca.display()),
+        ];
+        if self.client_cert_auth {
+            args.push("--client-cert-auth".into());
+        }
+        args
+    }
 }
 
 impl Default for EtcdLaunch {
@@ -42,6 +162,7 @@ impl Default for EtcdLaunch {
             wrapper: Vec::new(),
             args: Vec::new(),
             data_root: None,
+            tls: None,
         }
     }
 }
@@ -102,6 +223,8 @@ pub struct EtcdServer {
     launch: EtcdLaunch,
     client_port: u16,
     peer_port: u16,
+    /// With TLS: the plain-HTTP port `/health` is checked on.
+    metrics_port: u16,
     starts: u32,
 }
 
@@ -147,13 +270,18 @@ impl EtcdServer {
         }
         .map_err(|e| format!("temp dir: {e}"))?;
         let fixed = launch.ports;
-        let mut server = Self { child: None, dir, launch, client_port: 0, peer_port: 0, starts: 0 };
+        let mut server =
+            Self { child: None, dir, launch, client_port: 0, peer_port: 0, metrics_port: 0, starts: 0 };
         let mut last = String::new();
         for _ in 0..if fixed.is_some() { 1 } else { 5 } {
             (server.client_port, server.peer_port) = match fixed {
                 Some(ports) => ports,
                 None => free_ports()?,
             };
+            if server.launch.tls.is_some() {
+                let l = TcpListener::bind((server.launch.ip, 0)).map_err(|e| format!("bind: {e}"))?;
+                server.metrics_port = l.local_addr().map_err(|e| e.to_string())?.port();
+            }
             match server.spawn_and_wait() {
                 Ok(()) => return Ok(server),
                 Err(e) => last = e,
@@ -162,14 +290,18 @@ impl EtcdServer {
         Err(format!("etcd did not start: {last}"))
     }
 
-    /// The client URL.
+    /// The client URL (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://{}", SocketAddr::new(self.launch.ip, self.client_port))
+        let scheme = if self.launch.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", SocketAddr::new(self.launch.ip, self.client_port))
     }
 
-    /// Settings with short timeouts and backoff, so tests see recovery within a second.
+    /// Settings with short timeouts and backoff, so tests see recovery within a second
+    /// (with TLS: trusting the test CA, with the client certificate).
     pub fn config(&self) -> EtcdConfig {
-        fast_config(&self.endpoint())
+        let mut c = fast_config(&self.endpoint());
+        c.tls = self.launch.tls.as_ref().map(TestCerts::client_tls);
+        c
     }
 
     fn data_dir(&self) -> PathBuf {
@@ -193,6 +325,14 @@ impl EtcdServer {
             }
             None => Command::new(&etcd),
         };
+        let mut extra = self.launch.args.clone();
+        if let Some(tls) = &self.launch.tls {
+            extra.extend(tls.etcd_args());
+            extra.push(format!(
+                "--listen-metrics-urls=http://{}",
+                SocketAddr::new(self.launch.ip, self.metrics_port)
+            ));
+        }
         let member = MemberCommand {
             name: "kvxfer-test",
             data_dir: &self.data_dir(),
@@ -200,7 +340,7 @@ impl EtcdServer {
             peer: &peer,
             initial_cluster: &format!("kvxfer-test={peer}"),
             token: &format!("kvxfer-test-{}", std::process::id()),
-            extra: &self.launch.args,
+            extra: &extra,
         };
         self.child = Some(member.spawn(command, &etcd, &self.log_path())?);
         let deadline = Instant::now() + START_TIMEOUT;
@@ -222,9 +362,10 @@ impl EtcdServer {
         }
     }
 
-    /// `GET /health` answers `"health":"true"`.
+    /// `GET /health` answers `"health":"true"` (on the metrics port with TLS).
     fn healthy(&self) -> bool {
-        healthy_at(SocketAddr::new(self.launch.ip, self.client_port))
+        let port = if self.launch.tls.is_some() { self.metrics_port } else { self.client_port };
+        healthy_at(SocketAddr::new(self.launch.ip, port))
     }
 
     /// Kills etcd (SIGKILL) and waits for it to exit. The data directory stays.
@@ -289,10 +430,57 @@ impl EtcdServer {
     /// # Panics
     /// When the client cannot be made.
     pub async fn client(&self) -> etcd_client::Client {
-        match etcd_client::Client::connect([self.endpoint()], None).await {
+        let options = self
+            .launch
+            .tls
+            .as_ref()
+            .map(|t| etcd_client::ConnectOptions::new().with_tls(t.client_tls().options()));
+        match etcd_client::Client::connect([self.endpoint()], options).await {
             Ok(c) => c,
             Err(e) => panic!("etcd client: {e}"),
         }
+    }
+
+    /// A raw client logged in as `user` (once authentication is on).
+    ///
+    /// # Panics
+    /// When the client cannot be made.
+    pub async fn client_as(&self, user: &str, password: &str) -> etcd_client::Client {
+        let mut options = etcd_client::ConnectOptions::new().with_user(user, password);
+        if let Some(t) = &self.launch.tls {
+            options = options.with_tls(t.client_tls().options());
+        }
+        match etcd_client::Client::connect([self.endpoint()], Some(options)).await {
+            Ok(c) => c,
+            Err(e) => panic!("etcd client as {user}: {e}"),
+        }
+    }
+
+    /// Turns authentication on: user `root` (password `root_password`, role root) and, for
+    /// each `(user, password, prefix)`, a user whose role may read and write keys starting
+    /// with `prefix` only.
+    ///
+    /// # Panics
+    /// When etcd refuses a step.
+    pub async fn enable_auth(&self, root_password: &str, users: &[(&str, &str, &str)]) {
+        use etcd_client::Permission;
+        let mut c = self.client().await;
+        let step = |what: &str, r: Result<(), etcd_client::Error>| {
+            if let Err(e) = r {
+                panic!("enabling etcd auth, {what}: {e}");
+            }
+        };
+        step("add root", c.user_add("root", root_password, None).await.map(drop));
+        step("grant root", c.user_grant_role("root", "root").await.map(drop));
+        for (user, password, prefix) in users {
+            let role = format!("{user}-role");
+            step("add user", c.user_add(*user, *password, None).await.map(drop));
+            step("add role", c.role_add(role.as_str()).await.map(drop));
+            let permission = Permission::read_write(*prefix).with_prefix();
+            step("grant permission", c.role_grant_permission(role.as_str(), permission).await.map(drop));
+            step("grant role", c.user_grant_role(*user, role.as_str()).await.map(drop));
+        }
+        step("enable", c.auth_enable().await.map(drop));
     }
 }
 

@@ -41,8 +41,9 @@ use kvxfer_cluster::{
     TransportName,
 };
 pub use kvxfer_cluster::{
-    ChildPullOutcome, DirectoryEvent, DirectoryEvents, EngineDirectory, EngineEntry, EtcdConfig, EtcdState,
-    EtcdStatus, HandoffOutcome, Metrics, MetricsServer, StatusWatch, OPENMETRICS_CONTENT_TYPE,
+    ChildPullOutcome, DirectoryEvent, DirectoryEvents, EngineDirectory, EngineEntry, EtcdAuth, EtcdConfig,
+    EtcdState, EtcdStatus, EtcdTls, HandoffOutcome, Metrics, MetricsServer, StatusWatch,
+    OPENMETRICS_CONTENT_TYPE,
 };
 
 pub use crate::cluster_config::{ClusterConfig, DiscoveryConfig, DEFAULT_REGISTRATION_TTL};

@@ -34,7 +34,11 @@ pub struct ClusterConfig {
 /// Where and under which name agents meet in etcd.
 #[derive(Debug, Clone)]
 pub struct DiscoveryConfig {
-    /// The etcd endpoints, timeouts and retry backoff.
+    /// The etcd endpoints, TLS settings and credentials ([`EtcdConfig::tls`],
+    /// [`EtcdConfig::auth`], or [`EtcdConfig::security_from_env`]), timeouts and retry
+    /// backoff. A malformed endpoint fails the agent's start; credentials, certificates or
+    /// permissions etcd refuses stop its registration or directory at the first answer
+    /// (state `Failed`, the reason in `last_error`).
     pub etcd: EtcdConfig,
     /// The deployment's namespace (the first key segment; printable ASCII without `/`).
     pub namespace: String,

@@ -600,4 +600,30 @@ mod discovery {
         drop(decode);
         drop(prefill);
     }
+
+    /// A malformed or unsupported etcd URL fails the agent's start with the reason, instead
+    /// of a warning and retries for ever.
+    #[test]
+    fn an_agent_with_a_bad_etcd_url_fails_to_start() {
+        for (url, want) in
+            [("https://127.0.0.1:2379", "needs TLS settings"), ("etcd://10.0.0.1:2379", "scheme")]
+        {
+            let mut d = DiscoveryConfig::new([url], NS);
+            d.registration_ttl = Duration::from_secs(2);
+            let config = AgentConfig::new("prefill").engine_id("engine-bad").discovery(d.clone());
+            let mem = kvxfer_mem::pattern::alloc_filled(layout(64)).expect("patterned memory");
+            match PrefillAgent::start(keyed(config), "127.0.0.1:0", mem) {
+                Err(e @ Error::Cluster(_)) => assert!(e.to_string().contains(want), "{url}: {e}"),
+                Err(e) => panic!("{url}: expected a cluster config error, got {e}"),
+                Ok(_) => panic!("{url}: the prefill agent started"),
+            }
+            let config = AgentConfig::new("decode").discovery(d);
+            match DecodeAgent::start(keyed(config), kvxfer_mem::KvMemory::alloc(layout(64)).expect("memory"))
+            {
+                Err(e @ Error::Cluster(_)) => assert!(e.to_string().contains(want), "{url}: {e}"),
+                Err(e) => panic!("{url}: expected a cluster config error, got {e}"),
+                Ok(_) => panic!("{url}: the decode agent started"),
+            }
+        }
+    }
 }

@@ -2,7 +2,10 @@
 //! SIGTERM/SIGINT arrives (then revokes it: the key goes at once) or the process is killed
 //! with SIGKILL (the key expires within the TTL). Prints one JSON line once registered and
 //! one once revoked. Exits with status 1 and the reason when the registration is refused
-//! (another live process holds the engine rank). Used by the `kill -9` discovery test; also a way to publish an engine
+//! (another live process holds the engine rank; etcd refused its credentials, certificate or
+//! permissions) or an etcd URL is malformed. TLS and credentials: `--etcd-ca`, `--etcd-cert`,
+//! `--etcd-key`, `--etcd-user`, `--etcd-password-file`, or the `KVXFER_ETCD_*` variables
+//! (`EtcdConfig::security_from_env`). Used by the `kill -9` discovery test; also a way to publish an engine
 //! by hand.
 
 use std::io::Read;
@@ -50,6 +53,50 @@ struct Args {
     /// Lease TTL in seconds (2 or more).
     #[arg(long, default_value_t = 10)]
     ttl_secs: u64,
+    /// CA certificate (PEM) for `https://` endpoints (default: `$KVXFER_ETCD_CA`).
+    #[arg(long)]
+    etcd_ca: Option<std::path::PathBuf>,
+    /// Client certificate (PEM), with `--etcd-key` (default: `$KVXFER_ETCD_CERT`).
+    #[arg(long, requires = "etcd_key")]
+    etcd_cert: Option<std::path::PathBuf>,
+    /// Client key (PEM), with `--etcd-cert` (default: `$KVXFER_ETCD_KEY`).
+    #[arg(long, requires = "etcd_cert")]
+    etcd_key: Option<std::path::PathBuf>,
+    /// etcd user (default: `$KVXFER_ETCD_USER`); the password comes from
+    /// `--etcd-password-file` or `$KVXFER_ETCD_PASSWORD` (never the command line).
+    #[arg(long)]
+    etcd_user: Option<String>,
+    /// A file whose first line is the etcd user's password.
+    #[arg(long, requires = "etcd_user")]
+    etcd_password_file: Option<std::path::PathBuf>,
+}
+
+/// The etcd settings: `--etcd` URLs, TLS and credentials from the flags, else from the
+/// `KVXFER_ETCD_*` environment; checked here, so a bad URL or file fails before anything
+/// starts.
+fn etcd_config(args: &Args) -> Result<EtcdConfig, String> {
+    let mut config = EtcdConfig::new(args.etcd.clone()).security_from_env().map_err(|e| e.to_string())?;
+    if let Some(ca) = &args.etcd_ca {
+        let client = args.etcd_cert.as_deref().zip(args.etcd_key.as_deref());
+        config.tls = Some(kvxfer_cluster::EtcdTls::from_files(ca, client).map_err(|e| e.to_string())?);
+    } else if args.etcd_cert.is_some() {
+        return Err("--etcd-cert needs --etcd-ca".into());
+    }
+    if let Some(user) = &args.etcd_user {
+        let password = match &args.etcd_password_file {
+            Some(file) => std::fs::read_to_string(file)
+                .map_err(|e| format!("--etcd-password-file {}: {e}", file.display()))?
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+            None => std::env::var("KVXFER_ETCD_PASSWORD")
+                .map_err(|_| "--etcd-user needs --etcd-password-file or $KVXFER_ETCD_PASSWORD".to_owned())?,
+        };
+        config.auth = Some(kvxfer_cluster::EtcdAuth::new(user.clone(), password));
+    }
+    config.check().map_err(|e| e.to_string())?;
+    Ok(config)
 }
 
 fn hex64(what: &str, s: &str) -> Result<u64, String> {
@@ -107,8 +154,8 @@ fn run() -> Result<(), String> {
         Signals::new().map_err(|e| format!("installing the SIGTERM/SIGINT handlers: {e}"))?
     };
     let config = RegistrationConfig { key: key.clone(), record, ttl: Duration::from_secs(args.ttl_secs) };
-    let registration = Registration::start(runtime.handle(), EtcdConfig::new(args.etcd), config)
-        .map_err(|e| e.to_string())?;
+    let registration =
+        Registration::start(runtime.handle(), etcd_config(&args)?, config).map_err(|e| e.to_string())?;
     // stdin closing is the signal to leave cleanly; a blocking thread watches for it.
     let (eof_tx, mut eof_rx) = tokio::sync::oneshot::channel::<()>();
     std::thread::spawn(move || {
@@ -138,6 +185,12 @@ fn run() -> Result<(), String> {
             }
             _ = &mut eof_rx => false,
         };
+        if let Some(why) = registration.failure() {
+            // Refused while it was also told to leave: the refusal is what to report.
+            let why = why.to_string();
+            let _ = registration.shutdown().await;
+            return Err(why);
+        }
         if registered {
             let lease = registration.lease_id().unwrap_or(0);
             let line = serde_json::json!({
