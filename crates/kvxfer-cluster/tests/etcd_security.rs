@@ -250,3 +250,39 @@ async fn kvxfer_register_exits_with_the_reason_when_refused() {
     assert!(line.contains(r#""event":"revoked""#), "{line}");
     assert!(first.wait().expect("wait").success());
 }
+
+/// etcd unreachable from the start: one warning that says no key was written (not that a
+/// key "stays until its lease expires"), then silence in the log while the retries go on —
+/// the next warning comes a minute later at the earliest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_etcd_warns_once_and_claims_no_key() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let dead = kvxfer_cluster::testing::dead_endpoint();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvxfer-register"))
+        .args(["--etcd", &dead, "--engine-id", "engine-w", "--addr", "127.0.0.1:7500", "--ttl-secs", "2"])
+        .env("RUST_LOG", "kvxfer_cluster=debug")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvxfer-register");
+    let stdin = child.stdin.take();
+    let mut stderr = child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    drop(stdin); // leave
+    let status = child.wait().expect("wait");
+    let log = reader.join().expect("log");
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+    let retries = log.lines().filter(|l| l.contains("still failing")).count();
+    assert!(status.success(), "{log}");
+    assert_eq!(warnings.len(), 1, "{log}");
+    assert!(warnings[0].contains("not registered yet: no key was written"), "{log}");
+    assert!(!log.contains("stays until its lease expires"), "{log}");
+    assert!(retries >= 3, "it kept retrying (at debug level): {retries} in {log}");
+}
