@@ -235,9 +235,9 @@ class PrefillAgent:
     @property
     def closed(self) -> bool: ...
     def drain(self) -> None:
-        """Starts draining: new leases (``lease``, ``lease_parent``, ``arm``) raise
-        ``LeaseError`` with kind ``'draining'``; leases made before are still pulled and
-        end as usual."""
+        """Starts draining: new leases (``lease``, ``lease_parent``) raise ``LeaseError``
+        with kind ``'draining'``; an ``arm`` is not refused (its hand-off already left the
+        process), and leases made before are still pulled and end as usual."""
     def undrain(self) -> None:
         """Ends a drain started by ``drain()``."""
     @property

@@ -106,6 +106,23 @@ def test_a_draining_agent_refuses_new_leases_while_its_leases_are_pulled(prefill
     assert [r["outcome"] for r in reports] == ["done", "done"]
     assert blocks_equal(src, [1, 2], dst, [5, 6])
     assert sorted(e["kind"] for e in prefill.wait_ends(2, timeout=10)) == ["pulled", "pulled"]
+    # An arm is not refused: its id and token were published before the drain (vLLM's
+    # scheduler mints them, the worker arms a step later); refusing it would fail a request
+    # already in flight.
+    host, port = prefill.address
+    minted = {
+        "remote_block_ids": [3],
+        "remote_engine_id": "prefill-engine",
+        "remote_request_id": "DA",
+        "remote_host": host,
+        "remote_port": port,
+        "kvxfer_lease_token": secrets.token_hex(16),
+    }
+    pull = decode.submit([minted], [[9]])
+    prefill.arm(minted)
+    assert pull.wait(timeout=30)[0]["outcome"] == "done"
+    assert blocks_equal(src, [3], dst, [9])
+    assert prefill.wait_ends(1, timeout=10)[0]["kind"] == "pulled"
     prefill.undrain()
     assert not prefill.draining
     again = [h.to_params() for h in prefill.lease_parent("A", [[7]])]

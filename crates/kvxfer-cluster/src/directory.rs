@@ -794,7 +794,8 @@ impl Watcher {
             };
             // From now on the cache may miss changes: restarts are not judged by it.
             self.shared.current.store(false, Ordering::Release);
-            if failed.is_permanent() {
+            // Final only before the first listing (see the registration's keeper).
+            if failed.is_permanent() && !self.shared.status.was_connected() {
                 let why = crate::error::RegistrationError::Refused { reason: failed.to_string() };
                 tracing::error!(prefix = %self.prefix, error = %why, "engine directory refused by etcd; it stops (serving from its cache)");
                 self.shared.status.gave_up(&why);

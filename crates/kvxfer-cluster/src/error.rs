@@ -313,18 +313,25 @@ impl EtcdError {
             text.push_str(&c.to_string());
             cause = c.source();
         }
-        const PERMANENT: [&str; 8] = [
+        // rustls names alerts by their `Debug` form (`BadCertificate`), so both spellings.
+        const PERMANENT: [&str; 11] = [
             "authentication failed",
             "user name is empty",
             "user name not found",
             "permission denied",
             "invalid peer certificate",
             "certificate required",
+            "certificaterequired",
             "bad certificate",
+            "badcertificate",
             "unknown ca",
+            "unknownca",
         ];
+        // A certificate out of its validity period is a clock or a rotation under way, not
+        // a wrong setting: retried.
+        const PASSING: [&str; 3] = ["expired", "notvalidyet", "not valid yet"];
         let text = text.to_ascii_lowercase();
-        PERMANENT.iter().any(|p| text.contains(p))
+        PERMANENT.iter().any(|p| text.contains(p)) && !PASSING.iter().any(|p| text.contains(p))
     }
 }
 
@@ -387,4 +394,39 @@ pub enum MetricsError {
     /// Encoding the registry failed.
     #[error("encoding the metrics failed")]
     Encode,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client_error(text: &str) -> EtcdError {
+        EtcdError::Client { op: EtcdOp::Connect, source: etcd_client::Error::InvalidArgs(text.to_owned()) }
+    }
+
+    /// Review: rustls names TLS alerts by their `Debug` form (`received fatal alert:
+    /// BadCertificate`), which the spaced patterns never matched, so a client certificate
+    /// etcd does not trust was retried for ever; and a certificate out of its validity
+    /// period (a clock at boot, a rotation) is not a wrong setting.
+    #[test]
+    fn tls_refusals_are_final_but_certificates_out_of_date_are_retried() {
+        for text in [
+            "transport error: received fatal alert: BadCertificate",
+            "transport error: received fatal alert: UnknownCA",
+            "transport error: received fatal alert: CertificateRequired",
+            "invalid peer certificate: UnknownIssuer",
+            "etcdserver: authentication failed, invalid user ID or password",
+            "etcdserver: permission denied",
+        ] {
+            assert!(client_error(text).is_permanent(), "{text}");
+        }
+        for text in [
+            "invalid peer certificate: Expired",
+            "invalid peer certificate: NotValidYet",
+            "transport error: connection refused",
+            "etcdserver: invalid auth token",
+        ] {
+            assert!(!client_error(text).is_permanent(), "{text}");
+        }
+    }
 }

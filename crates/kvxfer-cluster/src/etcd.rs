@@ -250,7 +250,9 @@ impl EtcdConfig {
             options = options.with_tls(tls.options());
         }
         if let Some(auth) = &self.auth {
-            options = options.with_user(auth.user.clone(), auth.password.clone());
+            // etcd's simple tokens expire (5 min by default, JWT by their TTL): renewed on
+            // the first request that finds its token expired, not taken for a failure.
+            options = options.with_user(auth.user.clone(), auth.password.clone()).with_auto_token_refresh(true);
         }
         self.call(EtcdOp::Connect, Client::connect([endpoint], Some(options))).await
     }
@@ -328,7 +330,8 @@ impl EtcdConfig {
 fn check_endpoint(endpoint: &str, tls: bool) -> Result<(), ConfigError> {
     let bad = |reason: String| ConfigError::Endpoint { endpoint: endpoint.to_owned(), reason };
     let (scheme, rest) = match endpoint.split_once("://") {
-        Some((scheme, rest)) => (scheme.to_ascii_lowercase(), rest),
+        // As given: the etcd client matches `http://` and `https://` in lower case only.
+        Some((scheme, rest)) => (scheme.to_owned(), rest),
         None if endpoint.contains('/') => {
             return Err(bad("not a URL (scheme://host:port) nor host:port".into()));
         }
@@ -349,7 +352,9 @@ fn check_endpoint(endpoint: &str, tls: bool) -> Result<(), ConfigError> {
                     .into(),
             ))
         }
-        (other, _) => return Err(bad(format!("unsupported scheme {other:?}: use http:// or https://"))),
+        (other, _) => {
+            return Err(bad(format!("unsupported scheme {other:?}: use http:// or https:// (in lower case)")))
+        }
     }
     let uri =
         format!("{scheme}://{rest}").parse::<hyper::Uri>().map_err(|e| bad(format!("not a URL: {e}")))?;
@@ -451,6 +456,9 @@ pub struct EtcdStatus {
 #[derive(Debug)]
 pub(crate) struct StatusCell {
     tx: tokio::sync::watch::Sender<EtcdStatus>,
+    /// Whether it was ever connected: a refusal after that (a permission taken away and
+    /// given back, a certificate rotated) is retried, not final.
+    ever_connected: std::sync::atomic::AtomicBool,
 }
 
 impl StatusCell {
@@ -463,7 +471,12 @@ impl StatusCell {
             recoveries: 0,
             endpoint: None,
         };
-        Self { tx: tokio::sync::watch::Sender::new(status) }
+        Self { tx: tokio::sync::watch::Sender::new(status), ever_connected: false.into() }
+    }
+
+    /// Whether it was ever connected (see `ever_connected`).
+    pub(crate) fn was_connected(&self) -> bool {
+        self.ever_connected.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub(crate) fn get(&self) -> EtcdStatus {
@@ -476,6 +489,7 @@ impl StatusCell {
 
     /// Records success; returns whether this was a recovery from a failure.
     pub(crate) fn connected(&self) -> bool {
+        self.ever_connected.store(true, std::sync::atomic::Ordering::Relaxed);
         let mut recovered = false;
         self.tx.send_if_modified(|s| {
             if s.state == EtcdState::Connected {

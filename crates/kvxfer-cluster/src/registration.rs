@@ -401,7 +401,10 @@ impl Keeper {
                     // The lease granted for the put that never happened: not needed.
                     return self.stop(Some(Stop::Revoke), conn.client, conn.lease).await;
                 }
-                SessionEnd::Failed(e) if e.is_permanent() => {
+                // Final only before the first registration: afterwards (a permission
+                // taken away and given back, a certificate rotated) it is retried as any
+                // failure, so the engine comes back once etcd accepts it again.
+                SessionEnd::Failed(e) if e.is_permanent() && !self.shared.status.was_connected() => {
                     let why = RegistrationError::Refused { reason: e.to_string() };
                     tracing::error!(key = %key, error = %why, "etcd registration refused");
                     let status_error = why.to_string();
@@ -711,10 +714,17 @@ impl Keeper {
     /// renewed is waited for until its lease should have run out, plus slack.
     async fn await_free_key(&self, c: &mut Client, key: &str) -> Result<(), SessionEnd> {
         let etcd = &self.etcd;
-        // The holder's lease, when it was first read, and what it had left then.
-        let mut seen: Option<(i64, Instant, i64)> = None;
+        // The holder's lease, when it was last read as a baseline, what it had left then, and
+        // the raft term of that reading.
+        let mut seen: Option<(i64, Instant, i64, u64)> = None;
+        // Readings in a row that showed the lease renewed: two are needed, so one late
+        // answer, or a leader change extending every lease between two readings, is not
+        // taken for a live holder.
+        let mut renewals = 0u32;
+        let mut warned = false;
         loop {
             let got = etcd.call(EtcdOp::Get, c.get(key, None)).await?;
+            let term = got.header().map_or(0, |h| h.raft_term());
             let Some(kv) = got.kvs().first() else { return Ok(()) };
             if self.is_ours(kv.value()) {
                 return Ok(());
@@ -735,24 +745,35 @@ impl Keeper {
                 };
             let now = Instant::now();
             match seen {
-                Some((l, since, left)) if l == holder_lease => {
+                // Same lease, same leader term: compare with the baseline.
+                Some((l, since, left, t)) if l == holder_lease && t == term && remaining > 0 => {
                     let waited = now.saturating_duration_since(since);
                     let lost = i64::try_from(waited.saturating_sub(HOLDER_CLOCK_SLACK).as_secs())
                         .unwrap_or(i64::MAX);
                     // Renewed: more left than a lease left alone could have.
-                    let renewed = remaining > 0 && lost >= 1 && remaining > left.saturating_sub(lost);
-                    // Still there well after it should have run out: renewed meanwhile.
+                    let renewed = lost >= 1 && remaining > left.saturating_sub(lost);
+                    // Still there, with time left, well after it should have run out.
                     let overdue =
                         waited > Duration::from_secs(left.unsigned_abs()) + 2 * MAX_KEEPALIVE_INTERVAL;
                     if renewed || overdue {
-                        let why =
-                            RegistrationError::EngineTaken { key: key.into(), holder, lease: holder_lease };
-                        return Err(SessionEnd::Refused(why));
+                        renewals += 1;
+                        if renewals >= 2 {
+                            let why =
+                                RegistrationError::EngineTaken { key: key.into(), holder, lease: holder_lease };
+                            return Err(SessionEnd::Refused(why));
+                        }
+                        // A new baseline for the second reading.
+                        seen = Some((holder_lease, now, remaining, term));
                     }
                 }
+                // A new lease, a new leader (which extends every lease), or the first look.
                 _ if remaining > 0 => {
-                    seen = Some((holder_lease, now, remaining));
-                    tracing::warn!(key = %key, %holder, lease = %format_args!("{holder_lease:x}"), left_s = remaining, "etcd key of this engine rank held by another process: waiting for its lease to run out (a restart after a crash); refused if it is renewed (a live process with the same engine id)");
+                    seen = Some((holder_lease, now, remaining, term));
+                    renewals = 0;
+                    if !warned {
+                        warned = true;
+                        tracing::warn!(key = %key, %holder, lease = %format_args!("{holder_lease:x}"), left_s = remaining, "etcd key of this engine rank held by another process: waiting for its lease to run out (a restart after a crash); refused if it is renewed (a live process with the same engine id)");
+                    }
                 }
                 // Run out: etcd deletes the key at its next expiry check.
                 _ => {}

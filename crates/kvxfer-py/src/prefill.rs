@@ -224,9 +224,9 @@ impl PrefillAgent {
         Ok(self.agent(py)?.incarnation())
     }
 
-    /// Starts draining: new leases (`lease`, `lease_parent`, `arm`) raise `LeaseError` with
-    /// kind `'draining'`, while leases made before are still pulled and end as usual (their
-    /// ends keep arriving on `poll_ends`). Shut down once `stats()` shows no live lease.
+    /// Starts draining: new leases (`lease`, `lease_parent`) raise `LeaseError` with kind
+    /// `'draining'` (an `arm` does not: its hand-off already left), while leases made before
+    /// are still pulled and end as usual (their ends keep arriving on `poll_ends`). Shut down once `stats()` shows no live lease.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         self.agent(py)?.drain();
         Ok(())

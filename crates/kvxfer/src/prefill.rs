@@ -23,6 +23,9 @@ use tracing::{debug, info, warn};
 
 use crate::{AgentConfig, Error};
 
+/// What `make_lease` is told for an arm (the second phase of a two-phase lease).
+const ARMED: &str = "armed";
+
 /// Counters of a prefill agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefillStats {
@@ -361,8 +364,9 @@ impl PrefillAgent {
         false
     }
 
-    /// Starts draining: new leases ([`Self::lease`], [`Self::arm`], [`Self::lease_parent`])
-    /// are refused with [`Error::Draining`], while the leases made before are still read,
+    /// Starts draining: new leases ([`Self::lease`], [`Self::lease_parent`]) are refused
+    /// with [`Error::Draining`] — from the moment this returns — while the leases made
+    /// before are still read,
     /// notified, heartbeated, cancelled and expired as usual. With discovery the etcd
     /// record says `"draining":true` too (same key, lease and incarnation), so routers
     /// reading the directory stop sending this engine prefills and decode agents keep their
@@ -372,6 +376,9 @@ impl PrefillAgent {
         if !self.shared.draining.swap(true, Ordering::Relaxed) {
             info!(engine_id = %self.shared.engine_id, "draining: new leases are refused, existing ones end as usual");
         }
+        // A lease being made checks the drain under this lock: once it is released, every
+        // later one sees the drain (leases_live then only goes down).
+        drop(self.lock_tracker());
         #[cfg(feature = "cluster")]
         if let Some(c) = &self.shared.cluster {
             c.drain(true);
@@ -434,10 +441,11 @@ impl PrefillAgent {
         req: LeaseRequest,
         token: kvxfer_core::LeaseToken,
     ) -> Result<ChildHandoff, Error> {
-        self.make_lease(req, "armed", |table, req, now| table.arm(remote_request_id, req, token, now))
+        self.make_lease(req, ARMED, |table, req, now| table.arm(remote_request_id, req, token, now))
     }
 
-    /// Makes a lease with `make` (the table's `lease` or `arm`). The tracker records it only
+    /// Makes a lease with `make` (the table's `lease` or `arm`; `what` is `ARMED` for an
+    /// arm, which a drain does not refuse). The tracker records it only
     /// once the table made it, under the tracker's lock, so the lease's end (applied by the
     /// event task under the same lock) cannot overtake it; then the expiry task is told its
     /// deadline.
@@ -451,9 +459,15 @@ impl PrefillAgent {
             Instant,
         ) -> Result<(ChildHandoff, u64), kvxfer_core::LeaseError>,
     ) -> Result<ChildHandoff, Error> {
-        self.refuse_if_draining()?;
         let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
         let mut tracker = self.lock_tracker();
+        // Under the tracker's lock, which `drain` takes before it returns: no lease is made
+        // after `drain()` returned. An arm is not refused: its hand-off already left this
+        // process (the scheduler published its id and token), so refusing it would fail a
+        // request in flight instead of draining.
+        if what != ARMED {
+            self.refuse_if_draining()?;
+        }
         let now = Instant::now();
         tracker.admit(&parent, n, now)?;
         let deadline = self.shared.table.deadline_for(req.ttl, now);
