@@ -49,6 +49,9 @@ pub(crate) struct ServeArgs {
     /// Runtime threads of the prefill agent (`AgentConfig::worker_threads`).
     #[arg(long, default_value_t = 2)]
     pub(crate) worker_threads: usize,
+    /// CRC-32Cs of leased blocks computed at lease time (`AgentConfig::precompute_crcs`).
+    #[arg(long)]
+    pub(crate) precompute_crcs: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -101,6 +104,11 @@ pub(crate) struct RunArgs {
     /// Runtime threads of each agent.
     #[arg(long, default_value_t = 2)]
     pub(crate) worker_threads: usize,
+    /// The prefill agent computes CRC-32Cs of leased blocks at lease time
+    /// (`AgentConfig::precompute_crcs`); in a two-process run, bench-two-process.sh passes
+    /// it to `serve` (a `pull` ignores it).
+    #[arg(long)]
+    pub(crate) precompute_crcs: bool,
     /// Tensor-parallel size of the prefill engine: with --decode-tp or --block-ratio, a
     /// heterogeneous run (head-slice pulls, one process) measured beside the whole-block path.
     #[arg(long, default_value_t = 1)]

@@ -65,7 +65,8 @@ fn main() -> ExitCode {
         None => ucx_config(
             AgentConfig::new("bench-prefill")
                 .transport(cli.run.transport)
-                .worker_threads(cli.run.worker_threads),
+                .worker_threads(cli.run.worker_threads)
+                .precompute_crcs(cli.run.precompute_crcs),
             &cli.run.ucx_tls,
             cli.run.ucx_peer_failure,
         )

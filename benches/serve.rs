@@ -19,7 +19,10 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
     println!("kvxfer-bench serve: control on {}", listener.local_addr().map_err(|e| e.to_string())?);
     std::io::stdout().flush().map_err(|e| e.to_string())?;
     let config = ucx_config(
-        AgentConfig::new("bench-prefill").transport(args.transport).worker_threads(args.worker_threads),
+        AgentConfig::new("bench-prefill")
+            .transport(args.transport)
+            .worker_threads(args.worker_threads)
+            .precompute_crcs(args.precompute_crcs),
         &args.ucx_tls,
         args.ucx_peer_failure,
     )?;

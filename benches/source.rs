@@ -127,6 +127,7 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
     let s = a.stats();
     json!({"leased": s.leases.leased, "pulled": s.leases.pulled, "released": s.leases.released,
            "expired": s.leases.expired, "unrecognized": s.leases.unrecognized, "bytes_served": s.server.bytes_served,
+           "crc_bytes_precomputed": s.server.crc_bytes_precomputed,
            "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds(),
            "rss_kib": crate::procstat::rss_kib(), "rss_peak_kib": crate::procstat::peak_rss_kib(),
            "fds": crate::procstat::open_fds(),

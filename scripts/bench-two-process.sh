@@ -27,7 +27,7 @@ args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[$i]}" in
         --transport|--ucx-tls|--worker-threads) serve_args+=("${args[$i]}" "${args[$((i + 1))]}") ;;
-        --ucx-peer-failure) serve_args+=("${args[$i]}") ;;
+        --ucx-peer-failure|--precompute-crcs) serve_args+=("${args[$i]}") ;;
     esac
 done
 

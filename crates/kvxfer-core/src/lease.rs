@@ -46,6 +46,7 @@ use crate::error::{LeaseError, MAX_IDS_SHOWN};
 /// cancel) must fit a prefill agent's small-frame cap (`Limits::max_small_frame_len`,
 /// 16 KiB by default) with its token and the consumer id.
 pub const MAX_REQUEST_ID_LEN: usize = 4096;
+use crate::crcs::BlockCrcs;
 use crate::handoff::{ChildHandoff, EngineInfo};
 use crate::ids::{child_request_id, fnv1a, LeaseToken, FNV_OFFSET};
 use crate::plan::BlockRange;
@@ -203,6 +204,10 @@ pub struct LeaseRequest {
     pub expected_consumers: u32,
     /// Lease time-to-live; the table's default when `None`.
     pub ttl: Option<Duration>,
+    /// Where CRC-32Cs of the blocks will be stored once computed (after the lease is
+    /// made, [`LeaseTable::hold`]): every read of the lease is handed it
+    /// ([`ReadGuard::block_crcs`]). `None`: nothing is precomputed.
+    pub crcs: Option<Arc<BlockCrcs>>,
 }
 
 impl LeaseRequest {
@@ -216,6 +221,7 @@ impl LeaseRequest {
             other_groups: Vec::new(),
             expected_consumers: 1,
             ttl: None,
+            crcs: None,
         }
     }
 
@@ -242,6 +248,12 @@ impl LeaseRequest {
     /// Sets the time-to-live.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
+        self
+    }
+
+    /// Sets where the blocks' precomputed CRC-32Cs are stored ([`Self::crcs`]).
+    pub fn with_crcs(mut self, crcs: Arc<BlockCrcs>) -> Self {
+        self.crcs = Some(crcs);
         self
     }
 }
@@ -513,6 +525,8 @@ struct Lease {
     leased_at: Instant,
     /// When it ended (the `now` of the operation that ended it).
     ended_at: Option<Instant>,
+    /// Its blocks' precomputed CRC-32Cs, handed to every read.
+    crcs: Option<Arc<BlockCrcs>>,
 }
 
 impl Lease {
@@ -854,6 +868,7 @@ impl LeaseTable {
                 ended: None,
                 leased_at: now,
                 ended_at: None,
+                crcs: req.crcs,
             },
         );
         drop(shard);
@@ -1318,8 +1333,41 @@ impl LeaseTable {
         }
         lease.readers += 1;
         bump(&self.counters.reads_in_flight);
-        let (seq, max_deadline) = (lease.seq, lease.max_deadline);
-        Ok(ReadGuard { table: Arc::clone(self), shard: index, key: Arc::from(id), seq, max_deadline })
+        let (seq, max_deadline, crcs) = (lease.seq, lease.max_deadline, lease.crcs.clone());
+        Ok(ReadGuard {
+            table: Arc::clone(self),
+            shard: index,
+            key: Arc::from(id),
+            seq,
+            max_deadline,
+            crcs,
+            counted: true,
+        })
+    }
+
+    /// Holds the blocks of the live lease `id` of generation `generation` (as
+    /// [`Self::lease_with_generation`] or [`Self::arm`] returned it) like a read does — its
+    /// blocks are not handed back before the guard drops, even if it ends — for the lease's
+    /// owner to read them itself (the CRC-32C precompute). Not counted as a read in flight.
+    /// `None` when that lease is no longer live (ended, retracted, or replaced).
+    ///
+    /// A held lease that is retracted is released instead ([`Self::retract`]): hold a lease
+    /// only once its hand-off is going to be returned.
+    pub fn hold(self: &Arc<Self>, id: &str, generation: u64) -> Option<ReadGuard> {
+        let index = self.shard_of(id);
+        let mut shard = self.lock(index);
+        let lease = shard.leases.get_mut(id).filter(|l| l.seq == generation && l.ended.is_none())?;
+        lease.readers += 1;
+        let (seq, max_deadline, crcs) = (lease.seq, lease.max_deadline, lease.crcs.clone());
+        Some(ReadGuard {
+            table: Arc::clone(self),
+            shard: index,
+            key: Arc::from(id),
+            seq,
+            max_deadline,
+            crcs,
+            counted: false,
+        })
     }
 
     /// Checks the table's private bookkeeping against itself: every live lease has exactly
@@ -1380,8 +1428,10 @@ impl LeaseTable {
         Ok(())
     }
 
-    fn end_read(&self, shard_index: usize, key: &str, seq: u64) {
-        self.counters.reads_in_flight.fetch_sub(1, Ordering::Relaxed);
+    fn end_read(&self, shard_index: usize, key: &str, seq: u64, counted: bool) {
+        if counted {
+            self.counters.reads_in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
         let mut shard = self.lock(shard_index);
         let Some(lease) = shard.leases.get_mut(key) else { return };
         if lease.seq != seq {
@@ -1427,9 +1477,25 @@ pub struct ReadGuard {
     key: Arc<str>,
     seq: u64,
     max_deadline: Option<Instant>,
+    crcs: Option<Arc<BlockCrcs>>,
+    /// Counted in `reads_in_flight` (a read or pin; not a [`LeaseTable::hold`]).
+    counted: bool,
 }
 
 impl ReadGuard {
+    /// Where the lease's precomputed CRC-32Cs are stored, if it was made with a store
+    /// ([`LeaseRequest::crcs`]); values not computed yet are missing from it.
+    pub fn block_crcs(&self) -> Option<&BlockCrcs> {
+        self.crcs.as_deref()
+    }
+
+    /// Whether the lease ended (or is gone): a holder ([`LeaseTable::hold`]) with work left
+    /// for it stops and drops the guard, so the blocks are handed back.
+    pub fn lease_ended(&self) -> bool {
+        let shard = self.table.lock(self.shard);
+        shard.leases.get(&*self.key).is_none_or(|l| l.seq != self.seq || l.ended.is_some())
+    }
+
     /// The request id being read.
     pub fn request_id(&self) -> &str {
         &self.key
@@ -1445,7 +1511,7 @@ impl ReadGuard {
 
 impl Drop for ReadGuard {
     fn drop(&mut self) {
-        self.table.end_read(self.shard, &self.key, self.seq);
+        self.table.end_read(self.shard, &self.key, self.seq, self.counted);
     }
 }
 
@@ -1463,6 +1529,41 @@ mod tests {
         let before = TOKEN_HASHES.with(|c| c.get());
         f();
         TOKEN_HASHES.with(|c| c.get()) - before
+    }
+
+    /// A hold keeps a lease's blocks like a read (its end is delivered when the hold drops)
+    /// without counting as a read in flight; it is refused for another generation or an
+    /// ended lease; reads are handed the lease's CRC store.
+    #[test]
+    fn a_hold_keeps_the_blocks_uncounted_and_reads_see_the_crc_store() {
+        let engine = EngineInfo {
+            engine_id: "e".into(),
+            host: "127.0.0.1".into(),
+            port: 1,
+            tp_size: 1,
+            incarnation: 0,
+        };
+        let t = Arc::new(LeaseTable::new(LeaseConfig::new(engine, 8), [3; 32]));
+        let t0 = Instant::now();
+        let crcs = Arc::new(BlockCrcs::new());
+        let req = LeaseRequest::new("L", 0, 1, vec![1, 2]).with_crcs(crcs.clone());
+        let (h, generation) = t.lease_with_generation(req, t0).expect("lease");
+        assert!(t.hold("L_0", generation + 1).is_none(), "another generation");
+        let hold = t.hold(h.remote_request_id(), generation).expect("live");
+        assert_eq!(t.reads_in_flight(), 0, "a hold is not a read");
+        assert!(!hold.lease_ended());
+        let read = t
+            .begin_read(h.remote_request_id(), h.token().as_bytes(), &[BlockRange { start: 1, count: 2 }], t0)
+            .expect("read");
+        assert!(read.block_crcs().is_some_and(|c| std::ptr::eq(c, &*crcs)));
+        drop(read);
+        t.cancel(h.remote_request_id(), h.token().as_bytes(), t0);
+        assert!(hold.lease_ended());
+        assert!(t.ended().try_recv().is_err(), "held: not handed back yet");
+        assert!(t.hold(h.remote_request_id(), generation).is_none(), "ended");
+        drop(hold);
+        assert_eq!(t.ended().try_recv().expect("handed back").kind, EndKind::Released);
+        assert_eq!(t.stats().draining, 0);
     }
 
     /// Review finding 8: an unknown id returned at once, a live lease compared 16 bytes and an

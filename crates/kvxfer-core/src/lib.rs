@@ -16,6 +16,7 @@
 //!   different tensor-parallel sizes, block sizes and KV-cache groups.
 #![forbid(unsafe_code)]
 
+mod crcs;
 mod error;
 mod handoff;
 mod ids;
@@ -29,6 +30,7 @@ pub mod pull;
 mod shape;
 pub mod xfer;
 
+pub use crcs::{BlockCrcs, GroupCrcs};
 pub use error::{
     CompatError, CompatField, Error, HandoffError, LayoutError, LeaseError, ParamsError, PlanError,
     RankPlanError, ShapeError, Side,

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use kvxfer_core::{BlockId, BlockLayout};
 
 mod crc;
-pub use crc::crc32c_append;
+pub use crc::{crc32c_append, crc32c_combine, Crc32cShift};
 
 /// Errors of registered memory.
 #[derive(Debug, thiserror::Error)]

@@ -435,6 +435,8 @@ impl PrefillAgent {
             arm_waits,
             arm_wait_refused,
             arm_wait_expired,
+            crc_bytes_precomputed,
+            crc_bytes_at_lease,
         } = v;
         let server = PyDict::new(py);
         for (k, n) in [
@@ -463,6 +465,8 @@ impl PrefillAgent {
             ("arm_waits", arm_waits),
             ("arm_wait_refused", arm_wait_refused),
             ("arm_wait_expired", arm_wait_expired),
+            ("crc_bytes_precomputed", crc_bytes_precomputed),
+            ("crc_bytes_at_lease", crc_bytes_at_lease),
         ] {
             server.set_item(k, n)?;
         }

@@ -35,6 +35,7 @@ mod arm;
 pub mod client;
 mod context;
 mod control;
+mod crcs;
 mod error;
 pub mod frame;
 pub mod handshake;
@@ -46,6 +47,7 @@ pub mod stats;
 
 pub use client::PinGrant;
 pub use client::{check_crc, ClientError, Connection, SliceSpec};
+pub use crcs::compute_block_crcs;
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};
 pub use server::{

@@ -9,9 +9,8 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::log::Peer;
 use kvxfer_core::plan::BlockRange;
-use kvxfer_core::{ReadGuard, ReadRefused};
-use kvxfer_mem::Chunk;
-use kvxfer_mem::KvMemory;
+use kvxfer_core::{BlockCrcs, BlockId, GroupCrcs, ReadGuard, ReadRefused};
+use kvxfer_mem::{Chunk, Crc32cShift, KvMemory};
 use kvxfer_proto::v1::{self, ErrorCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -190,6 +189,75 @@ fn too_slow(stream: &TcpStream, ctx: &ServeContext, e: &FrameError, bytes: u64) 
     }
 }
 
+/// The CRC-32C of a read's payload, taken in wire order: from the bytes, or for a whole
+/// block whose CRC the lease's store holds ([`BlockCrcs`], `AgentConfig::precompute_crcs`)
+/// from that value. Head-slice reads (part of each block) and blocks not computed yet are
+/// checksummed from their bytes.
+pub(crate) struct PayloadCrc<'a> {
+    /// The store of the read's group; `None` for a head-slice read or a lease without one.
+    stored: Option<&'a GroupCrcs>,
+    segments: &'a [kvxfer_core::Segment],
+    /// Per segment, the shift of one block's bytes (made when there is a store).
+    shifts: Vec<Crc32cShift>,
+    /// The CRC so far.
+    pub(crate) crc: u32,
+    /// Payload bytes whose CRC came from the store.
+    pub(crate) precomputed: u64,
+}
+
+impl<'a> PayloadCrc<'a> {
+    pub(crate) fn new(
+        mem: &'a KvMemory,
+        slices: &BlockSlices,
+        crcs: Option<&'a BlockCrcs>,
+        group: u32,
+    ) -> Self {
+        let stored = match (slices, crcs) {
+            (None, Some(crcs)) => crcs.group(group as usize),
+            _ => None,
+        };
+        let segments = mem.layout().segments();
+        let shifts = match stored {
+            Some(_) => segments.iter().map(|s| Crc32cShift::new(s.block_len)).collect(),
+            None => Vec::new(),
+        };
+        PayloadCrc { stored, segments, shifts, crc: 0, precomputed: 0 }
+    }
+
+    /// The bytes of chunk `c` of the payload, block by block with each block's stored CRC
+    /// (`None`: not stored) when there is a store; else all of it at once, with `None`. A
+    /// chunk of whole blocks of segment `c.region` starts at block `c.offset / stride`.
+    pub(crate) fn pieces<'b>(
+        &self,
+        c: Chunk,
+        bytes: &'b [u8],
+    ) -> impl Iterator<Item = (&'b [u8], Option<u32>)> + use<'a, 'b> {
+        let stored = self.stored;
+        let (per_block, first) = match (stored, self.segments.get(c.region)) {
+            (Some(_), Some(seg)) if seg.stride > 0 => (seg.block_len as usize, c.offset as u64 / seg.stride),
+            _ => (bytes.len(), 0),
+        };
+        (0u64..).zip(bytes.chunks(per_block.max(1))).map(move |(i, block_bytes)| {
+            let known = stored.and_then(|g| {
+                let block = BlockId::try_from(first + i).ok()?;
+                g.get(g.index_of(block)?, c.region)
+            });
+            (block_bytes, known)
+        })
+    }
+
+    /// Appends a whole block of segment `segment` from its stored CRC.
+    pub(crate) fn combine(&mut self, segment: usize, value: u32, len: usize) {
+        self.crc = self.shifts[segment].combine(self.crc, value);
+        self.precomputed += len as u64;
+    }
+
+    /// Appends bytes.
+    pub(crate) fn append(&mut self, bytes: &[u8]) {
+        self.crc = kvxfer_mem::crc32c_append(self.crc, bytes);
+    }
+}
+
 /// Bytes of payload checksummed and written per vectored write: small enough to stay in
 /// cache between the CRC and the kernel's copy.
 const CRC_GROUP: usize = 256 * 1024;
@@ -311,8 +379,9 @@ pub(crate) async fn serve_read(
     let deadline = guard_deadline(ctx, &guard, Instant::now(), ctx.limits.transfer_deadline(payload_len));
     // Written in groups of about CRC_GROUP bytes: each group's CRC is taken just before the
     // kernel copies it, while it is in cache; the header rides with the first group and the
-    // CRC trailer with the last.
-    let mut crc = 0u32;
+    // CRC trailer with the last. A block whose CRC was precomputed (whole-block reads of a
+    // lease made with a CRC store) is not read for it: its stored CRC is combined instead.
+    let mut crc = PayloadCrc::new(mem, &slices, guard.block_crcs(), req.group);
     let mut trailer = [0u8; 4];
     let mut io: Vec<IoSlice<'_>> = Vec::with_capacity(16);
     io.push(IoSlice::new(scratch));
@@ -323,19 +392,27 @@ pub(crate) async fn serve_read(
         // inside each block, checked by `begin`); the owner does not write leased blocks
         // (the access contract of kvxfer-mem). The slices die before `guard` is dropped.
         let bytes = unsafe { mem.chunk(c) };
-        for piece in bytes.chunks(CRC_GROUP) {
-            crc = kvxfer_mem::crc32c_append(crc, piece);
-            io.push(IoSlice::new(piece));
-            group += piece.len();
-            if group >= CRC_GROUP || io.len() >= MAX_IOV {
-                write_all_vectored(stream, &mut io, io_timeout, deadline, false)
-                    .await
-                    .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
-                io.clear();
-                group = 0;
+        for (block_bytes, known) in crc.pieces(c, bytes) {
+            if let Some(value) = known {
+                crc.combine(c.region, value, block_bytes.len());
+            }
+            for piece in block_bytes.chunks(CRC_GROUP) {
+                if known.is_none() {
+                    crc.append(piece);
+                }
+                io.push(IoSlice::new(piece));
+                group += piece.len();
+                if group >= CRC_GROUP || io.len() >= MAX_IOV {
+                    write_all_vectored(stream, &mut io, io_timeout, deadline, false)
+                        .await
+                        .inspect_err(|e| too_slow(stream, ctx, e, payload_len))?;
+                    io.clear();
+                    group = 0;
+                }
             }
         }
     }
+    let (crc, precomputed) = (crc.crc, crc.precomputed);
     trailer.copy_from_slice(&crc.to_be_bytes());
     io.push(IoSlice::new(&trailer));
     let last = write_all_vectored(stream, &mut io, io_timeout, deadline, answer_follows).await;
@@ -344,6 +421,7 @@ pub(crate) async fn serve_read(
     drop(guard);
     ctx.counters.bytes_served.fetch_add(payload_len, Ordering::Relaxed);
     ctx.counters.bytes_served_tcp.fetch_add(payload_len, Ordering::Relaxed);
+    ctx.counters.crc_bytes_precomputed.fetch_add(precomputed, Ordering::Relaxed);
     bump(&ctx.counters.reads_served);
     debug!(remote_request_id = %Peer(&req.remote_request_id), bytes = payload_len, "read served");
     Ok(ReadServed::Sent)
@@ -359,6 +437,7 @@ pub(crate) enum ReadServed {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use kvxfer_core::plan::BlockRange;
     use tokio::io::AsyncWriteExt;
     use tokio::net::{TcpListener, TcpStream};
 
@@ -372,6 +451,99 @@ pub(crate) mod tests {
         let client = TcpStream::connect(listener.local_addr().expect("addr")).await.expect("connect");
         let (server, _) = listener.accept().await.expect("accept");
         (client, server)
+    }
+
+    /// Memory of `segments` (block length, stride padding) over `num_blocks` blocks, every
+    /// byte distinct-ish (the block pattern of kvxfer-mem's tests is per block; strides'
+    /// padding is filled too, so a piece read from the wrong place would show).
+    pub(crate) fn patterned(num_blocks: u32, segments: &[(u64, u64)], seed: u32) -> kvxfer_mem::KvMemory {
+        let segs =
+            segments.iter().map(|&(len, pad)| kvxfer_core::Segment { block_len: len, stride: len + pad });
+        let layout = kvxfer_core::BlockLayout::new(num_blocks, segs.collect(), "u8", 16).expect("layout");
+        let mem = kvxfer_mem::KvMemory::alloc(layout).expect("memory");
+        for (r, region) in mem.regions().iter().enumerate() {
+            let c = kvxfer_mem::Chunk { region: r, offset: 0, len: region.len() };
+            // SAFETY: nothing else touches this fresh memory.
+            let bytes = unsafe { mem.chunk_mut(c) };
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = ((i as u32 ^ (r as u32) << 20).wrapping_add(seed).wrapping_mul(2_654_435_761) >> 11)
+                    as u8;
+            }
+        }
+        mem
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(96))]
+        /// The payload CRC a read sends, combined from the blocks' stored CRCs where the
+        /// store has them and checksummed from the bytes where it does not (not computed
+        /// yet, or not leased), equals the CRC of the payload's bytes — for arbitrary ranges
+        /// over packed and strided segments, and with no store or a store not published.
+        #[test]
+        fn a_payload_crc_from_stored_block_crcs_equals_the_streamed_one(
+            segments in proptest::collection::vec((1u64..300, 0u64..3), 1..4),
+            ranges in proptest::collection::vec((0u32..24, 1u32..9), 1..6),
+            stored in proptest::collection::vec(proptest::prelude::any::<bool>(), 32 * 3),
+            leased in proptest::collection::vec(0u32..32, 0..32),
+            published in proptest::prelude::any::<bool>(),
+            seed in proptest::prelude::any::<u32>(),
+        ) {
+            let segments: Vec<(u64, u64)> =
+                segments.into_iter().map(|(len, pad)| (len, if pad == 2 { 0 } else { pad * 17 })).collect();
+            let mem = patterned(32, &segments, seed);
+            let ranges: Vec<BlockRange> = ranges.into_iter().map(|(start, count)| BlockRange { start, count }).collect();
+            let crcs = kvxfer_core::BlockCrcs::new();
+            if published {
+                let g = &crcs.publish(vec![kvxfer_core::GroupCrcs::new(&leased, segments.len())])[0];
+                for (i, &b) in g.blocks().iter().enumerate() {
+                    for (seg, s) in mem.layout().segments().iter().enumerate() {
+                        if stored[b as usize * 3 + seg] {
+                            let c = kvxfer_mem::Chunk { region: seg, offset: (u64::from(b) * s.stride) as usize, len: s.block_len as usize };
+                            // SAFETY: nothing writes this memory.
+                            g.set(i, seg, kvxfer_mem::crc32c_append(0, unsafe { mem.chunk(c) }));
+                        }
+                    }
+                }
+            }
+            // SAFETY: nothing writes this memory.
+            let want = unsafe { mem.crc32c(ranges.iter().map(|r| (r.start, r.count))) };
+            for store in [Some(&crcs), None] {
+                let mut crc = super::PayloadCrc::new(&mem, &None, store, 0);
+                let mut sent = Vec::new();
+                for c in super::payload_chunks(&mem, &ranges, &None) {
+                    // SAFETY: as above.
+                    let bytes = unsafe { mem.chunk(c) };
+                    for (block, known) in crc.pieces(c, bytes) {
+                        sent.extend_from_slice(block);
+                        match known {
+                            Some(v) => crc.combine(c.region, v, block.len()),
+                            None => block.chunks(7).for_each(|p| crc.append(p)),
+                        }
+                    }
+                }
+                proptest::prop_assert_eq!(crc.crc, want);
+                proptest::prop_assert_eq!(kvxfer_mem::crc32c_append(0, &sent), want, "the bytes sent, in wire order");
+                if store.is_none() || !published {
+                    proptest::prop_assert_eq!(crc.precomputed, 0);
+                }
+            }
+        }
+    }
+
+    /// A head-slice read (part of each block) never uses the store, whatever it holds.
+    #[test]
+    fn a_head_slice_read_checksums_its_bytes() {
+        let mem = patterned(4, &[(64, 0)], 1);
+        let crcs = kvxfer_core::BlockCrcs::new();
+        let g = &crcs.publish(vec![kvxfer_core::GroupCrcs::new(&[0, 1, 2, 3], 1)])[0];
+        (0..4).for_each(|i| g.set(i, 0, 0xdead_beef));
+        let slices = Some(vec![(16, 32)]);
+        let crc = super::PayloadCrc::new(&mem, &slices, Some(&crcs), 0);
+        let c = kvxfer_mem::Chunk { region: 0, offset: 16, len: 32 };
+        // SAFETY: nothing writes this memory.
+        let bytes = unsafe { mem.chunk(c) };
+        let pieces: Vec<_> = crc.pieces(c, bytes).collect();
+        assert_eq!(pieces, vec![(bytes, None)]);
     }
 
     /// The lease token of the notifies here.

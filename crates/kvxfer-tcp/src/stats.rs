@@ -71,6 +71,13 @@ pub struct ServerCounters {
     /// Frames answered at once although a lease they named was unknown, because the
     /// agent's frames waiting for an arm held `Limits::max_arm_wait_bytes` already.
     pub arm_wait_refused: AtomicU64,
+    /// The part of `bytes_served_tcp` whose CRC-32C was combined from values precomputed
+    /// when the lease was made (`AgentConfig::precompute_crcs`) instead of read again while
+    /// sending.
+    pub crc_bytes_precomputed: AtomicU64,
+    /// Bytes of leased blocks the CRC-32C precompute checksummed when their leases were
+    /// made (`AgentConfig::precompute_crcs`; stopped early for a lease that ended).
+    pub crc_bytes_at_lease: AtomicU64,
     /// Rate limit of the warnings peers can trigger at will.
     pub warnings: WarnBudget,
 }
@@ -135,6 +142,8 @@ pub struct ServerStats {
     pub arm_waits: u64,
     pub arm_wait_expired: u64,
     pub arm_wait_refused: u64,
+    pub crc_bytes_precomputed: u64,
+    pub crc_bytes_at_lease: u64,
 }
 
 impl ServerCounters {
@@ -166,6 +175,8 @@ impl ServerCounters {
             arm_waits: l(&self.arm_waits),
             arm_wait_expired: l(&self.arm_wait_expired),
             arm_wait_refused: l(&self.arm_wait_refused),
+            crc_bytes_precomputed: l(&self.crc_bytes_precomputed),
+            crc_bytes_at_lease: l(&self.crc_bytes_at_lease),
         }
     }
 }

@@ -121,6 +121,16 @@ pub struct AgentConfig {
     /// ([`kvxfer_core::TransferPair`]) instead of being refused. The memory must have
     /// exactly the shape's block layouts. `None`: peers need identical layouts.
     pub kv_shape: Option<kvxfer_core::KvShapeSpec>,
+    /// Prefill side: compute each leased block's CRC-32C (per segment) once, right after its
+    /// lease is made, on a thread of the agent's own (`kvxfer-crc`), so a TCP read of whole
+    /// blocks combines the stored values into its payload's CRC instead of checksumming
+    /// the payload while sending it. It moves that work off the serving runtime, not away:
+    /// every leased byte is read once more at lease time, also when the lease is pulled
+    /// over UCX (which does not use the values) or released unread. Reads of head slices
+    /// (heterogeneous TP) and of blocks not computed yet checksum while sending, as
+    /// without it. A block written after its lease was made (which the lease contract
+    /// forbids) fails its read's CRC check on the decode side. Off by default.
+    pub precompute_crcs: bool,
     /// Running in a cluster: etcd discovery and Prometheus metrics (all off by default).
     #[cfg(feature = "cluster")]
     pub cluster: crate::cluster_config::ClusterConfig,
@@ -155,6 +165,7 @@ impl AgentConfig {
             max_lease_lifetime: kvxfer_core::LeaseConfig::DEFAULT_MAX_LIFETIME,
             max_children: kvxfer_core::LeaseConfig::DEFAULT_MAX_CHILDREN,
             kv_shape: None,
+            precompute_crcs: false,
             #[cfg(feature = "cluster")]
             cluster: crate::cluster_config::ClusterConfig::default(),
         }
@@ -352,6 +363,13 @@ impl AgentConfig {
     /// Sets the largest `n` a lease may name (prefill side).
     pub fn max_children(mut self, n: u32) -> Self {
         self.max_children = n;
+        self
+    }
+
+    /// Sets [`Self::precompute_crcs`] (prefill side): CRC-32Cs of leased blocks computed at
+    /// lease time, off the serving runtime.
+    pub fn precompute_crcs(mut self, on: bool) -> Self {
+        self.precompute_crcs = on;
         self
     }
 

@@ -55,6 +55,7 @@ pub mod cluster;
 #[cfg(feature = "cluster")]
 mod cluster_config;
 mod config;
+mod crc_precompute;
 mod decode;
 mod error;
 mod front_door;

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use crate::crc_precompute::{Pending, Precompute};
 use crate::{AgentConfig, Error};
 
 /// What `make_lease` is told for an arm (the second phase of a two-phase lease).
@@ -72,6 +73,8 @@ struct Shared {
     draining: AtomicBool,
     /// The engine id, for the draining refusal.
     engine_id: String,
+    /// The CRC-32C precompute of new leases (`AgentConfig::precompute_crcs`).
+    crcs: Option<crate::crc_precompute::Precompute>,
 }
 
 /// A prefill worker's agent: owns the lease table and serves the registered KV cache. Runs
@@ -249,9 +252,11 @@ impl PrefillAgent {
                 connections_open: connections_open.clone(),
             },
         )?;
+        let crcs =
+            if config.precompute_crcs { Precompute::start(memory.clone(), counters.clone()) } else { None };
         let shared = Arc::new(Shared {
             table,
-            memory,
+            memory: memory.clone(),
             counters,
             connections_open,
             tracker: Arc::new(Mutex::new(ParentTracker::with_forget_after(config.max_lease_lifetime))),
@@ -269,6 +274,7 @@ impl PrefillAgent {
             cluster,
             draining: AtomicBool::new(false),
             engine_id: config.engine_id.clone(),
+            crcs,
         });
         let (events_tx, events) = crossbeam_channel::unbounded();
         let events_ready = Arc::new(Notify::new());
@@ -424,7 +430,21 @@ impl PrefillAgent {
     /// `n` is bounded by `AgentConfig::max_children`; a ttl above
     /// `AgentConfig::max_lease_lifetime` is clamped to it.
     pub fn lease(&self, req: LeaseRequest) -> Result<ChildHandoff, Error> {
+        let (h, pending) = self.lease_pending(req)?;
+        self.precompute(pending);
+        Ok(h)
+    }
+
+    /// [`Self::lease`], its CRC precompute (if any) left to [`Self::precompute`].
+    fn lease_pending(&self, req: LeaseRequest) -> Result<(ChildHandoff, Option<Pending>), Error> {
         self.make_lease(req, "leased", |table, req, now| table.lease_with_generation(req, now))
+    }
+
+    /// Starts the CRC-32C precompute of a lease made with a store.
+    fn precompute(&self, pending: Option<Pending>) {
+        if let (Some(crcs), Some(p)) = (&self.shared.crcs, pending) {
+            crcs.queue(&self.shared.table, p);
+        }
     }
 
     /// Arms a lease whose request id and token were minted elsewhere — the second phase of
@@ -441,7 +461,10 @@ impl PrefillAgent {
         req: LeaseRequest,
         token: kvxfer_core::LeaseToken,
     ) -> Result<ChildHandoff, Error> {
-        self.make_lease(req, ARMED, |table, req, now| table.arm(remote_request_id, req, token, now))
+        let (h, pending) =
+            self.make_lease(req, ARMED, |table, req, now| table.arm(remote_request_id, req, token, now))?;
+        self.precompute(pending);
+        Ok(h)
     }
 
     /// Makes a lease with `make` (the table's `lease` or `arm`; `what` is `ARMED` for an
@@ -451,14 +474,17 @@ impl PrefillAgent {
     /// deadline.
     fn make_lease(
         &self,
-        req: LeaseRequest,
+        mut req: LeaseRequest,
         what: &'static str,
         make: impl FnOnce(
             &LeaseTable,
             LeaseRequest,
             Instant,
         ) -> Result<(ChildHandoff, u64), kvxfer_core::LeaseError>,
-    ) -> Result<ChildHandoff, Error> {
+    ) -> Result<(ChildHandoff, Option<Pending>), Error> {
+        if self.shared.crcs.is_some() {
+            Precompute::prepare(&mut req);
+        }
         let (parent, n, child) = (req.parent_request_id.clone(), req.n, req.child_index);
         let mut tracker = self.lock_tracker();
         // Under the tracker's lock, which `drain` takes before it returns: no lease is made
@@ -476,7 +502,8 @@ impl PrefillAgent {
         drop(tracker);
         debug!(remote_request_id = %log::Peer(&h.remote_request_id()), blocks = h.remote_block_ids().len(), "{what}");
         self.shared.new_deadline(deadline);
-        Ok(h)
+        let pending = self.shared.crcs.is_some().then(|| Pending::new(&h, generation));
+        Ok((h, pending))
     }
 
     /// Leases every child of a parent (`blocks[i]` for child i) and returns the prefill
@@ -523,9 +550,14 @@ impl PrefillAgent {
             self.shared.table.validate(req)?;
         }
         let mut handoffs = Vec::with_capacity(reqs.len());
+        // Precomputes start once the result is returned: a held lease could not be retracted.
+        let mut pending = Vec::new();
         for req in reqs {
-            match self.lease(req) {
-                Ok(h) => handoffs.push(h),
+            match self.lease_pending(req) {
+                Ok((h, p)) => {
+                    handoffs.push(h);
+                    pending.push(p);
+                }
                 Err(e) => {
                     self.retract_all(&handoffs);
                     return Err(e);
@@ -533,7 +565,10 @@ impl PrefillAgent {
             }
         }
         match PrefillResult::new(parent, n, handoffs.clone()) {
-            Ok(result) => Ok(result),
+            Ok(result) => {
+                pending.into_iter().for_each(|p| self.precompute(p));
+                Ok(result)
+            }
             Err(e) => {
                 self.retract_all(&handoffs);
                 Err(e.into())
