@@ -24,7 +24,12 @@
 //! `{"event":"registered",..}` once its key is in etcd) and makes a decode node resolve and
 //! watch engines (it prints `{"event":"directory","kind":"added|updated|removed",..}` as its
 //! directory changes, and `"kind":"present"` for what it had listed already); `{"cmd":"lease",..,"engine_only":true}` hands out results naming only
-//! the engine id; `--metrics ADDR` serves `/metrics` (`{"event":"metrics","addr":..}`).
+//! the engine id; `--metrics ADDR` serves `/metrics` (`{"event":"metrics","addr":..}`);
+//! `{"cmd":"status"}` prints where the prefill node's registration or the decode node's
+//! directory stands with etcd (`{"event":"status","etcd":{"state":..,"endpoint":..,..}}`).
+//! etcd TLS and credentials come from the environment (`KVXFER_ETCD_CA`, `KVXFER_ETCD_CERT`,
+//! `KVXFER_ETCD_KEY`, `KVXFER_ETCD_USER`, `KVXFER_ETCD_PASSWORD` or
+//! `KVXFER_ETCD_PASSWORD_FILE`: `EtcdConfig::security_from_env`).
 //!
 //! SIGTERM or SIGINT shuts the agent down gracefully — a prefill node deregisters from etcd
 //! first, so decode agents see its hand-offs fail as `EngineNotRegistered` rather than at a
@@ -50,7 +55,13 @@ use kvxfer_proto::Message;
 use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
-#[command(about = "A kvxfer agent in its own process, for fault tests")]
+#[command(
+    about = "A kvxfer agent in its own process, for fault tests",
+    after_help = "With --etcd, TLS and credentials for etcd come from the environment: KVXFER_ETCD_CA \
+                  (a PEM file; https:// endpoints), KVXFER_ETCD_CERT and KVXFER_ETCD_KEY (a client \
+                  certificate), KVXFER_ETCD_USER with KVXFER_ETCD_PASSWORD or KVXFER_ETCD_PASSWORD_FILE. \
+                  The peers' cluster key: KVXFER_CLUSTER_KEY (hex) or KVXFER_CLUSTER_KEY_FILE."
+)]
 struct Cli {
     #[command(subcommand)]
     role: Role,
@@ -99,7 +110,8 @@ struct Common {
     /// Serve Prometheus metrics at `GET /metrics` on this address (needs the `cluster` feature).
     #[arg(long)]
     metrics: Option<String>,
-    /// etcd client URL, repeatable: discovery on (needs the `cluster` feature).
+    /// etcd client URL, repeatable: discovery on (needs the `cluster` feature). TLS and
+    /// credentials: the KVXFER_ETCD_* variables (`kvxfer-node --help`).
     #[arg(long = "etcd")]
     etcd: Vec<String>,
     /// Discovery namespace.
@@ -138,8 +150,9 @@ impl Common {
     #[cfg(feature = "cluster")]
     fn cluster(&self, mut c: AgentConfig) -> Result<AgentConfig, String> {
         if !self.etcd.is_empty() {
-            let d = kvxfer::cluster::DiscoveryConfig::new(self.etcd.clone(), self.namespace.clone())
+            let mut d = kvxfer::cluster::DiscoveryConfig::new(self.etcd.clone(), self.namespace.clone())
                 .registration_ttl(Duration::from_secs(self.registration_ttl_s));
+            d.etcd = d.etcd.security_from_env().map_err(|e| e.to_string())?;
             c = c.discovery(d);
         }
         if let Some(addr) = &self.metrics {
@@ -307,6 +320,13 @@ fn prefill(common: &Common, ttl: Duration, listen: &str, signals: Signals) -> Re
                     Err(e) => emit(json!({"event": "error", "message": e.to_string()})),
                 }
             }
+            Some("status") => {
+                #[cfg(feature = "cluster")]
+                let status = agent.registration_status().map(|s| etcd_status(&s));
+                #[cfg(not(feature = "cluster"))]
+                let status: Option<Value> = None;
+                emit(json!({"event": "status", "etcd": status}));
+            }
             Some("stats") => {
                 let s = agent.stats();
                 emit(json!({
@@ -370,6 +390,14 @@ fn decode(common: &Common, signals: Signals) -> Result<(), String> {
                 "peers": s.peers, "peers_invalidated": s.peers_invalidated,
                 "integrity_failures": s.integrity_failures,
             }));
+            continue;
+        }
+        if cmd["cmd"].as_str() == Some("status") {
+            #[cfg(feature = "cluster")]
+            let status = agent.directory().map(|d| etcd_status(&d.status()));
+            #[cfg(not(feature = "cluster"))]
+            let status: Option<Value> = None;
+            emit(json!({"event": "status", "etcd": status}));
             continue;
         }
         if cmd["cmd"].as_str() != Some("pull") {
@@ -457,6 +485,16 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// A registration's or directory's connection to etcd.
+#[cfg(feature = "cluster")]
+fn etcd_status(s: &kvxfer::cluster::EtcdStatus) -> Value {
+    json!({
+        "state": s.state.as_str(), "endpoint": s.endpoint.as_deref(), "failures": s.failures,
+        "recoveries": s.recoveries, "last_error": s.last_error.as_deref(),
+        "since_ms": s.since.elapsed().as_millis() as u64,
+    })
 }
 
 /// A directory change as a JSON line.
