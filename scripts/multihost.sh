@@ -6,7 +6,14 @@
 # naming only the engine id, resolved through etcd) and over UCX-tcp, scrapes /metrics,
 # kill -9s the prefill process, prints how long each decode node took to see its etcd key
 # vanish, checks that the next pull of that engine fails at once with EngineNotRegistered,
-# restarts the prefill node (a new incarnation) and pulls again.
+# restarts the prefill node (a new incarnation) and pulls again. Then the failure scenarios,
+# each with its figures in the summary: a network partition (the prefill host's veth down:
+# the engine leaves after the TTL, pulls fail, it registers again once healed), an etcd
+# outage shorter than the TTL, killed and restarted, then frozen with SIGSTOP (pulls go on,
+# nothing flaps, time to reconnect), SIGTERM of the prefill node (its key goes at once,
+# pulls fail at once with EngineNotRegistered), and a three-member etcd — members in the
+# etcd namespace and two more (10.77.0.4, 10.77.0.5) — with the member in use killed under
+# steady pulls (no pull fails). About 50 s in all.
 #
 #   sudo scripts/multihost.sh            # progress on stderr, one JSON summary on stdout
 #   sudo scripts/multihost.sh --ttl-s 5  # other driver options: kvxfer-multihost --help
@@ -50,8 +57,8 @@ done
 # live inside the namespaces only).
 p="kvx$$"
 hub="$p-hub"
-hosts=(etcd pre dec)
-declare -A ip_of=([etcd]=10.77.0.1 [pre]=10.77.0.2 [dec]=10.77.0.3)
+hosts=(etcd pre dec etcd2 etcd3)
+declare -A ip_of=([etcd]=10.77.0.1 [pre]=10.77.0.2 [dec]=10.77.0.3 [etcd2]=10.77.0.4 [etcd3]=10.77.0.5)
 
 # etcd's data (its WAL alone is 64 MB) lives in a directory this script owns: killing the
 # driver (below, on failure or interruption) skips its own clean-up.
@@ -85,11 +92,14 @@ for h in "${hosts[@]}"; do
     ip -n "$ns" addr add "${ip_of[$h]}/24" dev eth0
     ip -n "$ns" link set eth0 up
 done
-echo "multihost: namespaces $p-{etcd,pre,dec} at 10.77.0.{1,2,3}, bridged in $hub" >&2
+echo "multihost: namespaces $p-{etcd,pre,dec,etcd2,etcd3} at 10.77.0.{1,2,3,4,5}, bridged in $hub" >&2
 
 ip netns exec "$hub" "$bin/kvxfer-multihost" \
     --node-bin "$bin/kvxfer-node" \
     --etcd-ns "$p-etcd" --etcd-ip "${ip_of[etcd]}" --etcd-dir "$etcd_dir" \
     --prefill-ns "$p-pre" --prefill-ip "${ip_of[pre]}" \
     --decode-ns "$p-dec" --decode-ip "${ip_of[dec]}" \
+    --prefill-link vpre \
+    --etcd-member "$p-etcd=${ip_of[etcd]}" --etcd-member "$p-etcd2=${ip_of[etcd2]}" \
+    --etcd-member "$p-etcd3=${ip_of[etcd3]}" \
     "$@"

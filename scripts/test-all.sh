@@ -57,7 +57,7 @@ cargo run --locked --example loopback -- --n 3 --cancel-child 1 --skip-child 2 -
 cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
 echo "== tokio host smoke run (prefill, decode and router tasks on one runtime; every child's hand-off routed)"
 cargo run --locked --example tokio_host -- --n 4 --cancel-child 1 --json
-echo "== multi-host run in network namespaces (etcd, prefill, decode; TCP and UCX-tcp; kill -9 and restart; skipped unless root)"
+echo "== multi-host run in network namespaces (etcd, prefill, decode; TCP and UCX-tcp; kill -9 and restart; partition, etcd outage, SIGTERM, three-member etcd with one killed; skipped unless root)"
 KVXFER_BIN_DIR="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug" \
     bash scripts/multihost.sh
 
