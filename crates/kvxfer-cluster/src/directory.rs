@@ -859,21 +859,10 @@ impl Watcher {
         }
         loop {
             // No timeout: HTTP/2 pings bound how long a dead connection goes unnoticed.
-            let response = match stream.message().await {
-                Ok(Some(r)) => r,
-                Ok(None) => {
-                    return EtcdError::StreamEnded { op: EtcdOp::Watch, reason: "closed by etcd".into() }
-                }
-                Err(source) => return EtcdError::Client { op: EtcdOp::Watch, source },
+            let response = match crate::etcd::watch_message(stream.message().await) {
+                Ok(r) => r,
+                Err(e) => return e,
             };
-            if response.canceled() || response.compact_revision() > 0 {
-                let reason = format!(
-                    "cancelled by etcd (compacted at revision {}; {})",
-                    response.compact_revision(),
-                    response.cancel_reason()
-                );
-                return EtcdError::StreamEnded { op: EtcdOp::Watch, reason };
-            }
             if response.events().is_empty() {
                 continue;
             }

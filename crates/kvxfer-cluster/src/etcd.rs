@@ -252,7 +252,8 @@ impl EtcdConfig {
         if let Some(auth) = &self.auth {
             // etcd's simple tokens expire (5 min by default, JWT by their TTL): renewed on
             // the first request that finds its token expired, not taken for a failure.
-            options = options.with_user(auth.user.clone(), auth.password.clone()).with_auto_token_refresh(true);
+            options =
+                options.with_user(auth.user.clone(), auth.password.clone()).with_auto_token_refresh(true);
         }
         self.call(EtcdOp::Connect, Client::connect([endpoint], Some(options))).await
     }
@@ -585,4 +586,27 @@ impl StatusWatch {
         };
         reached.ok_or_else(|| self.current())
     }
+}
+
+/// A watch stream's next message, or why the watch ended: closed or failed, cancelled, or
+/// compacted past the revision it watched from.
+pub(crate) fn watch_message(
+    message: Result<Option<etcd_client::WatchResponse>, etcd_client::Error>,
+) -> Result<etcd_client::WatchResponse, EtcdError> {
+    let response = match message {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            return Err(EtcdError::StreamEnded { op: EtcdOp::Watch, reason: "closed by etcd".into() })
+        }
+        Err(source) => return Err(EtcdError::Client { op: EtcdOp::Watch, source }),
+    };
+    if response.canceled() || response.compact_revision() > 0 {
+        let reason = format!(
+            "cancelled by etcd (compacted at revision {}; {})",
+            response.compact_revision(),
+            response.cancel_reason()
+        );
+        return Err(EtcdError::StreamEnded { op: EtcdOp::Watch, reason });
+    }
+    Ok(response)
 }

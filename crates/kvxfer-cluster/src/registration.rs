@@ -624,35 +624,19 @@ impl Keeper {
                     }
                 }
                 message = drain_watch.message() => {
-                    let response = match message {
-                        Ok(Some(r)) => r,
-                        Ok(None) => {
-                            let reason = "closed by etcd".to_owned();
-                            return EtcdError::StreamEnded { op: EtcdOp::Watch, reason }.into();
-                        }
-                        Err(source) => return EtcdError::Client { op: EtcdOp::Watch, source }.into(),
+                    let response = match crate::etcd::watch_message(message) {
+                        Ok(r) => r,
+                        Err(e) => return e.into(),
                     };
-                    if response.canceled() || response.compact_revision() > 0 {
-                        let reason = format!("cancelled by etcd ({})", response.cancel_reason());
-                        return EtcdError::StreamEnded { op: EtcdOp::Watch, reason }.into();
-                    }
                     if let Some(last) = response.events().last() {
                         self.drain_key_seen(key, last.event_type() != EventType::Delete);
                     }
                 }
                 message = watch.message() => {
-                    let response = match message {
-                        Ok(Some(r)) => r,
-                        Ok(None) => {
-                            let reason = "closed by etcd".to_owned();
-                            return EtcdError::StreamEnded { op: EtcdOp::Watch, reason }.into();
-                        }
-                        Err(source) => return EtcdError::Client { op: EtcdOp::Watch, source }.into(),
+                    let response = match crate::etcd::watch_message(message) {
+                        Ok(r) => r,
+                        Err(e) => return e.into(),
                     };
-                    if response.canceled() || response.compact_revision() > 0 {
-                        let reason = format!("cancelled by etcd ({})", response.cancel_reason());
-                        return EtcdError::StreamEnded { op: EtcdOp::Watch, reason }.into();
-                    }
                     let Some(last) = response.events().last() else { continue };
                     // Only the key's latest state matters.
                     let deleted = last.event_type() == EventType::Delete;
@@ -758,8 +742,11 @@ impl Keeper {
                     if renewed || overdue {
                         renewals += 1;
                         if renewals >= 2 {
-                            let why =
-                                RegistrationError::EngineTaken { key: key.into(), holder, lease: holder_lease };
+                            let why = RegistrationError::EngineTaken {
+                                key: key.into(),
+                                holder,
+                                lease: holder_lease,
+                            };
                             return Err(SessionEnd::Refused(why));
                         }
                         // A new baseline for the second reading.

@@ -1531,11 +1531,8 @@ mod tests {
         TOKEN_HASHES.with(|c| c.get()) - before
     }
 
-    /// A hold keeps a lease's blocks like a read (its end is delivered when the hold drops)
-    /// without counting as a read in flight; it is refused for another generation or an
-    /// ended lease; reads are handed the lease's CRC store.
-    #[test]
-    fn a_hold_keeps_the_blocks_uncounted_and_reads_see_the_crc_store() {
+    /// A table of 8 blocks with a fixed seed.
+    fn small_table() -> Arc<LeaseTable> {
         let engine = EngineInfo {
             engine_id: "e".into(),
             host: "127.0.0.1".into(),
@@ -1543,7 +1540,15 @@ mod tests {
             tp_size: 1,
             incarnation: 0,
         };
-        let t = Arc::new(LeaseTable::new(LeaseConfig::new(engine, 8), [3; 32]));
+        Arc::new(LeaseTable::new(LeaseConfig::new(engine, 8), [3; 32]))
+    }
+
+    /// A hold keeps a lease's blocks like a read (its end is delivered when the hold drops)
+    /// without counting as a read in flight; it is refused for another generation or an
+    /// ended lease; reads are handed the lease's CRC store.
+    #[test]
+    fn a_hold_keeps_the_blocks_uncounted_and_reads_see_the_crc_store() {
+        let t = small_table();
         let t0 = Instant::now();
         let crcs = Arc::new(BlockCrcs::new());
         let req = LeaseRequest::new("L", 0, 1, vec![1, 2]).with_crcs(crcs.clone());
@@ -1571,14 +1576,7 @@ mod tests {
     /// presented token exactly once and compares hashes, whatever the id is.
     #[test]
     fn every_token_check_hashes_the_presented_token_exactly_once() {
-        let engine = EngineInfo {
-            engine_id: "e".into(),
-            host: "127.0.0.1".into(),
-            port: 1,
-            tp_size: 1,
-            incarnation: 0,
-        };
-        let t = Arc::new(LeaseTable::new(LeaseConfig::new(engine, 8), [3; 32]));
+        let t = small_table();
         let t0 = Instant::now();
         let live = t.lease(LeaseRequest::new("L", 0, 1, vec![1]), t0).expect("lease");
         let ended = t.lease(LeaseRequest::new("E", 0, 1, vec![2]), t0).expect("lease");

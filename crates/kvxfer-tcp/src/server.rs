@@ -407,12 +407,7 @@ mod tests {
         ctx.limits.arm_wait = std::time::Duration::ZERO;
         let ctx = Arc::new(ctx);
         let (addr, serving) = serve_in_turn(ctx.clone(), 1).await;
-        let mut client = TcpStream::connect(addr).await.expect("connect");
-        let mut reader = FrameReader::new();
-        let limits = crate::Limits::default();
-        crate::handshake::initiate_buffered(&mut client, &mut reader, "prefill", &hello(), None, &limits)
-            .await
-            .expect("handshake");
+        let (mut client, mut reader) = connected(addr).await;
 
         let token = vec![3u8; 16];
         let mut out = Vec::new();
@@ -482,13 +477,8 @@ mod tests {
             Frame::Heartbeat(v1::Heartbeat { leases }).encode(&mut out);
             out
         };
-        let limits = crate::Limits::default();
         for (n, refused) in [(4, false), (5, true)] {
-            let mut client = TcpStream::connect(addr).await.expect("connect");
-            let mut reader = FrameReader::new();
-            crate::handshake::initiate_buffered(&mut client, &mut reader, "prefill", &hello(), None, &limits)
-                .await
-                .expect("handshake");
+            let (mut client, mut reader) = connected(addr).await;
             client.write_all(&heartbeat(n)).await.expect("write");
             let answer = reader.read_frame(&mut client, 1 << 20).await.expect("answer");
             if refused {

@@ -21,20 +21,6 @@ fn config(name: &str) -> AgentConfig {
     Transport::Tcp.config(AgentConfig::new(name).lease_ttl(TTL).io_timeout(Duration::from_secs(5)))
 }
 
-/// Group 0: two segments, one strided; group 1: one smaller segment.
-fn group_layouts(g0_blocks: u32, g1_blocks: u32) -> Vec<BlockLayout> {
-    vec![
-        BlockLayout::new(
-            g0_blocks,
-            vec![Segment::packed(2048), Segment { block_len: 1024, stride: 1536 }],
-            "bf16",
-            16,
-        )
-        .expect("group 0"),
-        BlockLayout::new(g1_blocks, vec![Segment::packed(512)], "bf16", 16).expect("group 1"),
-    ]
-}
-
 fn grouped_prefill(layouts: Vec<BlockLayout>) -> PrefillAgent {
     init_tracing();
     let mem = pattern::alloc_filled_groups(layouts).expect("patterned groups");

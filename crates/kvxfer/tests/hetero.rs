@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvxfer::blocking::{DecodeAgent, PrefillAgent};
 use kvxfer::{
     AgentConfig, BlockId, BlockLayout, ChildOutcome, EndKind, Error, KvMemory, LeaseRequest, PrefillResult,
-    Segment, SubmitError,
+    SubmitError,
 };
 use kvxfer_core::plan::BlockRun;
 use kvxfer_mem::pattern;
@@ -18,22 +18,6 @@ use kvxfer_proto::v1::ErrorCode;
 use support::*;
 
 const TTL: Duration = Duration::from_secs(30);
-
-/// Group 0: full attention, two segments (one strided), 24 blocks here; group 1: sliding
-/// window, one smaller segment, `g1_blocks` blocks. Block sizes differ between the groups,
-/// so a block read from or into the wrong group is caught by length as well as bytes.
-fn group_layouts(g0_blocks: u32, g1_blocks: u32) -> Vec<BlockLayout> {
-    vec![
-        BlockLayout::new(
-            g0_blocks,
-            vec![Segment::packed(2048), Segment { block_len: 1024, stride: 1536 }],
-            "bf16",
-            16,
-        )
-        .expect("group 0"),
-        BlockLayout::new(g1_blocks, vec![Segment::packed(512)], "bf16", 16).expect("group 1"),
-    ]
-}
 
 fn grouped_prefill(t: Transport, layouts: Vec<BlockLayout>) -> PrefillAgent {
     init_tracing();

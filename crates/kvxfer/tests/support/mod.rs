@@ -300,3 +300,20 @@ pub fn raw_handshake(
     }
     Some((ty, body))
 }
+
+/// Two KV-cache groups: group 0 (full attention) of two segments, one strided; group 1
+/// (sliding window) of one smaller segment, `g1_blocks` blocks. Block sizes differ between
+/// the groups, so a block read from or into the wrong group is caught by length as well as
+/// bytes.
+pub fn group_layouts(g0_blocks: u32, g1_blocks: u32) -> Vec<kvxfer::BlockLayout> {
+    vec![
+        kvxfer::BlockLayout::new(
+            g0_blocks,
+            vec![kvxfer::Segment::packed(2048), kvxfer::Segment { block_len: 1024, stride: 1536 }],
+            "bf16",
+            16,
+        )
+        .expect("group 0"),
+        kvxfer::BlockLayout::new(g1_blocks, vec![kvxfer::Segment::packed(512)], "bf16", 16).expect("group 1"),
+    ]
+}
