@@ -1331,18 +1331,23 @@ impl LeaseTable {
         if !not_leased.is_empty() {
             return refused(ReadRefused::NotLeased { request: id.to_owned(), ids: not_leased });
         }
-        lease.readers += 1;
         bump(&self.counters.reads_in_flight);
-        let (seq, max_deadline, crcs) = (lease.seq, lease.max_deadline, lease.crcs.clone());
-        Ok(ReadGuard {
+        Ok(self.guard(index, id, lease, true))
+    }
+
+    /// A guard over `lease`'s blocks (one more reader of it); `counted` when it is a read
+    /// in flight.
+    fn guard(self: &Arc<Self>, shard: usize, id: &str, lease: &mut Lease, counted: bool) -> ReadGuard {
+        lease.readers += 1;
+        ReadGuard {
             table: Arc::clone(self),
-            shard: index,
+            shard,
             key: Arc::from(id),
-            seq,
-            max_deadline,
-            crcs,
-            counted: true,
-        })
+            seq: lease.seq,
+            max_deadline: lease.max_deadline,
+            crcs: lease.crcs.clone(),
+            counted,
+        }
     }
 
     /// Holds the blocks of the live lease `id` of generation `generation` (as
@@ -1357,17 +1362,7 @@ impl LeaseTable {
         let index = self.shard_of(id);
         let mut shard = self.lock(index);
         let lease = shard.leases.get_mut(id).filter(|l| l.seq == generation && l.ended.is_none())?;
-        lease.readers += 1;
-        let (seq, max_deadline, crcs) = (lease.seq, lease.max_deadline, lease.crcs.clone());
-        Some(ReadGuard {
-            table: Arc::clone(self),
-            shard: index,
-            key: Arc::from(id),
-            seq,
-            max_deadline,
-            crcs,
-            counted: false,
-        })
+        Some(self.guard(index, id, lease, false))
     }
 
     /// Checks the table's private bookkeeping against itself: every live lease has exactly
