@@ -228,6 +228,15 @@ impl EtcdConfig {
         if self.auth.as_ref().is_some_and(|a| a.user.is_empty()) {
             return Err(ConfigError::Env { reason: "the etcd user name is empty".into() });
         }
+        // An empty password is a password file or variable that was not filled in (etcd
+        // users without a password authenticate by client certificate: give no EtcdAuth).
+        if self.auth.as_ref().is_some_and(|a| a.password.is_empty()) {
+            return Err(ConfigError::Env {
+                reason: "the etcd password is empty (check KVXFER_ETCD_PASSWORD or the password file; users \
+                         that authenticate by client certificate need no EtcdAuth)"
+                    .into(),
+            });
+        }
         Ok(())
     }
 

@@ -143,6 +143,9 @@ async fn etcd_with_authentication_registers_with_credentials_and_refuses_bad_one
         "three refusals took {:?} (each waits 0.5 s for a retry that must not come)",
         started.elapsed()
     );
+    // An empty password (a password file left empty) is refused before anything is tried.
+    let e = register(with(Some(EtcdAuth::new("kvxfer", ""))), "engine-b", 0xb).expect_err("empty password");
+    assert!(e.to_string().contains("password is empty"), "{e}");
     let unknown_user = directory(with(Some(EtcdAuth::new("ghost", "x")))).expect("start");
     let status = unknown_user.wait_synced(WAIT).await.expect_err("refused");
     assert_eq!(status.state, EtcdState::Failed, "{status:?}");
