@@ -57,30 +57,26 @@ pub(crate) fn may_wait(ctx: &ServeContext, f: &Frame) -> bool {
 }
 
 /// Waits until every lease `f` names is known, or `Limits::arm_wait` passed (counted in
-/// `arm_waits` and, when the bound ran out, `arm_wait_expired`). Returns at once for frames
-/// naming no lease, for leases already known, and when `arm_wait` is zero.
+/// `arm_waits` and, when the bound ran out, `arm_wait_expired`), for a frame [`may_wait`]
+/// said may wait (asked once by the caller: each look hashes every token the frame names).
 pub(crate) async fn wait_for_arm(ctx: &ServeContext, f: &Frame) {
-    if !may_wait(ctx, f) {
-        return;
-    }
     // What the frame holds while it waits beyond a small frame's worth (each connection has
     // one frame waiting at most, so small ones are bounded by the connection count), drawn
     // from the agent's budget: a frame that does not fit is answered now, as for a lease
     // still unknown. Small frames never wait for the budget, so a peer filling it with
     // large ones cannot fail other peers' two-phase leases.
     let cost = held_while_waiting(f).saturating_sub(ctx.limits.max_small_frame_len as usize);
-    let permit = match cost {
-        0 => None,
-        n => match u32::try_from(n).ok().and_then(|n| ctx.budgets.arm_wait.try_acquire_many(n).ok()) {
-            Some(p) => Some(p),
-            None => {
-                bump(&ctx.counters.arm_wait_refused);
-                debug!(frame = ?f.frame_type(), cost, "no room to wait for an arm; answering as unknown");
-                return;
-            }
-        },
+    let _held = if cost == 0 {
+        None
+    } else {
+        let permit = u32::try_from(cost).ok().and_then(|n| ctx.budgets.arm_wait.try_acquire_many(n).ok());
+        if permit.is_none() {
+            bump(&ctx.counters.arm_wait_refused);
+            debug!(frame = ?f.frame_type(), cost, "no room to wait for an arm; answering as unknown");
+            return;
+        }
+        permit
     };
-    let _held = permit;
     bump(&ctx.counters.arm_waits);
     // Saturating: an `arm_wait` too large for an `Instant` waits a year.
     let deadline =

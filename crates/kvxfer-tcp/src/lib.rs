@@ -182,7 +182,7 @@ impl Limits {
         frame::FrameCaps {
             max: self.max_frame_len,
             small: self.max_small_frame_len,
-            max_leases: u32::try_from(self.max_leases_per_frame).unwrap_or(u32::MAX - 1),
+            max_leases: u32::try_from(self.max_leases_per_frame).unwrap_or(u32::MAX),
         }
     }
 }

@@ -257,8 +257,8 @@ async fn serve_frames(
         // before it do not.
         if crate::arm::may_wait(ctx, &f) {
             flush(stream, ctx, &mut batch).await?;
+            crate::arm::wait_for_arm(ctx, &f).await;
         }
-        crate::arm::wait_for_arm(ctx, &f).await;
         let now = Instant::now();
         last_frame = now;
         let after_refused = refused_read.take();
