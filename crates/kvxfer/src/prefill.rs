@@ -24,8 +24,23 @@ use tracing::{debug, info, warn};
 use crate::crc_precompute::{Pending, Precompute};
 use crate::{AgentConfig, Error};
 
-/// What `make_lease` is told for an arm (the second phase of a two-phase lease).
-const ARMED: &str = "armed";
+/// How `make_lease` makes a lease: leased here, or armed with an id and token minted
+/// elsewhere (the second phase of a two-phase lease, which a drain does not refuse).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Making {
+    Lease,
+    Arm,
+}
+
+impl Making {
+    /// What the log says was done.
+    fn done(self) -> &'static str {
+        match self {
+            Making::Lease => "leased",
+            Making::Arm => "armed",
+        }
+    }
+}
 
 /// Counters of a prefill agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,19 +293,20 @@ impl PrefillAgent {
         });
         let (events_tx, events) = crossbeam_channel::unbounded();
         let events_ready = Arc::new(Notify::new());
-        let accept = match config.front_door_nice {
-            Some(_) => {
+        match config.front_door_nice {
+            Some(nice) => {
                 let gone = crate::front_door::runtime_gone(&handle, &shared.stop);
-                accept_loop(std_listener, ctx, shared.clone(), handle.clone(), gone)
+                let accept = accept_loop(std_listener, ctx, shared.clone(), handle.clone(), gone);
+                // Without a thread of its own (it could not start), on the agent's runtime.
+                if let Err(accept) = crate::front_door::spawn(nice, shared.tasks.token(), accept) {
+                    shared.tasks.spawn_on(accept, &handle);
+                }
             }
-            None => accept_loop(std_listener, ctx, shared.clone(), handle.clone(), CancellationToken::new()),
-        };
-        let accept = match config.front_door_nice {
-            Some(nice) => crate::front_door::spawn(nice, shared.tasks.token(), accept).err(),
-            None => Some(accept),
-        };
-        if let Some(accept) = accept {
-            shared.tasks.spawn_on(accept, &handle);
+            None => {
+                let accept =
+                    accept_loop(std_listener, ctx, shared.clone(), handle.clone(), CancellationToken::new());
+                shared.tasks.spawn_on(accept, &handle);
+            }
         }
         shared.tasks.spawn_on(expiry_loop(shared.clone()), &handle);
         shared
@@ -437,7 +453,7 @@ impl PrefillAgent {
 
     /// [`Self::lease`], its CRC precompute (if any) left to [`Self::precompute`].
     fn lease_pending(&self, req: LeaseRequest) -> Result<(ChildHandoff, Option<Pending>), Error> {
-        self.make_lease(req, "leased", |table, req, now| table.lease_with_generation(req, now))
+        self.make_lease(req, Making::Lease, |table, req, now| table.lease_with_generation(req, now))
     }
 
     /// Starts the CRC-32C precompute of a lease made with a store.
@@ -461,21 +477,20 @@ impl PrefillAgent {
         req: LeaseRequest,
         token: kvxfer_core::LeaseToken,
     ) -> Result<ChildHandoff, Error> {
-        let (h, pending) =
-            self.make_lease(req, ARMED, |table, req, now| table.arm(remote_request_id, req, token, now))?;
+        let (h, pending) = self
+            .make_lease(req, Making::Arm, |table, req, now| table.arm(remote_request_id, req, token, now))?;
         self.precompute(pending);
         Ok(h)
     }
 
-    /// Makes a lease with `make` (the table's `lease` or `arm`; `what` is `ARMED` for an
-    /// arm, which a drain does not refuse). The tracker records it only
-    /// once the table made it, under the tracker's lock, so the lease's end (applied by the
-    /// event task under the same lock) cannot overtake it; then the expiry task is told its
-    /// deadline.
+    /// Makes a lease with `make` (the table's `lease` or `arm`, as `how` says). The tracker
+    /// records it only once the table made it, under the tracker's lock, so the lease's end
+    /// (applied by the event task under the same lock) cannot overtake it; then the expiry
+    /// task is told its deadline.
     fn make_lease(
         &self,
         mut req: LeaseRequest,
-        what: &'static str,
+        how: Making,
         make: impl FnOnce(
             &LeaseTable,
             LeaseRequest,
@@ -491,7 +506,7 @@ impl PrefillAgent {
         // after `drain()` returned. An arm is not refused: its hand-off already left this
         // process (the scheduler published its id and token), so refusing it would fail a
         // request in flight instead of draining.
-        if what != ARMED {
+        if how == Making::Lease {
             self.refuse_if_draining()?;
         }
         let now = Instant::now();
@@ -500,7 +515,7 @@ impl PrefillAgent {
         let (h, generation) = make(&self.shared.table, req, now)?;
         tracker.leased(&parent, n, child, generation, now);
         drop(tracker);
-        debug!(remote_request_id = %log::Peer(&h.remote_request_id()), blocks = h.remote_block_ids().len(), "{what}");
+        debug!(remote_request_id = %log::Peer(&h.remote_request_id()), blocks = h.remote_block_ids().len(), "{}", how.done());
         self.shared.new_deadline(deadline);
         let pending = self.shared.crcs.is_some().then(|| Pending::new(&h, generation));
         Ok((h, pending))
