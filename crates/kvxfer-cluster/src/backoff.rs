@@ -32,72 +32,65 @@ impl Backoff {
     }
 }
 
-/// Lets through at most `per_second` warnings per second; counts the rest so the next one
-/// that passes can say how many were suppressed.
+/// Lets through at most `per_window` warnings per window (a second, or the interval of
+/// [`Self::every`]); counts the rest so the next one that passes can say how many were
+/// suppressed.
 #[derive(Debug)]
 pub(crate) struct WarnLimiter {
-    per_second: u32,
+    per_window: u32,
+    window: Duration,
     window_start: Option<Instant>,
     in_window: u32,
     suppressed: u64,
 }
 
 impl WarnLimiter {
+    /// At most `per_second` warnings a second.
     pub(crate) fn new(per_second: u32) -> Self {
-        Self { per_second, window_start: None, in_window: 0, suppressed: 0 }
+        Self {
+            per_window: per_second,
+            window: Duration::from_secs(1),
+            window_start: None,
+            in_window: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// Warnings while something keeps failing ([`Self::failed`]): one at the first failure,
+    /// then at most one per `interval`, each saying how many failures it stands for —
+    /// neither silence for ever after the first, nor a line per retry.
+    pub(crate) fn every(interval: Duration) -> Self {
+        Self { window: interval, ..Self::new(1) }
     }
 
     /// `Some(suppressed since the last one)` when a warning may be logged now.
     pub(crate) fn allow(&mut self, now: Instant) -> Option<u64> {
-        let fresh = self
-            .window_start
-            .is_none_or(|start| now.saturating_duration_since(start) >= Duration::from_secs(1));
+        let fresh = self.window_start.is_none_or(|start| now.saturating_duration_since(start) >= self.window);
         if fresh {
             self.window_start = Some(now);
             self.in_window = 0;
         }
-        if self.in_window >= self.per_second {
+        if self.in_window >= self.per_window {
             self.suppressed += 1;
             return None;
         }
         self.in_window += 1;
         Some(std::mem::take(&mut self.suppressed))
     }
-}
-
-/// How often a warning repeats while etcd stays unreachable.
-pub(crate) const REMINDER_INTERVAL: Duration = Duration::from_secs(60);
-
-/// Warnings while something keeps failing: one at the first failure, then at most one per
-/// interval (each says how many failures it stands for) — neither silence for ever after
-/// the first, nor a line per retry.
-#[derive(Debug)]
-pub(crate) struct Reminder {
-    every: Duration,
-    last: Option<Instant>,
-    unreported: u64,
-}
-
-impl Reminder {
-    pub(crate) fn new(every: Duration) -> Self {
-        Self { every, last: None, unreported: 0 }
-    }
 
     /// A failure at `now`: `Some(failures since the last warning, this one included)` when
     /// a warning is due. `first` (the first failure after a success) always warns.
     pub(crate) fn failed(&mut self, now: Instant, first: bool) -> Option<u64> {
         if first {
-            self.last = None;
-            self.unreported = 0;
+            self.window_start = None;
+            self.suppressed = 0;
         }
-        self.unreported += 1;
-        if self.last.is_some_and(|t| now.saturating_duration_since(t) < self.every) {
-            return None;
-        }
-        self.last = Some(now);
-        Some(std::mem::take(&mut self.unreported))
+        self.allow(now).map(|suppressed| suppressed + 1)
     }
 }
+
+/// How often a warning repeats while etcd stays unreachable.
+pub(crate) const REMINDER_INTERVAL: Duration = Duration::from_secs(60);
 
 #[cfg(test)]
 mod tests {
@@ -124,7 +117,7 @@ mod tests {
     fn a_lasting_failure_warns_at_first_then_once_per_interval() {
         let t0 = Instant::now();
         let every = Duration::from_secs(60);
-        let mut r = Reminder::new(every);
+        let mut r = WarnLimiter::every(every);
         assert_eq!(r.failed(t0, true), Some(1));
         // Retries every 2 s: silent until the interval has passed.
         for i in 1..30 {

@@ -12,7 +12,7 @@ use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::backoff::{Backoff, Reminder, WarnLimiter, REMINDER_INTERVAL};
+use crate::backoff::{Backoff, WarnLimiter, REMINDER_INTERVAL};
 use crate::error::{Error, EtcdError, EtcdOp, RecordError, ResolveError};
 use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, Failover, StatusCell, StatusWatch};
 use crate::names::{engines_prefix, EngineId, EngineKey, Namespace};
@@ -786,7 +786,7 @@ impl Watcher {
         let mut rng = rand::rngs::StdRng::from_os_rng();
         let mut backoff = Backoff::new(self.etcd.backoff_initial, self.etcd.backoff_max);
         let mut failover = Failover::default();
-        let mut reminder = Reminder::new(REMINDER_INTERVAL);
+        let mut reminder = WarnLimiter::every(REMINDER_INTERVAL);
         loop {
             let failed = tokio::select! {
                 _ = &mut stop => break,

@@ -113,7 +113,8 @@ pub struct EtcdConfig {
     /// Credentials for an etcd with authentication on. A wrong password, a missing user
     /// (`user name is empty`) or a role without access to the namespace stops the
     /// registration or directory at the first answer, with the reason (state
-    /// [`EtcdState::Failed`]) — it is not retried.
+    /// [`EtcdState::Failed`]) — it is not retried; once it had connected, the same refusal
+    /// is retried like any failure.
     pub auth: Option<EtcdAuth>,
     /// Longest wait for a TCP connection to an endpoint.
     pub connect_timeout: Duration,
@@ -217,7 +218,7 @@ impl EtcdConfig {
 
     /// Checks what can be checked without etcd: at least one endpoint, each a well-formed
     /// `http://host:port` or `https://host:port` URL whose scheme matches the TLS settings,
-    /// and a non-empty user name.
+    /// and, with credentials, a non-empty user name and password.
     pub fn check(&self) -> Result<(), ConfigError> {
         if self.endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError::NoEndpoints);
@@ -417,8 +418,9 @@ pub enum EtcdState {
     /// Shut down.
     Stopped,
     /// Gave up for good: a reason retrying cannot mend (another live process registered the
-    /// same engine rank; see [`crate::RegistrationError`]). `last_error` says which; nothing
-    /// is retried.
+    /// same engine rank; etcd refused the credentials, role or certificates before the first
+    /// success; see [`crate::RegistrationError`]). `last_error` says which; nothing is
+    /// retried.
     Failed,
 }
 

@@ -12,7 +12,7 @@ use tokio::runtime::Handle;
 use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
-use crate::backoff::{Backoff, Reminder, REMINDER_INTERVAL};
+use crate::backoff::{Backoff, WarnLimiter, REMINDER_INTERVAL};
 use crate::error::{ConfigError, Error, EtcdError, EtcdOp, RegistrationError};
 use crate::etcd::{EtcdConfig, EtcdState, EtcdStatus, Failover, StatusCell, StatusWatch};
 use crate::names::EngineKey;
@@ -379,10 +379,19 @@ impl Keeper {
         }
     }
 
+    /// Gives up for good: logs `why`, keeps it for [`Registration::failure`], and sets the
+    /// state `Failed` (the reason first: whoever sees the state finds it set).
+    fn give_up(&self, key: &str, why: RegistrationError) {
+        tracing::error!(key = %key, error = %why, "etcd registration refused");
+        let status_error = why.to_string();
+        let _ = self.shared.failure.set(why);
+        self.shared.status.gave_up(&status_error);
+    }
+
     async fn run(self, mut stop: oneshot::Receiver<Stop>) -> Result<(), EtcdError> {
         let mut rng = rand::rngs::StdRng::from_os_rng();
         let mut backoff = Backoff::new(self.etcd.backoff_initial, self.etcd.backoff_max);
-        let mut reminder = Reminder::new(REMINDER_INTERVAL);
+        let mut reminder = WarnLimiter::every(REMINDER_INTERVAL);
         let mut conn = Conn::default();
         let key = self.key.to_key();
         loop {
@@ -393,11 +402,7 @@ impl Keeper {
             match ended {
                 SessionEnd::LeaseLost | SessionEnd::Again => continue,
                 SessionEnd::Refused(why) => {
-                    tracing::error!(key = %key, error = %why, "etcd registration refused");
-                    // The reason first: whoever sees the state `Failed` finds it set.
-                    let status_error = why.to_string();
-                    let _ = self.shared.failure.set(why);
-                    self.shared.status.gave_up(&status_error);
+                    self.give_up(&key, why);
                     // The lease granted for the put that never happened: not needed.
                     return self.stop(Some(Stop::Revoke), conn.client, conn.lease).await;
                 }
@@ -405,11 +410,7 @@ impl Keeper {
                 // taken away and given back, a certificate rotated) it is retried as any
                 // failure, so the engine comes back once etcd accepts it again.
                 SessionEnd::Failed(e) if e.is_permanent() && !self.shared.status.was_connected() => {
-                    let why = RegistrationError::Refused { reason: e.to_string() };
-                    tracing::error!(key = %key, error = %why, "etcd registration refused");
-                    let status_error = why.to_string();
-                    let _ = self.shared.failure.set(why);
-                    self.shared.status.gave_up(&status_error);
+                    self.give_up(&key, RegistrationError::Refused { reason: e.to_string() });
                     // Nothing to revoke that this client may revoke: a lease granted before
                     // a permission was taken away expires with its TTL.
                     return Ok(());

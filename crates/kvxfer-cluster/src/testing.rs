@@ -502,13 +502,14 @@ fn http_exchange(addr: SocketAddr, request: &str) -> Option<String> {
 }
 
 /// etcd at `addr` says `GET /health` → `"health":"true"` (it is in a quorum with a leader).
-fn healthy_at(addr: SocketAddr) -> bool {
+pub fn healthy_at(addr: SocketAddr) -> bool {
     http_exchange(addr, "GET /health HTTP/1.0\r\nHost: etcd\r\n\r\n")
         .is_some_and(|body| body.contains(r#""health":"true""#))
 }
 
-/// etcd's maintenance status through its JSON gateway: (this member's id, the leader's id).
-fn member_status(addr: SocketAddr) -> Option<(String, String)> {
+/// etcd's maintenance status at `addr` through its JSON gateway: (this member's id, the
+/// leader's id); `None` when it does not answer.
+pub fn member_status(addr: SocketAddr) -> Option<(String, String)> {
     let body = "{}";
     let request = format!(
         "POST /v3/maintenance/status HTTP/1.0\r\nHost: etcd\r\nContent-Type: application/json\r\n\

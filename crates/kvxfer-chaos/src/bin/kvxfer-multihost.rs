@@ -952,16 +952,6 @@ struct HaEtcd {
 const HA_CLIENT_PORT: u16 = 2479;
 const HA_PEER_PORT: u16 = 2480;
 
-/// One HTTP/1.0 exchange: the whole response, or `None`.
-fn http(addr: SocketAddr, request: &str) -> Option<String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
-    s.write_all(request.as_bytes()).ok()?;
-    let mut response = String::new();
-    let _ = s.read_to_string(&mut response);
-    Some(response)
-}
-
 impl HaEtcd {
     fn launch(members: &[(String, IpAddr)], root: &std::path::Path) -> Result<Self, String> {
         let etcd = kvxfer_cluster::testing::etcd_binary().ok_or("etcd not found")?;
@@ -1021,19 +1011,12 @@ impl HaEtcd {
     }
 
     fn healthy(&self, i: usize) -> bool {
-        self.members[i].child.is_some()
-            && http(self.addr(i), "GET /health HTTP/1.0\r\nHost: etcd\r\n\r\n")
-                .is_some_and(|r| r.contains(r#""health":"true""#))
+        self.members[i].child.is_some() && kvxfer_cluster::testing::healthy_at(self.addr(i))
     }
 
     /// (this member's id, the leader's id), from the JSON gateway.
     fn status(&self, i: usize) -> Option<(String, String)> {
-        let request =
-            "POST /v3/maintenance/status HTTP/1.0\r\nHost: etcd\r\nContent-Type: application/json\r\n\
-                       Content-Length: 2\r\n\r\n{}";
-        let response = http(self.addr(i), request)?;
-        let v: Value = serde_json::from_str(response.split("\r\n\r\n").nth(1)?).ok()?;
-        Some((v["header"]["member_id"].as_str()?.to_owned(), v["leader"].as_str()?.to_owned()))
+        kvxfer_cluster::testing::member_status(self.addr(i))
     }
 
     fn leader(&self) -> Option<usize> {
