@@ -1,17 +1,35 @@
-//! Finds the system UCX with pkg-config and generates bindings for the `ucp_*` / `ucs_*` API.
+//! Finds UCX and generates bindings for the `ucp_*` / `ucs_*` API.
+//!
+//! `UCX_HOME=<prefix>` names the UCX to build against and wins over the system's: a prefix
+//! with `lib/pkgconfig/ucx.pc` (asked with pkg-config, its `prefix` redefined to
+//! `UCX_HOME`, so a relocated install such as the `libucx-cu12` wheel works) or else plain
+//! `lib/` + `include/` (the version read from `ucp/api/ucp_version.h`). Without it,
+//! pkg-config finds the system UCX.
+//!
+//! Run time: nothing here makes a binary find the chosen libraries (an rpath emitted by this
+//! build script would reach only this crate's own targets), so a binary built against
+//! `UCX_HOME` runs with `LD_LIBRARY_PATH=$UCX_HOME/lib` (scripts/ucx-current.sh prints it);
+//! `kvxfer-ucx` refuses to create a context when the libucp loaded is not the version these
+//! bindings were generated from (the version is exported as `UCX_SYS_BUILT_VERSION`).
 
 use std::env;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// What the build links and includes.
+struct Ucx {
+    include_paths: Vec<PathBuf>,
+    /// Where libucp was found (`None`: pkg-config's system paths).
+    lib_dir: Option<PathBuf>,
+    version: String,
+}
 
 fn main() {
     println!("cargo:rerun-if-changed=wrapper.h");
-    let ucx = match pkg_config::Config::new().atleast_version("1.12").probe("ucx") {
-        Ok(lib) => lib,
-        Err(e) => panic!(
-            "\n\nucx-sys: UCX development files (ucx.pc, >= 1.12) were not found: {e}\n\
-             On Debian/Ubuntu install them with:\n\n    apt-get install libucx-dev pkg-config libclang-dev\n\n\
-             (or build kvxfer without the `ucx` feature).\n"
-        ),
+    println!("cargo:rerun-if-env-changed=UCX_HOME");
+    let ucx = match env::var_os("UCX_HOME").filter(|h| !h.is_empty()) {
+        Some(home) => from_home(Path::new(&home)),
+        None => from_system(),
     };
     let mut builder = bindgen::Builder::default()
         .header("wrapper.h")
@@ -38,6 +56,120 @@ fn main() {
     if let Some(v) = ucx_version(&ucx.version) {
         println!("cargo:version={v}");
     }
+    println!("cargo:rustc-env=UCX_SYS_BUILT_VERSION={}", ucx.version);
+    let lib_dir = ucx.lib_dir.as_deref().map(|d| d.display().to_string()).unwrap_or_default();
+    // For dependents' build scripts (DEP_UCP_LIBDIR) and the run-time mismatch message.
+    println!("cargo:libdir={lib_dir}");
+    println!("cargo:rustc-env=UCX_SYS_LIBDIR={lib_dir}");
+}
+
+/// The system UCX, found by pkg-config (which also emits the link flags).
+fn from_system() -> Ucx {
+    match pkg_config::Config::new().atleast_version("1.12").probe("ucx") {
+        Ok(lib) => Ucx { include_paths: lib.include_paths, lib_dir: None, version: lib.version },
+        Err(e) => panic!(
+            "\n\nucx-sys: UCX development files (ucx.pc, >= 1.12) were not found: {e}\n\
+             On Debian/Ubuntu install them with:\n\n    apt-get install libucx-dev pkg-config libclang-dev\n\n\
+             or name a UCX install with UCX_HOME=<prefix> (scripts/ucx-current.sh prints one),\n\
+             or build kvxfer without the `ucx` feature.\n"
+        ),
+    }
+}
+
+/// The UCX installed under `home`; panics with what is missing.
+fn from_home(home: &Path) -> Ucx {
+    let home = home.canonicalize().unwrap_or_else(|e| panic!("ucx-sys: UCX_HOME={}: {e}", home.display()));
+    let (include, lib) = (home.join("include"), home.join("lib"));
+    for needed in [include.join("ucp/api/ucp.h"), lib.join("libucp.so")] {
+        assert!(
+            needed.exists(),
+            "ucx-sys: UCX_HOME={} has no {} (UCX_HOME must be a prefix with lib/ and include/)",
+            home.display(),
+            needed.display()
+        );
+    }
+    let pc_dir = lib.join("pkgconfig");
+    let ucx = if pc_dir.join("ucx.pc").exists() {
+        from_pc(&home, &pc_dir)
+    } else {
+        for l in ["ucp", "uct", "ucs"] {
+            println!("cargo:rustc-link-lib=dylib={l}");
+        }
+        Ucx {
+            include_paths: vec![include.clone()],
+            lib_dir: Some(lib.clone()),
+            version: header_version(&include),
+        }
+    };
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    for f in ["include/ucp/api/ucp_version.h", "lib/pkgconfig/ucx.pc"] {
+        println!("cargo:rerun-if-changed={}", home.join(f).display());
+    }
+    Ucx { lib_dir: Some(lib), ..ucx }
+}
+
+/// `ucx.pc` under `pc_dir` (and only there), its `prefix` redefined as `home`: the `.pc` of a
+/// relocated install (a wheel) names the prefix it was built in.
+fn from_pc(home: &Path, pc_dir: &Path) -> Ucx {
+    let pkg_config = env::var_os("PKG_CONFIG").unwrap_or_else(|| "pkg-config".into());
+    let ask = |what: &[&str]| -> String {
+        let out = Command::new(&pkg_config)
+            .env("PKG_CONFIG_LIBDIR", pc_dir)
+            .env_remove("PKG_CONFIG_PATH")
+            .env_remove("PKG_CONFIG_SYSROOT_DIR")
+            .arg(format!("--define-variable=prefix={}", home.display()))
+            .args(what)
+            .arg("ucx")
+            .output()
+            .unwrap_or_else(|e| panic!("ucx-sys: running pkg-config: {e}"));
+        assert!(
+            out.status.success(),
+            "ucx-sys: pkg-config {what:?} ucx in {} failed: {}",
+            pc_dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("pkg-config prints UTF-8").trim().to_owned()
+    };
+    let version = ask(&["--modversion"]);
+    let mut include_paths = Vec::new();
+    for flag in ask(&["--cflags-only-I"]).split_whitespace() {
+        if let Some(dir) = flag.strip_prefix("-I") {
+            include_paths.push(PathBuf::from(dir));
+        }
+    }
+    for flag in ask(&["--libs"]).split_whitespace() {
+        if let Some(dir) = flag.strip_prefix("-L") {
+            let dir = Path::new(dir);
+            assert!(
+                dir.starts_with(home),
+                "ucx-sys: {}/ucx.pc links from {} outside UCX_HOME={}",
+                pc_dir.display(),
+                dir.display(),
+                home.display()
+            );
+        } else if let Some(l) = flag.strip_prefix("-l") {
+            println!("cargo:rustc-link-lib=dylib={l}");
+        }
+    }
+    if include_paths.is_empty() {
+        include_paths.push(home.join("include"));
+    }
+    Ucx { include_paths, lib_dir: None, version }
+}
+
+/// `major.minor` from `ucp/api/ucp_version.h` under `include`.
+fn header_version(include: &Path) -> String {
+    let path = include.join("ucp/api/ucp_version.h");
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("ucx-sys: reading {}: {e}", path.display()));
+    let define = |name: &str| {
+        text.lines()
+            .filter_map(|l| l.trim().strip_prefix("#define "))
+            .find_map(|l| l.trim().strip_prefix(name).filter(|rest| rest.starts_with(char::is_whitespace)))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_else(|| panic!("ucx-sys: {} does not define {name}", path.display()))
+    };
+    format!("{}.{}", define("UCP_API_MAJOR"), define("UCP_API_MINOR"))
 }
 
 fn ucx_version(v: &str) -> Option<String> {

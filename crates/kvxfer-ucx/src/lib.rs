@@ -31,7 +31,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-pub use raw::{UcxError, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN};
+pub use raw::{ucx_version, UcxError, UcxVersion, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN};
 
 /// UCX settings of an agent.
 #[derive(Debug, Clone)]

@@ -8,15 +8,19 @@
 //!   peer's target info.
 //! - `target`: the prefill side's thread loop ([`run_target`]).
 //! - `initiator`: the decode side's thread loop ([`run_initiator`]) and its gets.
+//! - `version`: the UCX loaded ([`ucx_version`]) and the check, before any context is
+//!   made, that it is the version built against.
 
 mod endpoint;
 mod error;
 mod handles;
 mod initiator;
 mod target;
+mod version;
 
 pub use endpoint::{MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN};
 pub use error::UcxError;
 pub(crate) use handles::{Context, SharedContext, Signal};
 pub(crate) use initiator::{run_initiator, InitiatorLoop};
 pub(crate) use target::run_target;
+pub use version::{ucx_version, UcxVersion};

@@ -62,6 +62,7 @@ impl Context {
     /// workers on several threads may share (`mt_workers_shared`; check the mode UCX gave
     /// with [`Context::thread_mode`]).
     fn new(config: &UcxConfig, multi_threaded: bool) -> Result<Self, UcxError> {
+        super::version::check_version()?;
         let mut cfg: *mut sys::ucp_config_t = null_mut();
         // SAFETY: null prefix and file name select the defaults; `cfg` is valid for a write.
         check("ucp_config_read", unsafe { sys::ucp_config_read(null(), null(), &mut cfg) })?;
