@@ -43,6 +43,11 @@ pub(crate) struct ServeArgs {
     /// UCX peer-failure handling (UCX 1.13 then avoids shared memory).
     #[arg(long)]
     pub(crate) ucx_peer_failure: bool,
+    /// Where the prefill KV cache lives: heap (host memory UCX only registers, like vLLM's
+    /// tensors) or ucx (memory UCX allocated, `kvxfer::ucx_region`). Default: ucx for
+    /// `--transport ucx`, heap otherwise.
+    #[arg(long, value_enum)]
+    pub(crate) memory: Option<Memory>,
     /// Serve this many runs, then exit (0: until told to quit).
     #[arg(long, default_value_t = 0)]
     pub(crate) runs: u32,
@@ -65,6 +70,10 @@ pub(crate) struct RunArgs {
     /// UCX peer-failure handling (UCX 1.13 then avoids shared memory).
     #[arg(long)]
     pub(crate) ucx_peer_failure: bool,
+    /// Where the prefill KV cache lives (see `serve --memory`); one process only: in a
+    /// two-process run bench-two-process.sh passes it to `serve` (a `pull` ignores it).
+    #[arg(long, value_enum)]
+    pub(crate) memory: Option<Memory>,
     /// Check every one-sided (UCX) read against a CRC-32C taken at pin time.
     #[arg(long)]
     pub(crate) ucx_verify_payloads: bool,
@@ -190,6 +199,42 @@ impl RunArgs {
             }
         }
         Ok(runs)
+    }
+}
+
+/// Where the prefill KV cache lives (`--memory`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Memory {
+    /// Page-aligned host memory the process allocated, which UCX only registers
+    /// (`ucp_mem_map` of existing memory): what an engine's own tensors are.
+    Heap,
+    /// Memory UCX allocated (`kvxfer::ucx_region`), in shared memory UCX 1.13 serves
+    /// one-sided.
+    Ucx,
+}
+
+impl Memory {
+    /// The memory a run uses: the one asked for, else memory UCX allocated for `--transport
+    /// ucx` (built with the `ucx` feature) and the heap otherwise (also under `auto`, so a
+    /// TCP run serves from the memory its raw TCP baseline sends from, and `auto` never
+    /// fails for want of UCX memory).
+    pub(crate) fn resolve(asked: Option<Memory>, transport: TransportChoice) -> Result<Memory, String> {
+        match asked {
+            Some(Memory::Ucx) if !cfg!(feature = "ucx") => {
+                Err("--memory ucx needs kvxfer-bench built with the `ucx` feature".into())
+            }
+            Some(m) => Ok(m),
+            None if cfg!(feature = "ucx") && matches!(transport, TransportChoice::Ucx) => Ok(Memory::Ucx),
+            None => Ok(Memory::Heap),
+        }
+    }
+
+    /// Its name in the JSON (`prefill.memory`).
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Memory::Heap => "heap",
+            Memory::Ucx => "ucx_region",
+        }
     }
 }
 

@@ -36,7 +36,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use kvxfer::AgentConfig;
 
-use crate::cli::{metrics_config, ucx_config, Cli, Mode};
+use crate::cli::{metrics_config, ucx_config, Cli, Memory, Mode};
 use crate::report::bench_any as bench;
 use crate::serve::serve;
 use crate::source::{LocalSource, RemoteSource};
@@ -62,16 +62,20 @@ fn main() -> ExitCode {
         None if (cli.run.prefill_tp, cli.run.decode_tp, cli.run.block_ratio) != (1, 1, 1) => {
             hetero::bench_hetero(&cli.run)
         }
-        None => ucx_config(
-            AgentConfig::new("bench-prefill")
-                .transport(cli.run.transport)
-                .worker_threads(cli.run.worker_threads)
-                .precompute_crcs(cli.run.precompute_crcs),
-            &cli.run.ucx_tls,
-            cli.run.ucx_peer_failure,
-        )
-        .and_then(|config| metrics_config(config, &cli.run.metrics))
-        .and_then(|config| bench(&cli.run, &mut LocalSource { config, agent: None, raw_ucx: None }, "1")),
+        None => Memory::resolve(cli.run.memory, cli.run.transport).and_then(|memory| {
+            ucx_config(
+                AgentConfig::new("bench-prefill")
+                    .transport(cli.run.transport)
+                    .worker_threads(cli.run.worker_threads)
+                    .precompute_crcs(cli.run.precompute_crcs),
+                &cli.run.ucx_tls,
+                cli.run.ucx_peer_failure,
+            )
+            .and_then(|config| metrics_config(config, &cli.run.metrics))
+            .and_then(|config| {
+                bench(&cli.run, &mut LocalSource { config, memory, agent: None, raw_ucx: None }, "1")
+            })
+        }),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -86,11 +86,22 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
         let raw_ucx = raw_ucx_baseline(run, source, block)?;
         let rtt = run.baseline.then(|| percentile(&m.raw_rtt_us, 0.5));
         all_ok &= m.verified != Some(false);
+        // `pull --memory` names what `serve` was told (bench-two-process.sh passes it on):
+        // a figure is never reported under memory it was not measured from.
+        if let Some(asked) = run.memory {
+            if m.prefill["memory"] != asked.name() {
+                return Err(format!(
+                    "--memory asked for {}, the prefill side serves from {}",
+                    asked.name(),
+                    m.prefill["memory"]
+                ));
+            }
+        }
         let ratio = |b: Option<f64>| b.map(|b| m.gib_per_s / b);
         plot_rows.push(PlotRow { block, kvxfer: m.gib_per_s, raw_tcp: raw, memcpy: mem });
         if run.json {
             let mut j = json!({
-                "transport": transport, "ucx_verify_payloads": run.ucx_verify_payloads, "processes": processes, "block_bytes": block, "bytes": m.bytes,
+                "transport": transport, "ucx_verify_payloads": run.ucx_verify_payloads, "ucx_version": crate::source::ucx_runtime_version(), "processes": processes, "block_bytes": block, "bytes": m.bytes,
                 "n": run.n, "parents": run.parents, "iters": run.iters, "connections": run.connections,
                 "expected_consumers": run.expected_consumers, "notify_with_read": run.notify_with_read,
                 "gib_per_s": m.gib_per_s, "blocks_per_s": m.blocks_per_s, "p50_us": m.p50_us, "p99_us": m.p99_us,

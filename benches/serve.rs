@@ -9,7 +9,7 @@ use kvxfer::{AgentConfig, BlockId};
 use kvxfer_proto::Message;
 use serde_json::{json, Value};
 
-use crate::cli::{ucx_config, ServeArgs};
+use crate::cli::{ucx_config, Memory, ServeArgs};
 use crate::source::{LeaseSource, LocalSource};
 
 /// Serves runs until told to quit (or `--runs` of them).
@@ -26,10 +26,11 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
         &args.ucx_tls,
         args.ucx_peer_failure,
     )?;
+    let memory = Memory::resolve(args.memory, args.transport)?;
     let mut runs = 0;
     for stream in listener.incoming() {
         let stream = stream.map_err(|e| e.to_string())?;
-        let mut source = LocalSource { config: config.clone(), agent: None, raw_ucx: None };
+        let mut source = LocalSource { config: config.clone(), memory, agent: None, raw_ucx: None };
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
         let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
         let mut quit = false;

@@ -11,6 +11,7 @@ use kvxfer_mem::pattern;
 use kvxfer_proto::Message;
 use serde_json::{json, Value};
 
+use crate::cli::Memory;
 use crate::procstat::cpu_seconds;
 
 /// The decode side: where the leases come from (an agent in this process or a `serve`).
@@ -79,6 +80,8 @@ pub(crate) trait LeaseSource {
 /// A prefill agent in this process, started anew for each block size.
 pub(crate) struct LocalSource {
     pub(crate) config: AgentConfig,
+    /// Where the KV cache of each agent lives.
+    pub(crate) memory: Memory,
     pub(crate) agent: Option<PrefillAgent>,
     /// The raw UCX baseline's target, while it is read.
     pub(crate) raw_ucx: Option<Box<dyn std::any::Any>>,
@@ -88,7 +91,7 @@ impl LeaseSource for LocalSource {
     fn setup(&mut self, block: u64, blocks: u32) -> Result<(), String> {
         self.raw_ucx = None;
         self.agent = None;
-        self.agent = Some(start_prefill(self.config.clone(), block, blocks)?);
+        self.agent = Some(start_prefill(self.config.clone(), self.memory, block, blocks)?);
         Ok(())
     }
     fn lease(
@@ -106,7 +109,7 @@ impl LeaseSource for LocalSource {
     fn stats(&mut self) -> Value {
         let Some(agent) = &self.agent else { return Value::Null };
         let mut stats = prefill_stats(agent);
-        stats["memory"] = json!(prefill_memory(self.config.transport));
+        stats["memory"] = json!(self.memory.name());
         stats
     }
     #[cfg(feature = "ucx")]
@@ -131,37 +134,46 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
            "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds(),
            "rss_kib": crate::procstat::rss_kib(), "rss_peak_kib": crate::procstat::peak_rss_kib(),
            "fds": crate::procstat::open_fds(),
-           "raw_rtt_rounds_served": crate::baselines::raw_rtt_rounds_served()})
+           "raw_rtt_rounds_served": crate::baselines::raw_rtt_rounds_served(),
+           "ucx_version": ucx_runtime_version()})
 }
 
-/// Where [`start_prefill`] puts the prefill KV cache for `transport`: memory UCX allocated
-/// (`kvxfer::ucx_region`, shared memory UCX 1.13 serves one-sided) only for `--transport
-/// ucx`; the heap otherwise, also under `auto`, so a TCP run serves from the same kind of
-/// memory its raw TCP baseline sends from (and `auto` never fails for want of UCX memory).
-pub(crate) fn prefill_memory(transport: kvxfer::TransportChoice) -> &'static str {
-    if cfg!(feature = "ucx") && matches!(transport, kvxfer::TransportChoice::Ucx) {
-        "ucx_region"
-    } else {
-        "heap"
-    }
+/// The version of the libucp this process runs with (`null` without the `ucx` feature):
+/// which UCX a figure was measured on, whatever the build was pointed at.
+pub(crate) fn ucx_runtime_version() -> Value {
+    #[cfg(feature = "ucx")]
+    return json!(kvxfer_ucx::ucx_version().runtime);
+    #[cfg(not(feature = "ucx"))]
+    Value::Null
 }
 
 /// A prefill agent over `blocks` blocks of `block` bytes, filled with the test pattern, in
-/// the memory [`prefill_memory`] names.
-pub(crate) fn start_prefill(config: AgentConfig, block: u64, blocks: u32) -> Result<PrefillAgent, String> {
+/// `memory`.
+pub(crate) fn start_prefill(
+    config: AgentConfig,
+    memory: Memory,
+    block: u64,
+    blocks: u32,
+) -> Result<PrefillAgent, String> {
     let layout = BlockLayout::single(blocks, block).map_err(|e| e.to_string())?;
-    // As `prefill_memory` says.
-    let mem = match config.transport {
+    let mem = match memory {
         #[cfg(feature = "ucx")]
-        kvxfer::TransportChoice::Ucx => {
+        Memory::Ucx => {
             let ucx = config.ucx.clone();
+            // UCX's reason, not just "could not allocate" (e.g. a libucp of another version).
+            let mut why = None;
             pattern::alloc_filled_in(layout, &mut |len| {
-                kvxfer::ucx_region(&ucx, len).map_err(|_| kvxfer_mem::MemError::Alloc(len))
+                kvxfer::ucx_region(&ucx, len).map_err(|e| {
+                    why = Some(format!("kvxfer::ucx_region of {len} bytes: {e}"));
+                    kvxfer_mem::MemError::Alloc(len)
+                })
             })
+            .map_err(|e| why.take().unwrap_or_else(|| e.to_string()))
         }
-        _ => pattern::alloc_filled(layout),
-    }
-    .map_err(|e| e.to_string())?;
+        #[cfg(not(feature = "ucx"))]
+        Memory::Ucx => Err("--memory ucx needs kvxfer-bench built with the `ucx` feature".to_owned()),
+        Memory::Heap => pattern::alloc_filled(layout).map_err(|e| e.to_string()),
+    }?;
     PrefillAgent::start(config, "127.0.0.1:0", mem).map_err(|e| e.to_string())
 }
 

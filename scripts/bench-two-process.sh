@@ -7,8 +7,18 @@
 #
 # Builds kvxfer-bench in release mode with the UCX feature (needs libucx-dev), unless
 # KVXFER_BENCH names a binary to use instead (for A/B runs of two builds).
+#
+# UCX_HOME=<prefix> (e.g. from `eval "$(scripts/ucx-current.sh)"`) builds and runs against
+# that UCX instead of the system's: the build goes to target/ucx-current (unless
+# CARGO_TARGET_DIR says otherwise, so the system build is not invalidated) and both
+# processes run with $UCX_HOME/lib first in LD_LIBRARY_PATH (a KVXFER_BENCH binary too).
+# The JSON's `ucx_version` (and `prefill.ucx_version`) is the libucp each process loaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${UCX_HOME:-}" ]; then
+    export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target/ucx-current}
+    export LD_LIBRARY_PATH="$UCX_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 bin=${KVXFER_BENCH:-}
 if [ -z "$bin" ]; then
     cargo build -q --release -p kvxfer-bench --features ucx
@@ -21,12 +31,18 @@ if [ -z "$bin" ]; then
     bin=$target_dir/release/kvxfer-bench
 fi
 
-# The serve side takes the transport flags and --worker-threads (pull takes them too).
+# UCX reads every UCX_* variable and warns about UCX_HOME, which is not one of its own: the
+# build above was its only reader.
+unset UCX_HOME
+
+# The serve side takes the transport flags, --worker-threads and --memory (pull takes them
+# too; it checks that `serve` used the --memory it names).
 serve_args=()
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[$i]}" in
-        --transport|--ucx-tls|--worker-threads) serve_args+=("${args[$i]}" "${args[$((i + 1))]}") ;;
+        --transport|--ucx-tls|--worker-threads|--memory) serve_args+=("${args[$i]}" "${args[$((i + 1))]}") ;;
+        --memory=*) serve_args+=("${args[$i]}") ;;
         --ucx-peer-failure|--precompute-crcs) serve_args+=("${args[$i]}") ;;
     esac
 done

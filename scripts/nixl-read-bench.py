@@ -15,9 +15,11 @@ Needs the `nixl` Python package (`pip install nixl-cu12`, which bundles its own 
 """
 
 import argparse
+import ctypes
 import json
 import os
 import pickle
+import re
 import socket
 import struct
 import subprocess
@@ -87,8 +89,24 @@ def target(port_file, total):
     conn.close()
 
 
+def loaded_ucx_version():
+    """The version of the libucp this process loaded (NIXL bundles its own), from
+    `ucp_get_version_string`; None when no libucp is mapped."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if re.search(r"/libucp[-.][^/]*so", line)}
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+        except OSError:
+            continue
+        lib.ucp_get_version_string.restype = ctypes.c_char_p
+        return lib.ucp_get_version_string().decode()
+    return None
+
+
 def initiator(port, total, blocks, iters, warmup):
     agent = make_agent("initiator")
+    ucx_version = loaded_ucx_version()
     sock = socket.create_connection(("127.0.0.1", port))
     info = recv_obj(sock)
     remote = agent.add_remote_agent(info["meta"])
@@ -116,7 +134,7 @@ def initiator(port, total, blocks, iters, warmup):
                 rates.append(total / (1 << 30) / secs)
         verified = bool(np.array_equal(dst, expect))
         print(json.dumps({"block_bytes": block, "bytes": total, "nixl_gib_per_s": sorted(rates)[len(rates) // 2],
-                          "iter_gib_per_s": rates, "verified": verified}), flush=True)
+                          "iter_gib_per_s": rates, "verified": verified, "ucx_version": ucx_version}), flush=True)
     send_obj(sock, "done")
     sock.close()
 

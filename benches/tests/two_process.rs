@@ -58,6 +58,9 @@ fn two_processes_with(serve_args: &[&str], transport_args: &[&str], memory: &str
         // The prefill process counted what it served: 2 iterations of 16 MiB per block size.
         assert_eq!(r["prefill"]["bytes_served"], 2 * (16 << 20), "{r}");
         assert_eq!(r["prefill"]["pulled"], 8, "{r}");
+        // Both processes say which libucp they loaded (null without the `ucx` feature).
+        assert_eq!(r["ucx_version"], r["prefill"]["ucx_version"], "{r}");
+        assert_eq!(r["ucx_version"].is_string(), cfg!(feature = "ucx"), "{r}");
     }
 }
 
@@ -117,6 +120,30 @@ fn ucx_over_tcp_across_two_processes() {
 #[test]
 fn ucx_over_shared_memory_across_two_processes() {
     two_processes(&["--transport", "ucx", "--ucx-tls", "posix,sysv,cma,self"]);
+}
+
+/// `--memory heap`: UCX serves the KV cache from host memory it only registered (what an
+/// engine's own tensors are), over shared memory, between two processes.
+#[cfg(feature = "ucx")]
+#[test]
+fn ucx_over_shared_memory_from_heap_memory_across_two_processes() {
+    let args = ["--transport", "ucx", "--ucx-tls", "posix,sysv,cma,self", "--memory", "heap"];
+    two_processes_with(&args, &args, "heap");
+}
+
+/// `pull --memory` names the memory `serve` was told to use; a `serve` that used another
+/// fails the run instead of reporting its figures under the wrong memory.
+#[test]
+fn a_pull_refuses_figures_from_memory_it_did_not_ask_for() {
+    let (_serve, addr) = serve(&["--transport", "tcp", "--memory", "heap"]);
+    let out = Command::new(BIN)
+        .args(["pull", "--peer", &addr, "--transport", "tcp", "--memory", "ucx", "--block-bytes", "64K"])
+        .args(["--total-bytes", "1M", "--iters", "1", "--warmup", "0", "--json"])
+        .output()
+        .expect("run pull");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("the prefill side serves from \"heap\""), "{stderr}");
 }
 
 /// The many-requests workload across two processes: every level reports its figures, and
