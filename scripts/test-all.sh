@@ -52,6 +52,23 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --lock
 echo "== tests (every crate, with the UCX data path)"
 cargo test --workspace --all-features --locked
 
+echo "== UCX tests against a current UCX (scripts/ucx-current.sh: the libucx-cu12 wheel, pinned)"
+# The same UCX code built against UCX_HOME instead of the system's 1.13, in a target dir of
+# its own (the main build above is not invalidated), run with that UCX's lib/ first in the
+# library path: kvxfer refuses to start UCX on a libucp of another version, and
+# `the_loaded_ucx_is_the_one_built_against` fails if the system's was loaded.
+eval "$(bash scripts/ucx-current.sh)"
+(
+    export UCX_HOME CARGO_TARGET_DIR="$PWD/target/ucx-current"
+    export LD_LIBRARY_PATH="$UCX_LIBRARY_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # UCX reads every UCX_* variable and would warn that UCX_HOME is not one of its own.
+    export UCX_WARN_UNUSED_ENV_VARS=n
+    cargo test --locked -p ucx-sys -p kvxfer-ucx
+    cargo test --locked -p kvxfer --features kvxfer/ucx --lib --test engine --test hardening --test limits --test pull_errors
+    cargo test --locked -p kvxfer-bench --features kvxfer-bench/ucx --test two_process ucx
+    cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
+)
+
 echo "== loopback smoke run (pulled, released and expired children; exits non-zero on any mismatch)"
 cargo run --locked --example loopback -- --n 3 --cancel-child 1 --skip-child 2 --lease-ms 500 --json
 cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
