@@ -67,8 +67,9 @@ pub(crate) trait LeaseSource {
     }
     /// Prefill-side stats (bytes served, leases) as JSON.
     fn stats(&mut self) -> Value;
-    /// Registers `bytes` of filled memory as a bare UCX target on the prefill side (kept
-    /// until the next call or the next `setup`), for the raw get baseline.
+    /// Registers `bytes` of filled memory, of the kind the agent's KV cache is in
+    /// (`--memory`), as a bare UCX target on the prefill side (kept until the next call or
+    /// the next `setup`), for the raw get baseline.
     #[cfg(feature = "ucx")]
     fn raw_ucx_target(
         &mut self,
@@ -119,7 +120,7 @@ impl LeaseSource for LocalSource {
         bytes: u64,
     ) -> Result<kvxfer_ucx::TargetInfo, String> {
         self.raw_ucx = None;
-        let (target, info) = crate::ucx_baseline::start_target(config, bytes)?;
+        let (target, info) = crate::ucx_baseline::start_target(config, bytes, self.memory)?;
         self.raw_ucx = Some(Box::new(target));
         Ok(info)
     }

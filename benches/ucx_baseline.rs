@@ -12,6 +12,8 @@ use kvxfer_mem::Region;
 use kvxfer_ucx::{GetPiece, RegionInfo, Span, TargetInfo, UcxBuffer, UcxConfig, UcxInitiator, UcxTarget};
 use serde_json::{json, Value};
 
+use crate::cli::Memory;
+
 /// UCX settings of a raw run (what the agents get from `--ucx-tls`, `--ucx-peer-failure`).
 pub(crate) fn raw_config(tls: &Option<String>, peer_failure: bool) -> UcxConfig {
     UcxConfig { tls: tls.clone(), peer_failure_handling: peer_failure, verify_payloads: false }
@@ -27,16 +29,28 @@ fn touched_region(bytes: u64, fill: u8) -> Result<Arc<Region>, String> {
 }
 
 /// Registers `bytes` of filled memory as a UCX target; returns it (keep it alive while the
-/// baseline reads) with what an initiator needs. The memory is UCX's own
-/// ([`UcxBuffer`]), as kvxfer's prefill memory in the bench (`source::start_prefill`).
-pub(crate) fn start_target(config: &UcxConfig, bytes: u64) -> Result<(UcxTarget, TargetInfo), String> {
+/// baseline reads) with what an initiator needs. The memory is the kind kvxfer's prefill
+/// memory is in the same run (`--memory`, `source::start_prefill`): UCX's own
+/// ([`UcxBuffer`]) or a page-aligned heap region UCX only registers.
+pub(crate) fn start_target(
+    config: &UcxConfig,
+    bytes: u64,
+    memory: Memory,
+) -> Result<(UcxTarget, TargetInfo), String> {
     let len = usize::try_from(bytes).map_err(|e| e.to_string())?;
-    let buffer = UcxBuffer::alloc(config, len).map_err(|e| e.to_string())?;
-    // SAFETY: the buffer holds at least `len` bytes and nobody else has its address yet.
-    unsafe { std::ptr::write_bytes(buffer.as_ptr(), 0x5a, len) };
-    let span = Span { ptr: buffer.as_ptr(), len };
-    let keep: Arc<dyn Any + Send + Sync> = Arc::new(buffer);
-    // SAFETY: `keep` owns the buffer the span covers and is dropped by the target only
+    let (span, keep): (Span, Arc<dyn Any + Send + Sync>) = match memory {
+        Memory::Ucx => {
+            let buffer = UcxBuffer::alloc(config, len).map_err(|e| e.to_string())?;
+            // SAFETY: the buffer holds at least `len` bytes and nobody else has its address yet.
+            unsafe { std::ptr::write_bytes(buffer.as_ptr(), 0x5a, len) };
+            (Span { ptr: buffer.as_ptr(), len }, Arc::new(buffer))
+        }
+        Memory::Heap => {
+            let region = touched_region(bytes, 0x5a)?;
+            (Span { ptr: region.as_ptr(), len: region.len() }, region)
+        }
+    };
+    // SAFETY: `keep` owns the memory the span covers and is dropped by the target only
     // after the region is unmapped; nothing writes it after this point.
     let target = unsafe { UcxTarget::start(config, vec![span], keep) }.map_err(|e| e.to_string())?;
     let info = target.info().clone();

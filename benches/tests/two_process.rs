@@ -131,6 +131,30 @@ fn ucx_over_shared_memory_from_heap_memory_across_two_processes() {
     two_processes_with(&args, &args, "heap");
 }
 
+/// `--baseline` over UCX from either memory: the raw get baseline (which reads the kind kvxfer
+/// serves from, `--memory`) runs from the `serve` process, and its ratio is kvxfer's rate over it.
+#[cfg(feature = "ucx")]
+#[test]
+fn the_raw_ucx_get_baseline_runs_from_either_memory() {
+    for memory in ["heap", "ucx"] {
+        let args = ["--transport", "ucx", "--ucx-tls", "posix,sysv,cma,self", "--memory", memory];
+        let (_serve, addr) = serve(&args);
+        let rows = pull(&addr, &[&args[..], &["--baseline"]].concat());
+        assert_eq!(rows.len(), 2);
+        for r in &rows {
+            assert_eq!(r["verified"], true, "{r}");
+            assert_eq!(r["prefill"]["memory"], if memory == "heap" { "heap" } else { "ucx_region" }, "{r}");
+            let raw = r["raw_ucx_get_gib_per_s"].as_f64().expect("raw get figure");
+            assert!(raw.is_finite() && raw > 0.0, "{r}");
+            assert_eq!(
+                r["ratio_vs_raw_ucx_get"].as_f64(),
+                Some(r["gib_per_s"].as_f64().expect("rate") / raw),
+                "{r}"
+            );
+        }
+    }
+}
+
 /// `pull --memory` names the memory `serve` was told to use; a `serve` that used another
 /// fails the run instead of reporting its figures under the wrong memory.
 #[test]
