@@ -65,8 +65,10 @@ eval "$(bash scripts/ucx-current.sh)"
     export UCX_WARN_UNUSED_ENV_VARS=n
     cargo test --locked -p ucx-sys -p kvxfer-ucx
     cargo test --locked -p kvxfer --features kvxfer/ucx --lib --test engine --test hardening --test limits --test pull_errors
+    # The loopback run right after kvxfer's tests, with the same package and features, reuses
+    # their build (the bench's features would rebuild kvxfer's dependencies).
+    cargo run --locked -p kvxfer --features ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
     cargo test --locked -p kvxfer-bench --features kvxfer-bench/ucx --test two_process ucx
-    cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
 )
 
 echo "== loopback smoke run (pulled, released and expired children; exits non-zero on any mismatch)"
