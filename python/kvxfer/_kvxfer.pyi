@@ -311,7 +311,13 @@ class DecodeAgent:
         transport: str = "tcp",
         shutdown_grace: float = 5.0,
         queue_reports: bool = False,
-    ) -> None: ...
+        notify_with_read: bool = False,
+    ) -> None:
+        """``worker_threads=0``: one thread driving a current-thread runtime (the lowest
+        one-block latency, one core's throughput). ``notify_with_read=True``: a child whose
+        own read settles it sends its notify behind the read, one round trip per hand-off
+        (its lease then ends as pulled once the prefill side sent the payload; see the
+        engine's ``AgentConfig::notify_with_read``)."""
     @property
     def consumer_id(self) -> str: ...
     @property

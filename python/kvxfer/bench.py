@@ -16,12 +16,22 @@ memory has none, and a paired run should compare the binding, not page sizes.
 ``--pair-with PATH`` runs the Rust binary (``cargo build --release -p kvxfer-bench``;
 ``target/release/kvxfer-bench``) and this benchmark alternately, ``--rounds`` times each, on
 the same machine, and prints both medians and their ratio per block size.
+
+``--latency`` measures the one-block hand-off instead, across two processes (the prefill
+agent in a child Python process, leasing on request): per iteration, from ``submit`` of
+one child of one block to ``Pull.wait()`` returning in this process, beside a raw TCP
+round trip of the same block (a 64-byte request answered with the block, read with one
+``MSG_WAITALL`` receive) to a responder in another process — ``kvxfer-bench serve``'s
+(``--raw-with PATH``; Rust, as in kvxfer-bench's own latency figures) or else one in the
+prefill process. The two alternate, so each hand-off is paired with a round trip taken in
+the same moment; the report gives both distributions and the paired ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -159,6 +169,163 @@ def run_block_size(args: argparse.Namespace, block: int) -> dict[str, Any]:
     }
 
 
+def prefill_server(args: argparse.Namespace) -> int:
+    """``--prefill-server``: the prefill half of ``--latency``, one JSON request per stdin
+    line (``lease``, ``raw_rtt``, ``stats``), one JSON answer per stdout line."""
+    block = args.block_bytes[0]
+    blocks = args.blocks
+    src = np.random.default_rng(block).integers(0, 256, size=blocks * block, dtype=np.uint8)
+    prefill = kvxfer.PrefillAgent(
+        kvxfer.Memory([kvxfer.Segment(src, block_bytes=block)], num_blocks=blocks),
+        agent_name="bench-prefill",
+        worker_threads=args.worker_threads,
+    )
+    raw_listener: Optional[socket.socket] = None
+    try:
+        for line in sys.stdin:
+            req = json.loads(line)
+            op = req.get("op")
+            if op == "lease":
+                handoffs = prefill.lease_parent(req["parent"], req["blocks"])
+                prefill.poll_ends()
+                reply: dict[str, Any] = {"params": [h.to_params() for h in handoffs]}
+            elif op == "raw_rtt":
+                # A responder in this process, for runs without --raw-with.
+                raw_listener = socket.create_server(("127.0.0.1", 0))
+                import threading
+
+                threading.Thread(target=raw_responder, args=(raw_listener, block), daemon=True).start()
+                reply = {"addr": "%s:%d" % raw_listener.getsockname()[:2]}
+            elif op == "stats":
+                reply = {"leases": prefill.stats()["leases"]}
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+            print(json.dumps(reply), flush=True)
+    finally:
+        prefill.shutdown()
+        if raw_listener is not None:
+            raw_listener.close()
+    return 0
+
+
+def raw_responder(listener: socket.socket, block: int) -> None:
+    """Answers every 64-byte request on one connection with ``block`` bytes."""
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = bytes(block)
+    req = bytearray(64)
+    with conn:
+        while conn.recv_into(req, 64, socket.MSG_WAITALL) == 64:
+            conn.sendall(data)
+
+
+def run_latency(args: argparse.Namespace) -> dict[str, Any]:
+    """``--latency``: one-block hand-offs from a prefill process, each paired with a raw
+    round trip of the same block taken right after it."""
+    block = args.block_bytes[0]
+    blocks = args.blocks
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvxfer.bench", "--prefill-server", "--block-bytes", str(block),
+         "--blocks", str(blocks), "--worker-threads", str(args.worker_threads)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    serve: Optional[subprocess.Popen[str]] = None
+
+    def ask(req: dict[str, Any]) -> dict[str, Any]:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(json.dumps(req) + "\n")
+        child.stdin.flush()
+        reply = json.loads(child.stdout.readline())
+        if "error" in reply:
+            raise SystemExit(f"prefill process: {reply['error']}")
+        return reply
+
+    dst = np.zeros(blocks * block, dtype=np.uint8)
+    decode = kvxfer.DecodeAgent(
+        kvxfer.Memory([kvxfer.Segment(dst, block_bytes=block)], num_blocks=blocks),
+        agent_name="bench-decode",
+        connections_per_peer=args.connections,
+        worker_threads=args.worker_threads,
+        notify_with_read=args.notify_with_read,
+    )
+    raw: Optional[socket.socket] = None
+    try:
+        if args.raw_with:
+            serve = subprocess.Popen([args.raw_with, "serve", "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+            assert serve.stdout is not None
+            control_addr = serve.stdout.readline().rsplit(" ", 1)[-1].strip()
+            host, port = control_addr.rsplit(":", 1)
+            control = socket.create_connection((host, int(port)))
+            control.sendall((json.dumps({"op": "raw_rtt_responder", "block_bytes": block}) + "\n").encode())
+            answer = json.loads(control.makefile().readline())
+            raw_addr = answer["addr"]
+        else:
+            raw_addr = ask({"op": "raw_rtt"})["addr"]
+        host, port = raw_addr.rsplit(":", 1)
+        raw = socket.create_connection((host, int(port)))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        request, answer_buf = b"\1" * 64, bytearray(block)
+
+        def raw_round_trip() -> float:
+            assert raw is not None
+            t0 = time.perf_counter()
+            raw.sendall(request)
+            got = raw.recv_into(answer_buf, block, socket.MSG_WAITALL)
+            t1 = time.perf_counter()
+            if got != block:
+                raise SystemExit(f"raw round trip: {got} of {block} bytes")
+            return (t1 - t0) * 1e6
+
+        handoffs: list[float] = []
+        rtts: list[float] = []
+        for it in range(args.warmup + args.iters):
+            b = it % blocks
+            params = ask({"op": "lease", "parent": f"lat-{it}", "blocks": [[b]]})["params"]
+            t0 = time.perf_counter()
+            reports = decode.submit(params, [[b]]).wait()
+            t1 = time.perf_counter()
+            if reports[0]["outcome"] != "done":
+                raise SystemExit(f"hand-off {it}: {reports[0]['outcome']} {reports[0]['error']}")
+            rtt = raw_round_trip()
+            if it >= args.warmup:
+                handoffs.append((t1 - t0) * 1e6)
+                rtts.append(rtt)
+        leases = ask({"op": "stats"})["leases"]
+    finally:
+        decode.shutdown()
+        if raw is not None:
+            raw.close()
+        if child.stdin is not None:
+            child.stdin.close()
+        child.wait(timeout=30)
+        if serve is not None:
+            serve.kill()
+            serve.wait()
+    ratios = sorted(h / r for h, r in zip(handoffs, rtts))
+    handoffs.sort()
+    rtts.sort()
+    return {
+        "api": "python",
+        "mode": "latency",
+        "transport": "tcp",
+        "processes": "2",
+        "block_bytes": block,
+        "iters": args.iters,
+        "worker_threads": args.worker_threads,
+        "notify_with_read": args.notify_with_read,
+        "raw_responder": "kvxfer-bench serve" if args.raw_with else "python",
+        "handoff_p10_us": percentile(handoffs, 0.1),
+        "handoff_p50_us": percentile(handoffs, 0.5),
+        "handoff_p99_us": percentile(handoffs, 0.99),
+        "raw_rtt_p10_us": percentile(rtts, 0.1),
+        "raw_rtt_p50_us": percentile(rtts, 0.5),
+        "raw_rtt_p99_us": percentile(rtts, 0.99),
+        "handoff_vs_raw_rtt_paired_p50": percentile(ratios, 0.5),
+        "handoff_vs_raw_rtt_paired_p10": percentile(ratios, 0.1),
+        "prefill": {k: leases[k] for k in ("leased", "pulled", "released", "expired")},
+    }
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'block':>9} {'bytes':>10} {'GiB/s':>9} {'blocks/s':>12} {'p50 us':>10} {'p99 us':>10} {'max us':>10} "
@@ -271,7 +438,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per block size")
     ap.add_argument("--pair-with", metavar="KVXFER_BENCH", help="alternate runs with this kvxfer-bench binary")
     ap.add_argument("--rounds", type=int, default=5, help="paired runs of each (with --pair-with)")
+    ap.add_argument("--latency", action="store_true", help="one-block hand-offs across two processes, paired with raw round trips")
+    ap.add_argument("--notify-with-read", action="store_true", help="--latency: the decode agent's notify_with_read")
+    ap.add_argument("--raw-with", metavar="KVXFER_BENCH", help="--latency: the raw round trip's responder in `KVXFER_BENCH serve`")
+    ap.add_argument("--blocks", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.prefill_server:
+        return prefill_server(args)
+    if args.latency:
+        row = run_latency(args)
+        print(json.dumps(row) if args.json else "\n".join(f"{k}: {v}" for k, v in row.items()), flush=True)
+        return 0
     if args.pair_with:
         return paired(args)
     rows = []

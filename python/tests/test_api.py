@@ -33,6 +33,31 @@ def test_a_parent_with_four_children_is_pulled_and_every_lease_ends_pulled(prefi
     assert (leases["pulled"], leases["expired"], leases["unrecognized"]) == (4, 0, 0)
 
 
+def test_agents_on_one_thread_each_with_the_notify_behind_the_read_pull_every_child_once(src, dst):
+    # worker_threads=0: each agent's runtime is one thread; notify_with_read: one round trip
+    # per child whose own read settles it (children 0 and 2 share block 1: not those reads).
+    prefill = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), engine_id="prefill-engine", worker_threads=0)
+    decode = kvxfer.DecodeAgent(
+        kvxfer.kv_cache_memory([dst]), engine_id="decode-engine", worker_threads=0, notify_with_read=True
+    )
+    try:
+        blocks = [[1, 3], [4, 5], [1, 6], [7]]
+        local = [[20, 21], [22, 23], [24, 25], [26]]
+        for round_ in range(3):
+            handoffs = prefill.lease_parent(f"ONE-{round_}", blocks)
+            reports = decode.submit([h.to_params() for h in handoffs], local).wait(timeout=30)
+            assert [r["outcome"] for r in reports] == ["done"] * 4
+            for i in range(4):
+                assert blocks_equal(src, blocks[i], dst, local[i])
+        ends = prefill.wait_ends(12, timeout=10)
+        assert sorted(e["kind"] for e in ends) == ["pulled"] * 12
+        leases = prefill.stats()["leases"]
+        assert (leases["pulled"], leases["released"], leases["expired"]) == (12, 0, 0)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
 def test_a_subset_of_children_is_pulled_alone_and_the_rest_by_another_pull(prefill, decode, src, dst):
     params = [h.to_params() for h in prefill.lease_parent("P", [[1], [2], [3]])]
     first = decode.submit([params[2]], [[9]])

@@ -18,3 +18,17 @@ def test_the_benchmark_moves_and_verifies_its_workload():
         assert r["verified"] is True and r["bytes"] == 4 << 20
         assert r["gib_per_s"] > 0 and r["p50_us"] > 0 and r["cpu_s_per_gib"] > 0
         assert r["prefill"]["pulled"] == r["n"] and r["prefill"]["expired"] == 0
+
+
+def test_the_latency_benchmark_pairs_each_hand_off_with_a_raw_round_trip():
+    cmd = [sys.executable, "-m", "kvxfer.bench", "--latency", "--block-bytes", "64K", "--iters", "30", "--warmup", "2"]
+    out = subprocess.run(
+        cmd + ["--json", "--worker-threads", "0", "--notify-with-read"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert row["mode"] == "latency" and row["processes"] == "2" and row["raw_responder"] == "python"
+    assert 0 < row["raw_rtt_p10_us"] <= row["raw_rtt_p50_us"] and 0 < row["handoff_p10_us"] <= row["handoff_p50_us"]
+    assert row["handoff_vs_raw_rtt_paired_p50"] > 0
+    # Every lease of the run was pulled, none released or expired.
+    assert row["prefill"] == {"leased": 32, "pulled": 32, "released": 0, "expired": 0}

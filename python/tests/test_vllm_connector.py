@@ -32,6 +32,10 @@ def decode():
     inst.shutdown()
 
 
+# The latency options: one thread per agent's runtime, and the notify behind the read.
+ONE_THREAD = {"kvxfer_worker_threads": 0, "kvxfer_notify_with_read": True}
+
+
 def prefill_request(rid: str, n: int = 1) -> Request:
     params = {"do_remote_decode": True}
     if n > 1:
@@ -60,7 +64,18 @@ def test_n1_one_child_pulled_and_its_blocks_freed(prefill, decode):
     assert ends_by_kind(prefill) == {"pulled": 1, "released": 0, "expired": 0, "unrecognized": 0, "live": 0}
 
 
-def test_n4_every_child_has_its_own_handoff_and_is_pulled(prefill, decode):
+@pytest.mark.parametrize("options", [{}, ONE_THREAD], ids=["defaults", "one_thread_notify_with_read"])
+def test_n4_every_child_has_its_own_handoff_and_is_pulled(options):
+    prefill = Instance("kv_producer", "prefill-engine", seed=7, extra={"kvxfer_lease_ttl": 30, **options})
+    decode = Instance("kv_consumer", "decode-engine", extra=options)
+    try:
+        n4_every_child_pulled(prefill, decode)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def n4_every_child_pulled(prefill: Instance, decode: Instance) -> None:
     # Children share the prompt's first two blocks (prefix caching) and own the third.
     blocks = {i: [1, 2, 10 + i] for i in range(4)}
     minted = [prefill.finish_prefill(prefill_request(f"{i}_R", n=4), blocks[i])[1] for i in range(4)]

@@ -263,7 +263,7 @@ impl DecodeAgent {
         memory, *, agent_name = "decode", engine_id = None, rank = 0, kv_shape = None, consumer_id = None,
         cluster_key = None,
         io_timeout = 10.0, worker_threads = 2, connections_per_peer = 2, heartbeat_interval = None,
-        transport = "tcp", shutdown_grace = 5.0, queue_reports = false
+        transport = "tcp", shutdown_grace = 5.0, queue_reports = false, notify_with_read = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -282,6 +282,7 @@ impl DecodeAgent {
         transport: &str,
         shutdown_grace: f64,
         queue_reports: bool,
+        notify_with_read: bool,
     ) -> PyResult<Self> {
         let mut config = base_config(
             py,
@@ -300,7 +301,7 @@ impl DecodeAgent {
         if let Some(id) = consumer_id {
             config = config.consumer_id(id);
         }
-        config = config.connections_per_peer(connections_per_peer);
+        config = config.connections_per_peer(connections_per_peer).notify_with_read(notify_with_read);
         config.heartbeat_interval =
             heartbeat_interval.map(|h| seconds(py, "heartbeat_interval", h)).transpose()?;
         let memory = memory.take(py)?;

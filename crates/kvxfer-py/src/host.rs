@@ -1,5 +1,6 @@
 //! Each Python-facing agent runs kvxfer's async agent on a tokio runtime of its own (the
-//! binding's threads, not Python's): [`Hosted`] holds the two, hands out the agent while it
+//! binding's threads, not Python's; `worker_threads=0`: one thread driving a current-thread
+//! runtime, see `kvxfer::blocking::AgentRuntime`): [`Hosted`] holds the two, hands out the agent while it
 //! lives, and shuts both down — gracefully, with the GIL released — on `shutdown()`, or on a
 //! thread of its own when the Python object is collected without one.
 
@@ -7,30 +8,28 @@ use std::future::Future;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use kvxfer::blocking::AgentRuntime;
 use pyo3::prelude::*;
-use tokio::runtime::{Handle, Runtime};
+use tokio::runtime::Handle;
 
 use crate::errors::{raise, AgentClosedError, TransportError};
 
-/// Builds an agent's runtime: `threads` workers named `kvxfer-py-{name}`.
-pub(crate) fn runtime(py: Python<'_>, name: &str, threads: usize) -> PyResult<Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads.max(1))
-        .thread_name(format!("kvxfer-py-{name}"))
-        .enable_all()
-        .build()
+/// Builds an agent's runtime: `threads` workers (0: one thread driving a current-thread
+/// runtime) named `kvxfer-py-{name}`.
+pub(crate) fn runtime(py: Python<'_>, name: &str, threads: usize) -> PyResult<AgentRuntime> {
+    AgentRuntime::start(&format!("kvxfer-py-{name}"), threads)
         .map_err(|e| raise::<TransportError>(py, format!("starting the runtime of agent {name}: {e}"), &[]))
 }
 
 /// An async agent and the runtime it runs on.
 pub(crate) struct Hosted<A: Send + Sync + 'static> {
-    live: RwLock<Option<(Arc<A>, Runtime)>>,
+    live: RwLock<Option<(Arc<A>, AgentRuntime)>>,
     what: &'static str,
 }
 
 impl<A: Send + Sync + 'static> Hosted<A> {
     /// Hosts `agent` on `rt`; `what` names it in errors ("prefill agent").
-    pub(crate) fn new(agent: A, rt: Runtime, what: &'static str) -> Self {
+    pub(crate) fn new(agent: A, rt: AgentRuntime, what: &'static str) -> Self {
         Hosted { live: RwLock::new(Some((Arc::new(agent), rt))), what }
     }
 

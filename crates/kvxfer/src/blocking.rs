@@ -1,7 +1,8 @@
 //! The blocking facade, for hosts without a tokio runtime (an inference server's Python
-//! threads, C callers): each agent owns a small multi-thread runtime
-//! (`AgentConfig::worker_threads` workers, named `kvxfer-{agent}`) and runs the async agent
-//! of the crate root on it — the same code, not a second implementation.
+//! threads, C callers): each agent owns a small runtime ([`AgentRuntime`]:
+//! `AgentConfig::worker_threads` workers, or with 0 a current-thread runtime on one driver
+//! thread; threads named `kvxfer-{agent}`) and runs the async agent of the crate root on it
+//! — the same code, not a second implementation.
 //!
 //! Calls that wait never start a runtime on the caller's thread (they poll the agent's
 //! futures with a plain executor while the agent's runtime drives them), so none of them
@@ -22,26 +23,20 @@ use kvxfer_core::{
 };
 use kvxfer_mem::KvMemory;
 use kvxfer_proto::v1;
-use tokio::runtime::{Handle, Runtime};
+use tokio::runtime::Handle;
 
-use crate::runtime::{in_runtime, refuse_in_runtime};
+pub use crate::runtime::AgentRuntime;
+use crate::runtime::{in_runtime, refuse_in_runtime, wait};
 use crate::{
     AgentConfig, ChildReport, DecodeStats, Error, LeaseEnds, PrefillStats, PullCanceller, PullReport,
     Reclaimed,
 };
 
-/// Runs `fut` to completion on the calling thread, with `handle`'s runtime driving its I/O
-/// and timers.
-fn wait<F: std::future::Future>(handle: &Handle, fut: F) -> F::Output {
-    let _enter = handle.enter();
-    futures::executor::block_on(fut)
-}
-
 /// A prefill worker's agent with its own runtime (see [`crate::PrefillAgent`]).
 #[derive(Debug)]
 pub struct PrefillAgent {
     agent: Option<crate::PrefillAgent>,
-    runtime: Option<Runtime>,
+    runtime: Option<AgentRuntime>,
 }
 
 impl PrefillAgent {
@@ -205,8 +200,8 @@ impl Drop for PrefillAgent {
 /// does not run UCX's exit handlers under a worker still being destroyed. Inside a tokio
 /// runtime, where that must not block, all of it runs on a short-lived `kvxfer-teardown`
 /// thread.
-fn tear_down<A: Send + 'static>(agent: Option<A>, runtime: Option<Runtime>, shutdown: fn(&A, &Handle)) {
-    let finish = move |agent: Option<A>, runtime: Option<Runtime>| {
+fn tear_down<A: Send + 'static>(agent: Option<A>, runtime: Option<AgentRuntime>, shutdown: fn(&A, &Handle)) {
+    let finish = move |agent: Option<A>, runtime: Option<AgentRuntime>| {
         if let (Some(a), Some(rt)) = (&agent, &runtime) {
             shutdown(a, rt.handle());
         }
@@ -227,7 +222,7 @@ fn tear_down<A: Send + 'static>(agent: Option<A>, runtime: Option<Runtime>, shut
 #[derive(Debug)]
 pub struct DecodeAgent {
     agent: Option<crate::DecodeAgent>,
-    runtime: Option<Runtime>,
+    runtime: Option<AgentRuntime>,
 }
 
 impl DecodeAgent {

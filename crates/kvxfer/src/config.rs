@@ -53,9 +53,11 @@ pub struct AgentConfig {
     pub limits: Limits,
     /// Worker threads of the runtime a blocking agent ([`crate::blocking`]) owns; the async
     /// agents run on their caller's runtime and start none. Default 2: more throughput per
-    /// agent under load (bulk and many-request runs); 1 costs fewer context switches and
-    /// less CPU per hand-off and gives lower one-block latency (tokio wakes an idle sibling
-    /// worker on events), so latency-bound agents on a tight core budget may prefer it.
+    /// agent under load (bulk and many-request runs). 0: a current-thread runtime on one
+    /// driver thread ([`crate::blocking::AgentRuntime`]): everything the agent does runs on
+    /// that one thread, with the fewest context switches and the lowest one-block latency,
+    /// at one core's throughput. 1 sits between (tokio wakes an idle sibling of the worker
+    /// on events, and moves tasks between the worker and the I/O driver).
     pub worker_threads: usize,
     /// How long `shutdown` lets reads in flight (and, on a prefill agent, open pins) finish
     /// before it cuts them. Default 5 s.
@@ -335,9 +337,9 @@ impl AgentConfig {
         self
     }
 
-    /// Sets the runtime's thread count (at least 1).
+    /// Sets [`Self::worker_threads`] (0: a current-thread runtime on one driver thread).
     pub fn worker_threads(mut self, n: usize) -> Self {
-        self.worker_threads = n.max(1);
+        self.worker_threads = n;
         self
     }
 

@@ -9,14 +9,98 @@ use tokio::runtime::{Handle, Runtime};
 
 use crate::Error;
 
-/// Builds the multi-thread runtime of a blocking agent: `threads` workers named after the
-/// agent.
-pub(crate) fn build(name: &str, threads: usize) -> Result<Runtime, Error> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads.max(1))
-        .thread_name(format!("kvxfer-{name}"))
-        .enable_all()
-        .build()
+/// The runtime a blocking agent owns (and the Python binding's agents): with
+/// `worker_threads` ≥ 1 a multi-thread runtime of that many workers; with 0 a current-thread
+/// runtime that one thread of its own drives, so every task, timer and socket of the agent
+/// runs on that thread and a hand-off crosses no thread inside the agent (the caller's
+/// thread and the driver are the only two). Its threads are named `name`.
+#[derive(Debug)]
+pub struct AgentRuntime {
+    handle: Handle,
+    kind: Kind,
+}
+
+#[derive(Debug)]
+enum Kind {
+    Multi(Runtime),
+    /// The driver thread runs `block_on` until `stop` fires (or is dropped), then hands the
+    /// runtime back through its join handle.
+    Current {
+        stop: tokio::sync::oneshot::Sender<()>,
+        driver: std::thread::JoinHandle<Runtime>,
+    },
+}
+
+impl AgentRuntime {
+    /// Starts the runtime: `worker_threads` workers, or with 0 one driver thread of a
+    /// current-thread runtime. Threads are named `name`.
+    pub fn start(name: &str, worker_threads: usize) -> std::io::Result<Self> {
+        if worker_threads > 0 {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(worker_threads)
+                .thread_name(name)
+                .enable_all()
+                .build()?;
+            return Ok(AgentRuntime { handle: rt.handle().clone(), kind: Kind::Multi(rt) });
+        }
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let driver = std::thread::Builder::new().name(name.to_owned()).spawn(move || {
+            // Returns once `stop` fires or is dropped; the tasks stay in the runtime, for
+            // its owner to shut down.
+            rt.block_on(async {
+                let _ = stopped.await;
+            });
+            rt
+        })?;
+        Ok(AgentRuntime { handle, kind: Kind::Current { stop, driver } })
+    }
+
+    /// A handle to spawn on and enter.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
+    /// Runs `fut` to completion on the calling thread while the runtime drives its I/O and
+    /// timers. Not inside a runtime (the caller checks): it blocks the thread.
+    pub fn block_on<F: std::future::Future>(&self, fut: F) -> F::Output {
+        wait(&self.handle, fut)
+    }
+
+    /// Stops the runtime: waits up to `timeout` for its tasks to stop from a plain thread;
+    /// inside a runtime it does not wait (tasks are cancelled in the background).
+    pub fn shutdown_timeout(self, timeout: Duration) {
+        let rt = match self.kind {
+            Kind::Multi(rt) => rt,
+            Kind::Current { stop, driver } => {
+                let _ = stop.send(());
+                match driver.join() {
+                    Ok(rt) => rt,
+                    // The driver thread cannot panic (task panics are caught by tokio); if
+                    // it did, its runtime was dropped with it.
+                    Err(_) => return,
+                }
+            }
+        };
+        if in_runtime() {
+            rt.shutdown_background();
+        } else {
+            rt.shutdown_timeout(timeout);
+        }
+    }
+}
+
+/// Runs `fut` to completion on the calling thread, with `handle`'s runtime driving its I/O
+/// and timers.
+pub(crate) fn wait<F: std::future::Future>(handle: &Handle, fut: F) -> F::Output {
+    let _enter = handle.enter();
+    futures::executor::block_on(fut)
+}
+
+/// Starts a blocking agent's runtime (see [`AgentRuntime`]), threads named after the agent.
+pub(crate) fn build(name: &str, threads: usize) -> Result<AgentRuntime, Error> {
+    AgentRuntime::start(&format!("kvxfer-{name}"), threads)
         .map_err(|source| Error::Io { what: format!("starting the runtime of agent {name}"), source })
 }
 
@@ -43,12 +127,8 @@ pub(crate) fn refuse_in_runtime(call: &'static str, instead: &'static str) -> Re
 
 /// Shuts a blocking agent's runtime down: waits (bounded) for its tasks from a plain
 /// thread, never blocks inside an async context.
-pub(crate) fn shutdown(rt: Runtime) {
-    if in_runtime() {
-        rt.shutdown_background();
-    } else {
-        rt.shutdown_timeout(std::time::Duration::from_secs(2));
-    }
+pub(crate) fn shutdown(rt: AgentRuntime) {
+    rt.shutdown_timeout(Duration::from_secs(2));
 }
 
 /// A value whose drop may block or is UCX teardown (a UCX target or initiator joins its

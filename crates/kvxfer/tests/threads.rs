@@ -15,6 +15,16 @@ fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
 }
 
+/// The names of this process's threads.
+fn thread_names() -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return Vec::new() };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+        .map(|c| c.trim().to_owned())
+        .collect()
+}
+
 /// Waits (bounded) until the process has at most `want` threads; returns the count.
 fn settle(want: usize) -> usize {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -148,6 +158,42 @@ fn no_agent_leaks_a_thread_in_any_mode() {
         );
     }
     assert_eq!(settle(base), base, "threads after the blocking agents were dropped");
+
+    // The blocking facade with `worker_threads(0)`: one thread driving a current-thread
+    // runtime per agent (and the front door), then none; the agents work the same.
+    let base = settle(threads());
+    {
+        let mem = pattern::alloc_filled(layout()).expect("patterned memory");
+        let prefill =
+            kvxfer::blocking::PrefillAgent::start(config("prefill").worker_threads(0), "127.0.0.1:0", mem)
+                .expect("prefill");
+        let decode = kvxfer::blocking::DecodeAgent::start(
+            config("decode").worker_threads(0).notify_with_read(true),
+            KvMemory::alloc(layout()).expect("alloc"),
+        )
+        .expect("decode");
+        for round in 0..3 {
+            let parent = format!("C{round}");
+            let result = prefill.lease_parent(&parent, vec![vec![1, 2], vec![3]], 1, None).expect("lease");
+            let pull = decode.submit(result, vec![vec![4, 5], vec![6]]).expect("submit");
+            let first = pull.next_report(Duration::from_secs(10)).expect("a report");
+            assert!(matches!(first.outcome, kvxfer::ChildOutcome::Done { .. }), "{first:?}");
+            assert!(pull.wait().all_done());
+        }
+        // SAFETY: the pulls above finished; nothing writes the decode memory now.
+        let bad = unsafe { pattern::check_blocks(decode.memory(), &[1, 2, 3], &[4, 5, 6]) };
+        assert_eq!(bad.expect("checking the blocks"), None, "the pulled bytes");
+        let names = thread_names();
+        eprintln!(
+            "current-thread blocking round: {base} threads before, {} with both agents: {names:?}",
+            threads()
+        );
+        assert_eq!(threads(), base + 3, "one driver thread per agent, and the prefill's front door");
+        for agent in ["kvxfer-prefill", "kvxfer-decode"] {
+            assert_eq!(names.iter().filter(|n| *n == agent).count(), 1, "{agent}'s one driver thread");
+        }
+    }
+    assert_eq!(settle(base), base, "threads after the current-thread blocking agents were dropped");
 
     // With UCX: one progress thread per agent while it lives (UCX starts on the runtime's
     // blocking pool, kept idle only briefly here), none after the shutdown.

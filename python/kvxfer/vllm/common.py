@@ -198,6 +198,7 @@ class Settings:
     heartbeat_interval: float
     io_timeout: float
     worker_threads: int
+    notify_with_read: bool
     cluster_key: Optional[str]
     tp_size: int
     dp_rank: int
@@ -243,6 +244,7 @@ class Settings:
             heartbeat_interval=float(extra.get("kvxfer_heartbeat_interval", lease_ttl / 6)),
             io_timeout=float(extra.get("kvxfer_io_timeout", 10.0)),
             worker_threads=int(extra.get("kvxfer_worker_threads", 2)),
+            notify_with_read=bool(extra.get("kvxfer_notify_with_read", False)),
             cluster_key=extra.get("kvxfer_cluster_key"),
             tp_size=tp_size,
             dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),

@@ -221,6 +221,7 @@ class KvxferWorker:
                 self._memory(kv_caches),
                 agent_name=f"vllm-decode-{rank}",
                 queue_reports=True,
+                notify_with_read=self.s.notify_with_read,
                 **common,
             )
 
