@@ -202,7 +202,8 @@ class Handoff:
 
 class PrefillAgent:
     """A prefill worker's agent: serves the registered KV cache over TCP, leases (or arms)
-    children's blocks, and reports how each lease ended."""
+    children's blocks, and reports how each lease ended. ``worker_threads`` runtime workers
+    (0: one thread driving a current-thread runtime)."""
 
     def __init__(
         self,
@@ -314,10 +315,12 @@ class DecodeAgent:
         notify_with_read: bool = False,
     ) -> None:
         """``worker_threads=0``: one thread driving a current-thread runtime (the lowest
-        one-block latency, one core's throughput). ``notify_with_read=True``: a child whose
-        own read settles it sends its notify behind the read, one round trip per hand-off
-        (its lease then ends as pulled once the prefill side sent the payload; see the
-        engine's ``AgentConfig::notify_with_read``)."""
+        one-block latency, one core's throughput). ``notify_with_read=True``: over TCP, a
+        child whose own read settles it (a single-group cache, no block shared with a
+        sibling, a plain ``submit``) sends its notify behind the read, one round trip for its
+        hand-off instead of two; its lease then ends as pulled once the prefill side sent
+        the payload (see the engine's ``AgentConfig::notify_with_read``). ``stats()``
+        counts such reads as ``notifies_with_read``."""
     @property
     def consumer_id(self) -> str: ...
     @property

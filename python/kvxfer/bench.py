@@ -21,7 +21,7 @@ the same machine, and prints both medians and their ratio per block size.
 agent in a child Python process, leasing on request): per iteration, from ``submit`` of
 one child of one block to ``Pull.wait()`` returning in this process, beside a raw TCP
 round trip of the same block (a 64-byte request answered with the block, read with one
-``MSG_WAITALL`` receive) to a responder in another process — ``kvxfer-bench serve``'s
+``MSG_WAITALL`` receive) to a responder in another process, and every pulled block checked — ``kvxfer-bench serve``'s
 (``--raw-with PATH``; Rust, as in kvxfer-bench's own latency figures) or else one in the
 prefill process. The two alternate, so each hand-off is paired with a round trip taken in
 the same moment; the report gives both distributions and the paired ratio.
@@ -30,11 +30,13 @@ the same moment; the report gives both distributions and the paired ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -174,7 +176,7 @@ def prefill_server(args: argparse.Namespace) -> int:
     line (``lease``, ``raw_rtt``, ``stats``), one JSON answer per stdout line."""
     block = args.block_bytes[0]
     blocks = args.blocks
-    src = np.random.default_rng(block).integers(0, 256, size=blocks * block, dtype=np.uint8)
+    src = latency_source(block, blocks)
     prefill = kvxfer.PrefillAgent(
         kvxfer.Memory([kvxfer.Segment(src, block_bytes=block)], num_blocks=blocks),
         agent_name="bench-prefill",
@@ -189,23 +191,27 @@ def prefill_server(args: argparse.Namespace) -> int:
                 handoffs = prefill.lease_parent(req["parent"], req["blocks"])
                 prefill.poll_ends()
                 reply: dict[str, Any] = {"params": [h.to_params() for h in handoffs]}
-            elif op == "raw_rtt":
+            elif op == "raw_rtt" and raw_listener is None:
                 # A responder in this process, for runs without --raw-with.
                 raw_listener = socket.create_server(("127.0.0.1", 0))
-                import threading
-
                 threading.Thread(target=raw_responder, args=(raw_listener, block), daemon=True).start()
                 reply = {"addr": "%s:%d" % raw_listener.getsockname()[:2]}
             elif op == "stats":
                 reply = {"leases": prefill.stats()["leases"]}
             else:
-                reply = {"error": f"unknown op {op!r}"}
+                reply = {"error": f"unexpected request {op!r}"}
             print(json.dumps(reply), flush=True)
     finally:
         prefill.shutdown()
         if raw_listener is not None:
             raw_listener.close()
     return 0
+
+
+def latency_source(block: int, blocks: int) -> Any:
+    """The prefill cache of a ``--latency`` run: the same bytes in both processes, so the
+    decode side checks every block it pulled."""
+    return np.random.default_rng(block).integers(0, 256, size=blocks * block, dtype=np.uint8)
 
 
 def raw_responder(listener: socket.socket, block: int) -> None:
@@ -219,88 +225,125 @@ def raw_responder(listener: socket.socket, block: int) -> None:
             conn.sendall(data)
 
 
-def run_latency(args: argparse.Namespace) -> dict[str, Any]:
-    """``--latency``: one-block hand-offs from a prefill process, each paired with a raw
-    round trip of the same block taken right after it."""
-    block = args.block_bytes[0]
-    blocks = args.blocks
-    child = subprocess.Popen(
-        [sys.executable, "-m", "kvxfer.bench", "--prefill-server", "--block-bytes", str(block),
-         "--blocks", str(blocks), "--worker-threads", str(args.worker_threads)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
-    serve: Optional[subprocess.Popen[str]] = None
+class LatencyPeers:
+    """The other processes of a ``--latency`` run: the prefill process (leases on request)
+    and, with ``--raw-with``, ``kvxfer-bench serve`` (the raw round trip's responder). Every
+    one is stopped on exit, whatever failed."""
 
-    def ask(req: dict[str, Any]) -> dict[str, Any]:
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(json.dumps(req) + "\n")
-        child.stdin.flush()
-        reply = json.loads(child.stdout.readline())
+    TIMEOUT = 30.0
+
+    def __init__(self, args: argparse.Namespace, block: int) -> None:
+        self.serve: Optional[subprocess.Popen[str]] = None
+        self.control: Optional[socket.socket] = None
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "kvxfer.bench", "--prefill-server", "--block-bytes", str(block),
+             "--blocks", str(args.blocks), "--worker-threads", str(args.worker_threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def ask(self, req: dict[str, Any]) -> dict[str, Any]:
+        """One request to the prefill process and its answer."""
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(json.dumps(req) + "\n")
+        self.child.stdin.flush()
+        line = self.child.stdout.readline()
+        if not line:
+            raise SystemExit(f"the prefill process ended (exit {self.child.poll()}) before answering {req['op']}")
+        reply: dict[str, Any] = json.loads(line)
         if "error" in reply:
             raise SystemExit(f"prefill process: {reply['error']}")
         return reply
 
-    dst = np.zeros(blocks * block, dtype=np.uint8)
-    decode = kvxfer.DecodeAgent(
-        kvxfer.Memory([kvxfer.Segment(dst, block_bytes=block)], num_blocks=blocks),
-        agent_name="bench-decode",
-        connections_per_peer=args.connections,
-        worker_threads=args.worker_threads,
-        notify_with_read=args.notify_with_read,
-    )
-    raw: Optional[socket.socket] = None
-    try:
-        if args.raw_with:
-            serve = subprocess.Popen([args.raw_with, "serve", "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
-            assert serve.stdout is not None
-            control_addr = serve.stdout.readline().rsplit(" ", 1)[-1].strip()
-            host, port = control_addr.rsplit(":", 1)
-            control = socket.create_connection((host, int(port)))
-            control.sendall((json.dumps({"op": "raw_rtt_responder", "block_bytes": block}) + "\n").encode())
-            answer = json.loads(control.makefile().readline())
-            raw_addr = answer["addr"]
+    def raw_responder(self, raw_with: Optional[str], block: int) -> tuple[str, int]:
+        """The address of a raw round-trip responder in another process."""
+        if not raw_with:
+            addr = self.ask({"op": "raw_rtt"})["addr"]
         else:
-            raw_addr = ask({"op": "raw_rtt"})["addr"]
-        host, port = raw_addr.rsplit(":", 1)
-        raw = socket.create_connection((host, int(port)))
+            self.serve = subprocess.Popen([raw_with, "serve", "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+            assert self.serve.stdout is not None
+            control = self.serve.stdout.readline().rsplit(" ", 1)[-1].strip()
+            host, port = control.rsplit(":", 1)
+            self.control = socket.create_connection((host, int(port)), timeout=self.TIMEOUT)
+            self.control.sendall((json.dumps({"op": "raw_rtt_responder", "block_bytes": block}) + "\n").encode())
+            answer = json.loads(self.control.makefile().readline() or "{}")
+            if "addr" not in answer:
+                raise SystemExit(f"{raw_with} serve: no raw responder: {answer}")
+            addr = answer["addr"]
+        host, port = addr.rsplit(":", 1)
+        return host, int(port)
+
+    def close(self) -> None:
+        for step in (self._close_child, self._close_serve):
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - cleanup goes on; the run's own error wins
+                print(f"kvxfer.bench --latency: cleanup: {e}", file=sys.stderr)
+
+    def _close_child(self) -> None:
+        try:
+            if self.child.stdin is not None:
+                self.child.stdin.close()
+            self.child.wait(timeout=self.TIMEOUT)
+        finally:
+            if self.child.poll() is None:
+                self.child.kill()
+                self.child.wait()
+
+    def _close_serve(self) -> None:
+        if self.control is not None:
+            self.control.close()
+        if self.serve is not None:
+            self.serve.kill()
+            self.serve.wait()
+
+
+def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
+    """``--latency``: one-block hand-offs from a prefill process, each paired with a raw
+    round trip of the same block taken right after it; every pulled block checked."""
+    blocks = args.blocks
+    expected = latency_source(block, blocks)
+    dst = np.zeros(blocks * block, dtype=np.uint8)
+    handoffs: list[float] = []
+    rtts: list[float] = []
+    with contextlib.ExitStack() as stack:
+        peers = LatencyPeers(args, block)
+        stack.callback(peers.close)
+        decode = kvxfer.DecodeAgent(
+            kvxfer.Memory([kvxfer.Segment(dst, block_bytes=block)], num_blocks=blocks),
+            agent_name="bench-decode",
+            connections_per_peer=args.connections,
+            worker_threads=args.worker_threads,
+            notify_with_read=args.notify_with_read,
+        )
+        stack.callback(decode.shutdown)
+        raw = socket.create_connection(peers.raw_responder(args.raw_with, block), timeout=LatencyPeers.TIMEOUT)
+        stack.callback(raw.close)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        request, answer_buf = b"\1" * 64, bytearray(block)
-
-        def raw_round_trip() -> float:
-            assert raw is not None
-            t0 = time.perf_counter()
-            raw.sendall(request)
-            got = raw.recv_into(answer_buf, block, socket.MSG_WAITALL)
-            t1 = time.perf_counter()
-            if got != block:
-                raise SystemExit(f"raw round trip: {got} of {block} bytes")
-            return (t1 - t0) * 1e6
-
-        handoffs: list[float] = []
-        rtts: list[float] = []
+        # Blocking, so one MSG_WAITALL receive takes the whole block (a timeout would make
+        # Python poll first and receive what is there).
+        raw.settimeout(None)
+        request, answer = b"\1" * 64, bytearray(block)
         for it in range(args.warmup + args.iters):
             b = it % blocks
-            params = ask({"op": "lease", "parent": f"lat-{it}", "blocks": [[b]]})["params"]
+            params = peers.ask({"op": "lease", "parent": f"lat-{it}", "blocks": [[b]]})["params"]
+            dst[b * block : (b + 1) * block] = 0
             t0 = time.perf_counter()
-            reports = decode.submit(params, [[b]]).wait()
+            reports = decode.submit(params, [[b]]).wait(timeout=LatencyPeers.TIMEOUT)
             t1 = time.perf_counter()
+            raw.sendall(request)
+            got = raw.recv_into(answer, block, socket.MSG_WAITALL)
+            t2 = time.perf_counter()
             if reports[0]["outcome"] != "done":
                 raise SystemExit(f"hand-off {it}: {reports[0]['outcome']} {reports[0]['error']}")
-            rtt = raw_round_trip()
+            if got != block:
+                raise SystemExit(f"raw round trip {it}: {got} of {block} bytes")
+            if not np.array_equal(dst[b * block : (b + 1) * block], expected[b * block : (b + 1) * block]):
+                raise SystemExit(f"hand-off {it}: block {b} does not hold the prefill's bytes")
             if it >= args.warmup:
                 handoffs.append((t1 - t0) * 1e6)
-                rtts.append(rtt)
-        leases = ask({"op": "stats"})["leases"]
-    finally:
-        decode.shutdown()
-        if raw is not None:
-            raw.close()
-        if child.stdin is not None:
-            child.stdin.close()
-        child.wait(timeout=30)
-        if serve is not None:
-            serve.kill()
-            serve.wait()
+                rtts.append((t2 - t1) * 1e6)
+        leases = peers.ask({"op": "stats"})["leases"]
+        with_read = decode.stats()["notifies_with_read"]
     ratios = sorted(h / r for h, r in zip(handoffs, rtts))
     handoffs.sort()
     rtts.sort()
@@ -313,6 +356,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         "iters": args.iters,
         "worker_threads": args.worker_threads,
         "notify_with_read": args.notify_with_read,
+        "notifies_with_read": with_read,
         "raw_responder": "kvxfer-bench serve" if args.raw_with else "python",
         "handoff_p10_us": percentile(handoffs, 0.1),
         "handoff_p50_us": percentile(handoffs, 0.5),
@@ -322,6 +366,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         "raw_rtt_p99_us": percentile(rtts, 0.99),
         "handoff_vs_raw_rtt_paired_p50": percentile(ratios, 0.5),
         "handoff_vs_raw_rtt_paired_p10": percentile(ratios, 0.1),
+        "verified": True,
         "prefill": {k: leases[k] for k in ("leased", "pulled", "released", "expired")},
     }
 
@@ -447,8 +492,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.prefill_server:
         return prefill_server(args)
     if args.latency:
-        row = run_latency(args)
-        print(json.dumps(row) if args.json else "\n".join(f"{k}: {v}" for k, v in row.items()), flush=True)
+        for block in args.block_bytes:
+            row = run_latency(args, block)
+            print(json.dumps(row) if args.json else "\n".join(f"{k}: {v}" for k, v in row.items()), flush=True)
         return 0
     if args.pair_with:
         return paired(args)

@@ -31,6 +31,7 @@ def test_a_parent_with_four_children_is_pulled_and_every_lease_ends_pulled(prefi
     assert sorted(e["kind"] for e in ends) == ["pulled"] * 4
     leases = prefill.stats()["leases"]
     assert (leases["pulled"], leases["expired"], leases["unrecognized"]) == (4, 0, 0)
+    assert decode.stats()["notifies_with_read"] == 0, "off by default"
 
 
 def test_agents_on_one_thread_each_with_the_notify_behind_the_read_pull_every_child_once(src, dst):
@@ -53,6 +54,8 @@ def test_agents_on_one_thread_each_with_the_notify_behind_the_read_pull_every_ch
         assert sorted(e["kind"] for e in ends) == ["pulled"] * 12
         leases = prefill.stats()["leases"]
         assert (leases["pulled"], leases["released"], leases["expired"]) == (12, 0, 0)
+        # Children 1 and 3 share no block: their notifies rode behind their reads.
+        assert decode.stats()["notifies_with_read"] == 6
     finally:
         decode.shutdown()
         prefill.shutdown()

@@ -32,3 +32,5 @@ def test_the_latency_benchmark_pairs_each_hand_off_with_a_raw_round_trip():
     assert row["handoff_vs_raw_rtt_paired_p50"] > 0
     # Every lease of the run was pulled, none released or expired.
     assert row["prefill"] == {"leased": 32, "pulled": 32, "released": 0, "expired": 0}
+    # Every pulled block was checked, and each lone child's notify rode behind its read.
+    assert row["verified"] is True and row["notifies_with_read"] == 32

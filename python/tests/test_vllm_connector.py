@@ -48,7 +48,21 @@ def ends_by_kind(inst: Instance) -> dict[str, int]:
     return {k: leases[k] for k in ("pulled", "released", "expired", "unrecognized", "live")}
 
 
-def test_n1_one_child_pulled_and_its_blocks_freed(prefill, decode):
+@pytest.mark.parametrize("options", [{}, ONE_THREAD], ids=["defaults", "one_thread_notify_with_read"])
+def test_n1_one_child_pulled_and_its_blocks_freed(options):
+    prefill = Instance("kv_producer", "prefill-engine", seed=7, extra={"kvxfer_lease_ttl": 30, **options})
+    decode = Instance("kv_consumer", "decode-engine", extra=options)
+    try:
+        n1_one_child_pulled(prefill, decode)
+        # A lone child's read settles it: with the option its notify rode behind the read.
+        with_read = decode.stats()["decode"]["notifies_with_read"]
+        assert with_read == (1 if options else 0)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def n1_one_child_pulled(prefill: Instance, decode: Instance) -> None:
     delay, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
     assert delay is True, "the blocks stay allocated until the lease ends"
     assert params["remote_request_id"] == "R" and params["kvxfer_n"] == 1
@@ -64,18 +78,7 @@ def test_n1_one_child_pulled_and_its_blocks_freed(prefill, decode):
     assert ends_by_kind(prefill) == {"pulled": 1, "released": 0, "expired": 0, "unrecognized": 0, "live": 0}
 
 
-@pytest.mark.parametrize("options", [{}, ONE_THREAD], ids=["defaults", "one_thread_notify_with_read"])
-def test_n4_every_child_has_its_own_handoff_and_is_pulled(options):
-    prefill = Instance("kv_producer", "prefill-engine", seed=7, extra={"kvxfer_lease_ttl": 30, **options})
-    decode = Instance("kv_consumer", "decode-engine", extra=options)
-    try:
-        n4_every_child_pulled(prefill, decode)
-    finally:
-        decode.shutdown()
-        prefill.shutdown()
-
-
-def n4_every_child_pulled(prefill: Instance, decode: Instance) -> None:
+def test_n4_every_child_has_its_own_handoff_and_is_pulled(prefill, decode):
     # Children share the prompt's first two blocks (prefix caching) and own the third.
     blocks = {i: [1, 2, 10 + i] for i in range(4)}
     minted = [prefill.finish_prefill(prefill_request(f"{i}_R", n=4), blocks[i])[1] for i in range(4)]

@@ -591,6 +591,7 @@ impl DecodeAgent {
             read_retries,
             leases_released,
             releases_refused,
+            notifies_with_read,
             ucx_endpoints,
         } = agent.stats();
         let d = PyDict::new(py);
@@ -616,6 +617,7 @@ impl DecodeAgent {
             ("integrity_failures_tcp", integrity_failures_tcp),
             ("leases_released", leases_released),
             ("releases_refused", releases_refused),
+            ("notifies_with_read", notifies_with_read),
             ("ucx_endpoints", ucx_endpoints),
         ] {
             d.set_item(k, v)?;

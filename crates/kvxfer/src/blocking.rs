@@ -202,8 +202,12 @@ impl Drop for PrefillAgent {
 /// thread.
 fn tear_down<A: Send + 'static>(agent: Option<A>, runtime: Option<AgentRuntime>, shutdown: fn(&A, &Handle)) {
     let finish = move |agent: Option<A>, runtime: Option<AgentRuntime>| {
+        // On a current-thread runtime's own driver (only when no teardown thread could
+        // start) nothing could drive the graceful shutdown: the runtime's stop cuts it.
         if let (Some(a), Some(rt)) = (&agent, &runtime) {
-            shutdown(a, rt.handle());
+            if !rt.on_driver() {
+                shutdown(a, rt.handle());
+            }
         }
         drop(agent);
         if let Some(rt) = runtime {

@@ -53,11 +53,11 @@ pub struct AgentConfig {
     pub limits: Limits,
     /// Worker threads of the runtime a blocking agent ([`crate::blocking`]) owns; the async
     /// agents run on their caller's runtime and start none. Default 2: more throughput per
-    /// agent under load (bulk and many-request runs). 0: a current-thread runtime on one
-    /// driver thread ([`crate::blocking::AgentRuntime`]): everything the agent does runs on
-    /// that one thread, with the fewest context switches and the lowest one-block latency,
-    /// at one core's throughput. 1 sits between (tokio wakes an idle sibling of the worker
-    /// on events, and moves tasks between the worker and the I/O driver).
+    /// agent under load (bulk and many-request runs); 1: fewer context switches and less
+    /// CPU per hand-off. 0: a current-thread runtime on one driver thread
+    /// ([`crate::blocking::AgentRuntime`]): the agent's tasks, timers and sockets all run on
+    /// that thread (the front door, tokio's blocking pool and UCX's progress thread stay
+    /// apart), with the fewest context switches per hand-off, at one core's throughput.
     pub worker_threads: usize,
     /// How long `shutdown` lets reads in flight (and, on a prefill agent, open pins) finish
     /// before it cuts them. Default 5 s.

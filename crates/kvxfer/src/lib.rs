@@ -27,8 +27,8 @@
 //!
 //! | agent | async (host's runtime) | blocking |
 //! | --- | --- | --- |
-//! | prefill, TCP | none: tasks on the host's runtime | `worker_threads` runtime workers (default 2) |
-//! | decode, TCP | none | `worker_threads` runtime workers |
+//! | prefill, TCP | none: tasks on the host's runtime | `worker_threads` runtime workers (default 2; 0: one thread driving a current-thread runtime) |
+//! | decode, TCP | none | `worker_threads` runtime workers (or with 0 one driver thread) |
 //! | + UCX | + 1 progress thread per agent (`kvxfer-ucx-target` / `kvxfer-ucx-initiator`) | same |
 //!
 //! Transient ones: starting UCX runs on the runtime's blocking pool (tokio keeps such a

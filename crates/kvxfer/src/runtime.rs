@@ -11,13 +11,15 @@ use crate::Error;
 
 /// The runtime a blocking agent owns (and the Python binding's agents): with
 /// `worker_threads` ≥ 1 a multi-thread runtime of that many workers; with 0 a current-thread
-/// runtime that one thread of its own drives, so every task, timer and socket of the agent
-/// runs on that thread and a hand-off crosses no thread inside the agent (the caller's
-/// thread and the driver are the only two). Its threads are named `name`.
+/// runtime that one thread of its own drives, so the agent's tasks, timers and sockets all
+/// run on that thread and a hand-off wakes no other worker. Other threads stay as they are
+/// in both modes: a prefill agent's front door (`kvxfer-accept`), tokio's blocking pool
+/// (pin CRCs, starting UCX) and UCX's progress thread. Threads are named `name`.
 #[derive(Debug)]
 pub struct AgentRuntime {
     handle: Handle,
-    kind: Kind,
+    /// `None` once stopped.
+    kind: Option<Kind>,
 }
 
 #[derive(Debug)]
@@ -41,9 +43,10 @@ impl AgentRuntime {
                 .thread_name(name)
                 .enable_all()
                 .build()?;
-            return Ok(AgentRuntime { handle: rt.handle().clone(), kind: Kind::Multi(rt) });
+            return Ok(AgentRuntime { handle: rt.handle().clone(), kind: Some(Kind::Multi(rt)) });
         }
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        // The name also goes to the runtime's blocking-pool threads.
+        let rt = tokio::runtime::Builder::new_current_thread().thread_name(name).enable_all().build()?;
         let handle = rt.handle().clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let driver = std::thread::Builder::new().name(name.to_owned()).spawn(move || {
@@ -54,7 +57,7 @@ impl AgentRuntime {
             });
             rt
         })?;
-        Ok(AgentRuntime { handle, kind: Kind::Current { stop, driver } })
+        Ok(AgentRuntime { handle, kind: Some(Kind::Current { stop, driver }) })
     }
 
     /// A handle to spawn on and enter.
@@ -62,32 +65,73 @@ impl AgentRuntime {
         &self.handle
     }
 
+    /// Whether the calling thread is this runtime's driver (a current-thread runtime's one
+    /// thread), where nothing may wait for the runtime.
+    pub fn on_driver(&self) -> bool {
+        matches!(&self.kind, Some(Kind::Current { driver, .. }) if driver.thread().id() == std::thread::current().id())
+    }
+
     /// Runs `fut` to completion on the calling thread while the runtime drives its I/O and
-    /// timers. Not inside a runtime (the caller checks): it blocks the thread.
+    /// timers. Call it from a thread outside any runtime.
+    ///
+    /// # Panics
+    /// On the runtime's own driver thread, where it could never finish.
     pub fn block_on<F: std::future::Future>(&self, fut: F) -> F::Output {
+        assert!(
+            !self.on_driver(),
+            "AgentRuntime::block_on on the runtime's own driver thread would never finish"
+        );
         wait(&self.handle, fut)
     }
 
-    /// Stops the runtime: waits up to `timeout` for its tasks to stop from a plain thread;
-    /// inside a runtime it does not wait (tasks are cancelled in the background).
-    pub fn shutdown_timeout(self, timeout: Duration) {
-        let rt = match self.kind {
-            Kind::Multi(rt) => rt,
-            Kind::Current { stop, driver } => {
-                let _ = stop.send(());
-                match driver.join() {
-                    Ok(rt) => rt,
-                    // The driver thread cannot panic (task panics are caught by tokio); if
-                    // it did, its runtime was dropped with it.
-                    Err(_) => return,
+    /// Stops the runtime. From a plain thread it waits up to `timeout` for its tasks to
+    /// stop (a current-thread runtime's driver first finishes the poll it is in). Inside a
+    /// runtime it does not wait: tasks are cancelled in the background (a current-thread
+    /// runtime's driver is joined on a `kvxfer-teardown` thread, see
+    /// [`wait_for_teardown`]; on the driver itself, by the driver as it ends).
+    pub fn shutdown_timeout(mut self, timeout: Duration) {
+        self.stop(timeout);
+    }
+
+    fn stop(&mut self, timeout: Duration) {
+        match self.kind.take() {
+            None => {}
+            Some(Kind::Multi(rt)) => {
+                if in_runtime() {
+                    rt.shutdown_background();
+                } else {
+                    rt.shutdown_timeout(timeout);
                 }
             }
-        };
-        if in_runtime() {
-            rt.shutdown_background();
-        } else {
-            rt.shutdown_timeout(timeout);
+            Some(Kind::Current { stop, driver }) => {
+                let _ = stop.send(());
+                if driver.thread().id() == std::thread::current().id() {
+                    // A task on the driver cannot join it: its `block_on` returns after this
+                    // poll and the thread drops the runtime (and its tasks) as it ends.
+                    return;
+                }
+                let join = move || {
+                    // The driver cannot panic (tokio catches task panics); if it did, its
+                    // runtime went with it.
+                    if let Ok(rt) = driver.join() {
+                        rt.shutdown_timeout(timeout);
+                    }
+                };
+                if in_runtime() {
+                    spawn_teardown(join);
+                } else {
+                    join();
+                }
+            }
         }
+    }
+}
+
+impl Drop for AgentRuntime {
+    /// As [`AgentRuntime::shutdown_timeout`] with 2 s, for a runtime its owner did not shut
+    /// down (an agent that failed to start).
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(2));
     }
 }
 
@@ -226,4 +270,50 @@ pub fn wait_for_teardown(timeout: Duration) -> bool {
         n = TEARDOWNS.1.wait_timeout(n, left).unwrap_or_else(|p| p.into_inner()).0;
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::runtime::RuntimeFlavor;
+
+    #[test]
+    fn zero_workers_is_a_current_thread_runtime_on_a_driver_thread_of_its_own() {
+        let rt = AgentRuntime::start("kvxfer-flavor", 0).expect("runtime");
+        assert_eq!(rt.handle().runtime_flavor(), RuntimeFlavor::CurrentThread);
+        assert!(!rt.on_driver());
+        // Tasks run on the driver thread, named after the runtime, and timers fire.
+        let on = rt.block_on(async {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            rt.handle().spawn(async { std::thread::current().name().map(str::to_owned) }).await.expect("task")
+        });
+        assert_eq!(on.as_deref(), Some("kvxfer-flavor"));
+        rt.shutdown_timeout(Duration::from_secs(2));
+
+        let rt = AgentRuntime::start("kvxfer-flavor", 2).expect("runtime");
+        assert_eq!(rt.handle().runtime_flavor(), RuntimeFlavor::MultiThread);
+        drop(rt);
+    }
+
+    #[test]
+    fn a_current_thread_runtime_stopped_from_its_own_driver_or_a_task_elsewhere_does_not_hang() {
+        // Stopped from a task on its own driver: no self-join; the driver ends by itself.
+        let rt = AgentRuntime::start("kvxfer-self-stop", 0).expect("runtime");
+        let handle = rt.handle().clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let parked = Arc::new(Mutex::new(Some(rt)));
+        let theirs = parked.clone();
+        handle.spawn(async move {
+            let rt = theirs.lock().unwrap_or_else(PoisonError::into_inner).take();
+            let was_driver = rt.as_ref().is_some_and(AgentRuntime::on_driver);
+            drop(rt);
+            let _ = tx.send(was_driver);
+        });
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(true));
+        // Stopped from a task of another runtime: joined on a teardown thread.
+        let other = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+        let rt = AgentRuntime::start("kvxfer-other-stop", 0).expect("runtime");
+        other.block_on(async move { rt.shutdown_timeout(Duration::from_secs(2)) });
+        assert!(wait_for_teardown(Duration::from_secs(10)));
+    }
 }

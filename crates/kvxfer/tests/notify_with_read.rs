@@ -55,6 +55,9 @@ fn every_child_is_reported_once_and_every_lease_ends_once() {
     assert_no_more_ends(&prefill, Duration::from_millis(200));
     assert_eq!(prefill.stats().leases.pulled, u64::from(leases));
     assert_eq!(decode.stats().control_retries, 0, "no notify was sent twice");
+    // Children 0 and 1 share block 1 (a copy settles one of them): of each parent only
+    // child 2's notify rides behind its read, and every lone child's does.
+    assert_eq!(decode.stats().notifies_with_read, u64::from(parents + lone));
 }
 
 /// A read the prefill side refuses (blocks outside the lease), beside a sibling read that

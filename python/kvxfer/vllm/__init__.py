@@ -50,8 +50,8 @@ handshake metadata, so several instances share a host), ``kvxfer_listen_host`` (
 ``kvxfer_host``), ``kvxfer_lease_ttl`` (s, 30), ``kvxfer_arm_wait`` (s, 5),
 ``kvxfer_heartbeat_interval`` (s, ``lease_ttl / 6``), ``kvxfer_io_timeout`` (s, 10),
 ``kvxfer_worker_threads`` (2; 0: one thread driving each agent's runtime, the lowest
-one-block latency), ``kvxfer_notify_with_read`` (False; True: one round trip per child whose
-own read settles it, see ``kvxfer.DecodeAgent``), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``),
+one-block latency), ``kvxfer_notify_with_read`` (False; True: one round trip for a child whose
+own read settles it — over TCP, no block shared with a sibling; see ``kvxfer.DecodeAgent``), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``),
 ``kvxfer_kv_layout`` (default ``"auto"``: from the tensors' shapes and strides),
 ``kvxfer_decode_tp_size``, ``kvxfer_total_kv_heads``, ``kvxfer_host_staging`` (stage through
 host memory even for a CPU cache). Different TP sizes and block sizes between prefill and

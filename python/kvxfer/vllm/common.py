@@ -82,6 +82,20 @@ def int_or_none(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def flag(extra: dict[str, Any], key: str) -> bool:
+    """A boolean setting of ``kv_connector_extra_config``: a bool, or its text as a command
+    line gives it ("true"/"false", "1"/"0", "yes"/"no"); anything else is refused."""
+    value = extra.get(key, False)
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off", "", "none"):
+        return False
+    raise ValueError(f"{key} must be true or false, not {value!r}")
+
+
 def status_name(request: Any) -> str:
     status = getattr(request, "status", None)
     return getattr(status, "name", str(status))
@@ -244,7 +258,7 @@ class Settings:
             heartbeat_interval=float(extra.get("kvxfer_heartbeat_interval", lease_ttl / 6)),
             io_timeout=float(extra.get("kvxfer_io_timeout", 10.0)),
             worker_threads=int(extra.get("kvxfer_worker_threads", 2)),
-            notify_with_read=bool(extra.get("kvxfer_notify_with_read", False)),
+            notify_with_read=flag(extra, "kvxfer_notify_with_read"),
             cluster_key=extra.get("kvxfer_cluster_key"),
             tp_size=tp_size,
             dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
@@ -252,7 +266,7 @@ class Settings:
             kv_layout=str(extra.get("kvxfer_kv_layout", "auto")),
             block_size=int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0),
             kv_buffer_device=str(getattr(config, "kv_buffer_device", None) or "").lower(),
-            host_staging=bool(extra.get("kvxfer_host_staging", False)),
+            host_staging=flag(extra, "kvxfer_host_staging"),
             extra=extra,
             model_config=getattr(vllm_config, "model_config", None),
             group_layers=group_layers,

@@ -157,6 +157,9 @@ impl Pull {
                             && *path == Path::Tcp
                             && this.inner.memory.num_groups() == 1
                             && machine.notify_with_read(i);
+                        if with_notify {
+                            add(&this.inner.counters.notifies_with_read, 1);
+                        }
                         io.push(Box::pin(this.read(&peer, i, layout, *path, token, with_notify)));
                     }
                     Action::AbortRead(i) => {

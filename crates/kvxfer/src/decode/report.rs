@@ -118,6 +118,9 @@ pub struct DecodeStats {
     /// Releases the prefill side did not apply: the lease had already been pulled or had
     /// expired, it did not know the lease (or token), or it could not be reached.
     pub releases_refused: u64,
+    /// TCP reads that carried their child's notify behind the read request
+    /// (`AgentConfig::notify_with_read`: one round trip for that hand-off).
+    pub notifies_with_read: u64,
     /// UCX endpoints the agent holds open (a gauge): one per peer read over UCX that it has
     /// not forgotten, plus any still wiring up or closing. 0 without UCX.
     pub ucx_endpoints: u64,
@@ -146,6 +149,7 @@ pub(crate) struct Counters {
     pub(crate) read_retries: AtomicU64,
     pub(crate) leases_released: AtomicU64,
     pub(crate) releases_refused: AtomicU64,
+    pub(crate) notifies_with_read: AtomicU64,
 }
 
 impl Counters {
@@ -195,6 +199,7 @@ impl Counters {
             read_retries: l(&self.read_retries),
             leases_released: l(&self.leases_released),
             releases_refused: l(&self.releases_refused),
+            notifies_with_read: l(&self.notifies_with_read),
             ucx_endpoints: 0,
             peers,
         }
