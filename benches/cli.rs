@@ -70,8 +70,10 @@ pub(crate) struct RunArgs {
     /// UCX peer-failure handling (UCX 1.13 then avoids shared memory).
     #[arg(long)]
     pub(crate) ucx_peer_failure: bool,
-    /// Where the prefill KV cache lives (see `serve --memory`); one process only: in a
-    /// two-process run bench-two-process.sh passes it to `serve` (a `pull` ignores it).
+    /// Where the prefill KV cache lives (see `serve --memory`). In a two-process run
+    /// bench-two-process.sh passes it to `serve`, and a `pull` checks that `serve` used it
+    /// (bulk runs; the many-requests and mixed-layout modes do not check it, and the mixed-layout
+    /// mode ignores it).
     #[arg(long, value_enum)]
     pub(crate) memory: Option<Memory>,
     /// Check every one-sided (UCX) read against a CRC-32C taken at pin time.

@@ -8,7 +8,7 @@
 # Builds kvxfer-bench in release mode with the UCX feature (needs libucx-dev), unless
 # KVXFER_BENCH names a binary to use instead (for A/B runs of two builds).
 #
-# UCX_HOME=<prefix> (e.g. from `eval "$(scripts/ucx-current.sh)"`) builds and runs against
+# UCX_HOME=<prefix>, exported (e.g. `eval "$(bash scripts/ucx-current.sh)"; export UCX_HOME`), builds and runs against
 # that UCX instead of the system's: the build goes to target/ucx-current (unless
 # CARGO_TARGET_DIR says otherwise, so the system build is not invalidated) and both
 # processes run with $UCX_HOME/lib first in LD_LIBRARY_PATH (a KVXFER_BENCH binary too).

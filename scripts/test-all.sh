@@ -8,8 +8,11 @@
 # cannot make one without it). The wire protocol needs nothing: protox compiles it in pure Rust.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A UCX_HOME exported by the caller's shell (BENCHMARKING's UCX 1.22 commands) would make every
+# step below build against that UCX: only the UCX 1.22 section sets it, for itself.
+unset UCX_HOME
 
-SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server protobuf-compiler python3-venv)
+SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server protobuf-compiler python3-venv python3-pip)
 missing=()
 for p in "${SYSTEM_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -57,7 +60,9 @@ echo "== UCX tests against a current UCX (scripts/ucx-current.sh: the libucx-cu1
 # its own (the main build above is not invalidated), run with that UCX's lib/ first in the
 # library path: kvxfer refuses to start UCX on a libucp of another version, and
 # `the_loaded_ucx_is_the_one_built_against` fails if the system's was loaded.
-eval "$(bash scripts/ucx-current.sh)"
+# Assigned first, so a failure of the script stops the run (an `eval "$(...)"` would not).
+ucx_env=$(bash scripts/ucx-current.sh)
+eval "$ucx_env"
 (
     export UCX_HOME CARGO_TARGET_DIR="$PWD/target/ucx-current"
     export LD_LIBRARY_PATH="$UCX_LIBRARY_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -87,7 +92,8 @@ echo "== Python binding and vLLM connector against real vLLM (pytest)"
 # checkout, keyed by the pinned versions. The engine is built once, in release, into the
 # first (`maturin develop`: the package is this checkout's python/); the second imports the
 # same checkout through a .pth file.
-eval "$(bash scripts/python-envs.sh)"
+py_env=$(bash scripts/python-envs.sh)
+eval "$py_env"
 VENV=$(dirname "$(dirname "$VLLM_PY")")
 CPU_VENV=$(dirname "$(dirname "$VLLM_CPU_PY")")
 (

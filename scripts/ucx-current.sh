@@ -12,7 +12,7 @@
 #
 # Prints shell assignments for building and running against it:
 #
-#   eval "$(bash scripts/ucx-current.sh)"
+#   eval "$(bash scripts/ucx-current.sh)"; export UCX_HOME
 #   # UCX_HOME=...              ucx-sys builds against it (see crates/ucx-sys/build.rs)
 #   # UCX_LIBRARY_PATH=...      its lib/: put it in LD_LIBRARY_PATH when running what was
 #   #                           built (kvxfer refuses to start UCX on another libucp)
@@ -27,7 +27,11 @@ PY=${PYTHON:-python3}
 
 DIR="$CACHE/libucx-cu12-$UCX_VERSION"
 HOME_DIR="$DIR/libucx"
-if [ ! -f "$DIR/.complete" ]; then
+# One install at a time: a second run waits, then finds it complete.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.libucx-cu12-$UCX_VERSION.lock"
+flock 9
+if [ ! -f "$DIR/.complete" ] || [ "$(cat "$DIR/.complete")" != "$UCX_WHEEL_SHA256" ]; then
     echo "installing UCX $UCX_VERSION (libucx-cu12 wheel) into $DIR" >&2
     rm -rf "$DIR"
     tmp=$(mktemp -d)
@@ -40,8 +44,9 @@ if [ ! -f "$DIR/.complete" ]; then
     for f in lib/libucp.so lib/pkgconfig/ucx.pc include/ucp/api/ucp.h; do
         [ -e "$HOME_DIR/$f" ] || { echo "ucx-current.sh: the wheel has no libucx/$f" >&2; exit 1; }
     done
-    touch "$DIR/.complete"
+    # The stamp names the wheel it was made from: a re-pinned hash installs again.
+    echo "$UCX_WHEEL_SHA256" > "$DIR/.complete"
 fi
 
-echo "UCX_HOME=$HOME_DIR"
-echo "UCX_LIBRARY_PATH=$HOME_DIR/lib"
+printf 'UCX_HOME=%q\n' "$HOME_DIR"
+printf 'UCX_LIBRARY_PATH=%q\n' "$HOME_DIR/lib"
