@@ -3,6 +3,7 @@ after each test."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Callable
 
@@ -30,6 +31,19 @@ def eventually(what: str, cond: Callable[[], bool], timeout: float = 30.0) -> No
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.002)
+
+
+def unarmed(prefill: kvxfer.PrefillAgent, rid: str, blocks: list[int]) -> dict:
+    """A scheduler-minted hand-off that no worker armed yet (reads of it wait for the arm)."""
+    host, port = prefill.address
+    return {
+        "remote_block_ids": blocks,
+        "remote_engine_id": "prefill-engine",
+        "remote_request_id": rid,
+        "remote_host": host,
+        "remote_port": port,
+        "kvxfer_lease_token": secrets.token_hex(16),
+    }
 
 
 def arm_waits(prefill: kvxfer.PrefillAgent) -> int:

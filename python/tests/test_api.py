@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvxfer
-from conftest import SHAPE, arm_waits, blocks_equal, eventually, random_cache
+from conftest import SHAPE, arm_waits, blocks_equal, eventually, random_cache, unarmed
 
 
 def test_a_parent_with_four_children_is_pulled_and_every_lease_ends_pulled(prefill, decode, src, dst):
@@ -137,15 +137,7 @@ def test_a_draining_agent_refuses_new_leases_while_its_leases_are_pulled(prefill
     # An arm is not refused: its id and token were published before the drain (vLLM's
     # scheduler mints them, the worker arms a step later); refusing it would fail a request
     # already in flight.
-    host, port = prefill.address
-    minted = {
-        "remote_block_ids": [3],
-        "remote_engine_id": "prefill-engine",
-        "remote_request_id": "DA",
-        "remote_host": host,
-        "remote_port": port,
-        "kvxfer_lease_token": secrets.token_hex(16),
-    }
+    minted = unarmed(prefill, "DA", [3])
     pull = decode.submit([minted], [[9]])
     prefill.arm(minted)
     assert pull.wait(timeout=30)[0]["outcome"] == "done"
@@ -158,15 +150,7 @@ def test_a_draining_agent_refuses_new_leases_while_its_leases_are_pulled(prefill
 
 
 def test_a_pull_waiting_for_its_arm_can_be_cancelled(prefill, decode):
-    host, port = prefill.address
-    minted = {
-        "remote_block_ids": [4],
-        "remote_engine_id": "prefill-engine",
-        "remote_request_id": "W",
-        "remote_host": host,
-        "remote_port": port,
-        "kvxfer_lease_token": secrets.token_hex(16),
-    }
+    minted = unarmed(prefill, "W", [4])
     pull = decode.submit([minted], [[5]])
     eventually("the read waits for the arm", lambda: arm_waits(prefill) == 1)
     pull.cancel_child(0)
@@ -183,15 +167,7 @@ def test_a_pull_waiting_for_its_arm_can_be_cancelled(prefill, decode):
 
 def test_waits_release_the_gil(prefill, decode):
     """While Pull.wait blocks (its read waits for an arm), other Python threads run."""
-    host, port = prefill.address
-    minted = {
-        "remote_block_ids": [1],
-        "remote_engine_id": "prefill-engine",
-        "remote_request_id": "G",
-        "remote_host": host,
-        "remote_port": port,
-        "kvxfer_lease_token": secrets.token_hex(16),
-    }
+    minted = unarmed(prefill, "G", [1])
     pull = decode.submit([minted], [[2]])
     ticks = []
     armed = threading.Event()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvxfer
-from conftest import SHAPE, random_cache
+from conftest import SHAPE, random_cache, unarmed
 
 
 def good_params(prefill: kvxfer.PrefillAgent) -> dict:
@@ -63,20 +63,12 @@ def test_children_that_do_not_fit_together_are_refused_before_any_io(prefill, de
         with pytest.raises(kvxfer.SubmitError) as e:
             call()
         assert e.value.kind == kind, (kind, str(e.value))
-    host, port = prefill.address
-    unarmed = {
-        "remote_block_ids": [1],
-        "remote_engine_id": "prefill-engine",
-        "remote_request_id": "U",
-        "remote_host": host,
-        "remote_port": port,
-        "kvxfer_lease_token": secrets.token_hex(16),
-    }
-    pull = decode.submit([unarmed], [[5]])  # its read waits for the arm
+    minted = unarmed(prefill, "U", [1])
+    pull = decode.submit([minted], [[5]])  # its read waits for the arm
     with pytest.raises(kvxfer.SubmitError) as e:
         decode.submit([a[1]], [[5]])  # block 5 is being written by the first pull
     assert e.value.kind == "local_blocks_busy" and "[5]" in str(e.value)
-    prefill.arm(unarmed)
+    prefill.arm(minted)
     assert pull.wait(timeout=30)[0]["outcome"] == "done"
 
 

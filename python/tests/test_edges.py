@@ -13,20 +13,7 @@ import numpy as np
 import pytest
 
 import kvxfer
-from conftest import SHAPE, arm_waits, blocks_equal, eventually, random_cache
-
-
-def unarmed(prefill: kvxfer.PrefillAgent, rid: str, blocks: list[int]) -> dict:
-    """A scheduler-minted hand-off that no worker armed yet (reads of it wait for the arm)."""
-    host, port = prefill.address
-    return {
-        "remote_block_ids": blocks,
-        "remote_engine_id": "prefill-engine",
-        "remote_request_id": rid,
-        "remote_host": host,
-        "remote_port": port,
-        "kvxfer_lease_token": secrets.token_hex(16),
-    }
+from conftest import SHAPE, arm_waits, blocks_equal, eventually, random_cache, unarmed
 
 
 @pytest.fixture
