@@ -94,6 +94,7 @@ impl AgentRuntime {
     }
 
     fn stop(&mut self, timeout: Duration) {
+        let on_driver = self.on_driver();
         match self.kind.take() {
             None => {}
             Some(Kind::Multi(rt)) => {
@@ -105,7 +106,7 @@ impl AgentRuntime {
             }
             Some(Kind::Current { stop, driver }) => {
                 let _ = stop.send(());
-                if driver.thread().id() == std::thread::current().id() {
+                if on_driver {
                     // A task on the driver cannot join it: its `block_on` returns after this
                     // poll and the thread drops the runtime (and its tasks) as it ends.
                     return;

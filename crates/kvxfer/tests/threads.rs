@@ -67,6 +67,18 @@ async fn async_round_with(config: impl Fn(&str) -> AgentConfig) -> usize {
     during
 }
 
+/// A blocking prefill agent over patterned memory and a blocking decode agent.
+fn blocking_agents(
+    prefill: AgentConfig,
+    decode: AgentConfig,
+) -> (kvxfer::blocking::PrefillAgent, kvxfer::blocking::DecodeAgent) {
+    let mem = pattern::alloc_filled(layout()).expect("patterned memory");
+    let prefill = kvxfer::blocking::PrefillAgent::start(prefill, "127.0.0.1:0", mem).expect("prefill");
+    let decode = kvxfer::blocking::DecodeAgent::start(decode, KvMemory::alloc(layout()).expect("alloc"))
+        .expect("decode");
+    (prefill, decode)
+}
+
 /// The nice value of thread `tid` of this process (field 19 of its `stat`).
 fn nice_of(tid: &str) -> i64 {
     let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).expect("stat");
@@ -139,15 +151,8 @@ fn no_agent_leaks_a_thread_in_any_mode() {
     // The blocking facade from a plain thread: each agent's runtime workers, then none.
     let base = settle(threads());
     {
-        let mem = pattern::alloc_filled(layout()).expect("patterned memory");
-        let prefill =
-            kvxfer::blocking::PrefillAgent::start(config("prefill").worker_threads(2), "127.0.0.1:0", mem)
-                .expect("prefill");
-        let decode = kvxfer::blocking::DecodeAgent::start(
-            config("decode").worker_threads(2),
-            KvMemory::alloc(layout()).expect("alloc"),
-        )
-        .expect("decode");
+        let (prefill, decode) =
+            blocking_agents(config("prefill").worker_threads(2), config("decode").worker_threads(2));
         let result = prefill.lease_parent("B", vec![vec![1], vec![2]], 1, None).expect("lease");
         assert!(decode.submit(result, vec![vec![1], vec![2]]).expect("submit").wait().all_done());
         eprintln!("blocking round: {base} threads before, {} with both agents", threads());
@@ -163,15 +168,10 @@ fn no_agent_leaks_a_thread_in_any_mode() {
     // runtime per agent (and the front door), then none; the agents work the same.
     let base = settle(threads());
     {
-        let mem = pattern::alloc_filled(layout()).expect("patterned memory");
-        let prefill =
-            kvxfer::blocking::PrefillAgent::start(config("prefill").worker_threads(0), "127.0.0.1:0", mem)
-                .expect("prefill");
-        let decode = kvxfer::blocking::DecodeAgent::start(
+        let (prefill, decode) = blocking_agents(
+            config("prefill").worker_threads(0),
             config("decode").worker_threads(0).notify_with_read(true),
-            KvMemory::alloc(layout()).expect("alloc"),
-        )
-        .expect("decode");
+        );
         for round in 0..3 {
             let parent = format!("C{round}");
             let result = prefill.lease_parent(&parent, vec![vec![1, 2], vec![3]], 1, None).expect("lease");
