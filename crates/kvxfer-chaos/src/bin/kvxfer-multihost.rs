@@ -667,6 +667,30 @@ fn all_not_registered(children: &[Value]) -> bool {
     children.iter().all(|c| c["outcome"] == "failed" && c["error_kind"] == "EngineNotRegistered")
 }
 
+/// Waits until every decoder's directory reports `kind` ("added" or "removed") for prefill-a's
+/// `incarnation`: per decoder path the milliseconds since `since` (each said with `what`), and
+/// the slowest.
+fn seen_by_every_decoder(
+    decoders: &mut [(&str, Node)],
+    kind: &str,
+    incarnation: &str,
+    since: Instant,
+    what: impl Fn(&str, f64) -> String,
+) -> Result<(Value, Duration), String> {
+    let mut seen = json!({});
+    let mut worst = Duration::ZERO;
+    for (path, d) in decoders.iter_mut() {
+        let (at, _) = d.wait("directory", |v| {
+            v["kind"] == kind && v["engine"] == "prefill-a" && v["incarnation"] == incarnation
+        })?;
+        let took = at.saturating_duration_since(since);
+        worst = worst.max(took);
+        seen[*path] = json!(ms(took));
+        say(what(path, ms(took)));
+    }
+    Ok((seen, worst))
+}
+
 /// The prefill host's link down: the engine leaves after the TTL; back up: it registers again.
 fn partition(
     run: &Run,
@@ -700,17 +724,9 @@ fn partition(
     )?;
     let during = outcome(&children, elapsed);
     say(format!("partition: a pull across the cut failed after {elapsed} ms: {}", children[0]["reason"]));
-    let mut detection = json!({});
-    let mut worst = Duration::ZERO;
-    for (path, d) in decoders.iter_mut() {
-        let (at, _) = d.wait("directory", |v| {
-            v["kind"] == "removed" && v["engine"] == "prefill-a" && v["incarnation"] == incarnation
-        })?;
-        let took = at.saturating_duration_since(cut);
-        worst = worst.max(took);
-        detection[*path] = json!(ms(took));
-        say(format!("partition: decode-{path} saw prefill-a leave {} ms after the cut", ms(took)));
-    }
+    let (detection, worst) = seen_by_every_decoder(decoders, "removed", incarnation, cut, |path, took| {
+        format!("partition: decode-{path} saw prefill-a leave {took} ms after the cut")
+    })?;
     let ttl = Duration::from_secs(run.args.ttl_s);
     check(
         worst <= ttl + Duration::from_secs(1),
@@ -728,17 +744,11 @@ fn partition(
     ip(&["link", "set", link, "up"])?;
     heal.1 = true;
     let healed = Instant::now();
-    let mut reregistration = json!({});
-    for (path, d) in decoders.iter_mut() {
-        let (at, _) = d.wait("directory", |v| {
-            v["kind"] == "added" && v["engine"] == "prefill-a" && v["incarnation"] == incarnation
-        })?;
-        reregistration[*path] = json!(ms(at.saturating_duration_since(healed)));
-        say(format!(
-            "partition: decode-{path} saw prefill-a (same incarnation) back {} ms after the link came up",
-            ms(at.saturating_duration_since(healed))
-        ));
-    }
+    let (reregistration, _) = seen_by_every_decoder(decoders, "added", incarnation, healed, |path, took| {
+        format!(
+            "partition: decode-{path} saw prefill-a (same incarnation) back {took} ms after the link came up"
+        )
+    })?;
     let result = run.lease(prefill, &run.parent("partition-after"), true)?;
     let after = run.pull_verified(&mut decoders[0].1, &result, "partition: tcp pull after healing")?;
     let registration = prefill.etcd_status()?;
@@ -763,17 +773,9 @@ fn sigterm(
     let stale = run.lease(&mut prefill, &run.parent("sigterm-stale"), true)?;
     say(format!("sigterm: SIGTERM to the prefill node (registration TTL {} s)", run.args.long_ttl_s));
     let sent = prefill.signal("-TERM")?;
-    let mut removed = json!({});
-    let mut worst = Duration::ZERO;
-    for (path, d) in decoders.iter_mut() {
-        let (at, _) = d.wait("directory", |v| {
-            v["kind"] == "removed" && v["engine"] == "prefill-a" && v["incarnation"] == incarnation
-        })?;
-        let took = at.saturating_duration_since(sent);
-        worst = worst.max(took);
-        removed[*path] = json!(ms(took));
-        say(format!("sigterm: decode-{path} saw the key go {} ms after SIGTERM", ms(took)));
-    }
+    let (removed, worst) = seen_by_every_decoder(decoders, "removed", incarnation, sent, |path, took| {
+        format!("sigterm: decode-{path} saw the key go {took} ms after SIGTERM")
+    })?;
     check(worst < Duration::from_secs(1), format!("sigterm: the key went {} ms after SIGTERM", ms(worst)))?;
     let (at, _) = prefill.wait("shutdown", |v| v["signal"] == "SIGTERM")?;
     let status = prefill.exit_status()?;
