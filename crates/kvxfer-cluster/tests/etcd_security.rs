@@ -25,6 +25,27 @@ fn directory(etcd: EtcdConfig) -> Result<EngineDirectory, Error> {
     EngineDirectory::start(&Handle::current(), etcd, namespace(), DirectoryOptions::default())
 }
 
+/// A directory and a registration of `engine` through `etcd`, both up, the directory having
+/// listed the engine (`how` names the setup in failures).
+async fn registered_and_listed(
+    etcd: EtcdConfig,
+    engine: &str,
+    incarnation: u64,
+    how: &str,
+) -> (EngineDirectory, Registration) {
+    let dir = directory(etcd.clone()).expect("directory");
+    if let Err(s) = dir.wait_synced(WAIT).await {
+        panic!("directory {how}: {s:?}");
+    }
+    let mut events = dir.subscribe();
+    let reg = register(etcd, engine, incarnation).expect("registration");
+    if let Err(s) = reg.wait_registered(WAIT).await {
+        panic!("registration {how}: {s:?}");
+    }
+    wait_added(&mut events, &[engine]).await;
+    (dir, reg)
+}
+
 /// A registration etcd refuses for good: state `Failed` at once with `want` in the reason,
 /// and no retry after it (the failure count stays where it is).
 async fn refused(reg: &Registration, want: &str) -> EtcdStatus {
@@ -111,16 +132,7 @@ async fn etcd_with_authentication_registers_with_credentials_and_refuses_bad_one
     // The right credentials: registered, listed, drained by the key, revoked at shutdown.
     let good = with(Some(EtcdAuth::new("kvxfer", "kvxfer-pw")));
     assert!(!format!("{good:?}").contains("kvxfer-pw"), "the password is never printed: {good:?}");
-    let dir = directory(good.clone()).expect("directory");
-    if let Err(s) = dir.wait_synced(WAIT).await {
-        panic!("directory with credentials: {s:?}");
-    }
-    let mut events = dir.subscribe();
-    let reg = register(good.clone(), "engine-a", 0xa).expect("registration");
-    if let Err(s) = reg.wait_registered(WAIT).await {
-        panic!("registration with credentials: {s:?}");
-    }
-    wait_added(&mut events, &["engine-a"]).await;
+    let (dir, reg) = registered_and_listed(good.clone(), "engine-a", 0xa, "with credentials").await;
     let mut root = etcd.client_as("root", "root-pw").await;
     root.put(kvxfer_cluster::drain_key(&namespace(), &key("engine-a", 0).engine_id), "", None)
         .await
@@ -171,16 +183,7 @@ async fn etcd_over_tls_with_client_certificates() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(etcd.endpoint().starts_with("https://"));
 
-    let dir = directory(etcd.config()).expect("directory");
-    if let Err(s) = dir.wait_synced(WAIT).await {
-        panic!("directory over TLS: {s:?}");
-    }
-    let mut events = dir.subscribe();
-    let reg = register(etcd.config(), "engine-t", 0x7).expect("registration");
-    if let Err(s) = reg.wait_registered(WAIT).await {
-        panic!("registration over TLS: {s:?}");
-    }
-    wait_added(&mut events, &["engine-t"]).await;
+    let (dir, reg) = registered_and_listed(etcd.config(), "engine-t", 0x7, "over TLS").await;
 
     // No client certificate, while etcd asks for one: etcd answers with a BadCertificate
     // alert (rustls names it so, without a space: review found the spaced pattern never
