@@ -31,7 +31,44 @@ pub struct PinGrant {
     pub held_for: Duration,
 }
 
-/// A handshaken connection to a prefill agent. One request at a time.
+/// One read of a pipelined batch ([`Connection::read_batch_into`]).
+#[derive(Debug, Clone, Copy)]
+pub struct BatchRead<'a> {
+    /// The lease's remote request id.
+    pub id: &'a str,
+    /// The lease's token.
+    pub token: &'a [u8],
+    /// Remote blocks to read and the local blocks they land in (group 0).
+    pub runs: &'a [BlockRun],
+    /// Send the lease's notify right behind the read request (see
+    /// [`Connection::read_into_then_notify`] for when that is right).
+    pub notify: bool,
+}
+
+/// How a batch of reads ended ([`Connection::read_batch_into`]).
+#[derive(Debug)]
+pub struct BatchEnd {
+    /// Reads answered (each reported as it came), from the first: the batch's reads from
+    /// here on were not answered.
+    pub answered: usize,
+    /// Whether every read was answered and the connection is in step: it can be used again.
+    pub in_step: bool,
+    /// Why the reads from `answered` on were not answered, when that error was not an
+    /// answered read's own: the batch could not be written, or the connection closed or
+    /// broke before the next answer began.
+    pub error: Option<ClientError>,
+    /// Whether the batch ended because the peer sent nothing (or too little) within the
+    /// I/O timeout: it is not likely to answer the reads left either.
+    pub timed_out: bool,
+}
+
+/// Whether a connection error is the I/O timeout.
+fn is_timeout(e: &ClientError) -> bool {
+    matches!(e, ClientError::Frame { source: FrameError::Timeout, .. })
+}
+
+/// A handshaken connection to a prefill agent. One request at a time, or one pipelined
+/// batch of reads ([`Connection::read_batch_into`]).
 #[derive(Debug)]
 pub struct Connection {
     stream: TcpStream,
@@ -307,13 +344,98 @@ impl Connection {
         if read.as_ref().is_err_and(|e| !e.connection_usable()) {
             return (read, None);
         }
-        let answer = match self.recv().await {
-            Ok(Frame::NotifyAck(a)) => Ok(a),
-            Ok(Frame::Error(e)) => Err(self.refused(e)),
-            Ok(other) => Err(self.unexpected(&other)),
-            Err(e) => Err(e),
-        };
+        let answer = self.recv_notify_ack().await;
         (read, Some(answer))
+    }
+
+    /// The answer to a notify sent behind a read.
+    async fn recv_notify_ack(&mut self) -> Result<v1::NotifyAck, ClientError> {
+        match self.recv().await? {
+            Frame::NotifyAck(a) => Ok(a),
+            Frame::Error(e) => Err(self.refused(e)),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Reads several leases' blocks pipelined on this connection: every read request (each
+    /// with its notify behind it when [`BatchRead::notify`] says so, as in
+    /// [`Self::read_into_then_notify`]) goes out in one write, and the answers, which the
+    /// prefill side sends in request order, are taken one after another: one round trip for
+    /// the whole batch instead of one per read. Each payload is checked against its CRC-32C
+    /// trailer, as in [`Self::read_into`].
+    ///
+    /// `answered(k, read, notify)` is called as soon as read `k` is answered, in order: the
+    /// read's result and, when its notify went with it and the connection was still in step
+    /// after the read, the notify's answer. A read whose answer breaks the connection
+    /// (anything but a refusal) ends the batch. The reads from [`BatchEnd::answered`] on are
+    /// not reported: the connection closed or broke before their answers began (or the
+    /// batch could not be written), so nothing reached their blocks — but the prefill side
+    /// may have served their requests and taken their notifies.
+    ///
+    /// Keep a batch's requests small (a few KiB): they are written before any answer is
+    /// read, so they must fit in the peer's receive buffer.
+    ///
+    /// # Safety
+    /// As for [`Self::read_into`], for the local blocks of every read's runs; and no two
+    /// reads of the batch name the same local block.
+    pub async unsafe fn read_batch_into(
+        &mut self,
+        reads: &[BatchRead<'_>],
+        dest: &KvMemory,
+        consumer: &str,
+        mut answered: impl FnMut(usize, Result<u64, ClientError>, Option<Result<v1::NotifyAck, ClientError>>),
+    ) -> BatchEnd {
+        self.payload_started = false;
+        let mut seqs = Vec::with_capacity(reads.len());
+        let mut batch = Vec::new();
+        for r in reads {
+            let (seq, req) = self.request(r.id, r.token, 0, r.runs);
+            Frame::ReadRequest(req).encode(&mut batch);
+            if r.notify {
+                let n = v1::Notify {
+                    remote_request_id: r.id.to_owned(),
+                    lease_token: r.token.to_vec(),
+                    consumer_id: consumer.to_owned(),
+                };
+                Frame::Notify(n).encode(&mut batch);
+            }
+            seqs.push(seq);
+        }
+        let io = self.stream.write_all(&batch);
+        let sent = match tokio::time::timeout(self.limits.io_timeout, io).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(self.frame_err(FrameError::Io(e))),
+            Err(_) => Err(self.frame_err(FrameError::Timeout)),
+        };
+        if let Err(e) = sent {
+            return BatchEnd { answered: 0, in_step: false, timed_out: is_timeout(&e), error: Some(e) };
+        }
+        for (k, (r, &seq)) in reads.iter().zip(&seqs).enumerate() {
+            // SAFETY: the caller's contract, passed on (the reads' blocks are disjoint).
+            let read = unsafe { self.receive_payload(seq, r.runs, dest) }.await;
+            match read {
+                // Closed or broken before this answer began: neither it nor the rest came.
+                Err(e @ ClientError::Frame { source: FrameError::Closed | FrameError::Io(_), .. })
+                    if !self.payload_started =>
+                {
+                    return BatchEnd { answered: k, in_step: false, timed_out: false, error: Some(e) };
+                }
+                read => {
+                    let mut timed_out = read.as_ref().is_err_and(is_timeout);
+                    let mut broke = read.as_ref().is_err_and(|e| !e.connection_usable());
+                    let notified = if r.notify && !broke { Some(self.recv_notify_ack().await) } else { None };
+                    if let Some(Err(e)) = &notified {
+                        timed_out |= is_timeout(e);
+                        broke |= !e.connection_usable();
+                    }
+                    answered(k, read, notified);
+                    if broke {
+                        return BatchEnd { answered: k + 1, in_step: false, timed_out, error: None };
+                    }
+                }
+            }
+        }
+        BatchEnd { answered: reads.len(), in_step: true, timed_out: false, error: None }
     }
 
     /// The body of [`Self::read_into`]; with `notify`, that frame goes out with the request.
@@ -335,6 +457,22 @@ impl Connection {
             None => self.send(&Frame::ReadRequest(req)).await?,
             Some(n) => self.send_both(&Frame::ReadRequest(req), &Frame::Notify(n)).await?,
         }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.receive_payload(seq, runs, dest) }.await
+    }
+
+    /// The answer to read `seq` of `runs`: its header, the payload straight into the local
+    /// blocks of `runs` in `dest`, and the CRC-32C trailer, checked.
+    ///
+    /// # Safety
+    /// As for [`Self::read_into`].
+    async unsafe fn receive_payload(
+        &mut self,
+        seq: u64,
+        runs: &[BlockRun],
+        dest: &KvMemory,
+    ) -> Result<u64, ClientError> {
+        self.payload_started = false;
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
         let (timeout, deadline) = self.await_read_response(seq, expected).await?;
         let mut crc = 0;

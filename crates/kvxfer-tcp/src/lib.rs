@@ -46,7 +46,7 @@ pub mod server;
 pub mod stats;
 
 pub use client::PinGrant;
-pub use client::{check_crc, ClientError, Connection, SliceSpec};
+pub use client::{check_crc, BatchEnd, BatchRead, ClientError, Connection, SliceSpec};
 pub use crcs::compute_block_crcs;
 pub use frame::{Frame, FrameError};
 pub use handshake::{check_hello, AuthError, ClusterKey, HandshakeId, KeyError, Transcript};

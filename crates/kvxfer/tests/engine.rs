@@ -502,6 +502,33 @@ fn one_sided_read_outliving_its_pin_is_refused(t: Transport) {
     assert!(prefill.stats().server.pins_expired >= 1);
 }
 
+/// A parent's children are read pipelined on one data connection — one write of every
+/// request, one round trip — though the agent may open eight: the prefill agent accepts the
+/// hand-off's control connection and one data connection. Every child is done with the
+/// right bytes and its notify went with its read.
+#[test]
+fn a_parents_small_reads_share_one_data_connection() {
+    let prefill = prefill(64, TTL);
+    let config = AgentConfig::new("decode")
+        .transport(kvxfer::TransportChoice::Tcp)
+        .connections_per_peer(8)
+        .notify_with_read(true);
+    let decode = decode_with(config, BlockLayout::single(64, BLOCK).expect("layout"));
+    let remote: Vec<Vec<BlockId>> = (0..8).map(|i| vec![2 * i, 2 * i + 1]).collect();
+    let local: Vec<Vec<BlockId>> = (0..8).map(|i| vec![20 + 2 * i, 21 + 2 * i]).collect();
+    let result = prefill.lease_parent("P", remote.clone(), 1, None).expect("lease");
+    let report = decode.submit(result, local.clone()).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    for (r, l) in remote.iter().zip(&local) {
+        assert!(verify(&decode, r, l), "{r:?} -> {l:?}");
+    }
+    assert_eq!(prefill.stats().server.connections, 2, "one control and one data connection");
+    assert_eq!(prefill.stats().server.reads_served, 8);
+    assert_eq!(decode.stats().notifies_with_read, 8);
+    let ends = wait_ends(&prefill, 8, Duration::from_secs(10));
+    assert!(ends.iter().all(|e| e.kind == EndKind::Pulled), "{ends:?}");
+}
+
 #[cfg(feature = "ucx")]
 mod pins {
     use super::*;

@@ -592,7 +592,12 @@ fn lost_replies_are_retried(with_read: bool) {
                 return Flow::Continue;
             }
             if notifies.fetch_add(1, Ordering::SeqCst) == 0 {
-                return Flow::Close; // applied, answer lost
+                // Applied, answer lost: the connection is shut for writing and what the
+                // decode side pipelined behind the notify (child 1's read, in one batch with
+                // child 0's) is still read — closed with it unread, the kernel would reset
+                // the connection and drop child 0's payload in flight.
+                let _ = s.shutdown(std::net::Shutdown::Write);
+                return Flow::Continue;
             }
             let ack = v1::NotifyAck { outcome: v1::LeaseOutcome::AlreadyPulled as i32, remaining: 0 };
             write_frame(s, v1::FrameType::NotifyAck, &ack);
@@ -626,6 +631,62 @@ fn lost_replies_are_retried(with_read: bool) {
     assert!(verify(&decode, &[1, 2], &[5, 6]));
     let s = decode.stats();
     assert_eq!((s.control_retries, s.notifications_unacknowledged), (2, 0), "{s:?}");
+}
+
+/// A parent's small reads go out pipelined on one data connection, and that connection
+/// breaks after the first answer: the first child is done from the batch, and the reads
+/// behind it (nothing of them arrived) are each made again on a connection of their own.
+/// Every child is then done, with the right bytes, and each lease notified once.
+#[test]
+fn a_batch_broken_after_its_first_answer_reads_the_rest_alone() {
+    use std::sync::Mutex;
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    // Per connection, the lease ids of the reads it carried; and the connection cut.
+    let seen: std::sync::Arc<Mutex<Vec<(usize, String)>>> = Default::default();
+    let cut: std::sync::Arc<Mutex<Option<usize>>> = Default::default();
+    let (seen2, cut2) = (seen.clone(), cut.clone());
+    let port = scripted_prefill(layout.clone(), "pipelined", move |conn, s, ty, body, mem| {
+        if ty != v1::FrameType::ReadRequest as u8 {
+            answer_control(s, ty, body);
+            return Flow::Continue;
+        }
+        let id = v1::ReadRequest::decode(body).expect("read").remote_request_id;
+        seen2.lock().expect("seen").push((conn, id.clone()));
+        let mut cut = cut2.lock().expect("cut");
+        if *cut == Some(conn) {
+            return Flow::Continue; // shut for writing: nothing more is answered here
+        }
+        if id == "1_F" && cut.is_none() {
+            // The connection goes after the first answer. Shut for writing only: the
+            // requests pipelined behind still arrive (and are counted above), and the
+            // kernel does not reset the connection under child 0's payload.
+            *cut = Some(conn);
+            let _ = s.shutdown(std::net::Shutdown::Write);
+            return Flow::Continue;
+        }
+        answer_read(s, mem, body);
+        Flow::Continue
+    });
+    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)), layout);
+    let remote = [vec![1, 2], vec![3], vec![4, 5], vec![6]];
+    let local = [vec![10, 11], vec![12], vec![13, 14], vec![15]];
+    let report =
+        decode.submit(fake_result(port, "pipelined", &remote), local.to_vec()).expect("submit").wait();
+    assert!(report.all_done(), "{report:?}");
+    for (r, l) in remote.iter().zip(&local) {
+        assert!(verify(&decode, r, l), "{r:?} -> {l:?}");
+    }
+    let cut = cut.lock().expect("cut").expect("the batch's connection was cut");
+    let seen = seen.lock().expect("seen").clone();
+    let on_cut: Vec<&str> = seen.iter().filter(|(c, _)| *c == cut).map(|(_, id)| id.as_str()).collect();
+    // All four reads were written at once, before the first answer.
+    assert_eq!(on_cut, ["0_F", "1_F", "2_F", "3_F"], "{seen:?}");
+    // The three left unanswered were read again, each once.
+    for id in ["1_F", "2_F", "3_F"] {
+        assert_eq!(seen.iter().filter(|(c, i)| *c != cut && i == id).count(), 1, "{id}: {seen:?}");
+    }
+    let s = decode.stats();
+    assert_eq!((s.notifications_unacknowledged, s.read_retries), (0, 0), "{s:?}");
 }
 
 /// A prefill worker restarts on the same address with the same configured engine id: its

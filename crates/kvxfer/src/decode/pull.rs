@@ -23,11 +23,14 @@ use kvxfer_tcp::ClientError;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use self::batch::{Batches, ReadDone};
 use super::groups::GroupIds;
 use super::peer::{pull_error, read_error, ControlOp, ControlReply};
 use super::report::{add, ChildReport, PullChannels, Totals};
 use super::shared::{Inner, Peer};
 use crate::TransportChoice;
+
+mod batch;
 
 /// The data path a pull uses with one peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +47,8 @@ enum Event {
     ReadNotified(usize, ReadResult, Option<ControlAnswer>),
     Control(usize, ControlAnswer),
     Heartbeat(bool),
+    /// Reads of a pipelined batch that it did not answer because it was stopped.
+    Reads(Vec<ReadDone>),
 }
 
 type IoFuture<'a> = Pin<Box<dyn Future<Output = Event> + Send + 'a>>;
@@ -143,6 +148,11 @@ impl Pull {
         let mut io: FuturesUnordered<IoFuture<'_>> = FuturesUnordered::new();
         let mut heartbeat: Option<IoFuture<'_>> = None;
         let mut read_aborts: Vec<Option<CancellationToken>> = vec![None; this.children.len()];
+        // Reads to pipeline, collected while the machine's actions are taken; the batches
+        // made of them; the reads they answer, one by one as they come.
+        let mut to_batch: Vec<(usize, bool)> = Vec::new();
+        let mut batches = Batches::new(this.children.len());
+        let (batch_tx, mut batch_rx) = tokio::sync::mpsc::unbounded_channel::<ReadDone>();
         let (mut stopping, mut aborting, mut cancels_open) = (false, false, true);
         loop {
             while let Some(action) = machine.poll_action() {
@@ -160,12 +170,19 @@ impl Pull {
                         if with_notify {
                             add(&this.inner.counters.notifies_with_read, 1);
                         }
-                        io.push(Box::pin(this.read(&peer, i, layout, *path, token, with_notify)));
+                        // Over TCP with one KV-cache group, small reads started together are
+                        // pipelined on one connection (below, once every action is taken).
+                        if *path == Path::Tcp && this.inner.memory.num_groups() == 1 {
+                            to_batch.push((i, with_notify));
+                        } else {
+                            io.push(Box::pin(this.read(&peer, i, layout, *path, token, with_notify)));
+                        }
                     }
                     Action::AbortRead(i) => {
                         if let Some(t) = &read_aborts[i] {
                             t.cancel();
                         }
+                        batches.settle(i, true);
                     }
                     Action::Copy { copies, .. } => this.copy(&copies),
                     Action::Notify(i) | Action::CancelLease(i) => {
@@ -185,27 +202,40 @@ impl Pull {
                     }
                 }
             }
+            if let Some((layout, path)) = &path {
+                let block_bytes = this.inner.memory.layout().block_bytes();
+                let bytes = |i: usize| this.wire[i].iter().map(|r| u64::from(r.count) * block_bytes).sum();
+                for batch in batch::split(std::mem::take(&mut to_batch), bytes) {
+                    if let [(i, with_notify)] = batch[..] {
+                        let token = read_aborts[i].clone().unwrap_or_default();
+                        io.push(Box::pin(this.read(&peer, i, layout, *path, token, with_notify)));
+                        continue;
+                    }
+                    let token = batches.open(&batch);
+                    io.push(Box::pin(this.read_batch(&peer, batch, token, batch_tx.clone())));
+                }
+            }
             let timer = machine.poll_timeout();
             tokio::select! {
                 Some(event) = io.next(), if !io.is_empty() => {
-                    // Cancels already queued were asked for before this event was seen: they
-                    // count first (select! picks among ready branches at random, so a cancel
-                    // sent before a read's answer came back could otherwise lose to it and
-                    // the child end pulled).
-                    while cancels_open {
-                        match cancels.try_recv() {
-                            Ok(index) => this.cancel_child(&mut machine, index),
-                            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
-                            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => cancels_open = false,
-                        }
-                    }
+                    this.take_queued_cancels(&mut machine, &mut cancels, &mut cancels_open);
                     let now = Instant::now();
                     match event {
                         Event::Read(i, r) => machine.read_finished(i, now, r),
                         Event::ReadNotified(i, r, a) => machine.read_finished_notified(i, now, r, a),
                         Event::Control(i, a) => machine.control_answered(i, now, a),
                         Event::Heartbeat(reachable) => machine.heartbeat_answered(now, reachable),
+                        Event::Reads(reads) => {
+                            for done in reads {
+                                done.feed(&mut machine, now);
+                            }
+                        }
                     }
+                }
+                Some(done) = batch_rx.recv() => {
+                    this.take_queued_cancels(&mut machine, &mut cancels, &mut cancels_open);
+                    batches.settle(done.child, false);
+                    done.feed(&mut machine, Instant::now());
                 }
                 Some(event) = OptionFuture::from(heartbeat.as_mut()), if heartbeat.is_some() => {
                     heartbeat = None;
@@ -363,12 +393,12 @@ impl Pull {
         abort: CancellationToken,
         with_notify: bool,
     ) -> Event {
-        let child = &self.children[i];
         let runs = &self.wire[i];
         // One read per KV-cache group (one read, of group 0, for a single-group cache).
         let by_group = self.ids.split_runs(runs);
         #[cfg(feature = "ucx")]
         if path == Path::Ucx {
+            let child = &self.children[i];
             // A UCX get cannot be cut short: the machine never aborts one. One pin and get
             // per KV-cache group, in group order; the first that does not succeed ends it.
             let mut total = 0u64;
@@ -399,110 +429,133 @@ impl Pull {
             return Event::Read(i, ReadResult::Ok { bytes: total });
         }
         let _ = (remote, path);
-        let read = async {
-            let (_permit, mut conn, mut reused) = match peer.checkout(&self.inner).await {
-                Ok(c) => c,
-                Err(e) => return (ReadResult::Failed(e), None),
-            };
-            let id = child.remote_request_id();
-            let mut total = 0u64;
-            let mut next_group = 0usize;
-            loop {
-                let Some((group, runs)) = by_group.get(next_group) else {
-                    peer.checkin::<u64>(conn, &Ok(total));
-                    return (ReadResult::Ok { bytes: total }, None);
-                };
-                let Some(dest) = self.inner.memory.group(*group as usize) else {
-                    peer.checkin::<u64>(conn, &Ok(total));
-                    let detail = format!("no local memory for KV-cache group {group}");
-                    return (
-                        ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail }),
-                        None,
-                    );
-                };
-                let (token, consumer) = (child.token().as_bytes(), &self.inner.consumer_id);
-                // The local blocks of `runs` were claimed by this pull in `submit` (no other
-                // pull writes them; the caller does not touch them until their report, which
-                // the machine sends only after this read ended), and `submit` checked them
-                // against their group's layout (`dest`). The notify rides with the read only
-                // for a single-group cache (checked where the read starts): group 0's read is
-                // then the child's only one.
-                let (r, notified) = if with_notify {
-                    // SAFETY: exclusive, in-layout destination blocks (above).
-                    #[allow(unsafe_code)]
-                    let r = unsafe { conn.read_into_then_notify(id, token, runs, dest, consumer) }.await;
-                    r
-                } else {
-                    // SAFETY: exclusive, in-layout destination blocks (above).
-                    #[allow(unsafe_code)]
-                    let r = unsafe { conn.read_group_into(id, token, *group, runs, dest) }.await;
-                    (r, None)
-                };
-                // A pooled connection the peer closed before answering (its idle close racing
-                // our request): nothing reached the blocks, so the read is made once more on a
-                // fresh connection.
-                if r.as_ref().is_err_and(closed_before_answer) && reused && !conn.payload_started() {
-                    debug!(remote_request_id = %log::Peer(&id), result = ?r, "pooled connection closed before the answer; retrying the read");
-                    add(&self.inner.counters.read_retries, 1);
-                    conn = match peer.connect(&self.inner).await {
-                        Ok(c) => c,
-                        Err(e) => return (ReadResult::Failed(e), None),
-                    };
-                    reused = false;
-                    continue;
-                }
-                if with_notify {
-                    // The connection is back in step only if the notify's answer was read too.
-                    match &notified {
-                        Some(Err(e)) if !e.connection_usable() => drop(conn),
-                        None => drop(conn),
-                        _ => peer.checkin(conn, &r),
-                    }
-                    debug!(remote_request_id = %log::Peer(&id), result = ?r, ?notified, "child read");
-                    // A notify whose answer was lost (the connection broke after the payload) is
-                    // sent again on its own (`None`); an answer, even a refusal, is final.
-                    let lost =
-                        notified.as_ref().is_some_and(|n| n.as_ref().is_err_and(|e| !e.connection_usable()));
-                    if lost && r.is_ok() {
-                        // The prefill side may have counted it: the notify on its own retries it.
-                        self.notify_answer_lost[i].store(true, Ordering::Relaxed);
-                        add(&self.inner.counters.control_retries, 1);
-                    }
-                    let answer =
-                        notified.filter(|_| !lost).map(|n| notify_answer(&n.map(ControlReply::Notify), 1));
-                    if let Some(a) = answer.filter(|a| r.is_ok() && *a != ControlAnswer::Acknowledged) {
-                        warn!(remote_request_id = %log::Peer(&id), answer = %log::Peer(format_args!("{a:?}")), "notification sent with the read not acknowledged");
-                    }
-                    let r = match r {
-                        Ok(bytes) => ReadResult::Ok { bytes },
-                        Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
-                    };
-                    return (r, answer);
-                }
-                debug!(remote_request_id = %log::Peer(&id), group, result = ?r, "child read");
-                match r {
-                    Ok(bytes) => {
-                        total += bytes;
-                        next_group += 1;
-                    }
-                    Err(_) => {
-                        peer.checkin(conn, &r);
-                        return match r {
-                            Err(e) => (ReadResult::Failed(read_error(&e, &self.inner, id)), None),
-                            Ok(_) => (ReadResult::Ok { bytes: total }, None),
-                        };
-                    }
-                }
-            }
-        };
         tokio::select! {
-            (r, answer) = read => match with_notify {
+            (r, answer) = self.tcp_read(peer, i, &by_group, with_notify) => match with_notify {
                 true => Event::ReadNotified(i, r, answer),
                 false => Event::Read(i, r),
             },
             // Dropping the read drops its connection mid-transfer: it is never reused.
             () = abort.cancelled() => Event::Read(i, ReadResult::Aborted),
         }
+    }
+
+    /// Child `i`'s TCP read of `by_group` (its wire runs split by KV-cache group) on a pooled
+    /// data connection, retried once on a fresh one when the pooled one closed before
+    /// answering. With `with_notify`, the child's notify goes out behind the read (one
+    /// group), and its answer comes back with the read's result.
+    async fn tcp_read(
+        &self,
+        peer: &Peer,
+        i: usize,
+        by_group: &[(u32, Vec<BlockRun>)],
+        with_notify: bool,
+    ) -> (ReadResult, Option<ControlAnswer>) {
+        let child = &self.children[i];
+        let (_permit, mut conn, mut reused) = match peer.checkout(&self.inner).await {
+            Ok(c) => c,
+            Err(e) => return (ReadResult::Failed(e), None),
+        };
+        let id = child.remote_request_id();
+        let mut total = 0u64;
+        let mut next_group = 0usize;
+        loop {
+            let Some((group, runs)) = by_group.get(next_group) else {
+                peer.checkin::<u64>(conn, &Ok(total));
+                return (ReadResult::Ok { bytes: total }, None);
+            };
+            let Some(dest) = self.inner.memory.group(*group as usize) else {
+                peer.checkin::<u64>(conn, &Ok(total));
+                let detail = format!("no local memory for KV-cache group {group}");
+                return (ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail }), None);
+            };
+            let (token, consumer) = (child.token().as_bytes(), &self.inner.consumer_id);
+            // The local blocks of `runs` were claimed by this pull in `submit` (no other
+            // pull writes them; the caller does not touch them until their report, which
+            // the machine sends only after this read ended), and `submit` checked them
+            // against their group's layout (`dest`). The notify rides with the read only
+            // for a single-group cache (checked where the read starts): group 0's read is
+            // then the child's only one.
+            let (r, notified) = if with_notify {
+                // SAFETY: exclusive, in-layout destination blocks (above).
+                #[allow(unsafe_code)]
+                let r = unsafe { conn.read_into_then_notify(id, token, runs, dest, consumer) }.await;
+                r
+            } else {
+                // SAFETY: exclusive, in-layout destination blocks (above).
+                #[allow(unsafe_code)]
+                let r = unsafe { conn.read_group_into(id, token, *group, runs, dest) }.await;
+                (r, None)
+            };
+            // A pooled connection the peer closed before answering (its idle close racing
+            // our request): nothing reached the blocks, so the read is made once more on a
+            // fresh connection.
+            if r.as_ref().is_err_and(closed_before_answer) && reused && !conn.payload_started() {
+                debug!(remote_request_id = %log::Peer(&id), result = ?r, "pooled connection closed before the answer; retrying the read");
+                add(&self.inner.counters.read_retries, 1);
+                conn = match peer.connect(&self.inner).await {
+                    Ok(c) => c,
+                    Err(e) => return (ReadResult::Failed(e), None),
+                };
+                reused = false;
+                continue;
+            }
+            if with_notify {
+                // The connection is back in step only if the notify's answer was read too.
+                match &notified {
+                    Some(Err(e)) if !e.connection_usable() => drop(conn),
+                    None => drop(conn),
+                    _ => peer.checkin(conn, &r),
+                }
+                return self.settle_notified(i, r, notified);
+            }
+            debug!(remote_request_id = %log::Peer(&id), group, result = ?r, "child read");
+            match r {
+                Ok(bytes) => {
+                    total += bytes;
+                    next_group += 1;
+                }
+                Err(_) => {
+                    peer.checkin(conn, &r);
+                    return match r {
+                        Err(e) => (ReadResult::Failed(read_error(&e, &self.inner, id)), None),
+                        Ok(_) => (ReadResult::Ok { bytes: total }, None),
+                    };
+                }
+            }
+        }
+    }
+
+    /// The result of child `i`'s read `r` whose notify went with it and was answered with
+    /// `notified` (`None`: the connection broke before that answer).
+    fn settle_notified(
+        &self,
+        i: usize,
+        r: Result<u64, ClientError>,
+        notified: Option<Result<v1::NotifyAck, ClientError>>,
+    ) -> (ReadResult, Option<ControlAnswer>) {
+        let id = self.children[i].remote_request_id();
+        debug!(remote_request_id = %log::Peer(&id), result = ?r, ?notified, "child read");
+        // A notify whose answer was lost (the connection broke after the payload) is sent
+        // again on its own (`None`); an answer, even a refusal, is final.
+        let lost = notified.as_ref().is_some_and(|n| n.as_ref().is_err_and(|e| !e.connection_usable()));
+        if lost && r.is_ok() {
+            // The prefill side may have counted it: the notify on its own retries it.
+            self.notify_answer_lost[i].store(true, Ordering::Relaxed);
+            add(&self.inner.counters.control_retries, 1);
+        }
+        // An earlier notify of this lease, sent with a read that went unanswered, may have
+        // been counted: a "duplicate" answer then means counted.
+        let attempts = 1 + u32::from(self.notify_answer_lost[i].load(Ordering::Relaxed));
+        let answer =
+            notified.filter(|_| !lost).map(|n| notify_answer(&n.map(ControlReply::Notify), attempts));
+        if let Some(a) = answer.filter(|a| r.is_ok() && *a != ControlAnswer::Acknowledged) {
+            warn!(remote_request_id = %log::Peer(&id), answer = %log::Peer(format_args!("{a:?}")), "notification sent with the read not acknowledged");
+        }
+        let r = match r {
+            Ok(bytes) => ReadResult::Ok { bytes },
+            Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
+        };
+        (r, answer)
     }
 
     fn copy(&self, copies: &[(BlockId, BlockId)]) {
@@ -656,6 +709,25 @@ impl Pull {
             warn!(remote_request_id = %log::Peer(&child.remote_request_id()), result = %log::Peer(format_args!("{r:?}")), "notification not acknowledged");
         }
         Event::Control(i, answer)
+    }
+
+    /// Takes the cancels already queued before an I/O event is fed to `machine`: they were
+    /// asked for before the event was seen, so they count first (select! picks among ready
+    /// branches at random, so a cancel sent before a read's answer came back could otherwise
+    /// lose to it and the child end pulled).
+    fn take_queued_cancels(
+        &self,
+        machine: &mut PullMachine,
+        cancels: &mut tokio::sync::mpsc::UnboundedReceiver<u32>,
+        open: &mut bool,
+    ) {
+        while *open {
+            match cancels.try_recv() {
+                Ok(index) => self.cancel_child(machine, index),
+                Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+                Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => *open = false,
+            }
+        }
     }
 
     /// Cancels the child with index `index` in `machine` (one this pull does not hold is
