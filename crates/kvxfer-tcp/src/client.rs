@@ -170,11 +170,12 @@ impl Connection {
         &self.ack
     }
 
-    /// Whether the last [`Self::read_into`] got as far as its payload (its `ReadResponse`
-    /// header arrived; bytes may have been written into the destination). False after a
-    /// read that failed before: nothing of it reached the destination blocks, so it can be
-    /// retried on another connection as it is (e.g. a pooled connection the peer closed as
-    /// it was reused).
+    /// Whether the last read answered on this connection ([`Self::read_into`] and its
+    /// kin, or the last read of a [`Self::read_batch_into`] taken) got as far as its
+    /// payload (its `ReadResponse` header arrived; bytes may have been written into the
+    /// destination). False after a read that failed before: nothing of it reached the
+    /// destination blocks, so it can be retried on another connection as it is (e.g. a
+    /// pooled connection the peer closed as it was reused).
     pub fn payload_started(&self) -> bool {
         self.payload_started
     }
@@ -367,7 +368,9 @@ impl Connection {
     /// `answered(k, read, notify)` is called as soon as read `k` is answered, in order: the
     /// read's result and, when its notify went with it and the connection was still in step
     /// after the read, the notify's answer. A read whose answer breaks the connection
-    /// (anything but a refusal) ends the batch. The reads from [`BatchEnd::answered`] on are
+    /// (anything but a refusal, or a payload that arrived whole and failed its CRC check)
+    /// ends the batch; after a failed CRC check the batch goes on, and the connection is
+    /// not in step for reuse ([`BatchEnd::in_step`]). The reads from [`BatchEnd::answered`] on are
     /// not reported: the connection closed or broke before their answers began (or the
     /// batch could not be written), so nothing reached their blocks — but the prefill side
     /// may have served their requests and taken their notifies.
@@ -410,32 +413,39 @@ impl Connection {
         if let Err(e) = sent {
             return BatchEnd { answered: 0, in_step: false, timed_out: is_timeout(&e), error: Some(e) };
         }
+        // A payload that failed its CRC check arrived whole: the stream is still in step and
+        // the batch goes on (the connection is not used again afterwards).
+        let mut corrupted = false;
         for (k, (r, &seq)) in reads.iter().zip(&seqs).enumerate() {
             // SAFETY: the caller's contract, passed on (the reads' blocks are disjoint).
-            let read = unsafe { self.receive_payload(seq, r.runs, dest) }.await;
-            match read {
+            let read = unsafe { self.receive_unchecked(seq, r.runs, dest) }.await;
+            let (read, arrived_whole) = match read {
                 // Closed or broken before this answer began: neither it nor the rest came.
                 Err(e @ ClientError::Frame { source: FrameError::Closed | FrameError::Io(_), .. })
                     if !self.payload_started =>
                 {
                     return BatchEnd { answered: k, in_step: false, timed_out: false, error: Some(e) };
                 }
-                read => {
-                    let mut timed_out = read.as_ref().is_err_and(is_timeout);
-                    let mut broke = read.as_ref().is_err_and(|e| !e.connection_usable());
-                    let notified = if r.notify && !broke { Some(self.recv_notify_ack().await) } else { None };
-                    if let Some(Err(e)) = &notified {
-                        timed_out |= is_timeout(e);
-                        broke |= !e.connection_usable();
-                    }
-                    answered(k, read, notified);
-                    if broke {
-                        return BatchEnd { answered: k + 1, in_step: false, timed_out, error: None };
-                    }
+                Ok((bytes, trailer, crc)) => {
+                    let checked = check_crc(&self.peer, seq, trailer, crc).map(|()| bytes);
+                    corrupted |= checked.is_err();
+                    (checked, true)
                 }
+                Err(e) => (Err(e), false),
+            };
+            let mut timed_out = read.as_ref().is_err_and(is_timeout);
+            let mut broke = !arrived_whole && read.as_ref().is_err_and(|e| !e.connection_usable());
+            let notified = if r.notify && !broke { Some(self.recv_notify_ack().await) } else { None };
+            if let Some(Err(e)) = &notified {
+                timed_out |= is_timeout(e);
+                broke |= !e.connection_usable();
+            }
+            answered(k, read, notified);
+            if broke {
+                return BatchEnd { answered: k + 1, in_step: false, timed_out, error: None };
             }
         }
-        BatchEnd { answered: reads.len(), in_step: true, timed_out: false, error: None }
+        BatchEnd { answered: reads.len(), in_step: !corrupted, timed_out: false, error: None }
     }
 
     /// The body of [`Self::read_into`]; with `notify`, that frame goes out with the request.
@@ -458,20 +468,23 @@ impl Connection {
             Some(n) => self.send_both(&Frame::ReadRequest(req), &Frame::Notify(n)).await?,
         }
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.receive_payload(seq, runs, dest) }.await
+        let (bytes, trailer, crc) = unsafe { self.receive_unchecked(seq, runs, dest) }.await?;
+        check_crc(&self.peer, seq, trailer, crc)?;
+        Ok(bytes)
     }
 
     /// The answer to read `seq` of `runs`: its header, the payload straight into the local
-    /// blocks of `runs` in `dest`, and the CRC-32C trailer, checked.
+    /// blocks of `runs` in `dest`, and the CRC-32C trailer. Returns the payload bytes, the
+    /// trailer and the CRC-32C of what arrived, for the caller to compare ([`check_crc`]).
     ///
     /// # Safety
     /// As for [`Self::read_into`].
-    async unsafe fn receive_payload(
+    async unsafe fn receive_unchecked(
         &mut self,
         seq: u64,
         runs: &[BlockRun],
         dest: &KvMemory,
-    ) -> Result<u64, ClientError> {
+    ) -> Result<(u64, u32, u32), ClientError> {
         self.payload_started = false;
         let expected: u64 = runs.iter().map(|r| u64::from(r.count) * dest.layout().block_bytes()).sum();
         let (timeout, deadline) = self.await_read_response(seq, expected).await?;
@@ -490,8 +503,7 @@ impl Connection {
                 .map_err(|e| self.frame_err(e))?;
         }
         let trailer = self.read_trailer(timeout, deadline).await?;
-        check_crc(&self.peer, seq, trailer, crc)?;
-        Ok(expected)
+        Ok((expected, trailer, crc))
     }
 
     /// Reads a payload's CRC-32C trailer (usually buffered already, with the payload's end).

@@ -28,8 +28,9 @@
 //! - `error`: [`ClientError`], how a decode-side connection (or its handshake) fails.
 //!
 //! `unsafe` here: three blocks reading or writing registered memory under a lease (the
-//! payload of a TCP read in `read`, the pin-time CRC in `pins`, the body of
-//! [`Connection::read_into`]), each with its `// SAFETY:` comment.
+//! payload of a TCP read in `read`, the pin-time CRC in `pins`, the destination writes of
+//! [`Connection::read_into`] and [`Connection::read_batch_into`]), each with its `// SAFETY:`
+//! comment.
 
 mod arm;
 pub mod client;

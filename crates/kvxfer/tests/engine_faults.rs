@@ -420,6 +420,12 @@ fn scripted_prefill(
 
 /// Serves a read request from `mem` the way a prefill agent does: header, payload, CRC-32C.
 fn answer_read(s: &mut TcpStream, mem: &kvxfer::KvMemory, body: &[u8]) {
+    answer_read_crc_xor(s, mem, body, 0);
+}
+
+/// [`answer_read`] with its CRC-32C trailer xored with `flip` (non-zero: a payload that fails
+/// its check on arrival).
+fn answer_read_crc_xor(s: &mut TcpStream, mem: &kvxfer::KvMemory, body: &[u8], flip: u32) {
     let req = v1::ReadRequest::decode(body).expect("read request");
     let runs: Vec<(BlockId, u32)> = req.ranges.iter().map(|r| (r.start, r.count)).collect();
     let payload_len = runs.iter().map(|r| u64::from(r.1)).sum::<u64>() * mem.layout().block_bytes();
@@ -431,7 +437,7 @@ fn answer_read(s: &mut TcpStream, mem: &kvxfer::KvMemory, body: &[u8]) {
         }
     }
     // SAFETY: as above.
-    let crc = unsafe { mem.crc32c(runs.iter().copied()) };
+    let crc = unsafe { mem.crc32c(runs.iter().copied()) } ^ flip;
     let _ = s.write_all(&crc.to_be_bytes());
 }
 
@@ -497,8 +503,15 @@ fn a_cancelled_childs_blocks_reused_at_its_report_never_reach_a_sibling() {
     let handle = decode.submit(result, local.clone()).expect("submit");
     handle.cancel_child(0);
     cancelled.store(true, Ordering::SeqCst);
-    let first = handle.next_report(Duration::from_secs(10)).expect("a report");
-    assert_eq!(first.child_index, 0, "{first:?}");
+    // Child 2's notify and child 0's cancel are answered side by side: its report may come
+    // first. Child 1's cannot (the peer holds its notify until child 0's blocks are reused).
+    let first = loop {
+        let r = handle.next_report(Duration::from_secs(10)).expect("a report");
+        assert_ne!(r.child_index, 1, "{r:?}");
+        if r.child_index == 0 {
+            break r;
+        }
+    };
     assert!(matches!(first.outcome, ChildOutcome::Cancelled { .. }), "{first:?}");
     // The caller reuses the cancelled child's blocks at once (vLLM frees them on abort).
     for &b in &local[0] {
@@ -677,16 +690,61 @@ fn a_batch_broken_after_its_first_answer_reads_the_rest_alone() {
         assert!(verify(&decode, r, l), "{r:?} -> {l:?}");
     }
     let cut = cut.lock().expect("cut").expect("the batch's connection was cut");
+    let on_cut = || -> Vec<String> {
+        let seen = seen.lock().expect("seen");
+        seen.iter().filter(|(c, _)| *c == cut).map(|(_, id)| id.clone()).collect()
+    };
+    // All four reads were written at once, before the first answer (the scripted side may
+    // still be taking the last of them off the cut connection).
+    eventually("the cut connection carried all four reads", || on_cut().len() == 4);
+    assert_eq!(on_cut(), ["0_F", "1_F", "2_F", "3_F"]);
     let seen = seen.lock().expect("seen").clone();
-    let on_cut: Vec<&str> = seen.iter().filter(|(c, _)| *c == cut).map(|(_, id)| id.as_str()).collect();
-    // All four reads were written at once, before the first answer.
-    assert_eq!(on_cut, ["0_F", "1_F", "2_F", "3_F"], "{seen:?}");
     // The three left unanswered were read again, each once.
     for id in ["1_F", "2_F", "3_F"] {
         assert_eq!(seen.iter().filter(|(c, i)| *c != cut && i == id).count(), 1, "{id}: {seen:?}");
     }
     let s = decode.stats();
     assert_eq!((s.notifications_unacknowledged, s.read_retries), (0, 0), "{s:?}");
+}
+
+/// A payload in the middle of a pipelined batch fails its CRC check: that child alone fails
+/// (integrity), and the batch goes on — the reads behind it are answered on the same
+/// connection, not made again.
+#[test]
+fn a_corrupted_payload_mid_batch_fails_its_child_only() {
+    use std::sync::Mutex;
+    let layout = BlockLayout::single(64, BLOCK).expect("layout");
+    let seen: std::sync::Arc<Mutex<Vec<(usize, String)>>> = Default::default();
+    let seen2 = seen.clone();
+    let port = scripted_prefill(layout.clone(), "corrupt", move |conn, s, ty, body, mem| {
+        if ty != v1::FrameType::ReadRequest as u8 {
+            answer_control(s, ty, body);
+            return Flow::Continue;
+        }
+        let id = v1::ReadRequest::decode(body).expect("read").remote_request_id;
+        seen2.lock().expect("seen").push((conn, id.clone()));
+        answer_read_crc_xor(s, mem, body, u32::from(id == "1_F"));
+        Flow::Continue
+    });
+    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)), layout);
+    let remote = [vec![1, 2], vec![3], vec![4, 5], vec![6]];
+    let local = [vec![10, 11], vec![12], vec![13, 14], vec![15]];
+    let report = decode.submit(fake_result(port, "corrupt", &remote), local.to_vec()).expect("submit").wait();
+    for (k, c) in report.children.iter().enumerate() {
+        if k == 1 {
+            assert!(
+                matches!(&c.outcome, ChildOutcome::Failed { error: kvxfer::PullError::Integrity { .. }, .. }),
+                "{report:?}"
+            );
+        } else {
+            assert!(matches!(c.outcome, ChildOutcome::Done { acknowledged: true, .. }), "{report:?}");
+            assert!(verify(&decode, &remote[k], &local[k]), "child {k}");
+        }
+    }
+    let seen = seen.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 4, "each read made once: {seen:?}");
+    assert!(seen.iter().all(|(c, _)| *c == seen[0].0), "all on one connection: {seen:?}");
+    assert_eq!(decode.stats().integrity_failures, 1);
 }
 
 /// A prefill worker restarts on the same address with the same configured engine id: its

@@ -204,14 +204,27 @@ impl Pull {
             }
             if let Some((layout, path)) = &path {
                 let block_bytes = this.inner.memory.layout().block_bytes();
-                let bytes = |i: usize| this.wire[i].iter().map(|r| u64::from(r.count) * block_bytes).sum();
-                for batch in batch::split(std::mem::take(&mut to_batch), bytes) {
+                let size = |i: usize| {
+                    let child = &this.children[i];
+                    let runs = &this.wire[i];
+                    let payload = runs.iter().map(|r| u64::from(r.count) * block_bytes).sum();
+                    let request =
+                        batch::request_bytes(child.remote_request_id(), child.token().as_bytes(), runs.len());
+                    (payload, request)
+                };
+                for batch in batch::split(std::mem::take(&mut to_batch), size) {
                     if let [(i, with_notify)] = batch[..] {
                         let token = read_aborts[i].clone().unwrap_or_default();
                         io.push(Box::pin(this.read(&peer, i, layout, *path, token, with_notify)));
                         continue;
                     }
                     let token = batches.open(&batch);
+                    // A read asked to stop before its batch was made.
+                    for &(i, _) in &batch {
+                        if read_aborts[i].as_ref().is_some_and(CancellationToken::is_cancelled) {
+                            batches.settle(i, true);
+                        }
+                    }
                     io.push(Box::pin(this.read_batch(&peer, batch, token, batch_tx.clone())));
                 }
             }

@@ -10,6 +10,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use futures::stream::{FuturesUnordered, StreamExt};
 use kvxfer_core::log;
 use kvxfer_core::pull::{ControlAnswer, PullError, PullMachine, ReadResult};
 use kvxfer_tcp::{BatchRead, ClientError};
@@ -25,9 +26,21 @@ use crate::decode::shared::Peer;
 /// Most payload bytes in one batch; a read of more goes alone.
 pub(super) const BATCH_PAYLOAD: u64 = 1 << 20;
 
-/// Most reads in one batch: their requests (a few dozen bytes each, plus the ranges) are
-/// written before any answer is read, so together they must fit the peer's receive buffer.
+/// Most reads in one batch.
 pub(super) const BATCH_READS: usize = 16;
+
+/// Most bytes of requests in one batch (a read's request is a few dozen bytes plus its
+/// ranges): they are written before any answer is read, so together they must fit the
+/// peer's receive buffer. A read whose request is larger goes alone.
+pub(super) const BATCH_REQUEST_BYTES: usize = 16 << 10;
+
+/// About how many bytes read `i`'s request (and notify) take on the wire, from its lease
+/// id, token and number of block ranges: an upper bound for [`split`].
+pub(super) fn request_bytes(id: &str, token: &[u8], ranges: usize) -> usize {
+    // Frame headers, tags and varints: 64 bytes is more than a request and a notify use;
+    // a range is two varints of at most 5 bytes, tagged, in a length-delimited field.
+    2 * (64 + id.len() + token.len()) + 14 * ranges
+}
 
 /// One read of a batch, ended.
 #[derive(Debug)]
@@ -53,24 +66,32 @@ impl ReadDone {
     }
 }
 
-/// Splits reads started together (`(child, with_notify)`, in order; `bytes` gives a read's
-/// payload) into batches: reads of up to [`BATCH_PAYLOAD`] bytes together, at most
-/// [`BATCH_READS`] of them; a larger read alone.
-pub(super) fn split(reads: Vec<(usize, bool)>, bytes: impl Fn(usize) -> u64) -> Vec<Vec<(usize, bool)>> {
+/// Splits reads started together (`(child, with_notify)`, in order; `size` gives a read's
+/// payload bytes and its request's [`request_bytes`]) into batches: at most [`BATCH_READS`]
+/// reads, [`BATCH_PAYLOAD`] bytes of payload and [`BATCH_REQUEST_BYTES`] of requests
+/// together; a read past either byte limit alone.
+pub(super) fn split(
+    reads: Vec<(usize, bool)>,
+    size: impl Fn(usize) -> (u64, usize),
+) -> Vec<Vec<(usize, bool)>> {
     let mut out: Vec<Vec<(usize, bool)>> = Vec::new();
-    let (mut open, mut open_bytes): (Vec<(usize, bool)>, u64) = (Vec::new(), 0);
+    let (mut open, mut open_bytes, mut open_requests): (Vec<(usize, bool)>, u64, usize) = (Vec::new(), 0, 0);
     for read in reads {
-        let b = bytes(read.0);
-        if b > BATCH_PAYLOAD {
+        let (b, r) = size(read.0);
+        if b > BATCH_PAYLOAD || r > BATCH_REQUEST_BYTES {
             out.push(vec![read]);
             continue;
         }
-        if open.len() == BATCH_READS || open_bytes + b > BATCH_PAYLOAD {
+        if open.len() == BATCH_READS
+            || open_bytes + b > BATCH_PAYLOAD
+            || open_requests + r > BATCH_REQUEST_BYTES
+        {
             out.push(std::mem::take(&mut open));
-            open_bytes = 0;
+            (open_bytes, open_requests) = (0, 0);
         }
         open.push(read);
         open_bytes += b;
+        open_requests += r;
     }
     if !open.is_empty() {
         out.push(open);
@@ -149,8 +170,8 @@ impl Pull {
     /// as it is in. A pooled connection closed before the first answer is replaced once, as
     /// for a single read. Reads left unanswered because the connection broke after earlier
     /// answers are then made one by one (their notify, if it went with the batch, may have
-    /// been counted: a "duplicate" answer to its retry then means counted) — unless the
-    /// peer stopped answering in time, and then they fail as timed out. When `abort` is
+    /// been counted) — unless the peer stopped answering in time, and then they fail as
+    /// timed out. When `abort` is
     /// cancelled the connection is dropped and the reads not answered yet are returned as
     /// aborted.
     pub(super) async fn read_batch(
@@ -241,17 +262,26 @@ impl Pull {
                     fail(rest, &|_| e.clone());
                 }
                 // The connection broke after some answers: nothing reached these reads'
-                // blocks, so each is made again on its own.
+                // blocks, so each is made again on its own, side by side (as many at once
+                // as the peer's data connections allow).
                 _ => {
-                    for k in rest {
-                        let (i, with_notify) = items[k];
-                        debug!(remote_request_id = %log::Peer(&self.children[i].remote_request_id()), "read left unanswered by a broken batch; reading it alone");
-                        if with_notify {
-                            // The prefill side may have taken the notify sent with the batch.
-                            self.notify_answer_lost[i].store(true, Ordering::Relaxed);
-                        }
-                        let by_group = self.ids.split_runs(&self.wire[i]);
-                        send(k, self.tcp_read(peer, i, &by_group, with_notify).await);
+                    let items_ref = &items;
+                    let mut alone: FuturesUnordered<_> = rest
+                        .map(|k| async move {
+                            let (i, with_notify) = items_ref[k];
+                            debug!(remote_request_id = %log::Peer(&self.children[i].remote_request_id()), "read left unanswered by a broken batch; reading it alone");
+                            if with_notify {
+                                // The prefill side may have taken the notify sent with the
+                                // batch (a lease of several consumers then answers its retry
+                                // "duplicate": counted).
+                                self.notify_answer_lost[i].store(true, Ordering::Relaxed);
+                            }
+                            let by_group = self.ids.split_runs(&self.wire[i]);
+                            (k, self.tcp_read(peer, i, &by_group, with_notify).await)
+                        })
+                        .collect();
+                    while let Some((k, done)) = alone.next().await {
+                        send(k, done);
                     }
                 }
             }
@@ -285,7 +315,7 @@ mod tests {
         let kib = |k: u64| k << 10;
         let sizes = [kib(128), kib(128), kib(2048), kib(512), kib(512), kib(128)];
         let reads: Vec<(usize, bool)> = (0..sizes.len()).map(|i| (i, i % 2 == 0)).collect();
-        let batches = split(reads, |i| sizes[i]);
+        let batches = split(reads, |i| (sizes[i], 100));
         let children: Vec<Vec<usize>> = batches.iter().map(|b| b.iter().map(|r| r.0).collect()).collect();
         // The large read goes alone; the small ones around it batch up to the byte cap.
         assert_eq!(children, vec![vec![2], vec![0, 1, 3], vec![4, 5]]);
@@ -295,9 +325,21 @@ mod tests {
 
     #[test]
     fn a_batch_holds_at_most_batch_reads_reads() {
-        let batches = split((0..2 * BATCH_READS + 1).map(|i| (i, false)).collect(), |_| 1);
+        let batches = split((0..2 * BATCH_READS + 1).map(|i| (i, false)).collect(), |_| (1, 100));
         let lens: Vec<usize> = batches.iter().map(Vec::len).collect();
         assert_eq!(lens, vec![BATCH_READS, BATCH_READS, 1]);
+    }
+
+    #[test]
+    fn requests_of_many_ranges_fill_a_batch_by_their_bytes_and_a_huge_one_goes_alone() {
+        // 6 KiB of requests each: two fit in a batch, not three.
+        let r = BATCH_REQUEST_BYTES * 3 / 8;
+        let sizes = [r, r, r, BATCH_REQUEST_BYTES + 1, 10];
+        let batches = split((0..sizes.len()).map(|i| (i, false)).collect(), |i| (1, sizes[i]));
+        let children: Vec<Vec<usize>> = batches.iter().map(|b| b.iter().map(|r| r.0).collect()).collect();
+        assert_eq!(children, vec![vec![0, 1], vec![3], vec![2, 4]]);
+        // A request's estimate grows with its ranges.
+        assert!(request_bytes("id", &[0; 32], 1000) > 14_000);
     }
 
     #[test]
