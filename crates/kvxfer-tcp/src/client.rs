@@ -51,7 +51,8 @@ pub struct BatchEnd {
     /// Reads answered (each reported as it came), from the first: the batch's reads from
     /// here on were not answered.
     pub answered: usize,
-    /// Whether every read was answered and the connection is in step: it can be used again.
+    /// Whether every read was answered and the connection may be pooled again (false after
+    /// a failed CRC check too, though the batch went on).
     pub in_step: bool,
     /// Why the reads from `answered` on were not answered, when that error was not an
     /// answered read's own: the batch could not be written, or the connection closed or

@@ -27,10 +27,11 @@
 //!   destination blocks, and the small request/response messages.
 //! - `error`: [`ClientError`], how a decode-side connection (or its handshake) fails.
 //!
-//! `unsafe` here: three blocks reading or writing registered memory under a lease (the
-//! payload of a TCP read in `read`, the pin-time CRC in `pins`, the destination writes of
-//! [`Connection::read_into`] and [`Connection::read_batch_into`]), each with its `// SAFETY:`
-//! comment.
+//! `unsafe` here: the blocks reading or writing registered memory under a lease (the
+//! payload of a TCP read in `read`, the pin-time CRC in `pins`, the block CRCs computed at
+//! lease time in `crcs`, the destination writes of [`Connection::read_into`] and
+//! [`Connection::read_batch_into`] and of [`Connection::read_scatter`]), each with its
+//! `// SAFETY:` comment.
 
 mod arm;
 pub mod client;

@@ -471,7 +471,7 @@ fn wait_flag(flag: &std::sync::atomic::AtomicBool) {
 /// Bug 2 of the review: a cancelled child's blocks, handed back by its report, were still
 /// the source of a sibling's copy made afterwards. Here the caller overwrites the cancelled
 /// child's blocks the moment its report arrives, and the scripted peer holds the notify of
-/// child 1 until it has: a copy for child 2 made after child 0's report would copy the
+/// child 1 until it has: a copy for child 1 or 2 made after child 0's report would copy the
 /// overwritten bytes. Every copy must come before any report.
 #[test]
 fn a_cancelled_childs_blocks_reused_at_its_report_never_reach_a_sibling() {
@@ -708,15 +708,27 @@ fn a_batch_broken_after_its_first_answer_reads_the_rest_alone() {
 }
 
 /// A payload in the middle of a pipelined batch fails its CRC check: that child alone fails
-/// (integrity), and the batch goes on — the reads behind it are answered on the same
-/// connection, not made again.
+/// (integrity), and the batch goes on — the reads behind it (and, with `notify_with_read`,
+/// the notifies behind them) are answered on the same connection, not made again.
 #[test]
 fn a_corrupted_payload_mid_batch_fails_its_child_only() {
+    for with_read in [false, true] {
+        corrupted_mid_batch(with_read);
+    }
+}
+
+fn corrupted_mid_batch(with_read: bool) {
     use std::sync::Mutex;
     let layout = BlockLayout::single(64, BLOCK).expect("layout");
     let seen: std::sync::Arc<Mutex<Vec<(usize, String)>>> = Default::default();
-    let seen2 = seen.clone();
+    // Notifies taken on a data connection (behind a read).
+    let notified: std::sync::Arc<Mutex<Vec<(usize, String)>>> = Default::default();
+    let (seen2, notified2) = (seen.clone(), notified.clone());
     let port = scripted_prefill(layout.clone(), "corrupt", move |conn, s, ty, body, mem| {
+        if ty == v1::FrameType::Notify as u8 && seen2.lock().expect("seen").iter().any(|(c, _)| *c == conn) {
+            let id = v1::Notify::decode(body).expect("notify").remote_request_id;
+            notified2.lock().expect("notified").push((conn, id));
+        }
         if ty != v1::FrameType::ReadRequest as u8 {
             answer_control(s, ty, body);
             return Flow::Continue;
@@ -726,7 +738,8 @@ fn a_corrupted_payload_mid_batch_fails_its_child_only() {
         answer_read_crc_xor(s, mem, body, u32::from(id == "1_F"));
         Flow::Continue
     });
-    let decode = decode_unkeyed(AgentConfig::new("decode").io_timeout(Duration::from_secs(5)), layout);
+    let config = AgentConfig::new("decode").io_timeout(Duration::from_secs(5)).notify_with_read(with_read);
+    let decode = decode_unkeyed(config, layout);
     let remote = [vec![1, 2], vec![3], vec![4, 5], vec![6]];
     let local = [vec![10, 11], vec![12], vec![13, 14], vec![15]];
     let report = decode.submit(fake_result(port, "corrupt", &remote), local.to_vec()).expect("submit").wait();
@@ -744,7 +757,12 @@ fn a_corrupted_payload_mid_batch_fails_its_child_only() {
     let seen = seen.lock().expect("seen").clone();
     assert_eq!(seen.len(), 4, "each read made once: {seen:?}");
     assert!(seen.iter().all(|(c, _)| *c == seen[0].0), "all on one connection: {seen:?}");
-    assert_eq!(decode.stats().integrity_failures, 1);
+    let notified = notified.lock().expect("notified").clone();
+    let behind_reads = if with_read { 4 } else { 0 };
+    assert_eq!(notified.len(), behind_reads, "{notified:?}");
+    assert!(notified.iter().all(|(c, _)| *c == seen[0].0), "{notified:?}");
+    let s = decode.stats();
+    assert_eq!((s.integrity_failures, s.read_retries), (1, 0), "{s:?}");
 }
 
 /// A prefill worker restarts on the same address with the same configured engine id: its

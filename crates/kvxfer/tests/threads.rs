@@ -115,6 +115,10 @@ fn the_front_door_runs_at_a_lowered_priority() {
 fn no_agent_leaks_a_thread_in_any_mode() {
     init_tracing();
     the_front_door_runs_at_a_lowered_priority();
+    // That agent's front door thread ends after its shutdown returned: not in the count below.
+    eventually("the first front door's thread ended", || {
+        !thread_names().iter().any(|n| n == "kvxfer-accept")
+    });
     // On a multi-thread runtime: counted inside it, so its own workers are in both counts.
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
     let before = rt.block_on(async { threads() });

@@ -208,8 +208,12 @@ impl Pull {
                     let child = &this.children[i];
                     let runs = &this.wire[i];
                     let payload = runs.iter().map(|r| u64::from(r.count) * block_bytes).sum();
-                    let request =
-                        batch::request_bytes(child.remote_request_id(), child.token().as_bytes(), runs.len());
+                    let request = batch::request_bytes(
+                        child.remote_request_id(),
+                        child.token().as_bytes(),
+                        runs.len(),
+                        this.inner.consumer_id.len(),
+                    );
                     (payload, request)
                 };
                 for batch in batch::split(std::mem::take(&mut to_batch), size) {

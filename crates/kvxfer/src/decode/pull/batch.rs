@@ -4,8 +4,9 @@
 //! wake-up of the prefill side's connection instead of one per child. Each read's result is
 //! fed to the machine as soon as its payload (and the notify's answer sent with it) is in.
 //!
-//! A read of more than [`BATCH_PAYLOAD`] bytes goes alone, so a large transfer still spreads
-//! over the peer's data connections.
+//! A batch holds at most [`BATCH_READS`] reads, [`BATCH_PAYLOAD`] bytes of payload and
+//! [`BATCH_REQUEST_BYTES`] of requests. A read past either byte limit goes alone, so a large
+//! transfer still spreads over the peer's data connections.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -34,12 +35,14 @@ pub(super) const BATCH_READS: usize = 16;
 /// peer's receive buffer. A read whose request is larger goes alone.
 pub(super) const BATCH_REQUEST_BYTES: usize = 16 << 10;
 
-/// About how many bytes read `i`'s request (and notify) take on the wire, from its lease
-/// id, token and number of block ranges: an upper bound for [`split`].
-pub(super) fn request_bytes(id: &str, token: &[u8], ranges: usize) -> usize {
-    // Frame headers, tags and varints: 64 bytes is more than a request and a notify use;
-    // a range is two varints of at most 5 bytes, tagged, in a length-delimited field.
-    2 * (64 + id.len() + token.len()) + 14 * ranges
+/// An upper bound of the bytes a read's request (and its notify, sent behind it with the
+/// consumer id `consumer`) take on the wire, from its lease id, token and number of block
+/// ranges, for [`split`].
+pub(super) fn request_bytes(id: &str, token: &[u8], ranges: usize, consumer: usize) -> usize {
+    // Frame headers, tags, lengths and varints: 64 bytes is more than a request and a
+    // notify use besides their strings; a range is two varints of at most 5 bytes, tagged,
+    // in a length-delimited field.
+    2 * (64 + id.len() + token.len()) + 14 * ranges + consumer
 }
 
 /// One read of a batch, ended.
@@ -169,9 +172,9 @@ impl Pull {
     /// one pipelined batch on one data connection. Each read's result goes to `done` as soon
     /// as it is in. A pooled connection closed before the first answer is replaced once, as
     /// for a single read. Reads left unanswered because the connection broke after earlier
-    /// answers are then made one by one (their notify, if it went with the batch, may have
-    /// been counted) — unless the peer stopped answering in time, and then they fail as
-    /// timed out. When `abort` is
+    /// answers are then made each alone, side by side (their notify, if it went with the
+    /// batch, may have been counted) — unless the peer stopped answering in time, and then
+    /// they fail as timed out. When `abort` is
     /// cancelled the connection is dropped and the reads not answered yet are returned as
     /// aborted.
     pub(super) async fn read_batch(
@@ -248,7 +251,7 @@ impl Pull {
             } else {
                 drop(conn);
             }
-            // The reads made one by one below check out connections of their own.
+            // The reads made alone below check out connections of their own.
             drop(permit);
             let rest = end.answered..items.len();
             match &end.error {
@@ -280,15 +283,15 @@ impl Pull {
                             (k, self.tcp_read(peer, i, &by_group, with_notify).await)
                         })
                         .collect();
-                    while let Some((k, done)) = alone.next().await {
-                        send(k, done);
+                    while let Some((k, result)) = alone.next().await {
+                        send(k, result);
                     }
                 }
             }
         };
         tokio::select! {
-            () = read => Event::Reads(Vec::new()),
-            // Dropping the batch drops its connection mid-transfer: it is never reused.
+            // A batch stopped before it started writes nothing.
+            biased;
             () = abort.cancelled() => Event::Reads(
                 items
                     .iter()
@@ -302,6 +305,8 @@ impl Pull {
                     })
                     .collect(),
             ),
+            // Dropping the batch (above) drops its connection mid-transfer: never reused.
+            () = read => Event::Reads(Vec::new()),
         }
     }
 }
@@ -339,7 +344,7 @@ mod tests {
         let children: Vec<Vec<usize>> = batches.iter().map(|b| b.iter().map(|r| r.0).collect()).collect();
         assert_eq!(children, vec![vec![0, 1], vec![3], vec![2, 4]]);
         // A request's estimate grows with its ranges.
-        assert!(request_bytes("id", &[0; 32], 1000) > 14_000);
+        assert!(request_bytes("id", &[0; 32], 1000, 0) > 14_000);
     }
 
     #[test]
