@@ -176,13 +176,16 @@ impl PrefillAgent {
     }
 
     /// Shuts the agent down gracefully (see [`crate::PrefillAgent::shutdown`]) and waits
-    /// for it. Inside a tokio runtime it only starts the shutdown (and returns at once).
+    /// for it, and for the teardown of its UCX objects on a thread of their own (bounded by
+    /// 10 s), so the process may exit as soon as this returns. Inside a tokio runtime it
+    /// only starts the shutdown (and returns at once).
     pub fn shutdown(&self) {
         if let (Some(agent), Some(rt)) = (&self.agent, &self.runtime) {
             if in_runtime() {
                 rt.handle().spawn(agent.shutdown_task());
             } else {
                 wait(rt.handle(), agent.shutdown());
+                crate::runtime::wait_for_teardown(Duration::from_secs(10));
             }
         }
     }
@@ -339,13 +342,16 @@ impl DecodeAgent {
     }
 
     /// Shuts the agent down gracefully (see [`crate::DecodeAgent::shutdown`]) and waits for
-    /// it. Inside a tokio runtime it only starts the shutdown (and returns at once).
+    /// it, and for the teardown of its UCX objects on a thread of their own (bounded by 10 s),
+    /// so the process may exit as soon as this returns. Inside a tokio runtime it only starts
+    /// the shutdown (and returns at once).
     pub fn shutdown(&self) {
         let Some(agent) = &self.agent else { return };
         if in_runtime() {
             agent.begin_shutdown_detached();
         } else {
             wait(&self.handle(), agent.shutdown());
+            crate::runtime::wait_for_teardown(Duration::from_secs(10));
         }
     }
 }
