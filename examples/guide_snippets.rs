@@ -54,8 +54,10 @@ async fn async_api(
     // child's completion is reported Done.)
     decode.shutdown().await; // graceful; dropping never blocks either
     prefill.shutdown().await;
-    // With UCX, before the process exits: let the UCX workers finish their teardown threads.
-    kvxfer::wait_for_teardown(std::time::Duration::from_secs(10));
+    // With UCX, before the process exits: drop the agents, then let their UCX objects finish
+    // tearing down on threads of their own (the wait blocks: off the runtime's threads).
+    drop((decode, prefill));
+    tokio::task::spawn_blocking(|| kvxfer::wait_for_teardown(std::time::Duration::from_secs(10))).await?;
     // ANCHOR_END: async_api
     let _ = (ends.next().await, released);
     Ok(())
@@ -102,6 +104,9 @@ async fn on_signals(
     }
     prefill.shutdown().await; // deregisters, then stops serving
     decode.shutdown().await;
+    drop((prefill, decode)); // with UCX: then wait for their teardown before exiting
+    let _ =
+        tokio::task::spawn_blocking(|| kvxfer::wait_for_teardown(std::time::Duration::from_secs(10))).await;
     // ANCHOR_END: on_signals
     Ok(())
 }

@@ -185,7 +185,9 @@ impl PrefillAgent {
                 rt.handle().spawn(agent.shutdown_task());
             } else {
                 wait(rt.handle(), agent.shutdown());
-                crate::runtime::wait_for_teardown(Duration::from_secs(10));
+                if !crate::runtime::wait_for_teardown(Duration::from_secs(10)) {
+                    tracing::warn!("a UCX teardown still runs 10 s after the shutdown; exiting now may crash in UCX's exit handlers");
+                }
             }
         }
     }
@@ -342,16 +344,15 @@ impl DecodeAgent {
     }
 
     /// Shuts the agent down gracefully (see [`crate::DecodeAgent::shutdown`]) and waits for
-    /// it, and for the teardown of its UCX objects on a thread of their own (bounded by 10 s),
-    /// so the process may exit as soon as this returns. Inside a tokio runtime it only starts
-    /// the shutdown (and returns at once).
+    /// it. Inside a tokio runtime it only starts the shutdown (and returns at once). The
+    /// agent's UCX initiator lives on until the agent is dropped (the drop waits for its
+    /// teardown): drop the agent, not only shut it down, before the process exits.
     pub fn shutdown(&self) {
         let Some(agent) = &self.agent else { return };
         if in_runtime() {
             agent.begin_shutdown_detached();
         } else {
             wait(&self.handle(), agent.shutdown());
-            crate::runtime::wait_for_teardown(Duration::from_secs(10));
         }
     }
 }

@@ -216,13 +216,14 @@ fn no_agent_leaks_a_thread_in_any_mode() {
         assert!(during >= before + 2, "a UCX progress thread per agent: {during} vs {before}");
         assert_eq!(settle(before), before, "threads after the UCX round");
 
-        // A blocking agent's `shutdown` returns only once its UCX objects are torn down (on a
-        // thread of their own): a process that exits right after it (kvxfer-node on SIGTERM)
-        // must not run UCX's exit handlers under a worker still being destroyed.
+        drop(rt);
+        assert!(kvxfer::wait_for_teardown(Duration::from_secs(10)), "no teardown left from the UCX round");
+
+        // A blocking prefill agent's `shutdown` returns only once its UCX target is torn down
+        // (on a thread of its own): a process that exits right after it (kvxfer-node on
+        // SIGTERM) must not run UCX's exit handlers under a worker still being destroyed.
         let ucx = |name: &str| Transport::UcxShm.config(config(name));
         let (prefill, decode) = blocking_agents(ucx("prefill"), ucx("decode"));
-        decode.shutdown();
-        assert!(kvxfer::wait_for_teardown(Duration::ZERO), "decode's UCX teardown outlived its shutdown");
         prefill.shutdown();
         assert!(kvxfer::wait_for_teardown(Duration::ZERO), "prefill's UCX teardown outlived its shutdown");
         drop((decode, prefill));
