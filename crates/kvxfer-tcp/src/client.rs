@@ -63,11 +63,6 @@ pub struct BatchEnd {
     pub timed_out: bool,
 }
 
-/// Whether a connection error is the I/O timeout.
-fn is_timeout(e: &ClientError) -> bool {
-    matches!(e, ClientError::Frame { source: FrameError::Timeout, .. })
-}
-
 /// A handshaken connection to a prefill agent. One request at a time, or one pipelined
 /// batch of reads ([`Connection::read_batch_into`]).
 #[derive(Debug)]
@@ -224,6 +219,11 @@ impl Connection {
         self.scratch.clear();
         a.encode(&mut self.scratch);
         b.encode(&mut self.scratch);
+        self.write_scratch().await
+    }
+
+    /// Writes the frames encoded in `scratch`, in one write bounded by the I/O timeout.
+    async fn write_scratch(&mut self) -> Result<(), ClientError> {
         let io = self.stream.write_all(&self.scratch);
         match tokio::time::timeout(self.limits.io_timeout, io).await {
             Ok(Ok(())) => Ok(()),
@@ -336,11 +336,7 @@ impl Connection {
         dest: &KvMemory,
         consumer: &str,
     ) -> (Result<u64, ClientError>, Option<Result<v1::NotifyAck, ClientError>>) {
-        let notify = v1::Notify {
-            remote_request_id: id.to_owned(),
-            lease_token: token.to_vec(),
-            consumer_id: consumer.to_owned(),
-        };
+        let notify = notify_of(id, token, consumer);
         // SAFETY: the caller's contract, passed on.
         let read = unsafe { self.read_payload(id, token, 0, runs, dest, Some(notify)) }.await;
         if read.as_ref().is_err_and(|e| !e.connection_usable()) {
@@ -391,28 +387,17 @@ impl Connection {
     ) -> BatchEnd {
         self.payload_started = false;
         let mut seqs = Vec::with_capacity(reads.len());
-        let mut batch = Vec::new();
+        self.scratch.clear();
         for r in reads {
             let (seq, req) = self.request(r.id, r.token, 0, r.runs);
-            Frame::ReadRequest(req).encode(&mut batch);
+            Frame::ReadRequest(req).encode(&mut self.scratch);
             if r.notify {
-                let n = v1::Notify {
-                    remote_request_id: r.id.to_owned(),
-                    lease_token: r.token.to_vec(),
-                    consumer_id: consumer.to_owned(),
-                };
-                Frame::Notify(n).encode(&mut batch);
+                Frame::Notify(notify_of(r.id, r.token, consumer)).encode(&mut self.scratch);
             }
             seqs.push(seq);
         }
-        let io = self.stream.write_all(&batch);
-        let sent = match tokio::time::timeout(self.limits.io_timeout, io).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(self.frame_err(FrameError::Io(e))),
-            Err(_) => Err(self.frame_err(FrameError::Timeout)),
-        };
-        if let Err(e) = sent {
-            return BatchEnd { answered: 0, in_step: false, timed_out: is_timeout(&e), error: Some(e) };
+        if let Err(e) = self.write_scratch().await {
+            return BatchEnd { answered: 0, in_step: false, timed_out: e.is_timeout(), error: Some(e) };
         }
         // A payload that failed its CRC check arrived whole: the stream is still in step and
         // the batch goes on (the connection is not used again afterwards).
@@ -434,11 +419,11 @@ impl Connection {
                 }
                 Err(e) => (Err(e), false),
             };
-            let mut timed_out = read.as_ref().is_err_and(is_timeout);
+            let mut timed_out = read.as_ref().is_err_and(ClientError::is_timeout);
             let mut broke = !arrived_whole && read.as_ref().is_err_and(|e| !e.connection_usable());
             let notified = if r.notify && !broke { Some(self.recv_notify_ack().await) } else { None };
             if let Some(Err(e)) = &notified {
-                timed_out |= is_timeout(e);
+                timed_out |= e.is_timeout();
                 broke |= !e.connection_usable();
             }
             answered(k, read, notified);
@@ -628,12 +613,7 @@ impl Connection {
         token: &[u8],
         consumer: &str,
     ) -> Result<v1::NotifyAck, ClientError> {
-        let n = v1::Notify {
-            remote_request_id: id.to_owned(),
-            lease_token: token.to_vec(),
-            consumer_id: consumer.to_owned(),
-        };
-        self.send(&Frame::Notify(n)).await?;
+        self.send(&Frame::Notify(notify_of(id, token, consumer))).await?;
         match self.recv().await? {
             Frame::NotifyAck(a) => Ok(a),
             Frame::Error(e) => Err(self.refused(e)),
@@ -685,6 +665,15 @@ impl Connection {
     /// Sends raw bytes (tests of malformed input use this to break the protocol on purpose).
     pub async fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.stream.write_all(bytes).await
+    }
+}
+
+/// The notify of lease `id` (with `token`) by `consumer`.
+fn notify_of(id: &str, token: &[u8], consumer: &str) -> v1::Notify {
+    v1::Notify {
+        remote_request_id: id.to_owned(),
+        lease_token: token.to_vec(),
+        consumer_id: consumer.to_owned(),
     }
 }
 

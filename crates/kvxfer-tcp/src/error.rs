@@ -106,6 +106,16 @@ impl ClientError {
     pub fn connection_usable(&self) -> bool {
         matches!(self, ClientError::Refused { .. })
     }
+
+    /// Whether it is a timeout: no answer (or no progress) within the I/O timeout, or a
+    /// connect that timed out.
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            ClientError::Frame { source: FrameError::Timeout, .. } => true,
+            ClientError::Connect { source, .. } => source.kind() == std::io::ErrorKind::TimedOut,
+            _ => false,
+        }
+    }
 }
 
 /// Why the authenticated handshake failed, as the connecting side saw it.

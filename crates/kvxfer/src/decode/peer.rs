@@ -143,7 +143,7 @@ impl Peer {
             let r = tokio::time::timeout_at(deadline, once).await;
             let timed_out = match &r {
                 Err(_) => true,
-                Ok(Err(e)) => is_timeout(e),
+                Ok(Err(e)) => e.is_timeout(),
                 Ok(Ok(_)) => false,
             };
             // Unanswered on a fresh connection, or out of time: the peer cannot answer.
@@ -177,15 +177,6 @@ impl Peer {
                 _ => return Some((r, attempt)),
             }
         }
-    }
-}
-
-/// Whether a connection error is a timeout: no answer (or no progress) within the io timeout.
-fn is_timeout(e: &ClientError) -> bool {
-    match e {
-        ClientError::Frame { source: FrameError::Timeout, .. } => true,
-        ClientError::Connect { source, .. } => source.kind() == std::io::ErrorKind::TimedOut,
-        _ => false,
     }
 }
 

@@ -42,9 +42,8 @@ pub(crate) enum Path {
 
 /// What one of the pull's concurrent I/O futures reports.
 enum Event {
-    Read(usize, ReadResult),
-    /// A read with its notify pipelined behind it, and the notify's answer (if it came).
-    ReadNotified(usize, ReadResult, Option<ControlAnswer>),
+    /// A read on its own (with its notify behind it, and that notify's answer, if so).
+    Read(ReadDone),
     Control(usize, ControlAnswer),
     Heartbeat(bool),
     /// Reads of a pipelined batch that it did not answer because it was stopped.
@@ -238,8 +237,7 @@ impl Pull {
                     this.take_queued_cancels(&mut machine, &mut cancels, &mut cancels_open);
                     let now = Instant::now();
                     match event {
-                        Event::Read(i, r) => machine.read_finished(i, now, r),
-                        Event::ReadNotified(i, r, a) => machine.read_finished_notified(i, now, r, a),
+                        Event::Read(done) => done.feed(&mut machine, now),
                         Event::Control(i, a) => machine.control_answered(i, now, a),
                         Event::Heartbeat(reachable) => machine.heartbeat_answered(now, reachable),
                         Event::Reads(reads) => {
@@ -423,10 +421,8 @@ impl Pull {
                 let g = *group as usize;
                 let (Some(local), Some(layout)) = (self.inner.memory.group(g), remote.get(g)) else {
                     let detail = format!("no layout or memory for KV-cache group {group}");
-                    return Event::Read(
-                        i,
-                        ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail }),
-                    );
+                    let failed = ReadResult::Failed(PullError::Protocol { peer: peer.addr.clone(), detail });
+                    return Event::Read(ReadDone::alone(i, failed));
                 };
                 let r = crate::ucx::read_child(
                     &self.inner,
@@ -440,19 +436,18 @@ impl Pull {
                 .await;
                 match r {
                     ReadResult::Ok { bytes } => total += bytes,
-                    other => return Event::Read(i, other),
+                    other => return Event::Read(ReadDone::alone(i, other)),
                 }
             }
-            return Event::Read(i, ReadResult::Ok { bytes: total });
+            return Event::Read(ReadDone::alone(i, ReadResult::Ok { bytes: total }));
         }
         let _ = (remote, path);
         tokio::select! {
-            (r, answer) = self.tcp_read(peer, i, &by_group, with_notify) => match with_notify {
-                true => Event::ReadNotified(i, r, answer),
-                false => Event::Read(i, r),
-            },
+            (result, notify) = self.tcp_read(peer, i, &by_group, with_notify) => {
+                Event::Read(ReadDone { child: i, result, with_notify, notify })
+            }
             // Dropping the read drops its connection mid-transfer: it is never reused.
-            () = abort.cancelled() => Event::Read(i, ReadResult::Aborted),
+            () = abort.cancelled() => Event::Read(ReadDone::alone(i, ReadResult::Aborted)),
         }
     }
 
@@ -568,11 +563,15 @@ impl Pull {
         if let Some(a) = answer.filter(|a| r.is_ok() && *a != ControlAnswer::Acknowledged) {
             warn!(remote_request_id = %log::Peer(&id), answer = %log::Peer(format_args!("{a:?}")), "notification sent with the read not acknowledged");
         }
-        let r = match r {
+        (self.read_result(i, r), answer)
+    }
+
+    /// What child `i`'s read ending with `r` is for the machine.
+    fn read_result(&self, i: usize, r: Result<u64, ClientError>) -> ReadResult {
+        match r {
             Ok(bytes) => ReadResult::Ok { bytes },
-            Err(e) => ReadResult::Failed(read_error(&e, &self.inner, id)),
-        };
-        (r, answer)
+            Err(e) => ReadResult::Failed(read_error(&e, &self.inner, self.children[i].remote_request_id())),
+        }
     }
 
     fn copy(&self, copies: &[(BlockId, BlockId)]) {

@@ -45,7 +45,7 @@ pub(super) fn request_bytes(id: &str, token: &[u8], ranges: usize, consumer: usi
     2 * (64 + id.len() + token.len()) + 14 * ranges + consumer
 }
 
-/// One read of a batch, ended.
+/// One read, ended (alone or in a batch).
 #[derive(Debug)]
 pub(super) struct ReadDone {
     /// The child (its position in the pull).
@@ -59,6 +59,11 @@ pub(super) struct ReadDone {
 }
 
 impl ReadDone {
+    /// Child `i`'s read, without a notify, ended with `result`.
+    pub(super) fn alone(child: usize, result: ReadResult) -> Self {
+        ReadDone { child, result, with_notify: false, notify: None }
+    }
+
     /// Tells `machine`.
     pub(super) fn feed(self, machine: &mut PullMachine, now: Instant) {
         if self.with_notify {
@@ -160,12 +165,8 @@ impl Pull {
         if with_notify {
             return self.settle_notified(i, r, notified);
         }
-        let id = self.children[i].remote_request_id();
-        debug!(remote_request_id = %log::Peer(&id), result = ?r, "child read");
-        match r {
-            Ok(bytes) => (ReadResult::Ok { bytes }, None),
-            Err(e) => (ReadResult::Failed(read_error(&e, &self.inner, id)), None),
-        }
+        debug!(remote_request_id = %log::Peer(&self.children[i].remote_request_id()), result = ?r, "child read");
+        (self.read_result(i, r), None)
     }
 
     /// Reads the wire runs of `items` (`(child, with_notify)`; TCP, one KV-cache group) as
@@ -297,12 +298,7 @@ impl Pull {
                     .iter()
                     .zip(&answered)
                     .filter(|(_, a)| !a.load(Ordering::Relaxed))
-                    .map(|(&(child, with_notify), _)| ReadDone {
-                        child,
-                        result: ReadResult::Aborted,
-                        with_notify,
-                        notify: None,
-                    })
+                    .map(|(&(child, _), _)| ReadDone::alone(child, ReadResult::Aborted))
                     .collect(),
             ),
             // Dropping the batch (above) drops its connection mid-transfer: never reused.
