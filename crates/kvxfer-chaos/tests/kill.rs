@@ -1,5 +1,6 @@
 //! `kill -9` of either side mid-pull, with real processes (`kvxfer-node`). A fault proxy
-//! between them stalls the payload so the kill lands mid-pull every time.
+//! between them stalls the payload so the kill lands mid-pull every time. And the other
+//! ends of a node: SIGTERM, or its stdin closing, after a pull over UCX.
 
 use std::time::{Duration, Instant};
 
@@ -171,6 +172,44 @@ fn ucx_pull_under_way(ttl_ms: u64) -> (Node, Node) {
         std::thread::sleep(Duration::from_millis(2));
     }
     (prefill, decode)
+}
+
+/// A node ended by SIGTERM or by its stdin closing drops its agent before it exits, once
+/// the agent's UCX objects are torn down: a process exiting with a UCX worker alive can
+/// crash in UCX's exit handlers (a prefill node once died of SIGSEGV there). Before this,
+/// a decode node exited on SIGTERM with its UCX initiator alive, and either node on stdin
+/// closing with its whole agent alive.
+#[cfg(feature = "ucx")]
+#[test]
+fn nodes_drop_their_ucx_agents_before_they_exit() {
+    let ucx = ["--transport", "ucx", "--ucx-tls", "tcp", "--ucx-peer-failure"];
+    let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "30000"][..], &ucx].concat());
+    prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
+    let mut decode = decode_node(&ucx);
+    prefill.send(json!({"cmd": "lease", "parent": "E", "n": 2, "blocks_per_child": 2}));
+    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
+        .as_str()
+        .expect("result")
+        .to_owned();
+    decode.send(json!({"cmd": "pull", "result": result}));
+    let (children, _) = decode.wait_events("child", 2, Duration::from_secs(30));
+    assert!(children.iter().all(|c| c["outcome"] == "done" && c["verified"] == true), "{children:?}");
+    decode.wait_event("pull_done", Duration::from_secs(10), &mut Vec::new());
+    decode.send(json!({"cmd": "stats"}));
+    let s = decode.wait_event("stats", Duration::from_secs(10), &mut Vec::new());
+    assert!(s["bytes_pulled_ucx"].as_u64().unwrap_or(0) > 0, "the pull went over UCX: {s}");
+
+    decode.signal("TERM");
+    let down = decode.wait_event("shutdown", Duration::from_secs(30), &mut Vec::new());
+    assert_eq!((&down["signal"], &down["agent_dropped"]), (&json!("SIGTERM"), &json!(true)), "{down}");
+    let status = decode.child.wait().expect("wait");
+    assert!(status.success(), "the decode node exits with status 0 after SIGTERM: {status}");
+
+    prefill.close_stdin();
+    let down = prefill.wait_event("shutdown", Duration::from_secs(30), &mut Vec::new());
+    assert_eq!((&down["signal"], &down["agent_dropped"]), (&Value::Null, &json!(true)), "{down}");
+    let status = prefill.child.wait().expect("wait");
+    assert!(status.success(), "the prefill node exits with status 0 when stdin closes: {status}");
 }
 
 #[cfg(feature = "ucx")]

@@ -33,8 +33,11 @@
 //!
 //! SIGTERM or SIGINT shuts the agent down gracefully — a prefill node deregisters from etcd
 //! first, so decode agents see its hand-offs fail as `EngineNotRegistered` rather than at a
-//! refused connection, then releases its live leases (their `lease_end` lines follow) — and
-//! prints `{"event":"shutdown","signal":"SIGTERM"}` before exiting with status 0.
+//! refused connection, then releases its live leases (their `lease_end` lines follow) — then
+//! drops it, once its UCX objects are torn down, and prints
+//! `{"event":"shutdown","signal":"SIGTERM","agent_dropped":true}` before exiting with status
+//! 0. Closing stdin does the same, with `"signal":null`. (`"agent_dropped":false`: a
+//! command still held the agent 10 s after the shutdown, and the node exits anyway.)
 //!
 //! Both roles authenticate peers with the cluster key of `KVXFER_CLUSTER_KEY` (hex) or
 //! `KVXFER_CLUSTER_KEY_FILE`, and run unauthenticated when neither is set. A decode node
@@ -43,8 +46,8 @@
 //! `{"event":"reclaimed","children":[..],"local_blocks":[..]}`.
 
 use std::io::{BufRead, IsTerminal};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use kvxfer::blocking::{DecodeAgent, PrefillAgent};
@@ -211,9 +214,10 @@ impl Signals {
         Ok(Self { runtime, term, int })
     }
 
-    /// On a thread of its own: waits for a signal, then runs `stop` (outside any runtime, so
-    /// the blocking agents' shutdown waits to its end), says so and exits with status 0.
-    fn on_signal(mut self, stop: impl FnOnce() + Send + 'static) {
+    /// On a thread of its own: waits for a signal, then runs `stop` with its name (outside
+    /// any runtime, so the blocking agents' shutdown waits to its end; `stop` prints the
+    /// shutdown line) and exits with status 0.
+    fn on_signal(mut self, stop: impl FnOnce(&'static str) + Send + 'static) {
         std::thread::spawn(move || {
             let (term, int) = (&mut self.term, &mut self.int);
             let name = self.runtime.block_on(async {
@@ -223,10 +227,61 @@ impl Signals {
                 }
             });
             tracing::info!(signal = name, "shutting down");
-            stop();
-            emit(json!({"event": "shutdown", "signal": name}));
+            stop(name);
             std::process::exit(0);
         });
+    }
+}
+
+/// The agent the command loop and the signal thread share: whichever ends the node (a
+/// signal, or stdin closing) stops it through [`AgentSlot::stop`], so the process never
+/// exits with the agent, and its UCX objects, still alive.
+struct AgentSlot<A>(Mutex<Option<Arc<A>>>);
+
+impl<A> AgentSlot<A> {
+    fn new(agent: Arc<A>) -> Arc<Self> {
+        Arc::new(Self(Mutex::new(Some(agent))))
+    }
+
+    /// The agent, or `None` once it was stopped.
+    fn get(&self) -> Option<Arc<A>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Takes the agent out, runs `shutdown` on it (which ends the command under way, if
+    /// any), then drops it as soon as the command loop has let go of it, waiting up to
+    /// 10 s. A blocking agent's drop waits for the teardown of its UCX objects, and a
+    /// process that exits with a UCX worker alive can crash in UCX's exit handlers.
+    /// `Some(dropped)` from the call that stopped the agent; `None` from any other, once
+    /// that one ended (the slot stays locked through the stop).
+    fn stop(&self, shutdown: impl FnOnce(&A)) -> Option<bool> {
+        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut agent = slot.take()?;
+        shutdown(&agent);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            agent = match Arc::try_unwrap(agent) {
+                Ok(agent) => {
+                    drop(agent);
+                    return Some(true);
+                }
+                Err(_) if Instant::now() >= deadline => {
+                    tracing::warn!("the command loop still holds the agent 10 s after its shutdown; exiting without its drop");
+                    return Some(false);
+                }
+                Err(agent) => agent,
+            };
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Prints the shutdown line: `signal` is `None` when stdin closed.
+/// Prints the shutdown line (`signal` is `None` when stdin closed) if this call stopped the
+/// agent (`dropped` is `Some`): a second stop, racing the first, prints nothing.
+fn emit_shutdown(signal: Option<&str>, dropped: Option<bool>) {
+    if let Some(dropped) = dropped {
+        emit(json!({"event": "shutdown", "signal": signal, "agent_dropped": dropped}));
     }
 }
 
@@ -285,13 +340,24 @@ fn prefill(common: &Common, ttl: Duration, listen: &str, signals: Signals) -> Re
     });
     // Shutdown deregisters first (the key is gone before the listener closes), then
     // releases the live leases: their ends are printed before the shutdown line.
-    let stopping = agent.clone();
-    signals.on_signal(move || {
-        stopping.shutdown();
-        let _ = ends.join();
-    });
+    let slot = AgentSlot::new(agent);
+    let ends = Mutex::new(Some(ends));
+    let stop = move |slot: &AgentSlot<PrefillAgent>, signal: Option<&str>| {
+        let dropped = slot.stop(PrefillAgent::shutdown);
+        if let Some(ends) = ends.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            let _ = ends.join();
+        }
+        emit_shutdown(signal, dropped);
+    };
+    let stop = Arc::new(stop);
+    let (stopping, on_signal) = (slot.clone(), stop.clone());
+    signals.on_signal(move |name| on_signal(&stopping, Some(name)));
     let mut next_block = 0u32;
     for cmd in commands() {
+        let Some(agent) = slot.get() else {
+            emit(json!({"event": "error", "message": "shutting down"}));
+            continue;
+        };
         match cmd["cmd"].as_str() {
             Some("lease") => {
                 let parent = cmd["parent"].as_str().unwrap_or("P");
@@ -342,14 +408,13 @@ fn prefill(common: &Common, ttl: Duration, listen: &str, signals: Signals) -> Re
             other => emit(json!({"event": "error", "message": format!("unknown command {other:?}")})),
         }
     }
+    stop(&slot, None);
     Ok(())
 }
 
 fn decode(common: &Common, signals: Signals) -> Result<(), String> {
     let mem = KvMemory::alloc(common.layout()?).map_err(|e| e.to_string())?;
     let agent = Arc::new(DecodeAgent::start(common.config("node-decode")?, mem).map_err(|e| e.to_string())?);
-    let stopping = agent.clone();
-    signals.on_signal(move || stopping.shutdown());
     emit(json!({"event": "ready"}));
     #[cfg(feature = "cluster")]
     {
@@ -380,7 +445,14 @@ fn decode(common: &Common, signals: Signals) -> Result<(), String> {
             }));
         }
     });
+    let slot = AgentSlot::new(agent);
+    let stopping = slot.clone();
+    signals.on_signal(move |name| emit_shutdown(Some(name), stopping.stop(DecodeAgent::shutdown)));
     for cmd in commands() {
+        let Some(agent) = slot.get() else {
+            emit(json!({"event": "error", "message": "shutting down"}));
+            continue;
+        };
         if cmd["cmd"].as_str() == Some("stats") {
             let s = agent.stats();
             emit(json!({
@@ -458,6 +530,7 @@ fn decode(common: &Common, signals: Signals) -> Result<(), String> {
             json!({"event": "pull_done", "parent": parent, "elapsed_ms": report.elapsed.as_millis() as u64}),
         );
     }
+    emit_shutdown(None, slot.stop(DecodeAgent::shutdown));
     Ok(())
 }
 

@@ -18,7 +18,8 @@ const KEY_HEX: &str = "6b696c6c2d7465737420636c7573746572206b6579";
 /// A node process, killed when dropped.
 pub(crate) struct Node {
     pub(crate) child: Child,
-    stdin: ChildStdin,
+    /// `None` once [`Node::close_stdin`] closed it.
+    stdin: Option<ChildStdin>,
     lines: Receiver<Value>,
     /// Lines [`Node::wait`] read past while looking for another.
     pub(crate) seen: Vec<Value>,
@@ -47,12 +48,17 @@ impl Node {
                 }
             }
         });
-        Node { child, stdin, lines, seen: Vec::new() }
+        Node { child, stdin: Some(stdin), lines, seen: Vec::new() }
     }
 
     /// Writes one command line.
     pub(crate) fn send(&mut self, cmd: Value) {
-        writeln!(self.stdin, "{cmd}").expect("write command");
+        writeln!(self.stdin.as_mut().expect("stdin is open"), "{cmd}").expect("write command");
+    }
+
+    /// Closes the node's stdin: the end of its commands.
+    pub(crate) fn close_stdin(&mut self) {
+        self.stdin = None;
     }
 
     /// The next line that `matches`, within `timeout` (other lines are kept in `seen`).
