@@ -83,12 +83,14 @@ pub(crate) struct RunArgs {
     /// `AgentConfig::notify_with_read`).
     #[arg(long)]
     pub(crate) notify_with_read: bool,
-    /// Drive the async `DecodeAgent` on a runtime of the bench's own: each pull submitted
-    /// and awaited by a task on it (as an engine on tokio would), not the blocking facade.
+    /// Drive the async `DecodeAgent` on a runtime of the bench's own, not the blocking
+    /// facade: in the bulk and latency runs each pull is submitted and awaited by a task on
+    /// it (as an engine on tokio would); in the many-requests runs the bench's thread
+    /// submits and waits with `block_on` on it.
     #[arg(long)]
     pub(crate) async_submit: bool,
     /// With --async-submit: a current-thread runtime, driven by the bench's thread while it
-    /// waits for each pull (no thread hand-offs on the decode side at all).
+    /// waits for pulls (no thread hand-offs on the decode side at all).
     #[arg(long, requires = "async_submit")]
     pub(crate) current_thread: bool,
     /// Block sizes to sweep, e.g. 4K,64K,256K,2M.

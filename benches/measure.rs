@@ -228,7 +228,7 @@ pub(crate) fn run_block_size(
 /// each pull submitted and awaited by a task on that runtime (as an engine on tokio would);
 /// with `--current-thread` that runtime is a current-thread one, driven by the bench's
 /// thread while it waits (the pull, its I/O and its reports all on that one thread).
-enum Decoder {
+pub(crate) enum Decoder {
     Blocking(DecodeAgent),
     Async { agent: Arc<kvxfer::DecodeAgent>, runtime: tokio::runtime::Runtime },
 }
@@ -244,7 +244,11 @@ enum Submitted<'a> {
 type Timed = (Instant, PullReport, Vec<Instant>);
 
 impl Decoder {
-    fn start(run: &RunArgs, config: kvxfer::AgentConfig, memory: KvMemory) -> Result<Self, String> {
+    pub(crate) fn start(
+        run: &RunArgs,
+        config: kvxfer::AgentConfig,
+        memory: KvMemory,
+    ) -> Result<Self, String> {
         if !run.async_submit {
             return DecodeAgent::start(config, memory).map(Decoder::Blocking).map_err(|e| e.to_string());
         }
@@ -263,10 +267,27 @@ impl Decoder {
         Ok(Decoder::Async { agent: Arc::new(agent), runtime })
     }
 
-    fn memory(&self) -> &Arc<KvMemory> {
+    pub(crate) fn memory(&self) -> &Arc<KvMemory> {
         match self {
             Decoder::Blocking(d) => d.memory(),
             Decoder::Async { agent, .. } => agent.memory(),
+        }
+    }
+
+    /// The async agent (the blocking facade's own, or the one on the bench's runtime).
+    pub(crate) fn agent(&self) -> &kvxfer::DecodeAgent {
+        match self {
+            Decoder::Blocking(d) => d.as_async(),
+            Decoder::Async { agent, .. } => agent,
+        }
+    }
+
+    /// The bench's runtime with `--async-submit`: whoever waits for pulls waits on it
+    /// (`block_on`, which also drives a current-thread runtime).
+    pub(crate) fn runtime(&self) -> Option<&tokio::runtime::Runtime> {
+        match self {
+            Decoder::Blocking(_) => None,
+            Decoder::Async { runtime, .. } => Some(runtime),
         }
     }
 

@@ -31,7 +31,6 @@ use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use futures::task::ArcWake;
-use kvxfer::blocking::DecodeAgent;
 use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, PullReport};
 use kvxfer_mem::pattern;
 use rand::{Rng, SeedableRng};
@@ -39,6 +38,7 @@ use serde_json::{json, Value};
 
 use crate::baselines::percentile;
 use crate::cli::{Arrivals, RunArgs};
+use crate::measure::Decoder;
 use crate::plot::human;
 use crate::procstat::{cpu_seconds, involuntary_switches, open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
 use crate::source::LeaseSource;
@@ -90,12 +90,29 @@ impl ArcWake for Unpark {
 }
 
 /// The next finished parent, waiting at most until `until` (for ever when `None`): `None`
-/// on timeout, `Some(None)` when nothing is in flight.
+/// on timeout, `Some(None)` when nothing is in flight. With `--async-submit` the wait is a
+/// `block_on` on the bench's runtime (so a current-thread one runs the pulls meanwhile);
+/// else this thread parks until a pull's waker unparks it.
 fn next_until(
     in_flight: &mut FuturesUnordered<Finished>,
     waker: &std::task::Waker,
     until: Option<Instant>,
+    runtime: Option<&tokio::runtime::Runtime>,
 ) -> Option<Option<Done>> {
+    if let Some(rt) = runtime {
+        return match (in_flight.is_empty(), until) {
+            (true, None) => Some(None),
+            // Timers made inside `block_on`: they need the runtime's context.
+            (true, Some(t)) => {
+                rt.block_on(async { tokio::time::sleep_until(t.into()).await });
+                None
+            }
+            (false, None) => Some(rt.block_on(in_flight.next())),
+            (false, Some(t)) => {
+                rt.block_on(async { tokio::time::timeout_at(t.into(), in_flight.next()).await }).ok()
+            }
+        };
+    }
     if in_flight.is_empty() {
         if let Some(t) = until {
             std::thread::sleep(t.saturating_duration_since(Instant::now()));
@@ -231,8 +248,7 @@ pub(crate) fn run_level(
     source.setup(block, 2 * slots * per_parent)?;
     let layout = BlockLayout::single(slots * per_parent, block).map_err(|e| e.to_string())?;
     let config = crate::cli::decode_config(run, "bench-decode-many".into())?;
-    let decoder = DecodeAgent::start(config, KvMemory::alloc(layout).map_err(|e| e.to_string())?)
-        .map_err(|e| e.to_string())?;
+    let decoder = Decoder::start(run, config, KvMemory::alloc(layout).map_err(|e| e.to_string())?)?;
     // Peak RSS and fds from here on: what the agent and the requests in flight hold.
     let peak_reset = reset_peak_rss();
     let (rss_before, fds_before) = (rss_kib(), open_fds());
@@ -319,7 +335,7 @@ pub(crate) fn run_level(
                         free_local.push(local);
                         break;
                     };
-                    submit(&decoder, &mut in_flight, result, local, remote, started, n, &ids)?;
+                    submit(decoder.agent(), &mut in_flight, result, local, remote, started, n, &ids)?;
                 }
             }
             Level::Open { rate, .. } => {
@@ -337,7 +353,7 @@ pub(crate) fn run_level(
                     };
                     let scheduled = next_arrival;
                     let submitted =
-                        submit(&decoder, &mut in_flight, result, local, remote, scheduled, n, &ids)?;
+                        submit(decoder.agent(), &mut in_flight, result, local, remote, scheduled, n, &ids)?;
                     if scheduled >= warm {
                         // Taken as the submit call starts (the service latency's start).
                         submit_lag.push(submitted.saturating_duration_since(scheduled).as_secs_f64() * 1e6);
@@ -371,11 +387,12 @@ pub(crate) fn run_level(
         pool.collect(source, false)?;
         pool.top_up(source, &mut free_remote, wanted)?;
         let edges = [cpu0.is_none().then_some(warm), cpu1.is_none().then_some(end)];
-        let next = match next_until(&mut in_flight, &waker, park_deadline(wait_until, &edges)) {
-            None => continue,
-            Some(None) => break,
-            Some(Some(done)) => done,
-        };
+        let next =
+            match next_until(&mut in_flight, &waker, park_deadline(wait_until, &edges), decoder.runtime()) {
+                None => continue,
+                Some(None) => break,
+                Some(Some(done)) => done,
+            };
         let (local, remote, started, submitted, report) = next;
         for ch in &report.children {
             if !matches!(ch.outcome, ChildOutcome::Done { .. }) {
@@ -503,7 +520,7 @@ pub(crate) fn run_level(
 /// returns when the submit call started (the parent's submission time).
 #[allow(clippy::too_many_arguments)]
 fn submit(
-    decoder: &DecodeAgent,
+    decoder: &kvxfer::DecodeAgent,
     in_flight: &mut FuturesUnordered<Finished>,
     result: PrefillResult,
     local: usize,
@@ -513,10 +530,7 @@ fn submit(
     ids: &dyn Fn(usize, u32) -> Vec<BlockId>,
 ) -> Result<Instant, String> {
     let submitted = Instant::now();
-    let h = decoder
-        .as_async()
-        .submit(result, (0..n).map(|k| ids(local, k)).collect())
-        .map_err(|e| e.to_string())?;
+    let h = decoder.submit(result, (0..n).map(|k| ids(local, k)).collect()).map_err(|e| e.to_string())?;
     in_flight.push(Box::pin(async move { (local, remote, started, submitted, h.finished().await) }));
     Ok(submitted)
 }
@@ -571,6 +585,7 @@ pub(crate) fn bench_many(
                     "concurrency": concurrency, "n": run.n, "blocks_per_child": w.blocks_per_child,
                     "duration_s": w.duration, "connections": run.connections,
                     "notify_with_read": run.notify_with_read, "lease_batch": w.lease_batch,
+                    "async_submit": run.async_submit, "current_thread": run.current_thread,
                     "requests": l.requests, "requests_per_s": l.requests_per_s, "gib_per_s": l.gib_per_s,
                     "p50_us": l.child_us[0], "p99_us": l.child_us[1], "p999_us": l.child_us[2], "max_us": l.child_us[3],
                     "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],

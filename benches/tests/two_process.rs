@@ -171,12 +171,21 @@ fn a_pull_refuses_figures_from_memory_it_did_not_ask_for() {
 }
 
 /// The many-requests workload across two processes: every level reports its figures, and
-/// every slot's last pull holds the bytes of the blocks it last read.
+/// every slot's last pull holds the bytes of the blocks it last read — with the blocking
+/// facade, and with the async agent on the bench's own runtime (`--async-submit`, which the
+/// many-requests workload once ignored), multi-thread or current-thread.
 #[test]
 fn many_requests_over_tcp_across_two_processes() {
+    for submit in [&[][..], &["--async-submit"], &["--async-submit", "--current-thread"]] {
+        many_requests_across_two_processes(submit);
+    }
+}
+
+fn many_requests_across_two_processes(submit: &[&str]) {
     let (_serve, addr) = serve(&["--transport", "tcp"]);
     let out = Command::new(BIN)
         .args(["pull", "--peer", &addr, "--transport", "tcp", "--block-bytes", "16K", "--n", "2"])
+        .args(submit)
         .args([
             "--blocks-per-child",
             "2",
@@ -212,6 +221,9 @@ fn many_requests_over_tcp_across_two_processes() {
             assert_eq!(r["concurrency"], c, "{r}");
         }
         assert_eq!(r["verified"], true, "{r}");
+        assert_eq!(r["async_submit"], !submit.is_empty(), "{r}");
+        assert_eq!(r["current_thread"], submit.contains(&"--current-thread"), "{r}");
+        assert!(r["requests"].as_u64().unwrap_or(0) > 0, "{r}");
         // The decode side holds c parents of 2 children of 2 blocks of 16 KiB.
         assert_eq!(r["kv_mib"].as_f64(), Some(f64::from(c) * 4.0 * 16.0 / 1024.0), "{r}");
         for k in ["requests_per_s", "p50_us", "p999_us", "cpu_us_per_request", "rss_peak_mib", "fds_max"] {
