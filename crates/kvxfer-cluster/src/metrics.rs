@@ -238,6 +238,19 @@ pub struct DecodeSnapshot {
     /// Peers whose pooled connections were dropped because discovery saw their engine leave
     /// or change (a new incarnation or address).
     pub peers_invalidated: u64,
+    /// TCP reads (or pipelined batches) made again on a fresh connection because their
+    /// pooled one was closed by the peer before any answer.
+    pub read_retries: u64,
+    /// Control exchanges (notify, cancel, heartbeat) retried on a fresh connection.
+    pub control_retries: u64,
+    /// Reads made again alone because their batch's connection broke after earlier answers.
+    pub reads_after_broken_batch: u64,
+    /// TCP reads that carried their child's notify.
+    pub notifies_with_read: u64,
+    /// Pipelined TCP batches of two or more reads.
+    pub read_batches: u64,
+    /// The reads those batches carried.
+    pub reads_batched: u64,
 }
 
 /// How a lease ended, as a label value.
@@ -338,6 +351,12 @@ impl Snapshot for DecodeSnapshot {
         self.notifications_unacknowledged += o.notifications_unacknowledged;
         self.connections_opened += o.connections_opened;
         self.peers_invalidated += o.peers_invalidated;
+        self.read_retries += o.read_retries;
+        self.control_retries += o.control_retries;
+        self.reads_after_broken_batch += o.reads_after_broken_batch;
+        self.notifies_with_read += o.notifies_with_read;
+        self.read_batches += o.read_batches;
+        self.reads_batched += o.reads_batched;
     }
 }
 
@@ -1018,6 +1037,30 @@ impl Collector for SnapshotCollector {
                 None,
                 d.peers_invalidated,
             )?;
+            w.counters(
+                "retries",
+                "Exchanges made again on a fresh connection, by kind: read (its pooled connection closed before any answer), control (notify, cancel, heartbeat), broken_batch (a read left unanswered when its pipelined batch's connection broke)",
+                None,
+                "kind",
+                &[
+                    ("read", d.read_retries),
+                    ("control", d.control_retries),
+                    ("broken_batch", d.reads_after_broken_batch),
+                ],
+            )?;
+            w.counter(
+                "notifies_with_read",
+                "TCP reads that carried their child's notify (one round trip per hand-off)",
+                None,
+                d.notifies_with_read,
+            )?;
+            w.counter(
+                "read_batches",
+                "Pipelined TCP batches: two or more reads of a pull written together on one connection",
+                None,
+                d.read_batches,
+            )?;
+            w.counter("batched_reads", "The reads pipelined batches carried", None, d.reads_batched)?;
         }
         if registration.is_some() || directory.is_some() {
             let parts: Vec<(&str, EtcdPart)> =

@@ -159,6 +159,12 @@ async fn metrics_are_served_over_http_and_parse() {
         integrity_failures: PerTransport { tcp: 1, ucx: 0, rdma: 0 },
         connections_opened: 3,
         peers: 1,
+        read_retries: 2,
+        control_retries: 1,
+        reads_after_broken_batch: 3,
+        notifies_with_read: 4,
+        read_batches: 5,
+        reads_batched: 11,
         ..Default::default()
     });
     metrics.observe_pull(Duration::from_millis(3));
@@ -211,6 +217,10 @@ async fn metrics_are_served_over_http_and_parse() {
         ("kvxfer_pins", "counter"),
         ("kvxfer_pins_open", "gauge"),
         ("kvxfer_integrity_failures", "counter"),
+        ("kvxfer_retries", "counter"),
+        ("kvxfer_notifies_with_read", "counter"),
+        ("kvxfer_read_batches", "counter"),
+        ("kvxfer_batched_reads", "counter"),
         ("kvxfer_etcd_state", "gauge"),
         ("kvxfer_etcd_failures", "counter"),
         ("kvxfer_discovery_engines", "gauge"),
@@ -237,6 +247,12 @@ async fn metrics_are_served_over_http_and_parse() {
     assert_eq!(value(r#"kvxfer_child_pull_duration_seconds_count{outcome="failed"}"#), 1.0);
     assert_eq!(value(r#"kvxfer_children_total{outcome="done"}"#), 7.0);
     assert_eq!(value(r#"kvxfer_children_total{outcome="failed",kind="timeout"}"#), 1.0);
+    assert_eq!(value(r#"kvxfer_retries_total{kind="read"}"#), 2.0);
+    assert_eq!(value(r#"kvxfer_retries_total{kind="control"}"#), 1.0);
+    assert_eq!(value(r#"kvxfer_retries_total{kind="broken_batch"}"#), 3.0);
+    assert_eq!(value("kvxfer_notifies_with_read_total"), 4.0);
+    assert_eq!(value("kvxfer_read_batches_total"), 5.0);
+    assert_eq!(value("kvxfer_batched_reads_total"), 11.0);
     assert_eq!(value("kvxfer_connections_open"), 2.0);
     assert_eq!(value(r#"kvxfer_etcd_state{component="registration",state="connected"}"#), 1.0);
     assert_eq!(value(r#"kvxfer_etcd_state{component="directory",state="connected"}"#), 1.0);

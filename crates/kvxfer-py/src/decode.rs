@@ -563,8 +563,9 @@ impl DecodeAgent {
     /// Counters (every field of the engine's `DecodeStats`): pulls, children done / failed /
     /// cancelled, bytes pulled and delivered, unacknowledged notifications, connections,
     /// control and read retries, integrity failures, leases released without pulling
-    /// (`leases_released`, `releases_refused`), UCX endpoints held open (`ucx_endpoints`), and
-    /// the queued-lease heartbeats (`keeper_*`).
+    /// (`leases_released`, `releases_refused`), reads that carried their notify, pipelined
+    /// batches (`read_batches`, `reads_batched`, `reads_after_broken_batch`), UCX endpoints
+    /// held open (`ucx_endpoints`), and the queued-lease heartbeats (`keeper_*`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (agent, _) = self.agent(py)?;
         // Destructured in full: a counter added to the engine fails to compile here until
@@ -592,6 +593,9 @@ impl DecodeAgent {
             leases_released,
             releases_refused,
             notifies_with_read,
+            read_batches,
+            reads_batched,
+            reads_after_broken_batch,
             ucx_endpoints,
         } = agent.stats();
         let d = PyDict::new(py);
@@ -618,6 +622,9 @@ impl DecodeAgent {
             ("leases_released", leases_released),
             ("releases_refused", releases_refused),
             ("notifies_with_read", notifies_with_read),
+            ("read_batches", read_batches),
+            ("reads_batched", reads_batched),
+            ("reads_after_broken_batch", reads_after_broken_batch),
             ("ucx_endpoints", ucx_endpoints),
         ] {
             d.set_item(k, v)?;

@@ -461,6 +461,12 @@ fn decode_snapshot(s: &DecodeStats) -> DecodeSnapshot {
         connections_opened: s.connections_opened,
         peers: s.peers,
         peers_invalidated: s.peers_invalidated,
+        read_retries: s.read_retries,
+        control_retries: s.control_retries,
+        reads_after_broken_batch: s.reads_after_broken_batch,
+        notifies_with_read: s.notifies_with_read,
+        read_batches: s.read_batches,
+        reads_batched: s.reads_batched,
     }
 }
 

@@ -524,7 +524,9 @@ fn a_parents_small_reads_share_one_data_connection() {
     }
     assert_eq!(prefill.stats().server.connections, 2, "one control and one data connection");
     assert_eq!(prefill.stats().server.reads_served, 8);
-    assert_eq!(decode.stats().notifies_with_read, 8);
+    let s = decode.stats();
+    assert_eq!(s.notifies_with_read, 8);
+    assert_eq!((s.read_batches, s.reads_batched, s.reads_after_broken_batch), (1, 8, 0), "{s:?}");
     let ends = wait_ends(&prefill, 8, Duration::from_secs(10));
     assert!(ends.iter().all(|e| e.kind == EndKind::Pulled), "{ends:?}");
 }

@@ -705,6 +705,7 @@ fn a_batch_broken_after_its_first_answer_reads_the_rest_alone() {
     }
     let s = decode.stats();
     assert_eq!((s.notifications_unacknowledged, s.read_retries), (0, 0), "{s:?}");
+    assert_eq!((s.read_batches, s.reads_batched, s.reads_after_broken_batch), (1, 4, 3), "{s:?}");
 }
 
 /// A payload in the middle of a pipelined batch fails its CRC check: that child alone fails
@@ -763,6 +764,7 @@ fn corrupted_mid_batch(with_read: bool) {
     assert!(notified.iter().all(|(c, _)| *c == seen[0].0), "{notified:?}");
     let s = decode.stats();
     assert_eq!((s.integrity_failures, s.read_retries), (1, 0), "{s:?}");
+    assert_eq!(s.reads_after_broken_batch, 0, "a CRC failure does not break the batch: {s:?}");
 }
 
 /// A prefill worker restarts on the same address with the same configured engine id: its

@@ -121,6 +121,14 @@ pub struct DecodeStats {
     /// TCP reads that carried their child's notify behind the read request
     /// (`AgentConfig::notify_with_read`: one round trip for that hand-off).
     pub notifies_with_read: u64,
+    /// Pipelined TCP batches: two or more reads of one pull written together on one data
+    /// connection and answered in order (ARCHITECTURE.md, "Pipelined reads").
+    pub read_batches: u64,
+    /// The reads those batches carried.
+    pub reads_batched: u64,
+    /// Reads made again, each alone on a connection of its own, because the connection of
+    /// their batch broke after earlier answers (nothing of them had arrived).
+    pub reads_after_broken_batch: u64,
     /// UCX endpoints the agent holds open (a gauge): one per peer read over UCX that it has
     /// not forgotten, plus any still wiring up or closing. 0 without UCX.
     pub ucx_endpoints: u64,
@@ -150,6 +158,9 @@ pub(crate) struct Counters {
     pub(crate) leases_released: AtomicU64,
     pub(crate) releases_refused: AtomicU64,
     pub(crate) notifies_with_read: AtomicU64,
+    pub(crate) read_batches: AtomicU64,
+    pub(crate) reads_batched: AtomicU64,
+    pub(crate) reads_after_broken_batch: AtomicU64,
 }
 
 impl Counters {
@@ -200,6 +211,9 @@ impl Counters {
             leases_released: l(&self.leases_released),
             releases_refused: l(&self.releases_refused),
             notifies_with_read: l(&self.notifies_with_read),
+            read_batches: l(&self.read_batches),
+            reads_batched: l(&self.reads_batched),
+            reads_after_broken_batch: l(&self.reads_after_broken_batch),
             ucx_endpoints: 0,
             peers,
         }

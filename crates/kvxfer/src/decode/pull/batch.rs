@@ -207,6 +207,8 @@ impl Pull {
                 Ok(c) => c,
                 Err(e) => return fail(0..items.len(), &|_| e.clone()),
             };
+            add(&self.inner.counters.read_batches, 1);
+            add(&self.inner.counters.reads_batched, items.len() as u64);
             let reads: Vec<BatchRead<'_>> = items
                 .iter()
                 .map(|&(i, notify)| BatchRead {
@@ -269,6 +271,7 @@ impl Pull {
                 // blocks, so each is made again on its own, side by side (as many at once
                 // as the peer's data connections allow).
                 _ => {
+                    add(&self.inner.counters.reads_after_broken_batch, rest.len() as u64);
                     let items_ref = &items;
                     let mut alone: FuturesUnordered<_> = rest
                         .map(|k| async move {
