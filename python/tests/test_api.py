@@ -31,7 +31,10 @@ def test_a_parent_with_four_children_is_pulled_and_every_lease_ends_pulled(prefi
     assert sorted(e["kind"] for e in ends) == ["pulled"] * 4
     leases = prefill.stats()["leases"]
     assert (leases["pulled"], leases["expired"], leases["unrecognized"]) == (4, 0, 0)
-    assert decode.stats()["notifies_with_read"] == 0, "off by default"
+    stats = decode.stats()
+    assert stats["notifies_with_read"] == 0, "off by default"
+    # The four children's reads went out pipelined, in one batch, none made again.
+    assert (stats["read_batches"], stats["reads_batched"], stats["reads_after_broken_batch"]) == (1, 4, 0)
 
 
 def test_agents_on_one_thread_each_with_the_notify_behind_the_read_pull_every_child_once(src, dst):
