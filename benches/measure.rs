@@ -244,6 +244,8 @@ enum Submitted<'a> {
 type Timed = (Instant, PullReport, Vec<Instant>);
 
 impl Decoder {
+    /// Starts the decode agent `run` asks for: the blocking facade, or with
+    /// `--async-submit` the async agent on a runtime of the bench's own.
     pub(crate) fn start(
         run: &RunArgs,
         config: kvxfer::AgentConfig,
@@ -267,6 +269,7 @@ impl Decoder {
         Ok(Decoder::Async { agent: Arc::new(agent), runtime })
     }
 
+    /// The agent's KV-cache memory.
     pub(crate) fn memory(&self) -> &Arc<KvMemory> {
         match self {
             Decoder::Blocking(d) => d.memory(),

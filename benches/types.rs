@@ -16,6 +16,10 @@ pub(crate) enum Level {
 pub(crate) struct Loaded {
     pub(crate) block: u64,
     pub(crate) level: Level,
+    /// How the pulls were submitted, from the agent the run used: on the bench's own runtime
+    /// (`--async-submit`), and whether that runtime is a current-thread one.
+    pub(crate) async_submit: bool,
+    pub(crate) current_thread: bool,
     pub(crate) requests: u64,
     pub(crate) requests_per_s: f64,
     pub(crate) gib_per_s: f64,

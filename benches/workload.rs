@@ -108,9 +108,14 @@ fn next_until(
                 None
             }
             (false, None) => Some(rt.block_on(in_flight.next())),
-            (false, Some(t)) => {
-                rt.block_on(async { tokio::time::timeout_at(t.into(), in_flight.next()).await }).ok()
-            }
+            // A turn for the runtime's tasks and I/O first, even when the deadline passed
+            // already: a current-thread runtime runs its pulls only inside `block_on`.
+            (false, Some(t)) => rt
+                .block_on(async {
+                    tokio::task::yield_now().await;
+                    tokio::time::timeout_at(t.into(), in_flight.next()).await
+                })
+                .ok(),
         };
     }
     if in_flight.is_empty() {
@@ -469,6 +474,10 @@ pub(crate) fn run_level(
         }
         Some(ok)
     };
+    let async_submit = decoder.runtime().is_some();
+    let current_thread = decoder
+        .runtime()
+        .is_some_and(|rt| rt.handle().runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
     drop(decoder);
     child_lat.sort_by(f64::total_cmp);
     req_lat.sort_by(f64::total_cmp);
@@ -479,6 +488,8 @@ pub(crate) fn run_level(
     Ok(Loaded {
         block,
         level,
+        async_submit,
+        current_thread,
         requests,
         requests_per_s: requests as f64 / secs,
         gib_per_s: bytes as f64 / f64::from(1u32 << 30) / secs,
@@ -585,7 +596,7 @@ pub(crate) fn bench_many(
                     "concurrency": concurrency, "n": run.n, "blocks_per_child": w.blocks_per_child,
                     "duration_s": w.duration, "connections": run.connections,
                     "notify_with_read": run.notify_with_read, "lease_batch": w.lease_batch,
-                    "async_submit": run.async_submit, "current_thread": run.current_thread,
+                    "async_submit": l.async_submit, "current_thread": l.current_thread,
                     "requests": l.requests, "requests_per_s": l.requests_per_s, "gib_per_s": l.gib_per_s,
                     "p50_us": l.child_us[0], "p99_us": l.child_us[1], "p999_us": l.child_us[2], "max_us": l.child_us[3],
                     "request_p50_us": l.request_us[0], "request_p99_us": l.request_us[1],

@@ -1060,7 +1060,7 @@ impl Collector for SnapshotCollector {
                 None,
                 d.read_batches,
             )?;
-            w.counter("batched_reads", "The reads pipelined batches carried", None, d.reads_batched)?;
+            w.counter("reads_batched", "The reads pipelined batches carried", None, d.reads_batched)?;
         }
         if registration.is_some() || directory.is_some() {
             let parts: Vec<(&str, EtcdPart)> =

@@ -220,7 +220,7 @@ async fn metrics_are_served_over_http_and_parse() {
         ("kvxfer_retries", "counter"),
         ("kvxfer_notifies_with_read", "counter"),
         ("kvxfer_read_batches", "counter"),
-        ("kvxfer_batched_reads", "counter"),
+        ("kvxfer_reads_batched", "counter"),
         ("kvxfer_etcd_state", "gauge"),
         ("kvxfer_etcd_failures", "counter"),
         ("kvxfer_discovery_engines", "gauge"),
@@ -252,7 +252,7 @@ async fn metrics_are_served_over_http_and_parse() {
     assert_eq!(value(r#"kvxfer_retries_total{kind="broken_batch"}"#), 3.0);
     assert_eq!(value("kvxfer_notifies_with_read_total"), 4.0);
     assert_eq!(value("kvxfer_read_batches_total"), 5.0);
-    assert_eq!(value("kvxfer_batched_reads_total"), 11.0);
+    assert_eq!(value("kvxfer_reads_batched_total"), 11.0);
     assert_eq!(value("kvxfer_connections_open"), 2.0);
     assert_eq!(value(r#"kvxfer_etcd_state{component="registration",state="connected"}"#), 1.0);
     assert_eq!(value(r#"kvxfer_etcd_state{component="directory",state="connected"}"#), 1.0);

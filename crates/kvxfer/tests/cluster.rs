@@ -339,7 +339,7 @@ mod discovery {
         assert_eq!(get(r#"kvxfer_served_bytes_total{transport="tcp"}"#), bytes);
         assert_eq!(get(r#"kvxfer_integrity_failures_total{transport="tcp"}"#), 0.0);
         // The two children's reads went pipelined, in one batch, and nothing was made again.
-        assert_eq!((get("kvxfer_read_batches_total"), get("kvxfer_batched_reads_total")), (1.0, 2.0));
+        assert_eq!((get("kvxfer_read_batches_total"), get("kvxfer_reads_batched_total")), (1.0, 2.0));
         assert_eq!(get(r#"kvxfer_retries_total{kind="broken_batch"}"#), 0.0);
         assert_eq!(get("kvxfer_notifies_with_read_total"), 0.0);
         assert_eq!(get("kvxfer_peers"), 1.0);

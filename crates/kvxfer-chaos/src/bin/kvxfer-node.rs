@@ -37,7 +37,9 @@
 //! drops it, once its UCX objects are torn down, and prints
 //! `{"event":"shutdown","signal":"SIGTERM","agent_dropped":true}` before exiting with status
 //! 0. Closing stdin does the same, with `"signal":null`. (`"agent_dropped":false`: a
-//! command still held the agent 10 s after the shutdown, and the node exits anyway.)
+//! command still held the agent 10 s after the shutdown, and the node exits anyway.) A
+//! command that arrives once the shutdown began is answered
+//! `{"event":"error","message":"shutting down"}`.
 //!
 //! Both roles authenticate peers with the cluster key of `KVXFER_CLUSTER_KEY` (hex) or
 //! `KVXFER_CLUSTER_KEY_FILE`, and run unauthenticated when neither is set. A decode node
@@ -250,37 +252,30 @@ impl<A> AgentSlot<A> {
 
     /// Takes the agent out, runs `shutdown` on it (which ends the command under way, if
     /// any), then drops it as soon as the command loop has let go of it, waiting up to
-    /// 10 s. A blocking agent's drop waits for the teardown of its UCX objects, and a
-    /// process that exits with a UCX worker alive can crash in UCX's exit handlers.
-    /// `Some(dropped)` from the call that stopped the agent; `None` from any other, once
-    /// that one ended (the slot stays locked through the stop).
-    fn stop(&self, shutdown: impl FnOnce(&A)) -> Option<bool> {
+    /// 10 s, and prints the shutdown line (`signal` is `None` when stdin closed). A
+    /// blocking agent's drop waits for the teardown of its UCX objects, and a process that
+    /// exits with a UCX worker alive can crash in UCX's exit handlers. Only the call that
+    /// stopped the agent prints; any other returns once that line is out (the slot stays
+    /// locked through all of it), so whichever then ends the process does not cut it.
+    fn stop(&self, shutdown: impl FnOnce(&A), signal: Option<&str>) {
         let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut agent = slot.take()?;
+        let Some(mut agent) = slot.take() else { return };
         shutdown(&agent);
         let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        let dropped = loop {
             agent = match Arc::try_unwrap(agent) {
                 Ok(agent) => {
                     drop(agent);
-                    return Some(true);
+                    break true;
                 }
                 Err(_) if Instant::now() >= deadline => {
                     tracing::warn!("the command loop still holds the agent 10 s after its shutdown; exiting without its drop");
-                    return Some(false);
+                    break false;
                 }
                 Err(agent) => agent,
             };
             std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-/// Prints the shutdown line: `signal` is `None` when stdin closed.
-/// Prints the shutdown line (`signal` is `None` when stdin closed) if this call stopped the
-/// agent (`dropped` is `Some`): a second stop, racing the first, prints nothing.
-fn emit_shutdown(signal: Option<&str>, dropped: Option<bool>) {
-    if let Some(dropped) = dropped {
+        };
         emit(json!({"event": "shutdown", "signal": signal, "agent_dropped": dropped}));
     }
 }
@@ -342,12 +337,16 @@ fn prefill(common: &Common, ttl: Duration, listen: &str, signals: Signals) -> Re
     // releases the live leases: their ends are printed before the shutdown line.
     let slot = AgentSlot::new(agent);
     let ends = Mutex::new(Some(ends));
+    // The lease-end lines go out before the shutdown line: the forwarder ends once the
+    // shutdown closed the events channel.
     let stop = move |slot: &AgentSlot<PrefillAgent>, signal: Option<&str>| {
-        let dropped = slot.stop(PrefillAgent::shutdown);
-        if let Some(ends) = ends.lock().unwrap_or_else(PoisonError::into_inner).take() {
-            let _ = ends.join();
-        }
-        emit_shutdown(signal, dropped);
+        let shutdown = |agent: &PrefillAgent| {
+            agent.shutdown();
+            if let Some(ends) = ends.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                let _ = ends.join();
+            }
+        };
+        slot.stop(shutdown, signal);
     };
     let stop = Arc::new(stop);
     let (stopping, on_signal) = (slot.clone(), stop.clone());
@@ -447,7 +446,7 @@ fn decode(common: &Common, signals: Signals) -> Result<(), String> {
     });
     let slot = AgentSlot::new(agent);
     let stopping = slot.clone();
-    signals.on_signal(move |name| emit_shutdown(Some(name), stopping.stop(DecodeAgent::shutdown)));
+    signals.on_signal(move |name| stopping.stop(DecodeAgent::shutdown, Some(name)));
     for cmd in commands() {
         let Some(agent) = slot.get() else {
             emit(json!({"event": "error", "message": "shutting down"}));
@@ -530,7 +529,7 @@ fn decode(common: &Common, signals: Signals) -> Result<(), String> {
             json!({"event": "pull_done", "parent": parent, "elapsed_ms": report.elapsed.as_millis() as u64}),
         );
     }
-    emit_shutdown(None, slot.stop(DecodeAgent::shutdown));
+    slot.stop(DecodeAgent::shutdown, None);
     Ok(())
 }
 

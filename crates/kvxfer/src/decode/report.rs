@@ -122,7 +122,8 @@ pub struct DecodeStats {
     /// (`AgentConfig::notify_with_read`: one round trip for that hand-off).
     pub notifies_with_read: u64,
     /// Pipelined TCP batches: two or more reads of one pull written together on one data
-    /// connection and answered in order (ARCHITECTURE.md, "Pipelined reads").
+    /// connection and answered in order (ARCHITECTURE.md, "Pipelined reads"); counted once
+    /// a connection was checked out for the batch, whether or not its write went through.
     pub read_batches: u64,
     /// The reads those batches carried.
     pub reads_batched: u64,

@@ -271,7 +271,6 @@ impl Pull {
                 // blocks, so each is made again on its own, side by side (as many at once
                 // as the peer's data connections allow).
                 _ => {
-                    add(&self.inner.counters.reads_after_broken_batch, rest.len() as u64);
                     let items_ref = &items;
                     let mut alone: FuturesUnordered<_> = rest
                         .map(|k| async move {
@@ -284,6 +283,7 @@ impl Pull {
                                 self.notify_answer_lost[i].store(true, Ordering::Relaxed);
                             }
                             let by_group = self.ids.split_runs(&self.wire[i]);
+                            add(&self.inner.counters.reads_after_broken_batch, 1);
                             (k, self.tcp_read(peer, i, &by_group, with_notify).await)
                         })
                         .collect();
