@@ -346,7 +346,7 @@ impl Connection {
         (read, Some(answer))
     }
 
-    /// The answer to a notify sent behind a read.
+    /// The answer to a notify (sent alone, or behind a read).
     async fn recv_notify_ack(&mut self) -> Result<v1::NotifyAck, ClientError> {
         match self.recv().await? {
             Frame::NotifyAck(a) => Ok(a),
@@ -614,11 +614,7 @@ impl Connection {
         consumer: &str,
     ) -> Result<v1::NotifyAck, ClientError> {
         self.send(&Frame::Notify(notify_of(id, token, consumer))).await?;
-        match self.recv().await? {
-            Frame::NotifyAck(a) => Ok(a),
-            Frame::Error(e) => Err(self.refused(e)),
-            other => Err(self.unexpected(&other)),
-        }
+        self.recv_notify_ack().await
     }
 
     /// Keeps leases alive while their pulls are slow; one outcome per lease. Sent in frames

@@ -528,10 +528,7 @@ impl Pull {
                 }
                 Err(_) => {
                     peer.checkin(conn, &r);
-                    return match r {
-                        Err(e) => (ReadResult::Failed(read_error(&e, &self.inner, id)), None),
-                        Ok(_) => (ReadResult::Ok { bytes: total }, None),
-                    };
+                    return (self.read_result(i, r), None);
                 }
             }
         }
