@@ -32,7 +32,12 @@ fn decode_node(args: &[&str]) -> Node {
 }
 
 fn lease(prefill: &mut Node, parent: &str) -> String {
-    prefill.send(json!({"cmd": "lease", "parent": parent, "n": N, "blocks_per_child": BPC}));
+    lease_sized(prefill, parent, N, BPC)
+}
+
+/// Leases parent `parent` of `n` children of `bpc` blocks each; returns its hex result.
+fn lease_sized(prefill: &mut Node, parent: &str, n: u64, bpc: u64) -> String {
+    prefill.send(json!({"cmd": "lease", "parent": parent, "n": n, "blocks_per_child": bpc}));
     prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
         .as_str()
         .expect("result")
@@ -152,19 +157,11 @@ fn ucx_pull_under_way(ttl_ms: u64) -> (Node, Node) {
     // A first pull wires the UCX endpoints up. (A peer killed while UCX 1.13 is still wiring
     // an endpoint up over tcp can make the survivor abort inside UCX — assertion "got REP
     // message" in ucp_request.c — whatever kvxfer does; see ARCHITECTURE.md, UCX notes.)
-    prefill.send(json!({"cmd": "lease", "parent": "W", "n": 1, "blocks_per_child": 1}));
-    let warm = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
-        .as_str()
-        .expect("result")
-        .to_owned();
+    let warm = lease_sized(&mut prefill, "W", 1, 1);
     decode.send(json!({"cmd": "pull", "result": warm}));
     decode.wait_event("pull_done", Duration::from_secs(30), &mut Vec::new());
     prefill.wait_event("lease_end", Duration::from_secs(10), &mut Vec::new());
-    prefill.send(json!({"cmd": "lease", "parent": "U", "n": N, "blocks_per_child": 64}));
-    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
-        .as_str()
-        .expect("result")
-        .to_owned();
+    let result = lease_sized(&mut prefill, "U", N, 64);
     decode.send(json!({"cmd": "pull", "result": result}));
     let deadline = Instant::now() + Duration::from_secs(30);
     while stats(&mut prefill)["pins_open"].as_u64().unwrap_or(0) == 0 {
@@ -186,11 +183,7 @@ fn nodes_drop_their_ucx_agents_before_they_exit() {
     let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "30000"][..], &ucx].concat());
     prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
     let mut decode = decode_node(&ucx);
-    prefill.send(json!({"cmd": "lease", "parent": "E", "n": 2, "blocks_per_child": 2}));
-    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
-        .as_str()
-        .expect("result")
-        .to_owned();
+    let result = lease_sized(&mut prefill, "E", 2, 2);
     decode.send(json!({"cmd": "pull", "result": result}));
     let (children, _) = decode.wait_events("child", 2, Duration::from_secs(30));
     assert!(children.iter().all(|c| c["outcome"] == "done" && c["verified"] == true), "{children:?}");
@@ -266,11 +259,7 @@ fn a_ucx_read_that_cannot_be_stopped_holds_its_blocks_until_it_completes() {
     let mut prefill = Node::start(&[&["prefill", "--ttl-ms", "60000"][..], &ucx, &big].concat());
     prefill.wait_event("listening", Duration::from_secs(30), &mut Vec::new());
     let mut decode = decode_node(&[&ucx[..], &big].concat());
-    prefill.send(json!({"cmd": "lease", "parent": "H", "n": N, "blocks_per_child": 64}));
-    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
-        .as_str()
-        .expect("result")
-        .to_owned();
+    let result = lease_sized(&mut prefill, "H", N, 64);
     decode.send(json!({"cmd": "pull", "result": result}));
     let deadline = Instant::now() + Duration::from_secs(30);
     while stats(&mut prefill)["pins_open"].as_u64().unwrap_or(0) == 0 {
@@ -327,11 +316,7 @@ fn a_ucx_read_that_never_completes_does_not_block_a_new_endpoint_to_the_same_add
         .expect("addr")
         .to_owned();
     let mut decode = decode_node(&[&ucx[..], &big].concat());
-    prefill.send(json!({"cmd": "lease", "parent": "H", "n": N, "blocks_per_child": 64}));
-    let result = prefill.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
-        .as_str()
-        .expect("result")
-        .to_owned();
+    let result = lease_sized(&mut prefill, "H", N, 64);
     decode.send(json!({"cmd": "pull", "result": result}));
     let deadline = Instant::now() + Duration::from_secs(30);
     while stats(&mut prefill)["pins_open"].as_u64().unwrap_or(0) == 0 {
@@ -350,11 +335,7 @@ fn a_ucx_read_that_never_completes_does_not_block_a_new_endpoint_to_the_same_add
     // Blocks 0..256 may be held: a lease nobody pulls takes them, the next one 256..272.
     fresh.send(json!({"cmd": "lease", "parent": "skip", "n": 4, "blocks_per_child": 64}));
     fresh.wait_event("result", Duration::from_secs(10), &mut Vec::new());
-    fresh.send(json!({"cmd": "lease", "parent": "B", "n": 1, "blocks_per_child": 16}));
-    let result = fresh.wait_event("result", Duration::from_secs(10), &mut Vec::new())["result"]
-        .as_str()
-        .expect("result")
-        .to_owned();
+    let result = lease_sized(&mut fresh, "B", 1, 16);
     decode.send(json!({"cmd": "pull", "result": result}));
     let child = decode.wait_event("child", Duration::from_secs(60), &mut Vec::new());
     assert_eq!((&child["outcome"], &child["verified"]), (&json!("done"), &json!(true)), "{child}");

@@ -336,9 +336,8 @@ fn prefill(common: &Common, ttl: Duration, listen: &str, signals: Signals) -> Re
     // Shutdown deregisters first (the key is gone before the listener closes), then
     // releases the live leases: their ends are printed before the shutdown line.
     let slot = AgentSlot::new(agent);
+    // The forwarder of lease ends finishes once the shutdown closed the events channel.
     let ends = Mutex::new(Some(ends));
-    // The lease-end lines go out before the shutdown line: the forwarder ends once the
-    // shutdown closed the events channel.
     let stop = move |slot: &AgentSlot<PrefillAgent>, signal: Option<&str>| {
         let shutdown = |agent: &PrefillAgent| {
             agent.shutdown();
