@@ -38,8 +38,8 @@
 //! `{"event":"shutdown","signal":"SIGTERM","agent_dropped":true}` before exiting with status
 //! 0. Closing stdin does the same, with `"signal":null`. (`"agent_dropped":false`: a
 //! command still held the agent 10 s after the shutdown, and the node exits anyway.) A
-//! command that arrives once the shutdown began is answered
-//! `{"event":"error","message":"shutting down"}`.
+//! command read once the shutdown began is not run: it is answered
+//! `{"event":"error","message":"shutting down"}` unless the process ends first.
 //!
 //! Both roles authenticate peers with the cluster key of `KVXFER_CLUSTER_KEY` (hex) or
 //! `KVXFER_CLUSTER_KEY_FILE`, and run unauthenticated when neither is set. A decode node
