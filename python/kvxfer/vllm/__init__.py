@@ -98,7 +98,10 @@ class KvxferConnector(Base, SupportsHMA):
         # bad_params: malformed params (logged, never raised); no_own_handoff: forked decode
         # children without a hand-off of their own; handoff_taken: a lease another local
         # request already pulls; duplicate_pulls: the worker's refusals of a second pull of
-        # one lease (load errors); misrouted: pull params sent to a kv_producer instance.
+        # one lease (load errors); misrouted: pull params sent to a kv_producer instance;
+        # shared_children: prefill children whose blocks were freed at once because a sibling
+        # holds the parent's shared prompt hand-off; shared_pulls: decode children given the
+        # prompt KV a sibling's pull read (a local copy, nothing more on the wire).
         self._counters = {
             "arm_failures": 0,
             "submit_failures": 0,
@@ -108,6 +111,8 @@ class KvxferConnector(Base, SupportsHMA):
             "duplicate_pulls": 0,
             "misrouted": 0,
             "leases_expired": 0,
+            "shared_children": 0,
+            "shared_pulls": 0,
         }
         self.scheduler: Optional[KvxferScheduler] = None
         self.worker: Optional[KvxferWorker] = None

@@ -27,6 +27,9 @@ class KvxferConnectorMetadata(MetadataBase):
         self.to_release: list[dict[str, Any]] = []
         # Decode: params of leases of requests waiting in the queue, to heartbeat.
         self.heartbeats: list[dict[str, Any]] = []
+        # Requests finished or preempted since the last step: their blocks may be reused
+        # from this step on (a sibling no longer copies a shared hand-off from them).
+        self.gone: list[str] = []
 
     def __repr__(self) -> str:
         return (

@@ -40,6 +40,16 @@ _SENDING_STATES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPET
 
 
 @dataclass
+class _SharedHandoff:
+    """A parent's one prompt hand-off, shared by every child of the parent that finishes
+    with it (the first child to finish holds the lease with its blocks)."""
+
+    holder: str
+    params: dict[str, Any]
+    at: float
+
+
+@dataclass
 class _Minted:
     """A lease minted at a request's last-token step, until ``request_finished``."""
 
@@ -83,6 +93,9 @@ class KvxferScheduler:
         # parent -> (first minted at, {child index: params}, children finished) for
         # kvxfer_children.
         self._siblings: OrderedDict[str, tuple[float, dict[int, dict[str, Any]], set[int]]] = OrderedDict()
+        # (parent, prompt identity) -> the parent's shared prompt hand-off: children of one
+        # parallel-sampling parent compute the same prompt KV, so one lease serves them all.
+        self._shared: OrderedDict[tuple[Any, ...], _SharedHandoff] = OrderedDict()
         # Prefill ranks' agents as their workers reported them (handshake metadata).
         self._ranks: dict[int, KvxferHandshakeMetadata] = {}
         # Decode.
@@ -96,8 +109,12 @@ class KvxferScheduler:
         self._to_release: list[dict[str, Any]] = []
         self._queued: dict[str, dict[str, Any]] = {}
         self._selected: dict[str, Optional[dict[str, Any]]] = {}
-        # remote_request_id -> the local request that pulls it (one at most).
-        self._claimed: dict[str, str] = {}
+        # remote_request_id -> the local requests that pull it: one, or several children of
+        # one decode request naming a shared prompt hand-off (``kvxfer_shared``).
+        self._claimed: dict[str, set[str]] = {}
+        # Shared hand-offs whose pull was handed to the workers (a later sibling must not
+        # release what another child pulls), until no local request claims them.
+        self._shared_pulling: set[str] = set()
         self._last_heartbeat = 0.0
 
     # ------------------------------------------------------------------ vLLM hooks
@@ -134,11 +151,15 @@ class KvxferScheduler:
             return
         self._handled.add(rid)
         self._queued.pop(rid, None)
+        remote = str(params.get("remote_request_id"))
         if num_external_tokens > 0:
             self._to_recv[rid] = (params, local_blocks(blocks, self.s.num_groups))
             self._recv_inflight[rid] = params
-        else:
-            # Everything is in the local prefix cache: nothing to pull, release the lease.
+            if params.get("kvxfer_shared"):
+                self._shared_pulling.add(remote)
+        elif not (self._claimed.get(remote, set()) - {rid}) and remote not in self._shared_pulling:
+            # Everything is in the local prefix cache: nothing to pull, release the lease
+            # (unless another local request names the same shared hand-off).
             self._to_release.append(params)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
@@ -152,9 +173,15 @@ class KvxferScheduler:
         meta.to_recv, self._to_recv = self._to_recv, {}
         meta.to_cancel, self._to_cancel = self._to_cancel, []
         meta.to_release, self._to_release = self._to_release, []
+        if self.s.is_consumer:
+            meta.gone = [
+                *(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+                *(getattr(scheduler_output, "finished_req_ids", None) or ()),
+            ]
         now = time.monotonic()
         waiting = [p for rid, p in self._recv_inflight.items() if rid not in meta.to_recv]
-        beats = list(self._queued.values()) + waiting
+        # Children naming one shared hand-off heartbeat it once.
+        beats = list({str(p.get("remote_request_id")): p for p in [*self._queued.values(), *waiting]}.values())
         if beats and now - self._last_heartbeat >= self._heartbeat_interval(beats):
             self._last_heartbeat = now
             meta.heartbeats = beats
@@ -213,6 +240,16 @@ class KvxferScheduler:
         if not all_ids(blocks):
             self._drop(rid, minted, finished=True)
             return False, None
+        key = self._share_key(rid, request)
+        shared = self._shared.get(key) if key is not None else None
+        if shared is not None:
+            # A sibling already holds the parent's prompt hand-off: this child's blocks hold
+            # the same prompt KV, so they are freed now (its own lease, if armed, is
+            # retracted: counted released) and its params name the shared lease.
+            self._drop(rid, minted, finished=True)
+            self.counters["shared_children"] += 1
+            logger.debug("kvxfer: %s shares the hand-off of %s; its blocks are freed now", rid, shared.holder)
+            return False, dict(shared.params)
         if minted is not None and (
             minted["remote_block_ids"] != blocks or (minted.get("kvxfer_skipped_blocks") or 0) != (skipped or 0)
         ):
@@ -228,6 +265,8 @@ class KvxferScheduler:
         if minted is None:
             logger.debug("kvxfer: %s minted at request_finished (armed at the next step)", rid)
             minted = self._mint(rid, params, blocks, skipped)
+        if key is not None:
+            return True, self._hold_shared(key, rid, minted)
         return True, self._with_siblings(rid, minted)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
@@ -433,24 +472,84 @@ class KvxferScheduler:
             del self._siblings[parent]
         return result
 
+    @staticmethod
+    def _share_key(rid: str, request: Any) -> Optional[tuple[Any, ...]]:
+        """What makes two finished prefill requests' prompt KV the same bytes: a child of
+        vLLM's parallel-sampling fan-out (``f"{i}_{parent}"``) that computed nothing past
+        its prompt's first sampled token, keyed by its parent, prompt tokens, LoRA adapter,
+        cache salt and multimodal inputs; None for a request that cannot share (not a
+        child, more than one generated token, or a prompt given as embeddings)."""
+        m = CHILD_ID.match(rid)
+        if m is None:
+            return None
+        outputs = getattr(request, "num_output_tokens", None)
+        if not isinstance(outputs, int):
+            outputs = len(getattr(request, "output_token_ids", None) or ())
+        if outputs > 1:
+            return None  # its KV past the prompt differs from its siblings'
+        prompt = getattr(request, "prompt_token_ids", None)
+        if prompt is None:
+            return None
+        lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
+        features = getattr(request, "mm_features", None) or ()
+        mm = tuple(str(getattr(f, "identifier", f)) for f in features)
+        return (m.group(2), len(prompt), hash(tuple(prompt)), lora, getattr(request, "cache_salt", None), mm)
+
+    def _hold_shared(self, key: tuple[Any, ...], rid: str, own: dict[str, Any]) -> dict[str, Any]:
+        """Makes child ``rid``'s hand-off its parent's shared one: every sibling finishing
+        after it returns these params and frees its own blocks at once."""
+        result = dict(own)
+        result["kvxfer_shared"] = True
+        now = time.monotonic()
+        while self._shared:
+            oldest = next(iter(self._shared.values()))
+            if now - oldest.at < FORGET_AFTER:
+                break
+            self._shared.popitem(last=False)
+        self._shared[key] = _SharedHandoff(rid, result, now)
+        n = int_or_none(own.get("kvxfer_n")) or 1
+        if n > 1:
+            parent, index, _ = self._child_of(rid, own)
+            entry = self._siblings.get(parent)
+            if entry is not None:
+                entry[2].add(index)
+                if len(entry[2]) >= n:
+                    del self._siblings[parent]
+        return result
+
     # ------------------------------------------------------------------ decode
 
     def _decode_finished(self, rid: str, decode: dict[str, Any]) -> tuple[bool, None]:
         remote = str(decode.get("remote_request_id"))
-        if self._claimed.get(remote) == rid:
-            del self._claimed[remote]
+        others = self._unclaim(remote, rid)
         handled = rid in self._handled
         self._handled.discard(rid)
+        # A shared hand-off is given back only by the last local request that names it and
+        # only if none of them pulls it: a sibling's abort never ends it for the others.
+        release = not others and remote not in self._shared_pulling
         if rid in self._to_recv:  # allocated, the pull not sent to the worker yet
-            self._to_release.append(self._to_recv.pop(rid)[0])
+            params = self._to_recv.pop(rid)[0]
             self._recv_inflight.pop(rid, None)
+            if release:
+                self._to_release.append(params)
             return False, None
         if rid in self._recv_inflight:  # the pull runs: cancel, free when it reports
             self._to_cancel.append(rid)
             return True, None
-        if not handled:
+        if not handled and release:
             self._to_release.append(decode)  # finished (aborted) in the queue, never pulled
         return False, None
+
+    def _unclaim(self, remote: str, rid: str) -> set[str]:
+        """Drops ``rid``'s claim on lease ``remote``; the local requests still claiming it."""
+        holders = self._claimed.get(remote)
+        if holders is None:
+            return set()
+        holders.discard(rid)
+        if not holders:
+            del self._claimed[remote]
+            self._shared_pulling.discard(remote)
+        return holders
 
     def _release_refused(self, rid: str, params: Any, own: Optional[dict[str, Any]]) -> None:
         """A request vLLM refused before admitting it (``abort_immediately``: its API
@@ -470,7 +569,7 @@ class KvxferScheduler:
             if not (isinstance(entry, dict) and entry.get("do_remote_prefill") and entry.get("kvxfer_lease_token")):
                 continue
             remote = str(entry.get("remote_request_id"))
-            if remote == mine or self._claimed.get(remote) not in (None, rid):
+            if remote == mine or self._claimed.get(remote, set()) - {rid}:
                 continue
             try:
                 self._to_release.append(self._own(entry))
@@ -498,18 +597,20 @@ class KvxferScheduler:
             logger.error("kvxfer: the kv_transfer_params of %s are malformed (%s); computed locally", rid, e)
         if chosen is not None:
             remote = str(chosen.get("remote_request_id"))
-            holder = self._claimed.get(remote)
-            if holder is not None and holder != rid:
+            holders = self._claimed.setdefault(remote, set())
+            if holders - {rid} and not chosen.get("kvxfer_shared"):
                 self.counters["handoff_taken"] += 1
                 logger.warning(
                     "kvxfer: the lease of %s is already pulled by local request %s; %s is computed locally",
                     remote,
-                    holder,
+                    min(holders),
                     rid,
                 )
                 chosen = None
             else:
-                self._claimed[remote] = rid
+                # A shared prompt hand-off (kvxfer_shared) serves every local request that
+                # names it: the workers read it once and copy it to each.
+                holders.add(rid)
         self._selected[rid] = chosen
         return chosen
 

@@ -19,6 +19,7 @@ decode's blocks host→device before reporting them loaded."""
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import time
 from collections import OrderedDict
@@ -125,6 +126,51 @@ class HostStaging:
             d[index.to(d.device)] = s[index].to(d.device)
 
 
+class BlockCopier:
+    """Copies whole blocks inside the registered KV cache (host memory): every byte a block
+    owns in every layer (the segments ``kv_cache_segments`` finds), block ``src`` to block
+    ``dst``. How a decode child gets the prompt KV a sibling's pull of their shared hand-off
+    read, with nothing more on the wire."""
+
+    def __init__(self, groups: list[list[Any]]) -> None:
+        import numpy as np
+
+        # The segments keep their buffers alive (the registered cache's tensors).
+        self.segments = groups
+        # Per KV-cache group: (the bytes of a segment's buffer, first block's offset, block
+        # bytes, stride); block b is ``block_bytes`` bytes at ``offset + b * stride``.
+        self.groups: list[list[tuple[Any, int, int, int]]] = []
+        for segments in groups:
+            views = []
+            for seg in segments:
+                buffer = (ctypes.c_uint8 * seg.length).from_address(seg.address)
+                views.append((np.frombuffer(buffer, dtype=np.uint8), seg.offset, seg.block_bytes, seg.stride))
+            self.groups.append(views)
+
+    @classmethod
+    def over(cls, kv_caches: dict[str, Any], settings: Settings) -> "BlockCopier":
+        """A copier over the cache as ``KvxferWorker`` registers it."""
+        from ..kvcache import kv_cache_segments
+
+        groups = settings.group_layers or [list(kv_caches)]
+        out = []
+        for names in groups:
+            caches = {n: kv_caches[n] for n in names if n in kv_caches}
+            segments, _, _, _ = kv_cache_segments(
+                caches, kv_layout=settings.kv_layout, num_blocks=settings.num_blocks, block_size=settings.block_size or None
+            )
+            out.append(segments)
+        return cls(out)
+
+    def copy(self, group: int, pairs: list[tuple[int, int]]) -> None:
+        """Copies block ``src`` onto block ``dst`` for each ``(src, dst)`` of ``group``."""
+        for raw, offset, block_bytes, stride in self.groups[group]:
+            for src, dst in pairs:
+                if src != dst:
+                    d, f = offset + dst * stride, offset + src * stride
+                    raw[d : d + block_bytes] = raw[f : f + block_bytes]
+
+
 class KvxferWorker:
     """Worker-side state and hooks (one per vLLM worker process, i.e. per TP rank)."""
 
@@ -155,6 +201,19 @@ class KvxferWorker:
         self._by_child: dict[tuple[int, int], str] = {}
         # remote_request_id -> the local request whose pull reads it (one at most).
         self._pulling: dict[str, str] = {}
+        # A shared prompt hand-off (``kvxfer_shared``) named by several local requests is
+        # read once, by the first (the primary); the others follow: remote_request_id ->
+        # (request id, remote blocks, local blocks) of each, given a copy of the primary's
+        # blocks when its pull is done.
+        self._followers: dict[str, list[tuple[str, Any, Any]]] = {}
+        # Primaries' pulls: request id -> (remote blocks, local blocks) pulled.
+        self._pulled: dict[str, tuple[Any, Any]] = {}
+        # Shared hand-offs pulled, while the primary's blocks live: remote_request_id ->
+        # the primary's request id (a sibling scheduled later copies from its blocks).
+        self._served: dict[str, str] = {}
+        # Primaries aborted while siblings follow their pull: not cancelled, freed once done.
+        self._aborted_primaries: set[str] = set()
+        self.copier: Optional[BlockCopier] = None
         self._load_errors: set[int] = set()
         self._done_recving: set[str] = set()
         # Requests whose pull failed (reported in vLLM's failed_recving as well): gathered,
@@ -217,6 +276,7 @@ class KvxferWorker:
                 **common,
             )
         if self.s.is_consumer:
+            self.copier = BlockCopier.over(kv_caches, self.s)
             self.decode = kvxfer.DecodeAgent(
                 self._memory(kv_caches),
                 agent_name=f"vllm-decode-{rank}",
@@ -320,11 +380,25 @@ class KvxferWorker:
         if not self._once(meta, "load") or self.decode is None:
             return
         rank = self.tp_rank()
+        for rid in getattr(meta, "gone", ()):
+            # A primary finished or preempted: its blocks may be given to others from now.
+            self._pulled.pop(rid, None)
+            for remote in [r for r, primary in self._served.items() if primary == rid]:
+                del self._served[remote]
         self._submit(meta.to_recv, rank)
         for rid in meta.to_cancel:
+            if self._unfollow(rid):
+                continue
             pull = self._pulls.get(rid)
-            if pull is not None:
-                pull[0].cancel_child(pull[1])
+            if pull is None:
+                continue
+            remote = next((r for r, primary in self._pulling.items() if primary == rid), None)
+            if remote is not None and self._followers.get(remote):
+                # Siblings wait for this pull: it goes on, this request's blocks are freed
+                # once it is done (a child's abort never ends the read for the others).
+                self._aborted_primaries.add(rid)
+                continue
+            pull[0].cancel_child(pull[1])
         if meta.to_release:
             self._release([v for p in meta.to_release for v in self._views_or_none(p, rank)])
         if meta.heartbeats:
@@ -460,8 +534,8 @@ class KvxferWorker:
                 views = self.views(params, rank)
                 p = views[0]
                 remote_id = str(p.get("remote_request_id"))
-                holder = self._pulling.get(remote_id)
-                if holder is not None:
+                holder = self._pulling.get(remote_id) or self._served.get(remote_id)
+                if holder is not None and not p.get("kvxfer_shared"):
                     # Two local requests would pull one lease: only one can, the other's
                     # blocks would never be written. vLLM recomputes (or fails) this one.
                     self.counters["duplicate_pulls"] += 1
@@ -476,11 +550,20 @@ class KvxferWorker:
                 )
                 if not all_ids(pulled_into):
                     # Every local block lies outside the prefill side's sliding window.
-                    self._release(views)
+                    if holder is None:
+                        self._release(views)
                     self._done_recving.add(rid)
                     continue
                 views = [dict(v, remote_block_ids=remote) for v in views]
                 hetero = len(views) > 1 or ratio != 1 or int(p.get("tp_size") or 1) != self.s.tp_size
+                if holder is not None:
+                    if hetero:
+                        raise ValueError(
+                            f"local request {holder} already pulls the shared hand-off {remote_id}, and a copy of "
+                            "its blocks is made only between caches of the same TP and block size"
+                        )
+                    self._follow(rid, remote_id, remote, pulled_into, local)
+                    continue
             except LayoutMismatch as e:
                 # Never pullable here: give the lease back now rather than at its expiry.
                 self._release([rank_view(params, rank)])
@@ -507,13 +590,78 @@ class KvxferWorker:
                     pull = self.decode.submit_ranks(ranks, [m[4] for m in members])
             except kvxfer.KvxferError as e:
                 for rid, views, local, _, _ in members:
-                    self._pulling.pop(str(views[0].get("remote_request_id")), None)
+                    remote_id = str(views[0].get("remote_request_id"))
+                    self._pulling.pop(remote_id, None)
                     self._fail(rid, local, f"cannot pull {rid}: {e}")
+                    self._settle_followers(remote_id, None, f"the pull of the shared hand-off failed: {e}")
                 continue
             logger.debug("kvxfer: pull %s submitted for %s", pull.id, [m[0] for m in members])
-            for rid, _, _, child_index, _ in members:
+            for rid, views, _, child_index, pulled_into in members:
                 self._pulls[rid] = (pull, child_index)
                 self._by_child[(pull.id, child_index)] = rid
+                if views[0].get("kvxfer_shared"):
+                    self._pulled[rid] = (views[0].get("remote_block_ids"), pulled_into)
+
+    def _follow(self, rid: str, remote_id: str, remote: Any, local: Any, allocated: Any) -> None:
+        """Local request ``rid`` names shared hand-off ``remote_id``, which another local
+        request pulls (or pulled): it gets a copy of that request's blocks, nothing more
+        crosses the wire."""
+        if remote_id in self._pulling:
+            self._followers.setdefault(remote_id, []).append((rid, remote, local))
+            return
+        why = self._copy_from(self._served[remote_id], rid, remote, local)
+        if why is not None:
+            self._fail(rid, allocated, f"cannot give {rid} the shared hand-off {remote_id}: {why}")
+
+    def _unfollow(self, rid: str) -> bool:
+        """Drops follower ``rid`` (aborted): reported done at once, its blocks freed."""
+        for remote_id, followers in self._followers.items():
+            for i, f in enumerate(followers):
+                if f[0] == rid:
+                    del followers[i]
+                    if not followers:
+                        del self._followers[remote_id]
+                    self._done_recving.add(rid)
+                    return True
+        return False
+
+    def _copy_from(self, primary: str, rid: str, remote: Any, local: Any) -> Optional[str]:
+        """Copies the blocks primary request ``primary`` pulled into ``rid``'s ``local``
+        blocks (``remote[i]`` into ``local[i]``, per group); None when done, else why not."""
+        pulled = self._pulled.get(primary)
+        if pulled is None or self.copier is None:
+            return f"local request {primary} no longer holds the blocks it pulled"
+        theirs_remote, theirs_local = pulled
+        if self.s.num_groups > 1:
+            groups = list(zip(theirs_remote, theirs_local, remote, local))
+        else:
+            groups = [(theirs_remote, theirs_local, remote, local)]
+        plans = []
+        for tr, tl, r, lo in groups:
+            where = dict(zip((int(b) for b in tr), (int(b) for b in tl)))
+            missing = [int(b) for b in r if int(b) not in where]
+            if missing:
+                return f"local request {primary} did not pull remote blocks {missing[:4]}"
+            plans.append([(where[int(b)], int(d)) for b, d in zip(r, lo)])
+        for g, pairs in enumerate(plans):
+            self.copier.copy(g, pairs)
+        if self.staging is not None:
+            self.staging.copy(local, "h2d")
+        self.counters["shared_pulls"] += 1
+        self._done_recving.add(rid)
+        return None
+
+    def _settle_followers(self, remote_id: str, primary: Optional[str], failed: Optional[str]) -> None:
+        """The followers of a shared hand-off's pull, once it ended: each given a copy of
+        ``primary``'s blocks, or failed (``failed``: why) — vLLM's load-failure policy."""
+        for rid, remote, local in self._followers.pop(remote_id, []):
+            why = failed if failed is not None else self._copy_from(str(primary), rid, remote, local)
+            if why is not None:
+                self.counters["submit_failures"] += 1
+                logger.error("kvxfer: cannot give %s the shared hand-off %s: %s", rid, remote_id, why)
+                self._load_errors.update(all_ids(local))
+                self._failed_recving.add(rid)
+                self._done_recving.add(rid)
 
     def _fail(self, rid: str, local: Any, why: str) -> None:
         self.counters["submit_failures"] += 1
@@ -557,14 +705,25 @@ class KvxferWorker:
                 if rid is None:
                     continue
                 self._pulls.pop(rid, None)
-                if self._pulling.get(r["remote_request_id"]) == rid:
-                    del self._pulling[r["remote_request_id"]]
-                if r["outcome"] in ("failed", "failed_blocks_held"):
+                remote_id = r["remote_request_id"]
+                if self._pulling.get(remote_id) == rid:
+                    del self._pulling[remote_id]
+                failed = r["outcome"] in ("failed", "failed_blocks_held")
+                if failed:
                     logger.warning("kvxfer: pulling %s failed (%s): %s", rid, r["error"].advice, r["error"])
                     self._load_errors.update(all_ids(r["local_blocks"]))
                     self._failed_recving.add(rid)
                 elif self.staging is not None:
                     self.staging.copy(r["local_blocks"], "h2d")
+                # Siblings naming the same shared hand-off get a copy of what it read.
+                self._settle_followers(remote_id, rid, f"its pull by {rid} failed: {r['error']}" if failed else None)
+                if rid in self._aborted_primaries:
+                    self._aborted_primaries.discard(rid)
+                    self._pulled.pop(rid, None)
+                elif not failed and rid in self._pulled:
+                    self._served[remote_id] = rid
+                else:
+                    self._pulled.pop(rid, None)
                 self.transfers.append(r)
                 self._done_recving.add(rid)
         recving, self._done_recving = self._done_recving, set()
