@@ -55,7 +55,14 @@ def vllm_config(
         engine_id=engine_id,
         kv_connector="KvxferConnector",
         kv_connector_module_path="kvxfer.vllm",
-        kv_connector_extra_config={"kvxfer_host": "127.0.0.1", "kvxfer_port": 0, **(extra or {})},
+        kv_connector_extra_config={
+            "kvxfer_host": "127.0.0.1",
+            "kvxfer_port": 0,
+            # These instances test per-child hand-offs; the shared prompt hand-off (the
+            # default) is tested on vLLM's own scheduler (real_vllm/test_shared_handoff.py).
+            "kvxfer_share_prompt": False,
+            **(extra or {}),
+        },
     )
     return SimpleNamespace(
         kv_transfer_config=kv,

@@ -82,10 +82,10 @@ def int_or_none(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def flag(extra: dict[str, Any], key: str) -> bool:
+def flag(extra: dict[str, Any], key: str, default: bool = False) -> bool:
     """A boolean setting of ``kv_connector_extra_config``: a bool, or its text as a command
     line gives it ("true"/"false", "1"/"0", "yes"/"no"); anything else is refused."""
-    value = extra.get(key, False)
+    value = extra.get(key, default)
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -222,6 +222,8 @@ class Settings:
     kv_buffer_device: str
     # Stage through host memory even for a CPU cache (tests the GPU path on a CPU).
     host_staging: bool
+    # Children of a parallel-sampling parent share one prompt hand-off (see scheduler.py).
+    share_prompt: bool
     extra: dict[str, Any]
     model_config: Any
     # One list of layer names per KV-cache group (None: one group).
@@ -267,6 +269,7 @@ class Settings:
             block_size=int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0),
             kv_buffer_device=str(getattr(config, "kv_buffer_device", None) or "").lower(),
             host_staging=flag(extra, "kvxfer_host_staging"),
+            share_prompt=flag(extra, "kvxfer_share_prompt", True),
             extra=extra,
             model_config=getattr(vllm_config, "model_config", None),
             group_layers=group_layers,

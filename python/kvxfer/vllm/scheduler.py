@@ -240,7 +240,7 @@ class KvxferScheduler:
         if not all_ids(blocks):
             self._drop(rid, minted, finished=True)
             return False, None
-        key = self._share_key(rid, request)
+        key = self._share_key(rid, request) if self.s.share_prompt else None
         shared = self._shared.get(key) if key is not None else None
         if shared is not None:
             # A sibling already holds the parent's prompt hand-off: this child's blocks hold

@@ -41,7 +41,9 @@ from tiny_model import make_tiny_model  # noqa: E402
 
 from kvxfer.vllm import KvxferConnectorMetadata  # noqa: E402
 
-PREFILL_EXTRA = {"kvxfer_host": "127.0.0.1", "kvxfer_arm_wait": 30.0}
+# Per-child hand-offs (kvxfer_share_prompt off): what these tests check per child; the shared
+# prompt hand-off, the default, is tested in test_shared_handoff.py on the same scheduler.
+PREFILL_EXTRA = {"kvxfer_host": "127.0.0.1", "kvxfer_arm_wait": 30.0, "kvxfer_share_prompt": False}
 DECODE_EXTRA = {"kvxfer_host": "127.0.0.1"}
 DECODE_TOKENS = 2
 
