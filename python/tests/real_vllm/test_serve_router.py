@@ -7,7 +7,8 @@ Every request asks for n = 4 samples with a seed: all four choices must come bac
 and not, completions and chat), each with the tokens the prefill engine computes for the
 same request on its own (the decode engine would sample the same tokens from the same
 prompt, so a difference means the decode side got wrong KV), and every lease the prefill
-instance made for them must end pulled: read from the connector's counters in the
+instance made for them must end pulled (one shared prompt hand-off per request) or released
+(its siblings', at once): read from the connector's counters in the
 prefill's ``/metrics`` (``vllm:kvxfer_leases_*``) where vLLM exposes them, else from the
 engines' logs (no lease expired, no pull failed).
 
@@ -316,20 +317,23 @@ class LeaseCheck:
         self.decode_log_len = len(stack.procs[1].log())
 
     def all_pulled(self, children: int) -> None:
+        """Every lease of these requests' ``children`` ended: one shared prompt hand-off per
+        request pulled, its N - 1 siblings' leases released at once, none expired."""
         if NO_CONNECTOR:
             return
+        requests = children // N
+        want = {"pulled": requests, "released": children - requests, "expired": 0}
         if self.before is not None:
             # The connector's counters reach /metrics with vLLM's stats, every step or so.
             deadline = time.monotonic() + LEASE_TTL + 20
             while True:
                 now = lease_counts(self.stack) or {}
                 delta = {k: now.get(k, 0.0) - self.before.get(k, 0.0) for k in ("pulled", "released", "expired")}
-                if delta["pulled"] >= children or delta["expired"] or time.monotonic() > deadline:
+                done = delta["pulled"] >= want["pulled"] and delta["released"] >= want["released"]
+                if done or delta["expired"] or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
-            assert delta == {"pulled": children, "released": 0, "expired": 0}, (
-                f"prefill leases of these {children} children ended as {delta}"
-            )
+            assert delta == want, f"prefill leases of these {children} children ended as {delta}"
         else:
             # No kvxfer counters in /metrics: an unpulled lease is logged when it expires.
             time.sleep(LEASE_TTL + 3)
