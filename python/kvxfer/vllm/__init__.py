@@ -15,7 +15,16 @@ Switch with one flag on both the prefill and the decode instance::
   needs no further step — and a minted lease whose request does not hand it off (aborted,
   preempted) is retracted. When the lease ends (pulled, released or expired) the worker
   reports the request in ``get_finished``'s sending set and vLLM frees its blocks.
-- **n > 1.** vLLM forks a parallel-sampling parent ``R`` into children ``f"{i}_{R}"``. When
+- **n > 1: one shared prompt hand-off** (``kvxfer_share_prompt``, on by default). vLLM forks a
+  parallel-sampling parent ``R`` into children ``f"{i}_{R}"`` whose prompt KV is the same
+  bytes: the first child to finish holds one lease for the parent, every child's params name
+  it (``kvxfer_shared``), and the other children's blocks are freed at once (their leases
+  retracted: released; ``shared_children``). Any router's choice of params then works —
+  Dynamo's (the first output's), vLLM's (the last), kvxfer's (all). On the decode side the
+  children naming the shared lease are served by one pull, the others given a copy of its
+  blocks (``shared_pulls``); a child aborted before then does not end it for the others.
+- **Per-child hand-offs** (children that generated more than one token on the prefill, or
+  ``kvxfer_share_prompt`` false). When
   the prefill request's ``kv_transfer_params`` carry ``kvxfer_n`` (set by the router,
   ``python -m kvxfer.proxy``), each child gets its own hand-off (``kvxfer_parent_request_id``,
   ``kvxfer_child_index``, ``kvxfer_n``) and each child's params also list every sibling's
@@ -54,7 +63,8 @@ one-block latency), ``kvxfer_notify_with_read`` (False; True: one round trip for
 own read settles it — over TCP, no block shared with a sibling; see ``kvxfer.DecodeAgent``), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``),
 ``kvxfer_kv_layout`` (default ``"auto"``: from the tensors' shapes and strides),
 ``kvxfer_decode_tp_size``, ``kvxfer_total_kv_heads``, ``kvxfer_host_staging`` (stage through
-host memory even for a CPU cache). Different TP sizes and block sizes between prefill and
+host memory even for a CPU cache), ``kvxfer_share_prompt`` (True: one shared prompt hand-off
+per parallel-sampling parent; False: one lease per child). Different TP sizes and block sizes between prefill and
 decode need caches whose blocks hold whole heads (HND) or MLA; see the table in
 docs/src/guides/heterogeneous.md.
 
