@@ -111,7 +111,9 @@ class KvxferConnector(Base, SupportsHMA):
         # one lease (load errors); misrouted: pull params sent to a kv_producer instance;
         # shared_children: prefill children whose blocks were freed at once because a sibling
         # holds the parent's shared prompt hand-off; shared_pulls: decode children given the
-        # prompt KV a sibling's pull read (a local copy, nothing more on the wire).
+        # prompt KV a sibling's pull read (a local copy, nothing more on the wire);
+        # shared_recomputed: decode children allocated after the sibling that read their
+        # shared hand-off was gone (their prompt computed locally).
         self._counters = {
             "arm_failures": 0,
             "submit_failures": 0,
@@ -123,6 +125,7 @@ class KvxferConnector(Base, SupportsHMA):
             "leases_expired": 0,
             "shared_children": 0,
             "shared_pulls": 0,
+            "shared_recomputed": 0,
         }
         self.scheduler: Optional[KvxferScheduler] = None
         self.worker: Optional[KvxferWorker] = None

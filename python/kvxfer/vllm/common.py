@@ -197,6 +197,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# KV-cache specs whose blocks vLLM never frees or rewrites while their request runs (a sliding
+# window frees blocks that slid out; Mamba-style state blocks are rewritten in place).
+_STABLE_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
 @dataclass
 class Settings:
     """The connector's configuration, read once from ``VllmConfig`` (see the package docs
@@ -224,6 +229,9 @@ class Settings:
     host_staging: bool
     # Children of a parallel-sampling parent share one prompt hand-off (see scheduler.py).
     share_prompt: bool
+    # Every KV-cache group is full attention (MLA included): vLLM keeps a running request's
+    # blocks as they are, so a sibling can copy a decode request's prompt blocks later.
+    stable_blocks: bool
     extra: dict[str, Any]
     model_config: Any
     # One list of layer names per KV-cache group (None: one group).
@@ -270,6 +278,8 @@ class Settings:
             kv_buffer_device=str(getattr(config, "kv_buffer_device", None) or "").lower(),
             host_staging=flag(extra, "kvxfer_host_staging"),
             share_prompt=flag(extra, "kvxfer_share_prompt", True),
+            stable_blocks=bool(groups)
+            and all(type(getattr(g, "kv_cache_spec", None)).__name__ in _STABLE_SPECS for g in groups),
             extra=extra,
             model_config=getattr(vllm_config, "model_config", None),
             group_layers=group_layers,

@@ -47,6 +47,9 @@ class _SharedHandoff:
     holder: str
     params: dict[str, Any]
     at: float
+    # The parent's n when the prefill request states it (kvxfer_n), and the children counted.
+    n: Optional[int] = None
+    children: int = 1
 
 
 @dataclass
@@ -115,6 +118,12 @@ class KvxferScheduler:
         # Shared hand-offs whose pull was handed to the workers (a later sibling must not
         # release what another child pulls), until no local request claims them.
         self._shared_pulling: set[str] = set()
+        # Shared hand-off -> the local request whose pull reads it (the workers' primary);
+        # the hand-offs it has read; those whose primary is gone (finished, aborted or
+        # preempted after its pull was sent): a sibling allocated later has nothing to copy.
+        self._shared_source: dict[str, str] = {}
+        self._shared_read: set[str] = set()
+        self._shared_lost: set[str] = set()
         self._last_heartbeat = 0.0
 
     # ------------------------------------------------------------------ vLLM hooks
@@ -138,6 +147,8 @@ class KvxferScheduler:
         params = self._decode_params(request)
         if params is None or request.request_id in self._handled:
             return 0, False
+        if params.get("kvxfer_shared") and self._nothing_to_copy(str(params.get("remote_request_id")), request.request_id):
+            return 0, False
         self._queued.setdefault(request.request_id, params)
         count = num_prompt_tokens(request) - num_computed_tokens
         if count > 0:
@@ -157,6 +168,7 @@ class KvxferScheduler:
             self._recv_inflight[rid] = params
             if params.get("kvxfer_shared"):
                 self._shared_pulling.add(remote)
+                self._shared_source.setdefault(remote, rid)
         elif not (self._claimed.get(remote, set()) - {rid}) and remote not in self._shared_pulling:
             # Everything is in the local prefix cache: nothing to pull, release the lease
             # (unless another local request names the same shared hand-off).
@@ -166,6 +178,7 @@ class KvxferScheduler:
         self._step += 1
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._retract(rid, "preempted")
+            self._source_gone(rid)
         self._mint_scheduled(scheduler_output)
         meta = KvxferConnectorMetadata(self._step)
         meta.to_arm, self._to_arm = self._to_arm, {}
@@ -201,7 +214,9 @@ class KvxferScheduler:
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():
-            self._recv_inflight.pop(rid, None)
+            params = self._recv_inflight.pop(rid, None)
+            if params is not None and self._shared_source.get(str(params.get("remote_request_id"))) == rid:
+                self._shared_read.add(str(params.get("remote_request_id")))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
@@ -242,7 +257,14 @@ class KvxferScheduler:
             return False, None
         key = self._share_key(rid, request) if self.s.share_prompt else None
         shared = self._shared.get(key) if key is not None else None
+        if shared is not None and time.monotonic() - shared.at > self.s.lease_ttl / 2:
+            # Nothing heartbeats the shared lease before a decode pulls it: a sibling
+            # finishing this late holds a fresh one (as a holder's own re-mint does).
+            shared = None
         if shared is not None:
+            shared.children += 1
+            if shared.n is not None and shared.children >= shared.n:
+                self._shared.pop(key, None)  # every child counted
             # A sibling already holds the parent's prompt hand-off: this child's blocks hold
             # the same prompt KV, so they are freed now (its own lease, if armed, is
             # retracted: counted released) and its params name the shared lease.
@@ -493,7 +515,10 @@ class KvxferScheduler:
         lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
         features = getattr(request, "mm_features", None) or ()
         mm = tuple(str(getattr(f, "identifier", f)) for f in features)
-        return (m.group(2), len(prompt), hash(tuple(prompt)), lora, getattr(request, "cache_salt", None), mm)
+        # Siblings share the parent's arrival time: two client requests that only look like
+        # children ("1_X", "2_X") with the same prompt are kept apart by it.
+        arrival = getattr(request, "arrival_time", None)
+        return (m.group(2), arrival, len(prompt), hash(tuple(prompt)), lora, getattr(request, "cache_salt", None), mm)
 
     def _hold_shared(self, key: tuple[Any, ...], rid: str, own: dict[str, Any]) -> dict[str, Any]:
         """Makes child ``rid``'s hand-off its parent's shared one: every sibling finishing
@@ -502,12 +527,15 @@ class KvxferScheduler:
         result["kvxfer_shared"] = True
         now = time.monotonic()
         while self._shared:
+            # Past half the TTL a sibling would not share it anyway (see _prefill_finished).
             oldest = next(iter(self._shared.values()))
-            if now - oldest.at < FORGET_AFTER:
+            if now - oldest.at <= self.s.lease_ttl / 2:
                 break
             self._shared.popitem(last=False)
-        self._shared[key] = _SharedHandoff(rid, result, now)
         n = int_or_none(own.get("kvxfer_n")) or 1
+        # Re-inserted: the dict stays ordered by age (a stale entry replaced goes last).
+        self._shared.pop(key, None)
+        self._shared[key] = _SharedHandoff(rid, result, now, n=n if n > 1 else None)
         if n > 1:
             parent, index, _ = self._child_of(rid, own)
             entry = self._siblings.get(parent)
@@ -521,12 +549,14 @@ class KvxferScheduler:
 
     def _decode_finished(self, rid: str, decode: dict[str, Any]) -> tuple[bool, None]:
         remote = str(decode.get("remote_request_id"))
+        pulled = remote in self._shared_pulling
+        self._source_gone(rid, decode)
         others = self._unclaim(remote, rid)
         handled = rid in self._handled
         self._handled.discard(rid)
         # A shared hand-off is given back only by the last local request that names it and
         # only if none of them pulls it: a sibling's abort never ends it for the others.
-        release = not others and remote not in self._shared_pulling
+        release = not others and not pulled
         if rid in self._to_recv:  # allocated, the pull not sent to the worker yet
             params = self._to_recv.pop(rid)[0]
             self._recv_inflight.pop(rid, None)
@@ -549,7 +579,44 @@ class KvxferScheduler:
         if not holders:
             del self._claimed[remote]
             self._shared_pulling.discard(remote)
+            self._shared_source.pop(remote, None)
+            self._shared_read.discard(remote)
+            self._shared_lost.discard(remote)
         return holders
+
+    def _source_gone(self, rid: str, params: Optional[dict[str, Any]] = None) -> None:
+        """Local request ``rid`` finished or was preempted: if it read a shared hand-off,
+        its blocks are no longer a source for siblings allocated later."""
+        params = params if params is not None else self._selected.get(rid)
+        if params is None or not params.get("kvxfer_shared"):
+            return
+        remote = str(params.get("remote_request_id"))
+        if self._shared_source.get(remote) == rid:
+            self._shared_lost.add(remote)
+
+    def _nothing_to_copy(self, remote: str, rid: str) -> bool:
+        """Whether local request ``rid``, naming shared hand-off ``remote``, must compute its
+        prompt: another local request's pull has read the lease (or was sent and given up),
+        and its blocks are gone or may change before a copy (a sliding window). It stops
+        naming the hand-off then (counted ``shared_recomputed``); it never fails."""
+        source = self._shared_source.get(remote)
+        if source is None or source == rid:
+            return False
+        lost = remote in self._shared_lost or (remote in self._shared_read and not self.s.stable_blocks)
+        if not lost:
+            return False
+        self.counters["shared_recomputed"] += 1
+        logger.warning(
+            "kvxfer: %s names the shared hand-off %s, which local request %s has read and whose blocks are gone; "
+            "its prompt is computed locally",
+            rid,
+            remote,
+            source,
+        )
+        self._queued.pop(rid, None)
+        self._unclaim(remote, rid)
+        self._selected[rid] = None
+        return True
 
     def _release_refused(self, rid: str, params: Any, own: Optional[dict[str, Any]]) -> None:
         """A request vLLM refused before admitting it (``abort_immediately``: its API

@@ -137,14 +137,18 @@ class BlockCopier:
 
         # The segments keep their buffers alive (the registered cache's tensors).
         self.segments = groups
-        # Per KV-cache group: (the bytes of a segment's buffer, first block's offset, block
-        # bytes, stride); block b is ``block_bytes`` bytes at ``offset + b * stride``.
-        self.groups: list[list[tuple[Any, int, int, int]]] = []
+        # Per KV-cache group, per segment: its blocks as the rows of a byte matrix over the
+        # buffer (block b is ``block_bytes`` bytes at ``offset + b * stride``).
+        self.groups: list[list[Any]] = []
         for segments in groups:
             views = []
             for seg in segments:
-                buffer = (ctypes.c_uint8 * seg.length).from_address(seg.address)
-                views.append((np.frombuffer(buffer, dtype=np.uint8), seg.offset, seg.block_bytes, seg.stride))
+                buffer = np.frombuffer((ctypes.c_uint8 * seg.length).from_address(seg.address), dtype=np.uint8)
+                first = buffer[seg.offset :]
+                rows = (len(first) - seg.block_bytes) // seg.stride + 1 if seg.stride else 1
+                views.append(
+                    np.lib.stride_tricks.as_strided(first, shape=(rows, seg.block_bytes), strides=(seg.stride, 1))
+                )
             self.groups.append(views)
 
     @classmethod
@@ -163,12 +167,17 @@ class BlockCopier:
         return cls(out)
 
     def copy(self, group: int, pairs: list[tuple[int, int]]) -> None:
-        """Copies block ``src`` onto block ``dst`` for each ``(src, dst)`` of ``group``."""
-        for raw, offset, block_bytes, stride in self.groups[group]:
-            for src, dst in pairs:
-                if src != dst:
-                    d, f = offset + dst * stride, offset + src * stride
-                    raw[d : d + block_bytes] = raw[f : f + block_bytes]
+        """Copies block ``src`` onto block ``dst`` for each ``(src, dst)`` of ``group`` (one
+        indexed copy per segment; the sources are read before any destination is written)."""
+        import numpy as np
+
+        pairs = [(s, d) for s, d in pairs if s != d]
+        if not pairs:
+            return
+        src = np.array([s for s, _ in pairs], dtype=np.intp)
+        dst = np.array([d for _, d in pairs], dtype=np.intp)
+        for rows in self.groups[group]:
+            rows[dst] = rows[src]
 
 
 class KvxferWorker:
@@ -203,11 +212,11 @@ class KvxferWorker:
         self._pulling: dict[str, str] = {}
         # A shared prompt hand-off (``kvxfer_shared``) named by several local requests is
         # read once, by the first (the primary); the others follow: remote_request_id ->
-        # (request id, remote blocks, local blocks) of each, given a copy of the primary's
-        # blocks when its pull is done.
-        self._followers: dict[str, list[tuple[str, Any, Any]]] = {}
-        # Primaries' pulls: request id -> (remote blocks, local blocks) pulled.
-        self._pulled: dict[str, tuple[Any, Any]] = {}
+        # (request id, local blocks) of each, given a copy of the primary's blocks when its
+        # pull is done.
+        self._followers: dict[str, list[tuple[str, Any]]] = {}
+        # Primaries' pulls: request id -> the local blocks pulled into.
+        self._pulled: dict[str, Any] = {}
         # Shared hand-offs pulled, while the primary's blocks live: remote_request_id ->
         # the primary's request id (a sibling scheduled later copies from its blocks).
         self._served: dict[str, str] = {}
@@ -381,7 +390,11 @@ class KvxferWorker:
             return
         rank = self.tp_rank()
         for rid in getattr(meta, "gone", ()):
-            # A primary finished or preempted: its blocks may be given to others from now.
+            # A primary finished or preempted: its blocks may be given to others from now —
+            # unless its pull still runs (an abort): vLLM holds them until the pull reports,
+            # and the report gives the followers their copy first.
+            if rid in self._pulls:
+                continue
             self._pulled.pop(rid, None)
             for remote in [r for r, primary in self._served.items() if primary == rid]:
                 del self._served[remote]
@@ -557,12 +570,7 @@ class KvxferWorker:
                 views = [dict(v, remote_block_ids=remote) for v in views]
                 hetero = len(views) > 1 or ratio != 1 or int(p.get("tp_size") or 1) != self.s.tp_size
                 if holder is not None:
-                    if hetero:
-                        raise ValueError(
-                            f"local request {holder} already pulls the shared hand-off {remote_id}, and a copy of "
-                            "its blocks is made only between caches of the same TP and block size"
-                        )
-                    self._follow(rid, remote_id, remote, pulled_into, local)
+                    self._follow(rid, remote_id, pulled_into, local)
                     continue
             except LayoutMismatch as e:
                 # Never pullable here: give the lease back now rather than at its expiry.
@@ -600,16 +608,16 @@ class KvxferWorker:
                 self._pulls[rid] = (pull, child_index)
                 self._by_child[(pull.id, child_index)] = rid
                 if views[0].get("kvxfer_shared"):
-                    self._pulled[rid] = (views[0].get("remote_block_ids"), pulled_into)
+                    self._pulled[rid] = pulled_into
 
-    def _follow(self, rid: str, remote_id: str, remote: Any, local: Any, allocated: Any) -> None:
+    def _follow(self, rid: str, remote_id: str, local: Any, allocated: Any) -> None:
         """Local request ``rid`` names shared hand-off ``remote_id``, which another local
         request pulls (or pulled): it gets a copy of that request's blocks, nothing more
         crosses the wire."""
         if remote_id in self._pulling:
-            self._followers.setdefault(remote_id, []).append((rid, remote, local))
+            self._followers.setdefault(remote_id, []).append((rid, local))
             return
-        why = self._copy_from(self._served[remote_id], rid, remote, local)
+        why = self._copy_from(self._served[remote_id], rid, local)
         if why is not None:
             self._fail(rid, allocated, f"cannot give {rid} the shared hand-off {remote_id}: {why}")
 
@@ -625,24 +633,21 @@ class KvxferWorker:
                     return True
         return False
 
-    def _copy_from(self, primary: str, rid: str, remote: Any, local: Any) -> Optional[str]:
+    def _copy_from(self, primary: str, rid: str, local: Any) -> Optional[str]:
         """Copies the blocks primary request ``primary`` pulled into ``rid``'s ``local``
-        blocks (``remote[i]`` into ``local[i]``, per group); None when done, else why not."""
-        pulled = self._pulled.get(primary)
-        if pulled is None or self.copier is None:
+        blocks, aligned from the end (per group: both lists end with the prompt's last
+        block; a head found in one request's prefix cache is not pulled into it); None when
+        done, else why not."""
+        theirs = self._pulled.get(primary)
+        if theirs is None or self.copier is None:
             return f"local request {primary} no longer holds the blocks it pulled"
-        theirs_remote, theirs_local = pulled
-        if self.s.num_groups > 1:
-            groups = list(zip(theirs_remote, theirs_local, remote, local))
-        else:
-            groups = [(theirs_remote, theirs_local, remote, local)]
+        groups = list(zip(theirs, local)) if self.s.num_groups > 1 else [(theirs, local)]
         plans = []
-        for tr, tl, r, lo in groups:
-            where = dict(zip((int(b) for b in tr), (int(b) for b in tl)))
-            missing = [int(b) for b in r if int(b) not in where]
-            if missing:
-                return f"local request {primary} did not pull remote blocks {missing[:4]}"
-            plans.append([(where[int(b)], int(d)) for b, d in zip(r, lo)])
+        for src, dst in groups:
+            src, dst = [int(b) for b in src], [int(b) for b in dst]
+            if len(dst) > len(src):
+                return f"local request {primary} pulled {len(src)} blocks, {rid} needs {len(dst)}"
+            plans.append(list(zip(src[len(src) - len(dst) :], dst)))
         for g, pairs in enumerate(plans):
             self.copier.copy(g, pairs)
         if self.staging is not None:
@@ -654,8 +659,8 @@ class KvxferWorker:
     def _settle_followers(self, remote_id: str, primary: Optional[str], failed: Optional[str]) -> None:
         """The followers of a shared hand-off's pull, once it ended: each given a copy of
         ``primary``'s blocks, or failed (``failed``: why) — vLLM's load-failure policy."""
-        for rid, remote, local in self._followers.pop(remote_id, []):
-            why = failed if failed is not None else self._copy_from(str(primary), rid, remote, local)
+        for rid, local in self._followers.pop(remote_id, []):
+            why = failed if failed is not None else self._copy_from(str(primary), rid, local)
             if why is not None:
                 self.counters["submit_failures"] += 1
                 logger.error("kvxfer: cannot give %s the shared hand-off %s: %s", rid, remote_id, why)
@@ -716,11 +721,16 @@ class KvxferWorker:
                 elif self.staging is not None:
                     self.staging.copy(r["local_blocks"], "h2d")
                 # Siblings naming the same shared hand-off get a copy of what it read.
-                self._settle_followers(remote_id, rid, f"its pull by {rid} failed: {r['error']}" if failed else None)
+                done = r["outcome"] == "done"
+                why = None if done else f"its pull by {rid} ended {r['outcome']}: {r.get('error')}"
+                self._settle_followers(remote_id, rid, why)
                 if rid in self._aborted_primaries:
                     self._aborted_primaries.discard(rid)
                     self._pulled.pop(rid, None)
-                elif not failed and rid in self._pulled:
+                elif done and rid in self._pulled and self.s.stable_blocks:
+                    # Siblings scheduled later copy from its blocks while it lives — only
+                    # where vLLM never frees a live request's blocks (no sliding window or
+                    # state blocks, which vLLM frees or rewrites as the request runs).
                     self._served[remote_id] = rid
                 else:
                     self._pulled.pop(rid, None)

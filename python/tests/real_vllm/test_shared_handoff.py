@@ -226,3 +226,70 @@ def test_children_that_generated_more_than_one_token_keep_their_own_hand_offs(pa
         assert pair.decode.pulled_lease(rid) == ids[i]
     settle(pair, before)
     assert before.lease_delta(pair) == dict(leased=N, pulled=N, released=0, expired=0, retracted=0, live=0)
+
+
+def test_the_pulling_child_aborted_mid_pull_still_serves_its_siblings(pair: Pair) -> None:
+    """Decode child 0 reads the shared lease; it is aborted right after the step that sent
+    its pull: the read goes on (not cancelled), its siblings get their copy, and the lease
+    ends pulled."""
+    before = Snapshot.of(pair)
+    tag = f"shared-abort-puller-{pair.mode}"
+    prompt = prompt_for(tag, 40)
+    _, output = run_prefill_outputs(pair, f"req-{tag}", prompt, {"do_remote_decode": True, "do_remote_prefill": False})
+    params = router_hop(output.kv_transfer_params)
+    lease = params["remote_request_id"]
+    holder_params, holder_sent = pair.prefill.sent_words[lease]
+    engine = pair.decode
+    ids = engine.add_request(f"dec-{tag}", prompt, n=N, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
+    deadline = time.monotonic() + 60
+    while not any(ids[0] in getattr(m, "to_recv", {}) for m in engine.worker.received_metadata):
+        assert time.monotonic() < deadline, "the pull was never sent"
+        engine.step()
+    engine.abort([ids[0]])
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "timed out waiting for the decode children"
+        engine.step()
+        pair.prefill.step()
+        time.sleep(0.001)
+    check_every_child_has_the_prompt(pair, holder_sent, ids[1:], len(holder_params["remote_block_ids"]))
+    settle(pair, before)
+    assert before.lease_delta(pair) == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0)
+
+
+def test_children_allocated_after_the_puller_is_gone_compute_their_prompt(pair: Pair, model_dir: str) -> None:
+    """A decode engine with blocks for two children at a time: children 0 and 1 take the
+    shared hand-off (one pull, one copy), children 2 and 3 get blocks only once those have
+    finished — nothing left to copy from, so they compute their prompt (counted
+    ``shared_recomputed``) instead of failing on a lease already read."""
+    small = Engine(
+        model_dir,
+        "kv_consumer",
+        async_scheduling=pair.mode == "async",
+        extra_config=DECODE_EXTRA,
+        attention_layouts=default_attention_layouts() if pair.mode == "async" else cpu_attention_layouts(),
+        num_blocks=8,
+        max_model_len=96,
+    )
+    try:
+        tight = Pair(pair.mode, pair.prefill, small)
+        before = Snapshot.of(tight)
+        tag = f"shared-tight-{pair.mode}"
+        prompt = prompt_for(tag, 40)
+        _, output = run_prefill_outputs(pair, f"req-{tag}", prompt, {"do_remote_decode": True, "do_remote_prefill": False})
+        params = router_hop(output.kv_transfer_params)
+        decode_ids, outputs = run_decode(tight, f"dec-{tag}", prompt, N, params)
+        final = [o for o in outputs if o.finished]
+        assert len(final) == 1 and [c.token_ids for c in final[0].outputs] == [[SAMPLED_TOKEN] * DECODE_TOKENS] * N
+        stats = small.connector.stats()
+        assert stats["shared_recomputed"] >= 1, stats
+        assert stats["submit_failures"] == 0 and not any(r.invalid_block_ids for r in small.records), stats
+        deadline = time.monotonic() + 60
+        while not small.idle():
+            assert time.monotonic() < deadline
+            small.step()
+            pair.prefill.step()
+        assert small.free_blocks() == small.free_blocks_at_start
+        delta = before.lease_delta(tight)
+        assert delta == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0), delta
+    finally:
+        small.shutdown()
