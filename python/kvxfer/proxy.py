@@ -172,8 +172,15 @@ class Router:
         decode: list[str],
         timeout: Optional[float] = 300.0,
         api_key: Optional[str] = None,
+        prefill_dp_size: int = 1,
     ) -> None:
+        if prefill_dp_size < 1:
+            raise ValueError(f"prefill_dp_size must be at least 1, not {prefill_dp_size}")
         self.prefill = Pool("prefill", [normalize_url(u) for u in prefill])
+        # Data-parallel engines per prefill instance: a parent with n > 1 is pinned to one
+        # of them (vLLM's X-data-parallel-rank), in turn, so its children share one hand-off.
+        self.prefill_dp_size = prefill_dp_size
+        self._next_dp_rank = 0
         self.decode = Pool("decode", [normalize_url(u) for u in decode])
         self.timeout = timeout if timeout else None
         self.api_key = api_key
@@ -240,8 +247,14 @@ class Router:
 
         params = None
         if chat or not several_prompts(body):
+            prefill_headers = headers
+            if n > 1 and self.prefill_dp_size > 1:
+                # vLLM's data-parallel front end would place each child on an engine of its
+                # own; each engine would hold a shared hand-off and only one would be pulled.
+                prefill_headers = dict(headers, **{"X-data-parallel-rank": str(self._next_dp_rank)})
+                self._next_dp_rank = (self._next_dp_rank + 1) % self.prefill_dp_size
             try:
-                params = await self._prefill(path, prefill_request(body, chat, n), headers)
+                params = await self._prefill(path, prefill_request(body, chat, n), prefill_headers)
             except UpstreamError as e:
                 return e.response()
             except _PassThrough as e:
@@ -435,6 +448,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "chunk (default 300; 0: no limit)",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
+    p.add_argument(
+        "--prefill-dp-size", type=int, default=1, metavar="N",
+        help="data-parallel engines in each prefill instance (vllm serve --data-parallel-size): the children "
+        "of a request with n > 1 are kept on one engine (X-data-parallel-rank, taken in turn), so that they "
+        "share one hand-off (default 1)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -444,7 +463,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    router = Router(args.prefill, args.decode, timeout=args.timeout, api_key=args.api_key)
+    router = Router(
+        args.prefill, args.decode, timeout=args.timeout, api_key=args.api_key, prefill_dp_size=args.prefill_dp_size
+    )
     logger.info(
         "routing to prefill %s and decode %s",
         [u.url for u in router.prefill.upstreams],

@@ -539,8 +539,11 @@ class KvxferWorker:
         groups: dict[tuple[Any, ...], list[tuple[str, list[dict[str, Any]], Any, int, Any]]] = {}
         for rid, (params, local) in to_recv.items():
             if not all_ids(local):
-                # Every block was found in the local prefix cache: nothing to pull.
-                self._release(self._views_or_none(params, rank))
+                # Every block was found in the local prefix cache: nothing to pull (a shared
+                # hand-off another local request reads is not given back under it).
+                remote_id = str(params.get("remote_request_id"))
+                if not (params.get("kvxfer_shared") and (remote_id in self._pulling or remote_id in self._served)):
+                    self._release(self._views_or_none(params, rank))
                 self._done_recving.add(rid)
                 continue
             try:
