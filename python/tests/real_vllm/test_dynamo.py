@@ -24,10 +24,8 @@ are in the module's temporary directory and their tails are printed when somethi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -44,9 +42,8 @@ openai = pytest.importorskip("openai", reason="the Dynamo test drives the fronte
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_serve_router import Proc, free_port, http_get, metric_sum  # noqa: E402
+from test_serve_router import Proc, explained, free_port, http_get, make_model, metric_sum  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 N = 4
 MAX_TOKENS = 8
 LEASE_TTL = 10  # s: an unpulled lease would show up as expired this long after its request
@@ -126,12 +123,7 @@ def wait_until(what: str, cond: Any, stack: DynamoStack, timeout: float = START_
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     work = str(tmp_path_factory.mktemp("dynamo"))
-    model = os.path.join(work, "model")
-    made = subprocess.run(
-        [DYNAMO_PY, os.path.join(HERE, "tiny_model.py"), model], capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
-    )
-    assert made.returncode == 0, f"making the tiny model failed:\n{made.stdout}\n{made.stderr}"
+    model = make_model(DYNAMO_PY, work)
     import kvxfer
 
     kvxfer_path = os.path.dirname(os.path.dirname(os.path.abspath(kvxfer.__file__)))
@@ -188,14 +180,6 @@ def stack(tmp_path_factory):
         yield s
     finally:
         s.stop()
-
-
-@contextlib.contextmanager
-def explained(stack: DynamoStack):
-    try:
-        yield
-    except Exception as e:
-        raise AssertionError(f"{type(e).__name__}: {e}\n{stack.tails()}") from e
 
 
 def texts(stack: DynamoStack, model: str, chat: bool, stream: bool, seed: int) -> dict[int, str]:

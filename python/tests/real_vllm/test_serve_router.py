@@ -174,15 +174,21 @@ def engine_argv(model: str, port: int, role: Optional[str], lease_ttl: int) -> l
     return argv
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    work = str(tmp_path_factory.mktemp("serve_router"))
+def make_model(python: str, work: str) -> str:
+    """The tiny model (``tiny_model.py``) made by ``python`` under ``work``; its path."""
     model = os.path.join(work, "model")
     made = subprocess.run(
-        [CPU_PY, os.path.join(HERE, "tiny_model.py"), model], capture_output=True, text=True, timeout=600,
+        [python, os.path.join(HERE, "tiny_model.py"), model], capture_output=True, text=True, timeout=600,
         env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
     )
     assert made.returncode == 0, f"making the tiny model failed:\n{made.stdout}\n{made.stderr}"
+    return model
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("serve_router"))
+    model = make_model(CPU_PY, work)
 
     s = Stack(work)
     pythonpath = os.pathsep.join(p for p in (KVXFER_PATH, os.environ.get("PYTHONPATH")) if p)

@@ -89,15 +89,21 @@ def others(snapshot: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in s.items() if k not in SHARED_COUNTERS} for s in snapshot]
 
 
+def step_both(pair: Pair, done: Any, what: str) -> None:
+    """Steps the decode engine, then the prefill engine, until ``done()`` (a guard against a
+    hang, not a timed assertion)."""
+    deadline = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        pair.decode.step()
+        pair.prefill.step()
+        time.sleep(0.001)
+
+
 def settle(pair: Pair, before: Snapshot) -> None:
     """Both engines idle, every block back in both pools, no lease live or expired, no
     connector counter moved but the shared hand-off's."""
-    deadline = time.monotonic() + 60
-    while not (pair.prefill.idle() and pair.decode.idle()):
-        assert time.monotonic() < deadline, "timed out waiting for both engines to free every request"
-        pair.prefill.step()
-        pair.decode.step()
-        time.sleep(0.001)
+    step_both(pair, lambda: pair.prefill.idle() and pair.decode.idle(), "both engines to free every request")
     for engine in (pair.prefill, pair.decode):
         assert engine.free_blocks() == engine.free_blocks_at_start, "vLLM did not get every block back"
     delta = before.lease_delta(pair)
@@ -125,6 +131,19 @@ def child_params(pair: Pair, ids: list[str]) -> dict[str, dict[str, Any]]:
         if o.request_id in ids and o.kv_transfer_params:
             out[o.request_id] = o.kv_transfer_params
     return out
+
+
+DYNAMO_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def shared_prefill(pair: Pair, tag: str) -> tuple[list[int], dict[str, Any], int, torch.Tensor]:
+    """A prefill request with Dynamo's params and n = N, run to its end: (prompt, the params
+    the decode gets, how many blocks the shared lease holds, their bytes)."""
+    prompt = prompt_for(tag, 40)
+    _, output = run_prefill_outputs(pair, f"req-{tag}", prompt, DYNAMO_PARAMS)
+    params = router_hop(output.kv_transfer_params)
+    holder_params, holder_sent = pair.prefill.sent_words[params["remote_request_id"]]
+    return prompt, params, len(holder_params["remote_block_ids"]), holder_sent
 
 
 def check_every_child_has_the_prompt(pair: Pair, holder_sent: torch.Tensor, decode_ids: list[str], count: int) -> None:
@@ -187,15 +206,10 @@ def test_one_lease_per_parent_whichever_childs_params_the_router_keeps(pair: Pai
 def test_a_decode_child_aborted_before_the_pull_does_not_end_the_lease_for_the_others(pair: Pair) -> None:
     before = Snapshot.of(pair)
     tag = f"shared-abort-{pair.mode}"
-    prompt = prompt_for(tag, 40)
-    ids, output = run_prefill_outputs(pair, f"req-{tag}", prompt, {"do_remote_decode": True, "do_remote_prefill": False})
-    params = router_hop(output.kv_transfer_params)
-    lease = params["remote_request_id"]
-    holder_params, holder_sent = pair.prefill.sent_words[lease]
+    prompt, params, count, holder_sent = shared_prefill(pair, tag)
     # Child 0 (the one that would pull) and child 2 are aborted before they are scheduled.
     decode_ids, _ = run_decode(pair, f"dec-{tag}", prompt, N, params, abort_children=(0, 2))
-    served = [decode_ids[i] for i in (1, 3)]
-    check_every_child_has_the_prompt(pair, holder_sent, served, len(holder_params["remote_block_ids"]))
+    check_every_child_has_the_prompt(pair, holder_sent, [decode_ids[i] for i in (1, 3)], count)
     settle(pair, before)
     assert before.lease_delta(pair) == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0)
 
@@ -203,9 +217,8 @@ def test_a_decode_child_aborted_before_the_pull_does_not_end_the_lease_for_the_o
 def test_every_decode_child_aborted_releases_the_shared_lease_once(pair: Pair) -> None:
     before = Snapshot.of(pair)
     tag = f"shared-abort-all-{pair.mode}"
-    prompt = prompt_for(tag, 40)
-    _, output = run_prefill_outputs(pair, f"req-{tag}", prompt, {"do_remote_decode": True, "do_remote_prefill": False})
-    run_decode(pair, f"dec-{tag}", prompt, N, router_hop(output.kv_transfer_params), abort_children=tuple(range(N)))
+    prompt, params, _, _ = shared_prefill(pair, tag)
+    run_decode(pair, f"dec-{tag}", prompt, N, params, abort_children=tuple(range(N)))
     settle(pair, before)
     assert before.lease_delta(pair) == dict(leased=N, pulled=0, released=N, expired=0, retracted=0, live=0)
 
@@ -234,11 +247,7 @@ def test_the_pulling_child_aborted_mid_pull_still_serves_its_siblings(pair: Pair
     ends pulled."""
     before = Snapshot.of(pair)
     tag = f"shared-abort-puller-{pair.mode}"
-    prompt = prompt_for(tag, 40)
-    _, output = run_prefill_outputs(pair, f"req-{tag}", prompt, {"do_remote_decode": True, "do_remote_prefill": False})
-    params = router_hop(output.kv_transfer_params)
-    lease = params["remote_request_id"]
-    holder_params, holder_sent = pair.prefill.sent_words[lease]
+    prompt, params, count, holder_sent = shared_prefill(pair, tag)
     engine = pair.decode
     ids = engine.add_request(f"dec-{tag}", prompt, n=N, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
     deadline = time.monotonic() + 60
@@ -246,12 +255,8 @@ def test_the_pulling_child_aborted_mid_pull_still_serves_its_siblings(pair: Pair
         assert time.monotonic() < deadline, "the pull was never sent"
         engine.step()
     engine.abort([ids[0]])
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "timed out waiting for the decode children"
-        engine.step()
-        pair.prefill.step()
-        time.sleep(0.001)
-    check_every_child_has_the_prompt(pair, holder_sent, ids[1:], len(holder_params["remote_block_ids"]))
+    step_both(pair, lambda: not engine.has_unfinished_requests(), "the decode children")
+    check_every_child_has_the_prompt(pair, holder_sent, ids[1:], count)
     settle(pair, before)
     assert before.lease_delta(pair) == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0)
 
@@ -274,20 +279,14 @@ def test_children_allocated_after_the_puller_is_gone_compute_their_prompt(pair: 
         tight = Pair(pair.mode, pair.prefill, small)
         before = Snapshot.of(tight)
         tag = f"shared-tight-{pair.mode}"
-        prompt = prompt_for(tag, 40)
-        _, output = run_prefill_outputs(pair, f"req-{tag}", prompt, {"do_remote_decode": True, "do_remote_prefill": False})
-        params = router_hop(output.kv_transfer_params)
+        prompt, params, _, _ = shared_prefill(pair, tag)
         decode_ids, outputs = run_decode(tight, f"dec-{tag}", prompt, N, params)
         final = [o for o in outputs if o.finished]
         assert len(final) == 1 and [c.token_ids for c in final[0].outputs] == [[SAMPLED_TOKEN] * DECODE_TOKENS] * N
         stats = small.connector.stats()
         assert stats["shared_recomputed"] >= 1, stats
         assert stats["submit_failures"] == 0 and not any(r.invalid_block_ids for r in small.records), stats
-        deadline = time.monotonic() + 60
-        while not small.idle():
-            assert time.monotonic() < deadline
-            small.step()
-            pair.prefill.step()
+        step_both(tight, small.idle, "the small decode engine to free every request")
         assert small.free_blocks() == small.free_blocks_at_start
         delta = before.lease_delta(tight)
         assert delta == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0), delta
