@@ -173,14 +173,17 @@ class Router:
         timeout: Optional[float] = 300.0,
         api_key: Optional[str] = None,
         prefill_dp_size: int = 1,
+        decode_dp_size: int = 1,
     ) -> None:
-        if prefill_dp_size < 1:
-            raise ValueError(f"prefill_dp_size must be at least 1, not {prefill_dp_size}")
+        for name, size in (("prefill_dp_size", prefill_dp_size), ("decode_dp_size", decode_dp_size)):
+            if size < 1:
+                raise ValueError(f"{name} must be at least 1, not {size}")
         self.prefill = Pool("prefill", [normalize_url(u) for u in prefill])
-        # Data-parallel engines per prefill instance: a parent with n > 1 is pinned to one
-        # of them (vLLM's X-data-parallel-rank), in turn, so its children share one hand-off.
-        self.prefill_dp_size = prefill_dp_size
-        self._next_dp_rank = 0
+        # Data-parallel engines per instance of each kind: a request with n > 1 is kept on
+        # one of them (vLLM's X-data-parallel-rank, in turn) — vLLM's front end would place
+        # each child on an engine of its own, and the children of a parent share one
+        # hand-off: one prefill engine holds it, one decode engine reads it.
+        self._dp = {"prefill": [prefill_dp_size, 0], "decode": [decode_dp_size, 0]}
         self.decode = Pool("decode", [normalize_url(u) for u in decode])
         self.timeout = timeout if timeout else None
         self.api_key = api_key
@@ -247,21 +250,24 @@ class Router:
 
         params = None
         if chat or not several_prompts(body):
-            prefill_headers = headers
-            if n > 1 and self.prefill_dp_size > 1:
-                # vLLM's data-parallel front end would place each child on an engine of its
-                # own; each engine would hold a shared hand-off and only one would be pulled.
-                prefill_headers = dict(headers, **{"X-data-parallel-rank": str(self._next_dp_rank)})
-                self._next_dp_rank = (self._next_dp_rank + 1) % self.prefill_dp_size
             try:
-                params = await self._prefill(path, prefill_request(body, chat, n), prefill_headers)
+                params = await self._prefill(path, prefill_request(body, chat, n), self._pinned(headers, "prefill", n))
             except UpstreamError as e:
                 return e.response()
             except _PassThrough as e:
                 return e.response
         else:
             logger.info("a completion request with several prompts: decoded without a prefill instance")
-        return await self._decode(request, path, decode_request(body, params), headers)
+        return await self._decode(request, path, decode_request(body, params), self._pinned(headers, "decode", n))
+
+    def _pinned(self, headers: dict[str, str], kind: str, n: int) -> dict[str, str]:
+        """``headers``, with a data-parallel rank for a request with n > 1 to an instance of
+        ``kind`` that has several engines (see ``__init__``)."""
+        size, rank = self._dp[kind]
+        if n <= 1 or size <= 1:
+            return headers
+        self._dp[kind][1] = (rank + 1) % size
+        return dict(headers, **{"X-data-parallel-rank": str(rank)})
 
     async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Optional[dict[str, Any]]:
         """Sends the prefill request; returns the ``kv_transfer_params`` of its answer."""
@@ -452,7 +458,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--prefill-dp-size", type=int, default=1, metavar="N",
         help="data-parallel engines in each prefill instance (vllm serve --data-parallel-size): the children "
         "of a request with n > 1 are kept on one engine (X-data-parallel-rank, taken in turn), so that they "
-        "share one hand-off (default 1)",
+        "share one hand-off (default 1; the engines must be behind one API server, vLLM's default)",
+    )
+    p.add_argument(
+        "--decode-dp-size", type=int, default=1, metavar="N",
+        help="data-parallel engines in each decode instance: as --prefill-dp-size, so that one engine reads "
+        "the shared hand-off for all the children (default 1)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -464,7 +475,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     router = Router(
-        args.prefill, args.decode, timeout=args.timeout, api_key=args.api_key, prefill_dp_size=args.prefill_dp_size
+        args.prefill,
+        args.decode,
+        timeout=args.timeout,
+        api_key=args.api_key,
+        prefill_dp_size=args.prefill_dp_size,
+        decode_dp_size=args.decode_dp_size,
     )
     logger.info(
         "routing to prefill %s and decode %s",

@@ -414,20 +414,21 @@ def test_command_line_and_urls():
         proxy.parse_args(["--prefill", "x"])  # no decode instance
 
 
-def test_a_data_parallel_prefill_gets_each_parent_on_one_engine_in_turn():
-    """With --prefill-dp-size 2, a request with n > 1 names one prefill engine
-    (vLLM's X-data-parallel-rank), engines taken in turn; n = 1 is left to vLLM's balancer."""
+def test_data_parallel_instances_get_each_parent_on_one_engine_in_turn():
+    """With --prefill-dp-size 2 and --decode-dp-size 3, a request with n > 1 names one engine
+    of each instance (vLLM's X-data-parallel-rank), engines taken in turn; n = 1 is left to
+    vLLM's balancer."""
 
     async def go():
         p, d = Upstream("prefill"), Upstream("decode")
-        async with Setup([p], [d], prefill_dp_size=2) as s:
+        async with Setup([p], [d], prefill_dp_size=2, decode_dp_size=3) as s:
             for n in (4, 2, 1, 3):
                 status, _, _ = await s.post("/v1/completions", {"model": "tiny", "prompt": "x", "n": n})
                 assert status == 200
-            ranks = [h.get("X-data-parallel-rank") for _, _, h in p.requests]
-            assert ranks == ["0", "1", None, "0"]
-            assert all("X-data-parallel-rank" not in h for _, _, h in d.requests)
+            assert [h.get("X-data-parallel-rank") for _, _, h in p.requests] == ["0", "1", None, "0"]
+            assert [h.get("X-data-parallel-rank") for _, _, h in d.requests] == ["0", "1", None, "2"]
 
     run(go())
-    with pytest.raises(ValueError):
-        proxy.Router(["http://a"], ["http://b"], prefill_dp_size=0)
+    for kind in ("prefill_dp_size", "decode_dp_size"):
+        with pytest.raises(ValueError):
+            proxy.Router(["http://a"], ["http://b"], **{kind: 0})

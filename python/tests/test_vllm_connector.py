@@ -587,3 +587,26 @@ def test_a_retracted_lease_that_already_ended_is_never_reported_finished_sending
         assert w.get_finished({"R"}) == (None, None)
     finally:
         inst.shutdown()
+
+
+def test_a_dense_models_data_parallel_engines_take_ports_by_their_index():
+    """vLLM runs each data-parallel engine of a dense model as an independent rank: its
+    ``reconfigure_for_independent_dp_rank`` sets ``data_parallel_rank`` to 0 on every engine
+    and keeps the engine's place in ``data_parallel_index``. With a fixed ``kvxfer_port`` each
+    engine must listen on its own port (``port + index * tp_size + rank``)."""
+    ParallelConfig = pytest.importorskip("vllm.config").ParallelConfig
+    from types import SimpleNamespace
+
+    from kvxfer.vllm.common import Settings
+
+    ports = []
+    for engine in range(2):
+        parallel = ParallelConfig(data_parallel_size=2, data_parallel_rank=engine)
+        if not hasattr(parallel, "reconfigure_for_independent_dp_rank"):
+            pytest.skip("this vLLM has no independent data-parallel ranks")
+        parallel.reconfigure_for_independent_dp_rank()
+        assert parallel.data_parallel_rank == 0
+        transfer = SimpleNamespace(kv_role="kv_producer", engine_id="e", kv_connector_extra_config={"kvxfer_port": 20000})
+        config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=parallel)
+        ports.append(Settings.from_vllm(config, None).port_of(0))
+    assert ports == [20000, 20001]

@@ -202,6 +202,17 @@ def is_loopback(host: str) -> bool:
 _STABLE_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
+def _dp_index(parallel: Any) -> int:
+    """This engine's data-parallel index: vLLM's ``data_parallel_index`` where it has one —
+    for a dense model vLLM sets ``data_parallel_rank`` to 0 on every engine (each runs as an
+    independent rank), so two engines with a fixed ``kvxfer_port`` would take one port —
+    else ``data_parallel_rank``."""
+    index = getattr(parallel, "data_parallel_index", None)
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    return int(getattr(parallel, "data_parallel_rank", 0) or 0)
+
+
 @dataclass
 class Settings:
     """The connector's configuration, read once from ``VllmConfig`` (see the package docs
@@ -271,7 +282,7 @@ class Settings:
             notify_with_read=flag(extra, "kvxfer_notify_with_read"),
             cluster_key=extra.get("kvxfer_cluster_key"),
             tp_size=tp_size,
-            dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+            dp_rank=_dp_index(parallel),
             decode_tp_size=int(extra.get("kvxfer_decode_tp_size", tp_size)),
             kv_layout=str(extra.get("kvxfer_kv_layout", "auto")),
             block_size=int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0),

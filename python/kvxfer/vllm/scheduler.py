@@ -53,6 +53,15 @@ class _SharedHandoff:
 
 
 @dataclass
+class _Source:
+    """The local request whose pull reads a shared hand-off, and the step its pull was sent."""
+
+    rid: str
+    request: Any
+    step: int
+
+
+@dataclass
 class _Minted:
     """A lease minted at a request's last-token step, until ``request_finished``."""
 
@@ -121,7 +130,7 @@ class KvxferScheduler:
         # Shared hand-off -> the local request whose pull reads it (the workers' primary);
         # the hand-offs it has read; those whose primary is gone (finished, aborted or
         # preempted after its pull was sent): a sibling allocated later has nothing to copy.
-        self._shared_source: dict[str, str] = {}
+        self._shared_source: dict[str, _Source] = {}
         self._shared_read: set[str] = set()
         self._shared_lost: set[str] = set()
         self._last_heartbeat = 0.0
@@ -168,7 +177,7 @@ class KvxferScheduler:
             self._recv_inflight[rid] = params
             if params.get("kvxfer_shared"):
                 self._shared_pulling.add(remote)
-                self._shared_source.setdefault(remote, rid)
+                self._shared_source.setdefault(remote, _Source(rid, request, self._step))
         elif not (self._claimed.get(remote, set()) - {rid}) and remote not in self._shared_pulling:
             # Everything is in the local prefix cache: nothing to pull, release the lease
             # (unless another local request names the same shared hand-off).
@@ -215,8 +224,10 @@ class KvxferScheduler:
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():
             params = self._recv_inflight.pop(rid, None)
-            if params is not None and self._shared_source.get(str(params.get("remote_request_id"))) == rid:
-                self._shared_read.add(str(params.get("remote_request_id")))
+            remote = str((params or {}).get("remote_request_id"))
+            source = self._shared_source.get(remote)
+            if source is not None and source.rid == rid:
+                self._shared_read.add(remote)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
@@ -591,7 +602,8 @@ class KvxferScheduler:
         if params is None or not params.get("kvxfer_shared"):
             return
         remote = str(params.get("remote_request_id"))
-        if self._shared_source.get(remote) == rid:
+        source = self._shared_source.get(remote)
+        if source is not None and source.rid == rid:
             self._shared_lost.add(remote)
 
     def _nothing_to_copy(self, remote: str, rid: str) -> bool:
@@ -600,9 +612,20 @@ class KvxferScheduler:
         and its blocks are gone or may change before a copy (a sliding window). It stops
         naming the hand-off then (counted ``shared_recomputed``); it never fails."""
         source = self._shared_source.get(remote)
-        if source is None or source == rid:
+        if source is None or source.rid == rid:
             return False
-        lost = remote in self._shared_lost or (remote in self._shared_read and not self.s.stable_blocks)
+        state = status_name(source.request)
+        lost = (
+            remote in self._shared_lost
+            # Preempted or finished before the scheduler's hooks said so (vLLM's prefix-cache
+            # reset preempts running requests between steps).
+            or state == "PREEMPTED"
+            or state.startswith("FINISHED")
+            # Without stable blocks the workers keep nothing to copy from once the read
+            # reports, which may be before this scheduler hears of it (async scheduling,
+            # TP ranks reporting apart): only siblings allocated with the reader follow it.
+            or (not self.s.stable_blocks and self._step > source.step)
+        )
         if not lost:
             return False
         self.counters["shared_recomputed"] += 1
@@ -611,7 +634,7 @@ class KvxferScheduler:
             "its prompt is computed locally",
             rid,
             remote,
-            source,
+            source.rid,
         )
         self._queued.pop(rid, None)
         self._unclaim(remote, rid)

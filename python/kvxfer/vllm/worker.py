@@ -222,6 +222,8 @@ class KvxferWorker:
         self._served: dict[str, str] = {}
         # Primaries aborted while siblings follow their pull: not cancelled, freed once done.
         self._aborted_primaries: set[str] = set()
+        # Requests named gone (finished, preempted) while their pull ran.
+        self._gone_pulling: set[str] = set()
         self.copier: Optional[BlockCopier] = None
         self._load_errors: set[int] = set()
         self._done_recving: set[str] = set()
@@ -394,6 +396,7 @@ class KvxferWorker:
             # unless its pull still runs (an abort): vLLM holds them until the pull reports,
             # and the report gives the followers their copy first.
             if rid in self._pulls:
+                self._gone_pulling.add(rid)  # never a source once its pull reports
                 continue
             self._pulled.pop(rid, None)
             for remote in [r for r, primary in self._served.items() if primary == rid]:
@@ -727,8 +730,10 @@ class KvxferWorker:
                 done = r["outcome"] == "done"
                 why = None if done else f"its pull by {rid} ended {r['outcome']}: {r.get('error')}"
                 self._settle_followers(remote_id, rid, why)
-                if rid in self._aborted_primaries:
-                    self._aborted_primaries.discard(rid)
+                gone = rid in self._gone_pulling or rid in self._aborted_primaries
+                self._gone_pulling.discard(rid)
+                self._aborted_primaries.discard(rid)
+                if gone:
                     self._pulled.pop(rid, None)
                 elif done and rid in self._pulled and self.s.stable_blocks:
                     # Siblings scheduled later copy from its blocks while it lives — only
