@@ -53,7 +53,8 @@ Switch with one flag on both the prefill and the decode instance::
 
 Configuration (``kv_connector_extra_config``): ``kvxfer_host`` (the host hand-offs name;
 default ``$VLLM_HOST_IP`` or 127.0.0.1 — a loopback host is warned about at start-up),
-``kvxfer_port`` (base port; TP rank r of data-parallel rank d listens on
+``kvxfer_port`` (base port; TP rank r of data-parallel engine d, vLLM's
+``data_parallel_index``, listens on
 ``port + d * tp_size + r``; default 0: the OS picks, and the port travels in vLLM's
 handshake metadata, so several instances share a host), ``kvxfer_listen_host`` (default
 ``kvxfer_host``), ``kvxfer_lease_ttl`` (s, 30), ``kvxfer_arm_wait`` (s, 5),
