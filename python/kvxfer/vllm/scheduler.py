@@ -176,7 +176,6 @@ class KvxferScheduler:
             self._to_recv[rid] = (params, local_blocks(blocks, self.s.num_groups))
             self._recv_inflight[rid] = params
             if params.get("kvxfer_shared"):
-                self._shared_pulling.add(remote)
                 self._shared_source.setdefault(remote, _Source(rid, request, self._step))
         elif not (self._claimed.get(remote, set()) - {rid}) and remote not in self._shared_pulling:
             # Everything is in the local prefix cache: nothing to pull, release the lease
@@ -193,6 +192,9 @@ class KvxferScheduler:
         meta.to_arm, self._to_arm = self._to_arm, {}
         meta.to_retract, self._to_retract = self._to_retract, []
         meta.to_recv, self._to_recv = self._to_recv, {}
+        for params, _ in meta.to_recv.values():
+            if params.get("kvxfer_shared"):
+                self._shared_pulling.add(str(params.get("remote_request_id")))  # read from now on
         meta.to_cancel, self._to_cancel = self._to_cancel, []
         meta.to_release, self._to_release = self._to_release, []
         if self.s.is_consumer:
@@ -571,6 +573,7 @@ class KvxferScheduler:
         if rid in self._to_recv:  # allocated, the pull not sent to the worker yet
             params = self._to_recv.pop(rid)[0]
             self._recv_inflight.pop(rid, None)
+            self._source_unsent(remote, rid)
             if release:
                 self._to_release.append(params)
             return False, None
@@ -594,6 +597,20 @@ class KvxferScheduler:
             self._shared_read.discard(remote)
             self._shared_lost.discard(remote)
         return holders
+
+    def _source_unsent(self, remote: str, rid: str) -> None:
+        """Local request ``rid`` finished before its pull of ``remote`` was sent: if it was
+        the hand-off's source, the next sibling allocated with it (whose pull the workers
+        will make first) is, and nothing was read."""
+        source = self._shared_source.get(remote)
+        if source is None or source.rid != rid:
+            return
+        del self._shared_source[remote]
+        self._shared_lost.discard(remote)
+        for other, (params, _) in self._to_recv.items():
+            if str(params.get("remote_request_id")) == remote:
+                self._shared_source[remote] = _Source(other, None, source.step)
+                break
 
     def _source_gone(self, rid: str, params: Optional[dict[str, Any]] = None) -> None:
         """Local request ``rid`` finished or was preempted: if it read a shared hand-off,
