@@ -326,8 +326,25 @@ class Router:
                     return _pass_through(resp.status, resp.content_type, data, upstream, "decode")
                 response = web.StreamResponse(status=resp.status, headers=_content_headers(resp, upstream))
                 await response.prepare(request)
+                # A stream is passed on whole events at a time: if the upstream is cut
+                # mid-event, the client never sees half of one before the error event.
+                events = resp.content_type == "text/event-stream"
+                pending = b""
                 async for chunk in resp.content.iter_any():
+                    if events:
+                        pending += chunk
+                        cut = _event_end(pending)
+                        if not cut:
+                            continue
+                        chunk, pending = pending[:cut], pending[cut:]
                     await response.write(chunk)
+                cut_short = resp.content.exception()
+                if cut_short is not None:
+                    raise cut_short
+                if pending:
+                    # A stream ends with a whole event: the rest of one means the upstream
+                    # went away mid-event.
+                    raise aiohttp.ClientPayloadError("the event stream ended in the middle of an event")
                 await response.write_eof()
                 return response
         except ConnectionResetError as e:  # aiohttp's ClientConnectionResetError is one too
@@ -351,12 +368,13 @@ class Router:
         logger.warning("%s", message)
         if response is None:  # nothing sent yet: a proper error
             return error_response(502, message, upstream)
-        # Mid-answer: the status is sent. A stream ends with an error event (as vLLM's own
-        # errors mid-stream); any other body is cut short.
+        # Mid-answer: the status is sent. A stream ends with an error event and `[DONE]`, as
+        # vLLM ends its own streams after an error (clients wait for `[DONE]`); any other
+        # body is cut short.
         if response.content_type == "text/event-stream" and not _client_gone(request):
             error = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
             try:
-                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+                await response.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
             except ConnectionResetError:
                 pass
         return response
@@ -422,6 +440,11 @@ def _content_headers(resp: aiohttp.ClientResponse, upstream: Upstream) -> dict[s
         if h in resp.headers:
             headers[h] = resp.headers[h]
     return headers
+
+
+def _event_end(data: bytes) -> int:
+    """Where the last complete server-sent event in ``data`` ends (0: none is complete)."""
+    return max(data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0, data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0)
 
 
 def _client_gone(request: web.Request) -> bool:

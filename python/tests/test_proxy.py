@@ -432,3 +432,31 @@ def test_data_parallel_instances_get_each_parent_on_one_engine_in_turn():
     for kind in ("prefill_dp_size", "decode_dp_size"):
         with pytest.raises(ValueError):
             proxy.Router(["http://a"], ["http://b"], **{kind: 0})
+
+
+async def cut_stream(up: Upstream, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """Sends one whole SSE event and half of the next, then drops the connection (a decode
+    instance killed mid-answer)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(SSE[0] + SSE[1][:20])
+    await asyncio.sleep(0.05)
+    assert request.transport is not None
+    request.transport.close()
+    return resp
+
+
+def test_a_stream_cut_mid_event_ends_with_an_error_event_and_done_never_half_an_event():
+    async def go():
+        p, d = Upstream("prefill"), Upstream("decode", cut_stream)
+        async with Setup([p], [d]) as s:
+            status, body, _ = await s.post("/v1/completions", {"prompt": "x", "n": 2, "stream": True})
+            assert status == 200
+            events = body.split(b"\n\n")
+            assert events[-1] == b"", body
+            assert events[0] + b"\n\n" == SSE[0], "the whole first event"
+            assert events[1].startswith(b"data: ") and b"upstream_error" in events[1], body
+            assert json.loads(events[1][len(b"data: "):])["error"]["code"] == 502
+            assert events[2] == b"data: [DONE]", "the stream ends with [DONE], as vLLM's do after an error"
+            assert len(events) == 4, "no half event in between"
+    run(go())
