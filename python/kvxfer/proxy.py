@@ -39,7 +39,9 @@ Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}`
 instance that cannot be reached, times out or answers with something that is not a
 completion gives 502 naming the instance; an upstream HTTP error (a 400 for a bad request,
 a 5xx) is passed through with its status and body (one that is not JSON becomes an
-OpenAI-style error of that status naming the instance). Nothing is retried elsewhere. Every
+OpenAI-style error of that status naming the instance). A decode stream cut mid-way ends
+with an error event and ``data: [DONE]``, as vLLM ends a stream after an error; events are
+passed on whole, so the client never gets half of one. Nothing is retried elsewhere. Every
 answer carries the ``X-Kvxfer-Upstream`` header naming the instance it came from.
 
 A client that disconnects cancels the upstream request it waits for (vLLM aborts it). A
