@@ -3,6 +3,7 @@ after each test."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from typing import Callable
@@ -11,6 +12,17 @@ import numpy as np
 import pytest
 
 import kvxfer
+
+# The package under test must be this checkout's: the cached virtualenvs import kvxfer
+# through a .pth file that scripts/test-all.sh points at the checkout it runs in, so after a
+# run from another clone they would silently test that clone's code.
+_HERE = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "kvxfer"))
+_IMPORTED = os.path.realpath(os.path.dirname(kvxfer.__file__))
+if _IMPORTED != _HERE:
+    raise pytest.UsageError(
+        f"kvxfer is imported from {_IMPORTED}, not this checkout's {_HERE}: run scripts/test-all.sh here, or "
+        "point the venv's kvxfer-checkout.pth (and maturin develop's kvxfer.pth) at this checkout's python/"
+    )
 
 # Per layer (2, num_blocks, block_size, heads, head_dim), float16: 256-byte K and V blocks.
 SHAPE = (2, 32, 4, 2, 16)
