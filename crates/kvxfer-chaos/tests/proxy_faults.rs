@@ -231,6 +231,7 @@ fn control_handshake_bytes(blocks: u32) -> u64 {
         // A single-group cache: nothing on the wire.
         other_group_layouts: vec![],
         kv_shape: None,
+        control_only: false,
     };
     let proof = kvxfer_proto::v1::HelloProof { mac: vec![0; 32] };
     (5 + hello.encoded_len() + 5 + proof.encoded_len()) as u64

@@ -173,6 +173,9 @@ pub struct HandshakeId<'a> {
     pub kv_shape: Option<&'a v1::KvShape>,
     /// Whether this is the prefill (accepting, `HelloAck`) side.
     pub prefill: bool,
+    /// The connecting side asked for a control-only connection (`Hello::control_only`):
+    /// only the protocol version is compared.
+    pub control_only: bool,
 }
 
 impl<'a> From<&'a v1::Hello> for HandshakeId<'a> {
@@ -184,6 +187,7 @@ impl<'a> From<&'a v1::Hello> for HandshakeId<'a> {
             compat_hash: h.compat_hash,
             kv_shape: h.kv_shape.as_ref(),
             prefill: false,
+            control_only: h.control_only,
         }
     }
 }
@@ -197,6 +201,7 @@ impl<'a> From<&'a v1::HelloAck> for HandshakeId<'a> {
             compat_hash: h.compat_hash,
             kv_shape: h.kv_shape.as_ref(),
             prefill: true,
+            control_only: false,
         }
     }
 }
@@ -236,6 +241,10 @@ pub fn check_hello(peer: HandshakeId<'_>, ours: HandshakeId<'_>) -> Option<(Erro
                 ours.protocol_version
             ),
         ));
+    }
+    if peer.control_only || ours.control_only {
+        // Nothing is read on the connection: layouts and shapes need not agree.
+        return None;
     }
     let hash_needed = match check_shapes(peer, ours) {
         None | Some(Ok(true)) => true,

@@ -99,6 +99,8 @@ pub struct Admitted {
     reader: frame::FrameReader,
     /// The connection's place among those served, held until it ends.
     _place: Box<dyn Send>,
+    /// The peer asked for a control-only connection (`Hello::control_only`): cancels only.
+    control_only: bool,
 }
 
 impl std::fmt::Debug for Admitted {
@@ -124,7 +126,9 @@ pub async fn handshake_connection(
     let mut reader = frame::FrameReader::with_budget(ctx.budgets.frames.clone());
     let mut scratch = Vec::new();
     match crate::handshake::accept_buffered(stream, ctx, &peer, &mut reader, &mut scratch, admit).await {
-        Ok(Some((_, place))) => Some(Admitted { peer, reader, _place: place }),
+        Ok(Some((hello, place))) => {
+            Some(Admitted { peer, reader, _place: place, control_only: hello.control_only })
+        }
         Ok(None) => {
             debug!(%peer, "connection closed at its handshake");
             None
@@ -139,8 +143,8 @@ pub async fn handshake_connection(
 /// The second half of [`serve_connection`]: serves an admitted connection until the peer
 /// closes it or breaks the protocol.
 pub async fn serve_admitted(mut stream: TcpStream, ctx: Arc<ServeContext>, admitted: Admitted) {
-    let Admitted { peer, mut reader, _place } = admitted;
-    match serve_frames(&mut stream, &ctx, &mut reader).await {
+    let Admitted { peer, mut reader, _place, control_only } = admitted;
+    match serve_frames(&mut stream, &ctx, &mut reader, control_only).await {
         Ok(()) => debug!(%peer, "connection closed"),
         Err(e) => debug!(%peer, error = %Peer(&e), "connection ended"),
     }
@@ -186,11 +190,13 @@ async fn flush(stream: &mut TcpStream, ctx: &ServeContext, batch: &mut Vec<u8>) 
     written
 }
 
-/// The connection loop after the handshake.
+/// The connection loop after the handshake (`control_only`: a connection whose layouts
+/// were not checked, which may only cancel leases).
 async fn serve_frames(
     stream: &mut TcpStream,
     ctx: &ServeContext,
     reader: &mut frame::FrameReader,
+    control_only: bool,
 ) -> Result<(), FrameError> {
     let max = ctx.limits.serve_caps();
     let mut scratch = Vec::new();
@@ -253,6 +259,15 @@ async fn serve_frames(
             }
             Err(e) => return protocol_error(stream, ctx, e).await,
         };
+        if control_only && !matches!(f, Frame::Cancel(_)) {
+            bump(&ctx.counters.protocol_errors);
+            flush(stream, ctx, &mut batch).await?;
+            let message = format!(
+                "a {:?} frame on a control-only connection (its layouts were not checked: it may only cancel leases)",
+                f.frame_type()
+            );
+            return refuse(stream, ctx, ErrorCode::CompatMismatch, message, 0).await;
+        }
         // A frame naming a lease that is not armed yet waits (bounded) for it: the answers
         // before it do not.
         if crate::arm::may_wait(ctx, &f) {

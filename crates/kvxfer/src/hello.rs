@@ -38,6 +38,7 @@ pub(crate) fn hello(
         transports,
         nonce: Vec::new(),
         authenticated: false,
+        control_only: false,
     }
 }
 

@@ -311,6 +311,36 @@ fn compatibility_hash_mismatch_fails_on_both_sides_naming_both_hashes(t: Transpo
     mismatch_pull(t, AgentConfig::new("decode"), other, &[&format!("{prefill_hash:#018x}"), &decode_hash]);
 }
 
+fn a_decode_that_can_never_pull_still_releases_the_lease(t: Transport) {
+    // Other tokens per block: no pull can read this prefill's blocks (the handshake refuses
+    // the layout), but the lease is given back at once over a control-only connection
+    // instead of being held until it expires.
+    let prefill = t.prefill(16, TTL);
+    let other = BlockLayout::new(16, vec![Segment::packed(BLOCK)], "bf16", 32).expect("layout");
+    let decode = decode_with(t.config(AgentConfig::new("decode")), other);
+    let result = prefill.lease_parent("NP", vec![vec![1], vec![2]], 1, None).expect("lease");
+    let started = Instant::now();
+    assert!(decode.release(&result.children()[0]), "the release was refused: {:?}", decode.stats());
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
+    assert_eq!((ends[0].child_index, ends[0].kind), (0, EndKind::Released));
+    assert!(started.elapsed() < TTL);
+    assert_eq!(decode.stats().leases_released, 1);
+    // A second release of it is answered (already released), nothing else moves.
+    assert!(decode.release(&result.children()[0]));
+    let s = prefill.stats();
+    assert_eq!((s.leases.released, s.leases.pulled, s.leases.live), (1, 0, 1));
+    // The pull of the other child is still refused, as before.
+    let report = decode.submit_subset(&result, vec![(1, vec![2])]).expect("submit").wait();
+    assert!(
+        matches!(
+            &report.children[0].outcome,
+            ChildOutcome::Failed { error: kvxfer::PullError::Incompatible { .. }, .. }
+        ),
+        "{report:?}"
+    );
+    assert_eq!(prefill.stats().server.reads_served, 0);
+}
+
 fn expected_consumers_two_frees_only_after_both_decode_agents_notified(t: Transport) {
     let prefill = t.prefill(16, TTL);
     let rank0 = t.decode(16);
@@ -353,6 +383,44 @@ async fn raw_connection(
 ) -> Result<kvxfer_tcp::Connection, kvxfer_tcp::ClientError> {
     let hello = kvxfer_proto::v1::Hello { protocol_version: version, ..raw_hello(layout, "raw") };
     raw_connect(addr, &hello).await
+}
+
+/// A control-only connection (`Hello::control_only`) skips the layout check and may only
+/// cancel: a heartbeat on it is refused and the connection closed, a read names nothing it
+/// may serve, and the protocol version is still checked.
+#[test]
+fn a_control_only_connection_only_cancels() {
+    let prefill = prefill(16, TTL);
+    let h = prefill.lease(LeaseRequest::new("CO", 0, 1, vec![3])).expect("lease");
+    let addr = prefill.local_addr().to_string();
+    let other = BlockLayout::new(16, vec![Segment::packed(BLOCK)], "bf16", 32).expect("layout");
+    let hello = kvxfer_proto::v1::Hello { control_only: true, ..raw_hello(&other, "raw") };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        // Without the flag this layout is refused at the handshake.
+        let refused = raw_connect(&addr, &raw_hello(&other, "raw")).await;
+        assert!(matches!(refused, Err(kvxfer_tcp::ClientError::Incompatible { .. })), "{refused:?}");
+        let mut c = raw_connect(&addr, &hello).await.expect("a control-only connection is accepted");
+        let lease = kvxfer_proto::v1::LeaseRef {
+            remote_request_id: "CO".into(),
+            lease_token: h.token().as_bytes().to_vec(),
+        };
+        let e = c.heartbeat(vec![lease]).await.expect_err("a heartbeat on a control-only connection");
+        assert!(e.to_string().contains("control-only"), "{e}");
+        let mut c = raw_connect(&addr, &hello).await.expect("connect again");
+        let wrong = c.cancel("CO", &[0; 16]).await.expect("answered");
+        assert_eq!(wrong, kvxfer_proto::v1::LeaseOutcome::Unrecognized, "a wrong token learns nothing");
+        assert_eq!(
+            c.cancel("CO", h.token().as_bytes()).await.expect("answered"),
+            kvxfer_proto::v1::LeaseOutcome::Released
+        );
+        let old = kvxfer_proto::v1::Hello { protocol_version: 9, ..hello.clone() };
+        let refused = raw_connect(&addr, &old).await;
+        assert!(matches!(refused, Err(kvxfer_tcp::ClientError::Incompatible { .. })), "{refused:?}");
+    });
+    let ends = wait_ends(&prefill, 1, Duration::from_secs(5));
+    assert_eq!(ends[0].kind, EndKind::Released);
+    assert_eq!(prefill.stats().server.reads_served, 0);
 }
 
 #[test]
@@ -437,6 +505,7 @@ per_transport!(
     incomplete_prefill_result_is_refused_before_any_io,
     protocol_version_mismatch_fails_on_both_sides_naming_both_versions,
     compatibility_hash_mismatch_fails_on_both_sides_naming_both_hashes,
+    a_decode_that_can_never_pull_still_releases_the_lease,
     expected_consumers_two_frees_only_after_both_decode_agents_notified,
     multi_segment_layouts_with_strides_round_trip,
     wrong_token_fails_the_child_and_changes_no_lease,

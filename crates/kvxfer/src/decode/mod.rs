@@ -22,7 +22,8 @@ use kvxfer_core::plan::ResultPlan;
 use kvxfer_core::pull::{PullChild, PullConfig, PullMachine};
 use kvxfer_core::{BlockId, ChildHandoff, PrefillResult};
 use kvxfer_mem::KvMemory;
-use kvxfer_proto::v1::{self, LeaseOutcome};
+use kvxfer_proto::v1::{self, ErrorCode, LeaseOutcome};
+use kvxfer_tcp::ClientError;
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -381,50 +382,38 @@ impl DecodeAgent {
         // sent to an incarnation discovery knows is gone (its leases went with it).
         let addr = match self.inner.resolve(child.engine()) {
             Ok(addr) => addr,
-            Err(e) => {
-                add(&self.inner.counters.releases_refused, 1);
-                info!(remote_request_id = %log::Peer(&child.remote_request_id()), error = %log::Peer(&e), "release not applied");
-                return false;
-            }
+            Err(e) => return self.release_refused(child, &e),
         };
         let peer = self.inner.peer(&addr);
-        // A lease of another incarnation than the one answering at the address went with
-        // that process: nothing is sent (the prefill side would hold the cancel of a lease
-        // it does not know for its arm wait).
         let want = child.engine();
-        if want.incarnation != 0 {
-            let same =
-                |ack: &v1::HelloAck| ack.engine_id == want.engine_id && ack.incarnation == want.incarnation;
-            // A pooled connection may predate a restart (a crash sends no FIN): another
-            // process answering is asked again on a new connection before it counts.
-            let ack = match peer.hello(&self.inner).await {
-                Ok(ack) if !same(&ack) => peer.fresh_hello(&self.inner).await,
-                other => other,
-            };
-            let refused = match ack {
-                Ok(ack) if same(&ack) => None,
-                Ok(ack) => Some(format!(
-                    "{} is {} incarnation {} now, not {} incarnation {}: the lease ended with the process that made it",
-                    addr,
-                    log::Peer(&ack.engine_id),
-                    log::Incarnation(ack.incarnation),
-                    log::Peer(&want.engine_id),
-                    log::Incarnation(want.incarnation)
-                )),
-                Err(e) => Some(e.to_string()),
-            };
-            if let Some(why) = refused {
-                add(&self.inner.counters.releases_refused, 1);
-                info!(remote_request_id = %log::Peer(&child.remote_request_id()), reason = %log::Peer(&why), "release not applied");
-                return false;
-            }
-        }
+        // A pooled connection may predate a restart (a crash sends no FIN): another
+        // process answering is asked again on a new connection before it counts.
+        let same =
+            |ack: &v1::HelloAck| ack.engine_id == want.engine_id && ack.incarnation == want.incarnation;
+        let ack = match peer.hello(&self.inner).await {
+            Ok(ack) if want.incarnation != 0 && !same(&ack) => peer.fresh_hello(&self.inner).await,
+            other => other,
+        };
         let id = child.remote_request_id().to_owned();
         let op = ControlOp::Cancel { id, token: child.token().as_bytes().to_vec() };
-        let answer = peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await;
+        let answer = match ack {
+            Err(ClientError::Incompatible { code: ErrorCode::CompatMismatch, .. }) => {
+                // This cache can never read the hand-off (block size, shapes): the lease is
+                // given back on a connection that only cancels, whose layouts go unchecked.
+                self.release_control_only(&addr, child, &op).await
+            }
+            // A lease of another incarnation than the one answering at the address went
+            // with that process: nothing is sent (the prefill side would hold the cancel of
+            // a lease it does not know for its arm wait).
+            Ok(ack) if want.incarnation != 0 && !same(&ack) => {
+                return self.release_refused(child, &another_incarnation(&addr, &ack, want))
+            }
+            Err(e) if want.incarnation != 0 => return self.release_refused(child, &e),
+            _ => peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await.map(|(r, _)| r),
+        };
         let released = matches!(
             answer,
-            Some((Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)), _))
+            Some(Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)))
         );
         if released {
             add(&self.inner.counters.leases_released, 1);
@@ -434,6 +423,41 @@ impl DecodeAgent {
             info!(remote_request_id = %log::Peer(&child.remote_request_id()), answer = %log::Peer(format_args!("{answer:?}")), "release not applied");
         }
         released
+    }
+
+    /// [`DecodeAgent::release`] for a prefill agent whose layouts this one's cannot serve:
+    /// `op` (a cancel) on a control-only connection of its own (never pooled), within the
+    /// io timeout, to the incarnation the hand-off names. `None` when it could not be sent.
+    async fn release_control_only(
+        &self,
+        addr: &str,
+        child: &ChildHandoff,
+        op: &ControlOp,
+    ) -> Option<Result<ControlReply, ClientError>> {
+        let want = child.engine();
+        let io = self.inner.config.limits.io_timeout;
+        let exchange = async {
+            let mut conn = self.inner.connect_control_only(addr).await?;
+            let ack = conn.peer_hello();
+            if want.incarnation != 0
+                && (ack.engine_id != want.engine_id || ack.incarnation != want.incarnation)
+            {
+                return Err(ClientError::Handshake {
+                    peer: addr.to_owned(),
+                    message: another_incarnation(addr, ack, want),
+                });
+            }
+            op.run(&mut conn).await
+        };
+        // The connect and the cancel are each bounded by the io timeout.
+        tokio::time::timeout(io.saturating_mul(2), exchange).await.ok()
+    }
+
+    /// Counts and logs a release that was not sent; false.
+    fn release_refused(&self, child: &ChildHandoff, why: &dyn std::fmt::Display) -> bool {
+        add(&self.inner.counters.releases_refused, 1);
+        info!(remote_request_id = %log::Peer(&child.remote_request_id()), reason = %log::Peer(why), "release not applied");
+        false
     }
 
     /// Parses a wire prefill result (refusing incomplete ones, naming the missing children)
@@ -543,4 +567,16 @@ impl Drop for DecodeAgent {
     fn drop(&mut self) {
         self.begin_shutdown_detached();
     }
+}
+
+/// Why a release is not sent: another process answers at the hand-off's address.
+fn another_incarnation(addr: &str, ack: &v1::HelloAck, want: &kvxfer_core::EngineInfo) -> String {
+    format!(
+        "{} is {} incarnation {} now, not {} incarnation {}: the lease ended with the process that made it",
+        addr,
+        log::Peer(&ack.engine_id),
+        log::Incarnation(ack.incarnation),
+        log::Peer(&want.engine_id),
+        log::Incarnation(want.incarnation)
+    )
 }

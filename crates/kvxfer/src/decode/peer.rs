@@ -197,7 +197,7 @@ pub(crate) enum ControlReply {
 }
 
 impl ControlOp {
-    async fn run(&self, c: &mut Connection) -> Result<ControlReply, ClientError> {
+    pub(crate) async fn run(&self, c: &mut Connection) -> Result<ControlReply, ClientError> {
         Ok(match self {
             ControlOp::Notify { id, token, consumer } => {
                 ControlReply::Notify(c.notify(id, token, consumer).await?)

@@ -150,6 +150,17 @@ impl Inner {
         Ok(c)
     }
 
+    /// A connection that may only cancel leases (`Hello::control_only`): the prefill side
+    /// skips the layout checks, so a decode whose cache can never read a hand-off can still
+    /// give its lease back. Never pooled.
+    pub(crate) async fn connect_control_only(&self, addr: &str) -> Result<Connection, ClientError> {
+        let hello = v1::Hello { control_only: true, ..self.hello.clone() };
+        let key = self.config.cluster_key.as_ref();
+        let c = Connection::connect_with_key(addr, &hello, key, self.config.limits).await?;
+        add(&self.counters.connections_opened, 1);
+        Ok(c)
+    }
+
     #[cfg(feature = "ucx")]
     pub(crate) fn ucx(&self) -> Option<&kvxfer_ucx::UcxInitiator> {
         self.ucx.as_ref().and_then(crate::runtime::DropOffRuntime::get)
