@@ -270,7 +270,7 @@ class KvxferConnector(Base, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         worker = self._work()
         worker.run_pending(self._connector_metadata)
-        return worker.get_finished(finished_req_ids)
+        return worker.get_finished(finished_req_ids, self._connector_metadata)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """``get_finished`` plus the requests whose pull failed (``failed_recving``): vLLM
@@ -293,9 +293,11 @@ class KvxferConnector(Base, SupportsHMA):
     def get_kv_connector_stats(self) -> Any:
         """Transfers finished since the last call (vLLM's stats logger and ``/metrics``)."""
         worker = self.worker
-        if worker is None or not (worker.transfers or worker.lease_ends):
+        if worker is None or not (worker.transfers or worker.lease_ends or worker.leases_made):
             return None
         stats = KvxferConnectorStats()
+        stats.record_made(worker.leases_made)
+        worker.leases_made = 0
         for r in worker.transfers:
             stats.record(r)
         for kind in worker.lease_ends:

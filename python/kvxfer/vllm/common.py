@@ -170,23 +170,6 @@ def local_blocks(blocks: Any, num_groups: int = 1) -> Any:
     return groups[0] if groups else []
 
 
-def rank_view(params: dict[str, Any], rank: int) -> dict[str, Any]:
-    """A hand-off's params as prefill rank ``rank`` serves it (its address and incarnation,
-    from the ``kvxfer_rank_*`` lists)."""
-    if rank == 0:
-        return params
-    out = dict(params)
-    for key, field in (
-        ("kvxfer_rank_hosts", "remote_host"),
-        ("kvxfer_rank_ports", "remote_port"),
-        ("kvxfer_rank_incarnations", "kvxfer_incarnation"),
-    ):
-        values = params.get(key)
-        if isinstance(values, list) and rank < len(values):
-            out[field] = values[rank]
-    return out
-
-
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
     if host.lower() in ("localhost", "localhost.localdomain"):
@@ -256,6 +239,16 @@ class Settings:
         extra = dict(getattr(config, "kv_connector_extra_config", None) or {})
         parallel = getattr(vllm_config, "parallel_config", None)
         tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+        if pp_size > 1:
+            # Each stage's workers hold only their layers' KV cache, and hand-offs name one
+            # agent per TP rank: the stages of a decode would all read one prefill stage.
+            raise ValueError(
+                f"kvxfer's KV connector does not support pipeline parallelism (pipeline_parallel_size={pp_size}): "
+                "each stage holds only its own layers' KV cache and hand-offs name one agent per tensor-parallel "
+                "rank; run the prefill and decode instances with pipeline_parallel_size 1 (tensor parallelism, "
+                "of any size on either side, is supported)"
+            )
         host = str(extra.get("kvxfer_host") or os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
         lease_ttl = float(extra.get("kvxfer_lease_ttl", 30.0))
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..params import handoff_entries
 from .common import (
     CHILD_ID,
     FORGET_AFTER,
@@ -664,17 +665,8 @@ class KvxferScheduler:
         with the request's params, so the connector frees what they pin on the prefill
         side): releases every hand-off the params list that no other local request pulls,
         not only the one it would have pulled (``own``, released as any unpulled one)."""
-        if isinstance(params, dict):
-            children = params.get("kvxfer_children")
-            entries = children if isinstance(children, list) and children else [params]
-        elif isinstance(params, list):
-            entries = params
-        else:
-            return
         mine = str(own.get("remote_request_id")) if own is not None else None
-        for entry in entries:
-            if not (isinstance(entry, dict) and entry.get("do_remote_prefill") and entry.get("kvxfer_lease_token")):
-                continue
+        for entry in handoff_entries(params):
             remote = str(entry.get("remote_request_id"))
             if remote == mine or self._claimed.get(remote, set()) - {rid}:
                 continue

@@ -34,7 +34,15 @@ except ImportError:  # no vLLM (or one without connector metrics)
 
 
 # Counters summed across workers and intervals; "seconds" and "bytes" are per-pull lists.
-COUNTERS = ("pulls_done", "pulls_failed", "pulls_cancelled", "leases_pulled", "leases_released", "leases_expired")
+COUNTERS = (
+    "pulls_done",
+    "pulls_failed",
+    "pulls_cancelled",
+    "leases_made",
+    "leases_pulled",
+    "leases_released",
+    "leases_expired",
+)
 LEASE_END_COUNTER = {"pulled": "leases_pulled", "released": "leases_released", "expired": "leases_expired"}
 
 
@@ -67,6 +75,10 @@ class KvxferConnectorStats(_StatsBase):  # type: ignore[misc]
             self.data["pulls_cancelled"] += 1
         else:
             self.data["pulls_failed"] += 1
+
+    def record_made(self, count: int) -> None:
+        """Prefill-side leases armed (each ends once: pulled, released or expired)."""
+        self.data["leases_made"] += count
 
     def record_end(self, kind: str) -> None:
         """One prefill-side lease end ("pulled", "released" or "expired")."""
@@ -109,6 +121,7 @@ class KvxferPromMetrics(_PromBase):  # type: ignore[misc]
             ("pulls_done", "KV-cache pulls that completed"),
             ("pulls_failed", "KV-cache pulls that failed (their blocks reported as load errors)"),
             ("pulls_cancelled", "KV-cache pulls cancelled (the request was aborted)"),
+            ("leases_made", "Prefill leases armed; each ends once, pulled, released or expired"),
             ("leases_pulled", "Prefill leases that ended pulled by every expected consumer"),
             ("leases_released", "Prefill leases released without a pull"),
             ("leases_expired", "Prefill leases that expired unpulled (their blocks were held until then)"),

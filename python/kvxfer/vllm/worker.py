@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 
 import kvxfer
 
-from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, nested, rank_view
+from ..params import rank_view
+from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, nested
 from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 
 
@@ -234,6 +235,7 @@ class KvxferWorker:
         # Finished pulls and lease ends since vLLM last read the stats.
         self.transfers: list[dict[str, Any]] = []
         self.lease_ends: list[str] = []
+        self.leases_made = 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -416,7 +418,7 @@ class KvxferWorker:
                 continue
             pull[0].cancel_child(pull[1])
         if meta.to_release:
-            self._release([v for p in meta.to_release for v in self._views_or_none(p, rank)])
+            self._release([v for p in meta.to_release for v in self._given_back(p, rank)])
         if meta.heartbeats:
             beats = [v for p in meta.heartbeats for v in self._views_or_none(p, rank)]
             if beats:
@@ -433,6 +435,7 @@ class KvxferWorker:
                 if self.staging is not None:
                     self.staging.copy(params.get("remote_block_ids") or [], "d2h")
                 self.prefill.arm(rank_view(params, rank))
+                self.leases_made += 1
                 logger.debug("kvxfer: armed %s (lease %s, blocks %s)", rid, lease, params.get("remote_block_ids"))
                 self._armed.add(rid)
                 self._lease_rid[lease] = rid
@@ -449,6 +452,8 @@ class KvxferWorker:
                     # No lease holds the blocks: hand them back at once. (token_reused: this
                     # very lease was armed and has ended already, and reported.)
                     self._ended[rid] = time.monotonic()
+                else:
+                    self._finished_seen.discard(rid)
 
     def run_pending(self, meta: Any) -> None:
         """The retract and load phases of ``meta`` if not run yet (a host that skipped a
@@ -519,6 +524,19 @@ class KvxferWorker:
                 self.counters["bad_params"] += 1
                 logger.error("kvxfer: %s the lease of %s failed: %s", what, p.get("remote_request_id"), e)
 
+    def _given_back(self, params: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+        """The leases decode rank ``rank`` gives back for a hand-off it will not pull, whether
+        or not it could pull it: prefill ranks ``r`` with ``r % tp_size == rank`` (with equal
+        TP sizes, its own rank's), so each prefill rank's lease is given back by one decode
+        rank. A release needs no matching layout (``DecodeAgent.release`` falls back to a
+        control-only connection)."""
+        prefill_tp = int_or_none(params.get("tp_size") or 1)
+        if prefill_tp is None or prefill_tp < 1:
+            self.counters["bad_params"] += 1
+            logger.error("kvxfer: cannot release %s: tp_size is %r", params.get("remote_request_id"), params.get("tp_size"))
+            return []
+        return [rank_view(params, r) for r in range(prefill_tp) if r % max(self.s.tp_size, 1) == rank]
+
     def _views_or_none(self, params: dict[str, Any], rank: int) -> list[dict[str, Any]]:
         """``views``, or none (logged and counted) for params that cannot be used."""
         try:
@@ -546,7 +564,7 @@ class KvxferWorker:
                 # hand-off another local request reads is not given back under it).
                 remote_id = str(params.get("remote_request_id"))
                 if not (params.get("kvxfer_shared") and (remote_id in self._pulling or remote_id in self._served)):
-                    self._release(self._views_or_none(params, rank))
+                    self._release(self._given_back(params, rank))
                 self._done_recving.add(rid)
                 continue
             try:
@@ -578,12 +596,13 @@ class KvxferWorker:
                 if holder is not None:
                     self._follow(rid, remote_id, pulled_into, local)
                     continue
-            except LayoutMismatch as e:
-                # Never pullable here: give the lease back now rather than at its expiry.
-                self._release([rank_view(params, rank)])
-                self._fail(rid, local, f"cannot pull {rid}: {e}")
-                continue
-            except (ValueError, TypeError) as e:
+            except (LayoutMismatch, ValueError, TypeError) as e:
+                # Never pullable here (layouts, block sizes, TP sizes without a KV shape, bad
+                # params): give the lease back now rather than at its expiry — unless another
+                # local request reads the same shared hand-off.
+                remote_id = str(params.get("remote_request_id"))
+                if remote_id not in self._pulling and remote_id not in self._served:
+                    self._release(self._given_back(params, rank))
                 self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
             self._pulling[remote_id] = rid
@@ -683,12 +702,22 @@ class KvxferWorker:
 
     # ------------------------------------------------------------------ completions
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+    def get_finished(
+        self, finished_req_ids: set[str], meta: Any = None
+    ) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """Ended leases of requests vLLM said finished (``finished_sending``) and finished
+        pulls (``finished_recving``). ``meta`` is the step's bound metadata: with a
+        speculative config vLLM asks before ``wait_for_save`` (a deferred finalize), so the
+        leases this step arms afterwards — minted in ``request_finished``, for requests
+        this very call names finished — count as armed here."""
         sending: set[str] = set()
         if self.prefill is not None:
             now = time.monotonic()
+            to_arm: dict[str, Any] = {}
+            if isinstance(meta, KvxferConnectorMetadata) and meta.step is not None and meta.step > self._phases["save"]:
+                to_arm = meta.to_arm
             for rid in finished_req_ids or ():
-                if rid in self._armed or rid in self._ended:
+                if rid in self._armed or rid in self._ended or rid in to_arm:
                     self._finished_seen.add(rid)
             for end in self.prefill.poll_ends():
                 self.lease_ends.append(end["kind"])

@@ -196,8 +196,14 @@ class FakeWorker:
     """One worker (TP rank 0): vLLM's KV-cache tensors and worker-side connector, and a
     model runner whose forward only writes deterministic words into the KV cache."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, layout: Any) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, layout: Any, defer_finalize: bool = False
+    ) -> None:
         self.vllm_config = vllm_config
+        # The order GPUModelRunner keeps with a speculative config: the step's finished
+        # transfers are asked for before wait_for_save, which runs after the draft model's
+        # forward (KVConnectorModelRunnerMixin.finalize_kv_connector).
+        self.defer_finalize = defer_finalize
         self.kv_cache_config = kv_cache_config
         self.block_size = vllm_config.cache_config.block_size
         # As the model runner: the connector before the tensors, then registration.
@@ -274,9 +280,13 @@ class FakeWorker:
             start = self._computed_before(so)
             with (
                 set_forward_context(None, self.vllm_config),
-                KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_connector_output,
+                KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(
+                    so, defer_finalize=self.defer_finalize
+                ) as kv_connector_output,
             ):
                 self._forward(so, start)
+            if self.defer_finalize:
+                KVConnectorModelRunnerMixin.finalize_kv_connector()  # after the draft's forward
         req_ids = list(so.num_scheduled_tokens)
         sampled = [
             [SAMPLED_TOKEN] if start[rid] + so.num_scheduled_tokens[rid] >= len(self.requests[rid].prompt) else []
@@ -337,6 +347,8 @@ class Engine:
         max_model_len: int = 512,
         kv_load_failure_policy: str = "fail",
         max_num_seqs: int = 16,
+        defer_finalize: bool = False,
+        block_size: int = 16,
     ) -> None:
         self.vllm_config = config = make_vllm_config(
             model_dir,
@@ -347,6 +359,7 @@ class Engine:
             max_model_len=max_model_len,
             kv_load_failure_policy=kv_load_failure_policy,
             max_num_seqs=max_num_seqs,
+            block_size=block_size,
         )
         # EngineCore._initialize_kv_caches: specs, layout, planning.
         register_all_kvcache_specs(config)
@@ -370,7 +383,7 @@ class Engine:
         for c in (*kv_cache_configs, scheduler_kv_cache_config):
             c.hash_block_size = hash_block_size
         # The executor's worker comes first (it registers the KV cache) ...
-        self.worker = FakeWorker(config, kv_cache_configs[0], self.layout)
+        self.worker = FakeWorker(config, kv_cache_configs[0], self.layout, defer_finalize)
         # ... then the scheduler, which makes the scheduler-side connector itself.
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
         self.scheduler = scheduler_cls(

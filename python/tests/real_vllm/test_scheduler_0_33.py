@@ -36,10 +36,16 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from engine_sim import SAMPLED_TOKEN, Engine, cpu_attention_layouts, default_attention_layouts  # noqa: E402
+from engine_sim import (  # noqa: E402
+    SAMPLED_TOKEN,
+    Engine,
+    cpu_attention_layouts,
+    default_attention_layouts,
+    make_vllm_config,
+)
 from tiny_model import make_tiny_model  # noqa: E402
 
-from kvxfer.vllm import KvxferConnectorMetadata  # noqa: E402
+from kvxfer.vllm import KvxferConnector, KvxferConnectorMetadata  # noqa: E402
 
 # Per-child hand-offs (kvxfer_share_prompt off): what these tests check per child; the shared
 # prompt hand-off, the default, is tested in test_shared_handoff.py on the same scheduler.
@@ -356,7 +362,7 @@ def test_stats_go_through_vllm_logging_and_prometheus(pair: Pair) -> None:
     for engine in (pair.prefill, pair.decode):
         engine.kv_logging.log(log_fn=lambda *args: None)  # ends the interval so far
     start = {e: len(e.kv_connector_stats) for e in (pair.prefill, pair.decode)}
-    counters = {k: sample(k) for k in ("leases_pulled", "pulls_done", "pulled_bytes")}
+    counters = {k: sample(k) for k in ("leases_made", "leases_pulled", "pulls_done", "pulled_bytes")}
     before = Snapshot.of(pair)
     tag = f"stats-{pair.mode}"
     prompt = prompt_for(tag)
@@ -373,8 +379,10 @@ def test_stats_go_through_vllm_logging_and_prometheus(pair: Pair) -> None:
     assert len(metrics) == 2 and all(line.startswith("KV Transfer metrics: ") for line in lines), lines
     prefill, decode = metrics
     assert float(prefill["leases_pulled"]) == 2 and float(prefill["pulls_done"]) == 0
+    assert float(prefill["leases_made"]) == 2, "every lease made is counted, and ends once"
     assert float(decode["pulls_done"]) == 2 and float(decode["pulled_MiB"]) > 0
     assert sample("leases_pulled") - counters["leases_pulled"] == 2
+    assert sample("leases_made") - counters["leases_made"] == 2
     assert sample("pulls_done") - counters["pulls_done"] == 2
     assert sample("pulled_bytes") > counters["pulled_bytes"]
 
@@ -547,6 +555,70 @@ def test_a_prefill_request_preempted_after_its_lease_was_minted_hands_off_a_fres
         prefill.shutdown()
 
 
+def test_a_lease_re_minted_at_finish_is_reported_under_a_deferred_finalize(pair: Pair, model_dir: str) -> None:
+    """The model runner's order with a speculative config (``defer_finalize``): the step's
+    finished transfers are asked for before ``wait_for_save``. A prefill request that
+    finishes more than half a lease TTL after its prompt's step re-mints its lease in
+    ``request_finished``; that lease is armed in the step whose ``finished_req_ids`` names
+    the request, after vLLM asked for finished transfers. Its end must still be reported
+    (``finished_sending``), or vLLM never frees the request's blocks."""
+    prefill = Engine(
+        model_dir,
+        "kv_producer",
+        async_scheduling=pair.mode == "async",
+        extra_config={**PREFILL_EXTRA, "kvxfer_lease_ttl": 2.0},
+        attention_layouts=default_attention_layouts() if pair.mode == "async" else cpu_attention_layouts(),
+        defer_finalize=True,
+    )
+    try:
+        sub = Pair(pair.mode, prefill, pair.decode)
+        before = Snapshot.of(sub)
+        tag = f"deferred-{pair.mode}"
+        prompt = prompt_for(tag, 40)
+        params = {"do_remote_decode": True, "do_remote_prefill": False}
+        # Another request keeps the engine busy: the step that arms the re-minted lease runs
+        # a forward (a step without one asks for finished transfers after wait_for_save).
+        prefill.add_request(f"busy-{tag}", prompt_for(f"busy-{tag}", 20), max_tokens=40)
+        (rid,) = prefill.add_request(f"req-{tag}", prompt, max_tokens=3, kv_transfer_params=params)
+        outputs = prefill.run_until(lambda: before.lease_delta(sub)["leased"] == 1, "the prompt's lease")
+        time.sleep(1.1)  # past half the TTL: request_finished re-mints
+        deadline = time.monotonic() + 60
+        while not any(o.finished and o.kv_transfer_params for o in outputs):
+            assert time.monotonic() < deadline, f"timed out waiting for prefill {rid}"
+            outputs += prefill.step()
+        assert prefill.has_unfinished_requests(), "the busy request ended first"
+        (final,) = [o for o in outputs if o.finished and o.kv_transfer_params]
+        handoff = router_hop(final.kv_transfer_params)
+        assert handoff["remote_request_id"] != rid, "the lease was not re-minted at request_finished"
+        # The engine core's busy loop steps on while finished requests are to be told to
+        # the workers: the step that names this one finished arms its new lease.
+        prefill.run_until(lambda: before.lease_delta(sub)["leased"] == 2, "the re-minted lease armed")
+        decode_ids, _ = run_decode(sub, f"dec-{tag}", prompt, 1, handoff)
+        check_blocks(sub, rid, decode_ids[0], prompt)
+        settle(sub, before)
+        assert rid in prefill.finished_sending()
+        assert before.lease_delta(sub) == dict(leased=2, pulled=1, released=1, expired=0, retracted=0, live=0)
+    finally:
+        prefill.shutdown()
+
+
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_pipeline_parallelism_is_refused_at_start_up_naming_it(model_dir: str, kv_role: str) -> None:
+    """vLLM's connector factory makes the connector with the engine's own config: with two
+    pipeline stages (each holding only its layers' KV cache) the connector refuses to start,
+    saying why, instead of having every decode stage read one prefill stage's lease."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = make_vllm_config(model_dir, kv_role, async_scheduling=False, extra_config=DECODE_EXTRA)
+    config.parallel_config.pipeline_parallel_size = 2
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+            KVConnectorFactory.create_connector(config=config, role=role, kv_cache_config=None)
+    config.parallel_config.pipeline_parallel_size = 1
+    assert isinstance(KvxferConnector(config, KVConnectorRole.SCHEDULER, None), KvxferConnector)
+
+
 def test_host_staging_moves_blocks_with_vllms_copy_op(pair: Pair, model_dir: str) -> None:
     """Both engines stage through registered host memory (``kvxfer_host_staging``, the GPU
     path run on a CPU): the blocks go device→host before the arm and host→device before
@@ -587,23 +659,31 @@ def test_host_staging_moves_blocks_with_vllms_copy_op(pair: Pair, model_dir: str
         sub.decode.shutdown()
 
 
-def test_a_prefill_cache_ordered_otherwise_is_refused_and_its_lease_released(pair: Pair, model_dir: str) -> None:
+@pytest.mark.parametrize("case", ["other-layout", "larger-blocks"])
+def test_a_hand_off_the_decode_can_never_pull_is_refused_and_its_lease_released(
+    pair: Pair, model_dir: str, case: str
+) -> None:
     """The prefill engine resolved the other KV-cache layout (LBNHC against LBHNC): a
-    block's bytes are ordered otherwise, so the decode refuses the pull (a load error,
-    vLLM's fail policy fails the request) and releases the lease at once."""
+    block's bytes are ordered otherwise; or its blocks hold 32 tokens where the decode's
+    hold 16 (a decode block cannot take a part of a prefill block). The decode refuses the
+    pull (a load error, vLLM's fail policy fails the request) and releases the lease at
+    once — for larger blocks over a control-only connection, since the handshake refuses
+    the layouts."""
+    same = default_attention_layouts() if pair.mode == "async" else cpu_attention_layouts()
     other = cpu_attention_layouts() if pair.mode == "async" else default_attention_layouts()
     prefill = Engine(
         model_dir,
         "kv_producer",
         async_scheduling=pair.mode == "async",
         extra_config=PREFILL_EXTRA,
-        attention_layouts=other,
+        attention_layouts=other if case == "other-layout" else same,
+        block_size=32 if case == "larger-blocks" else 16,
     )
     try:
-        assert prefill.layout != pair.decode.layout
+        assert (prefill.layout != pair.decode.layout) == (case == "other-layout")
         sub = Pair(pair.mode, prefill, pair.decode)
         before = Snapshot.of(sub)
-        tag = f"other-layout-{pair.mode}"
+        tag = f"{case}-{pair.mode}"
         prompt = prompt_for(tag)
         _, output = run_prefill(sub, f"req-{tag}", prompt, 1)
         (rid,), _ = run_decode(sub, f"dec-{tag}", prompt, 1, router_hop(output.kv_transfer_params))
