@@ -41,12 +41,24 @@ completion gives 502 naming the instance; an upstream HTTP error (a 400 for a ba
 a 5xx) is passed through with its status and body (one that is not JSON becomes an
 OpenAI-style error of that status naming the instance). A decode stream cut mid-way ends
 with an error event and ``data: [DONE]``, as vLLM ends a stream after an error; events are
-passed on whole, so the client never gets half of one. Nothing is retried elsewhere. Every
-answer carries the ``X-Kvxfer-Upstream`` header naming the instance it came from.
+passed on whole, so the client never gets half of one. Every answer carries the
+``X-Kvxfer-Upstream`` header naming the instance it came from.
+
+Failures: an instance that cannot be connected to is taken out of rotation for
+``--down-for`` seconds (5) and the request is retried on another instance of its kind
+(nothing was sent); a prefill instance that closes the connection without answering (it
+died, and its leases with it) is retried on another too. A decode request that reached its
+instance is never retried (it may have read the hand-off or streamed tokens). An instance
+out of rotation gets requests again after that time, or sooner when every instance of its
+kind is out; the first that answers is back in rotation. When no decode instance can be
+reached, the prefill's leases are given back at once (the router runs a small kvxfer
+decode agent that pulls nothing; ``--cluster-key-file`` when the instances have a key)
+before the 502.
 
 A client that disconnects cancels the upstream request it waits for (vLLM aborts it). A
-client gone after the prefill answered but before the decode request was sent leaves the
-prefill's leases to end by expiry.
+client gone after the prefill answered, before the decode's answer began, has the
+prefill's leases given back as well (a decode that already read them answers that they
+ended; vLLM aborts the decode request as the connection closes).
 
 The client's ``Authorization`` header is forwarded to every upstream. With ``--api-key KEY``
 the router itself also requires ``Authorization: Bearer KEY`` (as ``vllm serve --api-key``).
@@ -60,10 +72,15 @@ import copy
 import json
 import logging
 import sys
-from typing import Any, Optional
+import threading
+import time
+from typing import Any, Collection, Optional
 
 import aiohttp
 from aiohttp import web
+
+from ._kvxfer import DecodeAgent, KvxferError, Memory, Segment
+from .params import every_rank, handoff_entries
 
 logger = logging.getLogger("kvxfer.proxy")
 
@@ -73,14 +90,21 @@ UPSTREAM_HEADER = "X-Kvxfer-Upstream"
 
 
 class Upstream:
-    """One vLLM instance: its base URL (without ``/v1``) and its outstanding requests."""
+    """One vLLM instance: its base URL (without ``/v1``), its outstanding requests, and
+    until when it is out of rotation (its last connection attempt failed)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.outstanding = 0
+        self.down_until = 0.0
+        # Why the last request to it failed before it answered (for the client's 502).
+        self.last_error = ""
 
     def __repr__(self) -> str:
         return f"Upstream({self.url!r}, outstanding={self.outstanding})"
+
+    def is_down(self, now: float) -> bool:
+        return now < self.down_until
 
 
 class Pool:
@@ -94,16 +118,104 @@ class Pool:
         self.upstreams = [Upstream(u) for u in urls]
         self._cursor = 0
 
-    def pick(self) -> Upstream:
+    def pick(self, tried: Collection[Upstream] = ()) -> Optional[Upstream]:
+        """The instance to send to next, never one of ``tried``; instances out of rotation
+        only when every other is too (one of them may be back). None when all were tried."""
         k = len(self.upstreams)
+        now = time.monotonic()
         best = None
         for i in range(k):
             j = (self._cursor + i) % k
-            if best is None or self.upstreams[j].outstanding < self.upstreams[best].outstanding:
+            u = self.upstreams[j]
+            if u in tried:
+                continue
+            if best is None:
                 best = j
-        assert best is not None
+                continue
+            b = self.upstreams[best]
+            if (u.is_down(now), u.outstanding) < (b.is_down(now), b.outstanding):
+                best = j
+        if best is None:
+            return None
         self._cursor = (best + 1) % k
         return self.upstreams[best]
+
+    def mark_down(self, upstream: Upstream, seconds: float) -> None:
+        """Takes ``upstream`` out of rotation for ``seconds`` (a connection to it failed);
+        it is tried again after, or sooner when every other instance is out too."""
+        if not upstream.is_down(time.monotonic()):
+            logger.warning("%s instance %s is out of rotation for %.0f s: it cannot be reached", self.kind, upstream.url, seconds)
+        upstream.down_until = time.monotonic() + seconds
+
+    def mark_up(self, upstream: Upstream) -> None:
+        """``upstream`` answered: back in rotation."""
+        if upstream.down_until:
+            logger.info("%s instance %s answers again: back in rotation", self.kind, upstream.url)
+            upstream.down_until = 0.0
+
+
+class LeaseReleaser:
+    """Gives back, at once, the leases of a prefill answer no decode instance will pull —
+    its decode request could not be sent (every decode instance unreachable) or the client
+    left before it was — instead of leaving the prefill's blocks held until the leases
+    expire. A kvxfer decode agent over one small block that pulls nothing: its releases
+    reach prefill agents of any cache layout (over control-only connections), and need the
+    prefill instances' cluster key when they have one."""
+
+    def __init__(self, cluster_key: Optional[str] = None, io_timeout: float = 5.0) -> None:
+        self.cluster_key = cluster_key
+        self.io_timeout = io_timeout
+        self._agent: Optional[DecodeAgent] = None
+        self._lock = threading.Lock()
+        self.released = 0
+        self.refused = 0
+        self._pending: set[asyncio.Future[None]] = set()
+
+    def release(self, params: Any, why: str) -> None:
+        """Starts giving back every lease ``params`` names, on every prefill rank (not
+        waited for: logged and counted)."""
+        views = [v for entry in handoff_entries(params) for v in every_rank(entry)]
+        if not views:
+            return
+        future = asyncio.get_running_loop().run_in_executor(None, self._release_now, views, why)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+
+    async def drain(self) -> None:
+        """Waits for the releases under way."""
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+
+    def _release_now(self, views: list[dict[str, Any]], why: str) -> None:
+        try:
+            with self._lock:
+                if self._agent is None:
+                    memory = Memory([Segment(bytearray(64), block_bytes=64)], num_blocks=1)
+                    self._agent = DecodeAgent(
+                        memory,
+                        agent_name="kvxfer-proxy",
+                        cluster_key=self.cluster_key,
+                        io_timeout=self.io_timeout,
+                        worker_threads=1,
+                    )
+                agent = self._agent
+            answers = agent.release(views, wait=True, timeout=3 * self.io_timeout) or []
+        except (KvxferError, TimeoutError) as e:
+            logger.error("could not release the %d leases of a prefill answer (%s): %s", len(views), why, e)
+            with self._lock:
+                self.refused += len(views)
+            return
+        done = sum(1 for a in answers if a)
+        with self._lock:
+            self.released += done
+            self.refused += len(views) - done
+        logger.info("%s: released %d of %d leases of its prefill answer", why, done, len(views))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._agent is not None:
+                self._agent.shutdown()
+                self._agent = None
 
 
 class UpstreamError(Exception):
@@ -176,6 +288,8 @@ class Router:
         api_key: Optional[str] = None,
         prefill_dp_size: int = 1,
         decode_dp_size: int = 1,
+        down_for: float = 5.0,
+        cluster_key: Optional[str] = None,
     ) -> None:
         for name, size in (("prefill_dp_size", prefill_dp_size), ("decode_dp_size", decode_dp_size)):
             if size < 1:
@@ -189,6 +303,9 @@ class Router:
         self.decode = Pool("decode", [normalize_url(u) for u in decode])
         self.timeout = timeout if timeout else None
         self.api_key = api_key
+        # An instance that cannot be reached is out of rotation this long.
+        self.down_for = down_for
+        self.releaser = LeaseReleaser(cluster_key)
         self.session: Optional[aiohttp.ClientSession] = None
         self._warned: set[str] = set()
 
@@ -210,6 +327,8 @@ class Router:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         yield
         await self.session.close()
+        await self.releaser.drain()
+        self.releaser.close()
 
     def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:
         # A whole answer must come within the timeout; a stream's next chunk too.
@@ -272,22 +391,36 @@ class Router:
         return dict(headers, **{"X-data-parallel-rank": str(rank)})
 
     async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Optional[dict[str, Any]]:
-        """Sends the prefill request; returns the ``kv_transfer_params`` of its answer."""
+        """Sends the prefill request; returns the ``kv_transfer_params`` of its answer. An
+        instance that cannot be reached, or that closed the connection without answering
+        (it died: its leases went with it), is retried on another one."""
         assert self.session is not None
-        upstream = self.prefill.pick()
-        url = upstream.url + path
-        upstream.outstanding += 1
-        try:
-            async with self.session.post(url, json=body, headers=headers, timeout=self._timeout(False)) as resp:
-                data = await resp.read()
-                if resp.status >= 400:
-                    raise _PassThrough(_pass_through(resp.status, resp.content_type, data, upstream, "prefill"))
-        except asyncio.TimeoutError:
-            raise UpstreamError(502, f"prefill instance {upstream.url} timed out after {self.timeout} s", upstream)
-        except aiohttp.ClientError as e:
-            raise UpstreamError(502, f"prefill instance {upstream.url} is unreachable or failed: {e}", upstream)
-        finally:
-            upstream.outstanding -= 1
+        tried: list[Upstream] = []
+        while True:
+            upstream = self.prefill.pick(tried)
+            if upstream is None:
+                raise UpstreamError(502, _none_answered("prefill", tried), tried[-1])
+            tried.append(upstream)
+            url = upstream.url + path
+            upstream.outstanding += 1
+            try:
+                async with self.session.post(url, json=body, headers=headers, timeout=self._timeout(False)) as resp:
+                    data = await resp.read()
+                    self.prefill.mark_up(upstream)
+                    if resp.status >= 400:
+                        raise _PassThrough(_pass_through(resp.status, resp.content_type, data, upstream, "prefill"))
+                break
+            except asyncio.TimeoutError:
+                raise UpstreamError(502, f"prefill instance {upstream.url} timed out after {self.timeout} s", upstream)
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
+                if isinstance(e, aiohttp.ClientConnectorError):
+                    self.prefill.mark_down(upstream, self.down_for)
+                upstream.last_error = str(e) or type(e).__name__
+                logger.warning("prefill instance %s failed before answering (%s)", upstream.url, upstream.last_error)
+            except aiohttp.ClientError as e:
+                raise UpstreamError(502, f"prefill instance {upstream.url} is unreachable or failed: {e}", upstream)
+            finally:
+                upstream.outstanding -= 1
         try:
             answer = json.loads(data)
         except ValueError:
@@ -314,15 +447,52 @@ class Router:
     async def _decode(
         self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> web.StreamResponse:
-        """Sends the decode request and passes its answer on as it comes."""
+        """Sends the decode request and passes its answer on as it comes. An instance that
+        cannot be reached (nothing was sent) is retried on another; when none can be, or
+        the client leaves before an answer began, the prefill's leases are given back
+        (``LeaseReleaser``) rather than left to expire. A decode that failed after the
+        request reached it is never retried: it may have read the hand-off, or streamed."""
+        params = body.get("kv_transfer_params")
+        tried: list[Upstream] = []
+        while True:
+            upstream = self.decode.pick(tried)
+            if upstream is None:
+                self.releaser.release(params, "no decode instance could be reached")
+                return error_response(502, _none_answered("decode", tried), tried[-1])
+            tried.append(upstream)
+            began: list[bool] = []  # set once the decode's answer began
+            try:
+                return await self._decode_on(upstream, request, path, body, headers, began)
+            except _Unreachable:
+                continue
+            except asyncio.CancelledError:
+                # The client left (its handler is cancelled). Unless an answer had begun
+                # (then the decode had the request, and vLLM aborts it as the connection
+                # closes, releasing what it had not read), the hand-off is given back.
+                if not began:
+                    self.releaser.release(params, "the client left before its decode answer began")
+                raise
+
+    async def _decode_on(
+        self,
+        upstream: Upstream,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        began: list[bool],
+    ) -> web.StreamResponse:
+        """The decode request on ``upstream`` (``began`` gets an entry once its answer
+        begins); ``_Unreachable`` when it could not be connected to (nothing was sent)."""
         assert self.session is not None
-        upstream = self.decode.pick()
         url = upstream.url + path
         upstream.outstanding += 1
         response: Optional[web.StreamResponse] = None
         try:
             streaming = bool(body.get("stream"))
             async with self.session.post(url, json=body, headers=headers, timeout=self._timeout(streaming)) as resp:
+                self.decode.mark_up(upstream)
+                began.append(True)
                 if resp.status >= 400:
                     data = await resp.read()
                     return _pass_through(resp.status, resp.content_type, data, upstream, "decode")
@@ -358,6 +528,11 @@ class Router:
             return await self._upstream_failed(request, response, upstream, f"the connection was reset: {e}")
         except asyncio.TimeoutError:
             return await self._upstream_failed(request, response, upstream, f"timed out after {self.timeout} s")
+        except aiohttp.ClientConnectorError as e:
+            self.decode.mark_down(upstream, self.down_for)
+            upstream.last_error = str(e) or type(e).__name__
+            logger.warning("decode instance %s cannot be reached (%s)", upstream.url, upstream.last_error)
+            raise _Unreachable() from e
         except aiohttp.ClientError as e:
             return await self._upstream_failed(request, response, upstream, f"is unreachable or failed: {e}")
         finally:
@@ -408,15 +583,30 @@ class Router:
                     ok = r.status == 200
             except (asyncio.TimeoutError, aiohttp.ClientError):
                 ok = False
-            return {"url": u.url, "healthy": ok, "outstanding": u.outstanding}
+            return {"url": u.url, "healthy": ok, "outstanding": u.outstanding, "in_rotation": not u.is_down(now)}
 
+        now = time.monotonic()
         pools = (self.prefill, self.decode)
         results = await asyncio.gather(*(check(u) for p in pools for u in p.upstreams))
         k = len(self.prefill.upstreams)
         body = {"prefill": results[:k], "decode": results[k:]}
         healthy = any(r["healthy"] for r in results[:k]) and any(r["healthy"] for r in results[k:])
         body["status"] = "ok" if healthy else "unavailable"
+        # Leases of prefill answers no decode instance got, given back by the router.
+        body["leases_released"] = self.releaser.released
+        body["releases_refused"] = self.releaser.refused
         return web.json_response(body, status=200 if healthy else 503)
+
+
+def _none_answered(kind: str, tried: list[Upstream]) -> str:
+    """The client's error message when every instance of ``kind`` failed before answering."""
+    if len(tried) == 1:
+        return f"{kind} instance {tried[0].url} is unreachable or failed: {tried[0].last_error}"
+    return f"no {kind} instance answered: " + "; ".join(f"{u.url}: {u.last_error}" for u in tried)
+
+
+class _Unreachable(Exception):
+    """A decode instance could not be connected to: nothing was sent, another may be tried."""
 
 
 class _PassThrough(Exception):
@@ -490,8 +680,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="data-parallel engines in each decode instance: as --prefill-dp-size, so that one engine reads "
         "the shared hand-off for all the children (default 1)",
     )
+    p.add_argument(
+        "--down-for", type=float, default=5.0, metavar="SECONDS",
+        help="an instance that cannot be connected to is out of rotation this long (its requests go to the "
+        "others, and are retried on them), then tried again (default 5)",
+    )
+    p.add_argument(
+        "--cluster-key-file", default=None, metavar="PATH",
+        help="the prefill instances' kvxfer cluster key (kvxfer_cluster_key), for giving back the leases of "
+        "prefill answers no decode instance got",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
+
+
+def _read_key(path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -506,6 +713,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         api_key=args.api_key,
         prefill_dp_size=args.prefill_dp_size,
         decode_dp_size=args.decode_dp_size,
+        down_for=args.down_for,
+        cluster_key=_read_key(args.cluster_key_file),
     )
     logger.info(
         "routing to prefill %s and decode %s",

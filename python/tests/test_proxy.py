@@ -27,8 +27,11 @@ class Upstream:
     """A stand-in vLLM instance. ``behave(kind, request, body)`` answers a generation
     request (default: a prefill's or a decode's answer); every request is recorded."""
 
-    def __init__(self, kind: str, behave: Optional[Callable[..., Awaitable[web.StreamResponse]]] = None):
+    def __init__(
+        self, kind: str, behave: Optional[Callable[..., Awaitable[web.StreamResponse]]] = None, port: int = 0
+    ):
         self.kind = kind
+        self.port = port
         self.behave = behave
         self.requests: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.cancelled = asyncio.Event()  # a handler was cancelled: its client went away
@@ -45,7 +48,7 @@ class Upstream:
         app.router.add_get("/health", self._health)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()
         host, port = self.runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
@@ -321,7 +324,7 @@ def test_an_unreachable_prefill_is_a_502_naming_it():
             async with s.client.get(s.url + "/health") as r:  # no prefill instance answers
                 assert r.status == 503
                 health = await r.json()
-                assert health["prefill"][0] == {"url": dead, "healthy": False, "outstanding": 0}
+                assert health["prefill"][0] == {"url": dead, "healthy": False, "outstanding": 0, "in_rotation": False}
                 assert health["decode"][0]["healthy"] is True
     run(go())
 
@@ -360,6 +363,106 @@ def test_decode_errors_pass_through_and_an_unreachable_decode_is_a_502():
             status, body, _ = await s.post("/v1/chat/completions", {"messages": []})
             assert status == 502 and dead in json.loads(body)["error"]["message"]
     run(go())
+
+
+def test_an_unreachable_decode_is_retried_on_another_and_out_of_rotation_until_it_answers():
+    async def go():
+        dead = closed_port_url()
+        p, d = Upstream("prefill"), Upstream("decode")
+        async with Setup([p], [dead, d], down_for=0.3) as s:
+            for i in range(3):
+                status, body, headers = await s.post("/v1/completions", {"prompt": "x", "stream": i == 1})
+                assert status == 200, body
+                assert headers["X-Kvxfer-Upstream"] == d.url
+            assert len(d.requests) == 3
+            async with s.client.get(s.url + "/health") as r:
+                health = await r.json()
+                assert [u["in_rotation"] for u in health["decode"]] == [False, True]
+            # The instance comes back on its port: once its time out of rotation is over it
+            # gets requests again (the pool's cursor and least-outstanding order).
+            back = Upstream("decode", port=int(dead.rsplit(":", 1)[1]))
+            await back.start()
+            try:
+                await asyncio.sleep(0.4)
+                for _ in range(4):
+                    status, _, _ = await s.post("/v1/completions", {"prompt": "x"})
+                    assert status == 200
+                assert back.requests, "the instance that answers again got no request"
+                assert s.router.decode.upstreams[0].down_until == 0.0
+            finally:
+                await back.stop()
+    run(go())
+
+
+def test_an_unreachable_prefill_is_retried_on_another_and_all_unreachable_is_one_502():
+    async def go():
+        dead, dead2 = closed_port_url(), closed_port_url()
+        p, d = Upstream("prefill"), Upstream("decode")
+        async with Setup([dead, p], [d]) as s:
+            for _ in range(2):
+                status, body, headers = await s.post("/v1/completions", {"prompt": "x"})
+                assert status == 200, body
+            assert len(p.requests) == 2 and len(d.requests) == 2
+        async with Setup([dead, dead2], [d]) as s:
+            status, body, _ = await s.post("/v1/completions", {"prompt": "x"})
+            assert status == 502
+            message = json.loads(body)["error"]["message"]
+            assert dead in message and dead2 in message, message
+    run(go())
+
+
+@pytest.fixture
+def leased():
+    """A real prefill agent and a parent of two children leased on it: the params vLLM's
+    prefill answer carries (``kvxfer_children``)."""
+    kvxfer = pytest.importorskip("kvxfer")
+    import numpy as np
+
+    cache = np.zeros((2, 8, 4, 2, 16), dtype=np.float16)
+    agent = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([cache]), engine_id="prefill-engine")
+    children = [h.to_params() for h in agent.lease_parent("R", [[1], [2]])]
+    params = dict(children[0], kvxfer_children=children)
+    yield agent, params
+    agent.shutdown()
+
+
+def test_no_decode_reachable_gives_the_prefills_leases_back_before_the_502(leased):
+    agent, params = leased
+
+    async def prefill_answer(up: Upstream, request: web.Request, body: dict[str, Any]) -> web.Response:
+        return web.json_response({"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}], "kv_transfer_params": params})
+
+    async def go():
+        dead, dead2 = closed_port_url(), closed_port_url()
+        async with Setup([Upstream("prefill", prefill_answer)], [dead, dead2]) as s:
+            status, body, _ = await s.post("/v1/completions", {"prompt": "x", "n": 2})
+            assert status == 502
+            assert dead in json.loads(body)["error"]["message"]
+            await s.router.releaser.drain()
+            assert (s.router.releaser.released, s.router.releaser.refused) == (2, 0)
+    run(go())
+    ends = agent.wait_ends(2, timeout=10)
+    assert sorted((e["kind"], e["child_index"]) for e in ends) == [("released", 0), ("released", 1)]
+
+
+def test_a_client_gone_before_the_decode_answered_gives_the_leases_back(leased):
+    agent, params = leased
+
+    async def prefill_answer(up: Upstream, request: web.Request, body: dict[str, Any]) -> web.Response:
+        return web.json_response({"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}], "kv_transfer_params": params})
+
+    async def go():
+        p, d = Upstream("prefill", prefill_answer), Upstream("decode", hold)
+        async with Setup([p], [d]) as s:
+            task = asyncio.ensure_future(s.post("/v1/completions", {"prompt": "x", "n": 2}))
+            await asyncio.wait_for(d.entered.wait(), 5)
+            task.cancel()  # the client leaves while the decode holds its answer
+            await asyncio.wait_for(d.cancelled.wait(), 5)
+            await _eventually(lambda: s.router.releaser.released + s.router.releaser.refused == 2, timeout=15)
+            assert s.router.releaser.released == 2
+    run(go())
+    ends = agent.wait_ends(2, timeout=10)
+    assert {e["kind"] for e in ends} == {"released"}
 
 
 # ---------------------------------------------------------------------- disconnects
