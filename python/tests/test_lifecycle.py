@@ -22,6 +22,9 @@ CHILD = textwrap.dedent(
     src = np.zeros((2, 8, 4, 2, 16), dtype=np.float16)
     agent = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]))
     agent.lease("P", 0, 1, [1])  # a live lease: the shutdown releases it and logs so
+    # Python's own SIGINT handler, as in a terminal: a test run started in the background
+    # by a shell without job control inherits SIGINT ignored (then Python installs none).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mode = sys.argv[1]
     if mode == "exit":
         kvxfer.shutdown_at_exit(agent)
