@@ -55,10 +55,12 @@ reached, the prefill's leases are given back at once (the router runs a small kv
 decode agent that pulls nothing; ``--cluster-key-file`` when the instances have a key)
 before the 502.
 
-A client that disconnects cancels the upstream request it waits for (vLLM aborts it). A
-client gone after the prefill answered, before the decode's answer began, has the
-prefill's leases given back as well (a decode that already read them answers that they
-ended; vLLM aborts the decode request as the connection closes).
+A client that disconnects during its prefill does not cut the prefill request off: vLLM
+may have made its leases before it would see the connection go, so the answer is read to
+the end and its leases given back. A client gone after the prefill answered, before the
+decode's answer began, has the prefill's leases given back as well (a decode that already
+read them answers that they ended), and its decode request is cancelled (vLLM aborts it as
+the connection closes), as is a decode request whose client leaves mid-answer.
 
 The client's ``Authorization`` header is forwarded to every upstream. With ``--api-key KEY``
 the router itself also requires ``Authorization: Bearer KEY`` (as ``vllm serve --api-key``).
@@ -371,8 +373,18 @@ class Router:
 
         params = None
         if chat or not several_prompts(body):
+            prefill = asyncio.ensure_future(
+                self._prefill(path, prefill_request(body, chat, n), self._pinned(headers, "prefill", n))
+            )
             try:
-                params = await self._prefill(path, prefill_request(body, chat, n), self._pinned(headers, "prefill", n))
+                # Shielded: a client that leaves does not cut the prefill request off. vLLM
+                # may have finished it (its leases made) before it sees the connection go,
+                # and an answer the router never reads leaves them to expire; read to the
+                # end, its leases are given back instead.
+                params = await asyncio.shield(prefill)
+            except asyncio.CancelledError:
+                prefill.add_done_callback(self._release_unused)
+                raise
             except UpstreamError as e:
                 return e.response()
             except _PassThrough as e:
@@ -380,6 +392,12 @@ class Router:
         else:
             logger.info("a completion request with several prompts: decoded without a prefill instance")
         return await self._decode(request, path, decode_request(body, params), self._pinned(headers, "decode", n))
+
+    def _release_unused(self, prefill: "asyncio.Future[Optional[dict[str, Any]]]") -> None:
+        """A prefill answer whose client left while it was awaited: its leases go back."""
+        if prefill.cancelled() or prefill.exception() is not None:
+            return
+        self.releaser.release(prefill.result(), "the client left during its prefill")
 
     def _pinned(self, headers: dict[str, str], kind: str, n: int) -> dict[str, str]:
         """``headers``, with a data-parallel rank for a request with n > 1 to an instance of

@@ -481,17 +481,30 @@ def test_a_client_gone_mid_stream_cancels_the_decode_request():
     run(go())
 
 
-def test_a_client_gone_during_the_prefill_cancels_it_and_never_decodes():
+def test_a_client_gone_during_the_prefill_has_its_answer_read_and_its_leases_given_back(leased):
+    """vLLM may make a prefill's leases before it sees its client go: the router does not cut
+    the prefill request off, reads its answer and gives its leases back; nothing is decoded."""
+    agent, params = leased
+
+    async def prefill_answer(up: Upstream, request: web.Request, body: dict[str, Any]) -> web.Response:
+        await up.release.wait()
+        return web.json_response({"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}], "kv_transfer_params": params})
+
     async def go():
-        p, d = Upstream("prefill", hold), Upstream("decode")
+        p, d = Upstream("prefill", prefill_answer), Upstream("decode")
         async with Setup([p], [d]) as s:
-            task = asyncio.ensure_future(s.post("/v1/completions", {"prompt": "x"}))
+            task = asyncio.ensure_future(s.post("/v1/completions", {"prompt": "x", "n": 2}))
             await asyncio.wait_for(p.entered.wait(), 5)
             task.cancel()  # closes the client's connection
-            await asyncio.wait_for(p.cancelled.wait(), 5)
-            await _eventually(lambda: s.router.prefill.upstreams[0].outstanding == 0)
+            await asyncio.sleep(0.2)
+            assert not p.cancelled.is_set(), "the prefill request was cut off"
+            p.release.set()  # the prefill answers, to nobody
+            await _eventually(lambda: s.router.releaser.released == 2, timeout=15)
+            assert s.router.prefill.upstreams[0].outstanding == 0
             assert d.requests == []
     run(go())
+    ends = agent.wait_ends(2, timeout=10)
+    assert {e["kind"] for e in ends} == {"released"}
 
 
 async def _eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -1,0 +1,271 @@
+"""Disaggregated serving under load and faults: real engines of vLLM's CPU build (a prefill
+and a decode instance with kvxfer's connector, each a ``vllm serve`` process bound to a core
+of its own) behind ``python -m kvxfer.proxy``, driven by ``kvxfer.loadgen`` (n = 1 and 4,
+streamed and not, completions and chat, multi-turn prompts, a share of clients that give up
+at random moments) while the runner:
+
+1. kills the decode instance (``kill -9``, its whole process group) and starts it again;
+2. kills the router and starts it again on its port;
+3. kills the prefill instance and starts it again;
+4. sends a prefill request whose decode leg never comes (a client that left between them);
+
+then stops the load, lets the engines quiesce and checks what must hold whatever happened:
+
+- every request ended — with an answer or an OpenAI-style error — within the bound
+  (lease TTL + io timeout + slack; a request in flight when its instance died included);
+- the errors are of the kinds a fault explains (502s, cut streams, connection errors while
+  the router was down), never a short or malformed answer;
+- every answer that came back equals the prefill engine's own for the same seed (no decode
+  read KV that was not its prompt's);
+- the prefill incarnation that lived to the end balances its leases (made = pulled +
+  released + expired, none live) with exactly one expired — the hand-off whose decode never
+  came — and both engines' KV-cache usage goes back to idle within a lease TTL.
+
+The short form (the default: 4 clients, faults a few seconds apart, about 5 minutes on two
+cores with the engines' restarts) runs in the README's test command. The long form:
+``KVXFER_FAULTS_CONCURRENCY=32 KVXFER_FAULTS_SECONDS=600`` (load before, between and after
+the faults) and ``KVXFER_FAULTS_REPORT=<file>`` to keep the JSON report
+(BENCHMARKING.md, "Serving under faults").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from test_serve_router import (  # noqa: E402
+    CPU_PY,
+    KVXFER_PATH,
+    Proc,
+    engine_argv,
+    free_port,
+    http_get,
+    make_model,
+    wait_ready,
+)
+
+loadgen = pytest.importorskip("kvxfer.loadgen", reason="the load generator needs aiohttp (the `proxy` extra)")
+
+LEASE_TTL = 10  # s
+IO_TIMEOUT = 10  # s: the connector's default kvxfer_io_timeout
+SLACK = 60  # s: an engine starting on the other core starves the one serving
+BOUND = LEASE_TTL + IO_TIMEOUT + SLACK
+CONCURRENCY = int(os.environ.get("KVXFER_FAULTS_CONCURRENCY", "4"))
+# Seconds of load before the first fault, between faults and after the last.
+PHASE = float(os.environ.get("KVXFER_FAULTS_SECONDS", "60")) / 4
+REPORT = os.environ.get("KVXFER_FAULTS_REPORT")
+
+
+class Stack:
+    """The engines and the router, each restartable on its port."""
+
+    def __init__(self, work: str, model: str) -> None:
+        self.work = work
+        self.model = model
+        pythonpath = os.pathsep.join(p for p in (KVXFER_PATH, os.environ.get("PYTHONPATH")) if p)
+        self.env = dict(
+            os.environ, PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
+            PYTHONUNBUFFERED="1",
+        )
+        self.ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
+        self.procs: dict[str, Proc] = {}
+        self.starts = {"prefill": 0, "decode": 0, "router": 0}
+        self.all_procs: list[Proc] = []
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def start(self, name: str) -> None:
+        self.starts[name] += 1
+        label = f"{name}-{self.starts[name]}"
+        if name == "router":
+            argv = [
+                sys.executable, "-m", "kvxfer.proxy", "--port", str(self.ports["router"]),
+                "--prefill", self.url("prefill"), "--decode", self.url("decode"), "--timeout", "300",
+            ]
+            env = self.env
+        else:
+            role, core = ("kv_producer", 0) if name == "prefill" else ("kv_consumer", 1)
+            argv = engine_argv(self.model, self.ports[name], role, LEASE_TTL)
+            env = dict(self.env, VLLM_CPU_OMP_THREADS_BIND=str(min(core, (os.cpu_count() or 1) - 1)))
+        proc = Proc(label, argv, env, self.work)
+        self.procs[name] = proc
+        self.all_procs.append(proc)
+
+    def ready(self, name: str) -> None:
+        wait_ready(self.procs[name], self.url(name), timeout=900 if name != "router" else 60)
+
+    def kill9(self, name: str) -> None:
+        """``kill -9`` of the instance's whole process group (its API server and engine)."""
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.p.wait(timeout=60)
+
+    def metrics(self, name: str) -> dict[str, float]:
+        status, text = http_get(self.url(name) + "/metrics")
+        assert status == 200, text[:300]
+        return loadgen.parse_metrics(text)
+
+    def tails(self) -> str:
+        return "\n".join(p.tail(40) for p in self.all_procs)
+
+    def stop(self) -> None:
+        for p in reversed(self.all_procs):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("serving_faults"))
+    s = Stack(work, make_model(CPU_PY, work))
+    try:
+        s.start("prefill")
+        s.start("decode")
+        s.ready("prefill")
+        s.ready("decode")
+        s.start("router")
+        s.ready("router")
+        yield s
+    finally:
+        s.stop()
+
+
+def never_decoded(stack: Stack) -> None:
+    """A prefill request as the router sends it, whose decode request never comes."""
+    body = {
+        "model": "tiny", "prompt": "a hand-off nobody comes for " * 4, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "kvxfer_n": 1},
+    }
+    req = urllib.request.Request(
+        stack.url("prefill") + "/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        answer = json.loads(r.read())
+    assert answer.get("kv_transfer_params"), f"the prefill answer has no hand-off: {answer}"
+
+
+def phases(results: list[Any], t0: float, at: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Latency and errors before the first fault, between it and the prefill's return, and
+    after; and for each instance killed, the seconds from its kill to the first request
+    (started after it) that succeeded."""
+    keys = ("requests", "ok", "aborted", "errors", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s")
+    spans = {
+        "before faults": (0.0, at["decode killed"]),
+        "faults": (at["decode killed"], at["prefill back"]),
+        "after faults": (at["prefill back"], at["load stopped"]),
+    }
+    out = {}
+    for name, (a, b) in spans.items():
+        chosen = [r for r in results if a <= r.started - t0 < b]
+        summary = loadgen.summarize(chosen, b - a)
+        out[name] = {k: summary[k] for k in keys}
+    recovery = {}
+    for name in ("decode", "router", "prefill"):
+        killed = at[f"{name} killed"]
+        done = [r.started - t0 + r.latency for r in results if r.ok and r.started - t0 >= killed]
+        recovery[name] = round(min(done) - killed, 1) if done else None
+    return out, recovery
+
+
+def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(stack):
+    cfg = loadgen.LoadConfig(
+        url=stack.url("router"), duration=24 * 3600, concurrency=CONCURRENCY, abort_share=0.1,
+        request_timeout=BOUND + 60, max_tokens=8,
+    )
+    results: list[Any] = []
+    stop = threading.Event()
+    report: dict[str, Any] = {}
+    load = threading.Thread(target=lambda: report.update(asyncio.run(loadgen.run_load(cfg, results, stop))))
+    timeline: list[tuple[float, str]] = []
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:
+        timeline.append((round(time.monotonic() - t0, 1), what))
+
+    load.start()
+    try:
+        time.sleep(PHASE)
+        mark("decode killed")
+        stack.kill9("decode")
+        stack.start("decode")
+        stack.ready("decode")
+        mark("decode back")
+        time.sleep(PHASE / 3)
+        mark("router killed")
+        stack.kill9("router")
+        stack.start("router")
+        stack.ready("router")
+        mark("router back")
+        time.sleep(PHASE / 3)
+        mark("prefill killed")
+        stack.kill9("prefill")
+        stack.start("prefill")
+        stack.ready("prefill")
+        mark("prefill back")
+        prefill_back = len(results)
+        never_decoded(stack)
+        mark("a prefill answer never decoded")
+        time.sleep(PHASE)
+    finally:
+        stop.set()
+        load.join(timeout=BOUND + 120)
+        mark("load stopped")
+    assert not load.is_alive(), "a client is still waiting for an answer"
+    try:
+        # Quiesce: the leases of the prefill's last incarnation all end (the never-decoded one
+        # by expiry, one TTL after it) and both caches go back to idle.
+        deadline = time.monotonic() + LEASE_TTL + 30
+        while True:
+            p, d = stack.metrics("prefill"), stack.metrics("decode")
+            ended = sum(p.get(f"leases_{k}", 0.0) for k in ("pulled", "released", "expired"))
+            idle = p.get("kv_cache_usage_perc", 0.0) == 0.0 and d.get("kv_cache_usage_perc", 0.0) == 0.0
+            if (ended == p.get("leases_made", 0.0) and p.get("leases_expired", 0.0) >= 1 and idle) or (
+                time.monotonic() > deadline
+            ):
+                break
+            time.sleep(1)
+        mark("quiesced")
+        reference = asyncio.run(loadgen.check_against_reference(
+            loadgen.LoadConfig(url=cfg.url, reference=stack.url("prefill"), request_timeout=120, concurrency=4), results
+        ))
+        status, health = http_get(stack.url("router") + "/health")
+        router = json.loads(health) if status in (200, 503) else {}
+        summary = loadgen.summarize(results, report.get("wall_s") or 0.0)
+        summary["router_released"] = {k: router.get(k) for k in ("leases_released", "releases_refused")}
+        summary["phases"], summary["kill_to_first_answer_s"] = phases(results, t0, dict((w, t) for t, w in timeline))
+        summary.update(reference=reference, prefill=p, decode=d, timeline=timeline, bound_s=BOUND,
+                       after_prefill_restart_ok=sum(1 for r in results[prefill_back:] if r.ok))
+        print(json.dumps(summary, indent=2))
+        if REPORT:
+            with open(REPORT, "w") as f:
+                json.dump(summary, f, indent=2)
+
+        late = [r for r in results if not r.aborted and r.latency > BOUND]
+        assert not late, f"{len(late)} requests outlived {BOUND} s: {[(r.error, r.latency) for r in late[:5]]}"
+        unexplained = {k: v for k, v in summary["errors"].items() if k in ("incomplete", "bad_answer", "timeout")}
+        assert not unexplained, f"errors no fault explains: {unexplained} {summary['error_examples']}"
+        assert summary["after_prefill_restart_ok"] > 0, "no request succeeded after the prefill came back"
+        assert reference["differ"] == 0, f"answers differ from the prefill engine's: {reference['examples']}"
+        assert reference["checked"] == summary["ok"] and reference["checked"] > 0, reference
+        assert p.get("leases_made", 0.0) > 0, p
+        assert ended == p["leases_made"], f"the prefill's leases do not balance: {p}"
+        assert p.get("leases_expired", 0.0) == 1, f"only the never-decoded hand-off may expire: {p}"
+        assert idle, f"a KV cache did not go back to idle: prefill {p}, decode {d}"
+    except AssertionError as e:
+        raise AssertionError(f"{e}\ntimeline {timeline}\n{stack.tails()}") from e
