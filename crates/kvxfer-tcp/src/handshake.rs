@@ -510,7 +510,14 @@ pub async fn accept_buffered<S: AsyncRead + AsyncWrite + Unpin>(
     let authenticated = proven.is_some();
     debug!(%peer, peer_engine = %Peer(&hello.engine_id), peer_agent = %Peer(&hello.agent_name), authenticated, "handshake ok");
     scratch.clear();
-    Frame::HelloAck(v1::HelloAck { authenticated, ..ctx.hello_ack.clone() }).encode(scratch);
+    let ack = if hello.control_only {
+        // A connection that only cancels is told nothing about the data paths (UCX worker
+        // addresses, memory keys) it may not use.
+        v1::HelloAck { authenticated, transports: Vec::new(), ..ctx.hello_ack.clone() }
+    } else {
+        v1::HelloAck { authenticated, ..ctx.hello_ack.clone() }
+    };
+    Frame::HelloAck(ack).encode(scratch);
     if let Some((key, nonce_p, proof)) = proven {
         // Over the exact bytes of the HelloAck body just encoded.
         let t = Transcript { nonce_d: &hello.nonce, nonce_p: &nonce_p, hello: &hello_body };

@@ -325,10 +325,12 @@ fn a_decode_that_can_never_pull_still_releases_the_lease(t: Transport) {
     assert_eq!((ends[0].child_index, ends[0].kind), (0, EndKind::Released));
     assert!(started.elapsed() < TTL);
     assert_eq!(decode.stats().leases_released, 1);
-    // A second release of it is answered (already released), nothing else moves.
+    // A second release of it is answered (already released), nothing else moves; it goes
+    // straight to a control-only connection (no second refused handshake).
     assert!(decode.release(&result.children()[0]));
     let s = prefill.stats();
     assert_eq!((s.leases.released, s.leases.pulled, s.leases.live), (1, 0, 1));
+    assert_eq!(s.server.handshakes_refused, 1);
     // The pull of the other child is still refused, as before.
     let report = decode.submit_subset(&result, vec![(1, vec![2])]).expect("submit").wait();
     assert!(
@@ -401,6 +403,7 @@ fn a_control_only_connection_only_cancels() {
         let refused = raw_connect(&addr, &raw_hello(&other, "raw")).await;
         assert!(matches!(refused, Err(kvxfer_tcp::ClientError::Incompatible { .. })), "{refused:?}");
         let mut c = raw_connect(&addr, &hello).await.expect("a control-only connection is accepted");
+        assert!(c.peer_hello().transports.is_empty(), "a control-only peer is told no data path");
         let lease = kvxfer_proto::v1::LeaseRef {
             remote_request_id: "CO".into(),
             lease_token: h.token().as_bytes().to_vec(),

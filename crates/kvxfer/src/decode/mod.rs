@@ -137,6 +137,7 @@ impl DecodeAgent {
             ucx: ucx.map(crate::runtime::DropOffRuntime::new),
             hello,
             peers: Mutex::new(HashMap::new()),
+            refused_layouts: Mutex::new(HashSet::new()),
             busy: Arc::new(Mutex::new(HashSet::new())),
             reclaimed_tx,
             counters: Arc::new(Counters::default()),
@@ -384,6 +385,12 @@ impl DecodeAgent {
             Ok(addr) => addr,
             Err(e) => return self.release_refused(child, &e),
         };
+        let id = child.remote_request_id().to_owned();
+        let op = ControlOp::Cancel { id, token: child.token().as_bytes().to_vec() };
+        if self.inner.layouts_refused_at(&addr) {
+            let answer = self.release_control_only(&addr, child, &op).await;
+            return self.count_release(child, answer);
+        }
         let peer = self.inner.peer(&addr);
         let want = child.engine();
         // A pooled connection may predate a restart (a crash sends no FIN): another
@@ -394,12 +401,12 @@ impl DecodeAgent {
             Ok(ack) if want.incarnation != 0 && !same(&ack) => peer.fresh_hello(&self.inner).await,
             other => other,
         };
-        let id = child.remote_request_id().to_owned();
-        let op = ControlOp::Cancel { id, token: child.token().as_bytes().to_vec() };
         let answer = match ack {
             Err(ClientError::Incompatible { code: ErrorCode::CompatMismatch, .. }) => {
                 // This cache can never read the hand-off (block size, shapes): the lease is
-                // given back on a connection that only cancels, whose layouts go unchecked.
+                // given back on a connection that only cancels, whose layouts go unchecked
+                // (and so are the next releases to this address).
+                self.inner.remember_layouts_refused(&addr);
                 self.release_control_only(&addr, child, &op).await
             }
             // A lease of another incarnation than the one answering at the address went
@@ -411,6 +418,11 @@ impl DecodeAgent {
             Err(e) if want.incarnation != 0 => return self.release_refused(child, &e),
             _ => peer.exchange(&self.inner, &op, &AtomicBool::new(true)).await.map(|(r, _)| r),
         };
+        self.count_release(child, answer)
+    }
+
+    /// Counts and logs the answer to a release; whether the prefill side released the lease.
+    fn count_release(&self, child: &ChildHandoff, answer: Option<Result<ControlReply, ClientError>>) -> bool {
         let released = matches!(
             answer,
             Some(Ok(ControlReply::Cancel(LeaseOutcome::Released | LeaseOutcome::AlreadyReleased)))
@@ -437,7 +449,16 @@ impl DecodeAgent {
         let want = child.engine();
         let io = self.inner.config.limits.io_timeout;
         let exchange = async {
-            let mut conn = self.inner.connect_control_only(addr).await?;
+            let mut conn = match self.inner.connect_control_only(addr).await {
+                // Refused at a connection limit: the peer is there and busy; one retry after
+                // a jittered pause, as a control exchange does.
+                Err(ClientError::Busy { .. }) => {
+                    let pause = std::time::Duration::from_millis(20 + rand::random::<u64>() % 80);
+                    tokio::time::sleep(pause).await;
+                    self.inner.connect_control_only(addr).await?
+                }
+                other => other?,
+            };
             let ack = conn.peer_hello();
             if want.incarnation != 0
                 && (ack.engine_id != want.engine_id || ack.incarnation != want.incarnation)

@@ -25,6 +25,9 @@ use super::report::{add, Counters, Reclaimed};
 use crate::AgentConfig;
 
 /// What a decode agent's tasks share.
+/// At most this many prefill addresses are remembered as refusing this agent's layouts.
+pub(super) const REFUSED_LAYOUTS_CAP: usize = 4096;
+
 pub(crate) struct Inner {
     pub(crate) config: AgentConfig,
     pub(crate) memory: Arc<KvMemory>,
@@ -34,6 +37,10 @@ pub(crate) struct Inner {
     pub(super) hello: v1::Hello,
     pub(crate) consumer_id: String,
     pub(super) peers: Mutex<HashMap<String, Arc<Peer>>>,
+    /// Prefill addresses whose handshake refused this agent's layouts: releases to them go
+    /// straight to a control-only connection (not a refused handshake first). Bounded:
+    /// forgotten all at once past [`REFUSED_LAYOUTS_CAP`] addresses.
+    pub(super) refused_layouts: Mutex<HashSet<String>>,
     /// Destination blocks of pulls under way, and blocks held by reads UCX could not stop.
     pub(crate) busy: Arc<Mutex<HashSet<BlockId>>>,
     #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
@@ -148,6 +155,20 @@ impl Inner {
         };
         add(&self.counters.connections_opened, 1);
         Ok(c)
+    }
+
+    /// Whether `addr` refused this agent's layouts at a handshake before.
+    pub(super) fn layouts_refused_at(&self, addr: &str) -> bool {
+        self.refused_layouts.lock().unwrap_or_else(|p| p.into_inner()).contains(addr)
+    }
+
+    /// Remembers that `addr` refused this agent's layouts.
+    pub(super) fn remember_layouts_refused(&self, addr: &str) {
+        let mut set = self.refused_layouts.lock().unwrap_or_else(|p| p.into_inner());
+        if set.len() >= REFUSED_LAYOUTS_CAP {
+            set.clear();
+        }
+        set.insert(addr.to_owned());
     }
 
     /// A connection that may only cancel leases (`Hello::control_only`): the prefill side
