@@ -4,7 +4,8 @@
 Clients (``--concurrency``) drive an OpenAI-compatible endpoint — kvxfer's router in front
 of prefill and decode instances, or anything else — for ``--duration`` seconds with a mix of
 requests: n = 1 and n = 4 (``--n4-share``), streamed and not, completions and chat, seeded
-sampling with ``ignore_eos`` (every choice has ``--max-tokens`` tokens). Each client holds a
+sampling with ``ignore_eos`` (every choice has ``--max-tokens`` tokens); a client backs off
+after an error (0.1 s, doubling up to 2 s, until an answer comes). Each client holds a
 conversation of ``--turns`` turns, each turn's prompt the last one's plus its answer, so the
 prefix caches of both instances are hit. ``--abort-share`` of the requests are given up by
 their client at a random moment (during the prefill, between the legs, mid-stream): they
@@ -184,7 +185,11 @@ async def send(session: aiohttp.ClientSession, cfg: LoadConfig, r: Result, base:
                 r.error, r.detail = f"http_{resp.status}", (await resp.text())[:300]
                 return
             if not r.stream:
-                answer = await resp.json(content_type=None)
+                try:
+                    answer = await resp.json(content_type=None)
+                except ValueError as e:  # a body cut short, or not JSON
+                    r.error, r.detail = "bad_answer", f"not a JSON answer: {e}"[:300]
+                    return
                 if not isinstance(answer, dict) or "choices" not in answer:
                     r.error, r.detail = "bad_answer", str(answer)[:300]
                     return
@@ -194,7 +199,7 @@ async def send(session: aiohttp.ClientSession, cfg: LoadConfig, r: Result, base:
                 done = False
                 buffer = b""
                 async for chunk in resp.content.iter_any():
-                    buffer += chunk
+                    buffer = (buffer + chunk).replace(b"\r\n", b"\n")
                     while b"\n\n" in buffer:
                         event, buffer = buffer.split(b"\n\n", 1)
                         for line in event.split(b"\n"):
@@ -209,7 +214,10 @@ async def send(session: aiohttp.ClientSession, cfg: LoadConfig, r: Result, base:
                             except ValueError:
                                 r.error, r.detail = "bad_answer", data[:300].decode("utf-8", "replace")
                                 continue
-                            if isinstance(payload, dict) and "error" in payload:
+                            if not isinstance(payload, dict):
+                                r.error, r.detail = "bad_answer", data[:300].decode("utf-8", "replace")
+                                continue
+                            if "error" in payload:
                                 r.error, r.detail = "stream_error", json.dumps(payload["error"])[:300]
                                 continue
                             if r.ttft is None and any(
@@ -240,6 +248,7 @@ async def _client(
 ) -> None:
     rng = random.Random(cfg.seed * 1_000_003 + index)
     conv = Conversation(rng, cfg.turns)
+    failures = 0
     while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
         kind, body = request_body(cfg, conv, rng)
         r = Result(index, kind, body["n"], bool(body["stream"]), body, time.monotonic())
@@ -257,8 +266,11 @@ async def _client(
         await send(session, cfg, r, cfg.url)
         if r.ok:
             conv.advance(r.texts.get(0, ""))
+            failures = 0
         else:
-            await asyncio.sleep(0.2)  # an instance may be down: do not spin
+            # An instance may be down: back off as a client would (0.1 s doubling to 2 s).
+            await asyncio.sleep(min(2.0, 0.1 * 2**failures))
+            failures += 1
 
 
 def _session(cfg: LoadConfig) -> aiohttp.ClientSession:
@@ -294,8 +306,8 @@ async def check_against_reference(cfg: LoadConfig, results: list[Result]) -> dic
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """kvxfer's lease counters (summed over label sets) and vLLM's KV-cache usage (the
-    largest over engines) from a Prometheus text page."""
+    """kvxfer's lease and pull counters (summed over label sets) and vLLM's KV-cache usage
+    (the largest over engines) from a Prometheus text page."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r"^(vllm:[a-z_]+?)(?:_total)?(?:\{[^}]*\})?\s+(\S+)$", line)
@@ -305,6 +317,9 @@ def parse_metrics(text: str) -> dict[str, float]:
         for k in LEASE_COUNTERS:
             if name == f"vllm:kvxfer_leases_{k}":
                 out[f"leases_{k}"] = out.get(f"leases_{k}", 0.0) + value
+        if name in ("vllm:kvxfer_pulls_done", "vllm:kvxfer_pulls_failed"):
+            key = name.split(":kvxfer_", 1)[1]
+            out[key] = out.get(key, 0.0) + value
         if name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
             out["kv_cache_usage_perc"] = max(out.get("kv_cache_usage_perc", 0.0), value)
     return out
@@ -389,7 +404,7 @@ def metrics_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
     out: dict[str, Any] = {}
     for name, now in after.items():
         then = before.get(name, {})
-        out[name] = {k: (v - then.get(k, 0.0) if k.startswith("leases_") else v) for k, v in now.items()}
+        out[name] = {k: (v if k == "kv_cache_usage_perc" else v - then.get(k, 0.0)) for k, v in now.items()}
     return out
 
 

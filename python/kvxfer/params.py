@@ -42,8 +42,11 @@ def handoff_entries(params: Any) -> list[dict[str, Any]]:
 
 
 def every_rank(params: dict[str, Any]) -> list[dict[str, Any]]:
-    """One hand-off's params as each prefill rank serves it (``tp_size`` ranks; one when
-    ``tp_size`` is missing or not a positive int)."""
+    """One hand-off's params as each prefill rank serves it: ``tp_size`` ranks, at most as
+    many as ``kvxfer_rank_ports`` lists (a rank without an address of its own cannot be
+    reached; one when ``tp_size`` is missing or not a positive int)."""
     size = params.get("tp_size")
     ranks = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+    ports = params.get("kvxfer_rank_ports")
+    ranks = min(ranks, len(ports)) if isinstance(ports, list) and ports else 1
     return [rank_view(params, r) for r in range(ranks)]

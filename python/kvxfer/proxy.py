@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import copy
 import json
 import logging
@@ -169,6 +170,9 @@ class LeaseReleaser:
         self.io_timeout = io_timeout
         self._agent: Optional[DecodeAgent] = None
         self._lock = threading.Lock()
+        # Threads of its own: a release waits up to three io timeouts, and the loop's default
+        # pool also resolves host names for the HTTP client.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvxfer-release")
         self.released = 0
         self.refused = 0
         self._pending: set[asyncio.Future[None]] = set()
@@ -179,7 +183,7 @@ class LeaseReleaser:
         views = [v for entry in handoff_entries(params) for v in every_rank(entry)]
         if not views:
             return
-        future = asyncio.get_running_loop().run_in_executor(None, self._release_now, views, why)
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self._release_now, views, why)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
 
@@ -201,19 +205,32 @@ class LeaseReleaser:
                         worker_threads=1,
                     )
                 agent = self._agent
-            answers = agent.release(views, wait=True, timeout=3 * self.io_timeout) or []
-        except (KvxferError, TimeoutError) as e:
-            logger.error("could not release the %d leases of a prefill answer (%s): %s", len(views), why, e)
+        except (KvxferError, OSError) as e:
+            logger.error("could not start the router's kvxfer agent to release leases (%s): %s", why, e)
             with self._lock:
                 self.refused += len(views)
             return
+        try:
+            answers = agent.release(views, wait=True, timeout=3 * self.io_timeout) or []
+        except (KvxferError, TimeoutError, TypeError, ValueError, OverflowError):
+            # One malformed entry refuses the whole call: each alone, so the others go.
+            answers = [self._release_one(agent, v) for v in views]
         done = sum(1 for a in answers if a)
         with self._lock:
             self.released += done
             self.refused += len(views) - done
-        logger.info("%s: released %d of %d leases of its prefill answer", why, done, len(views))
+        ids = sorted({str(v.get("remote_request_id")) for v in views})
+        logger.info("%s: released %d of %d leases of its prefill answer (%s)", why, done, len(views), ", ".join(ids))
+
+    def _release_one(self, agent: DecodeAgent, view: dict[str, Any]) -> bool:
+        try:
+            return bool((agent.release([view], wait=True, timeout=3 * self.io_timeout) or [False])[0])
+        except (KvxferError, TimeoutError, TypeError, ValueError, OverflowError) as e:
+            logger.error("could not release lease %s: %s", view.get("remote_request_id"), e)
+            return False
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False)
         with self._lock:
             if self._agent is not None:
                 self._agent.shutdown()
@@ -292,6 +309,8 @@ class Router:
         decode_dp_size: int = 1,
         down_for: float = 5.0,
         cluster_key: Optional[str] = None,
+        connect_timeout: float = 5.0,
+        prefill_grace: float = 2.0,
     ) -> None:
         for name, size in (("prefill_dp_size", prefill_dp_size), ("decode_dp_size", decode_dp_size)):
             if size < 1:
@@ -307,6 +326,10 @@ class Router:
         self.api_key = api_key
         # An instance that cannot be reached is out of rotation this long.
         self.down_for = down_for
+        self.connect_timeout = connect_timeout
+        # How long a prefill whose client left is still awaited (its answer read, its leases
+        # given back) before it is cut off (vLLM then aborts it, making no lease).
+        self.prefill_grace = prefill_grace
         self.releaser = LeaseReleaser(cluster_key)
         self.session: Optional[aiohttp.ClientSession] = None
         self._warned: set[str] = set()
@@ -333,10 +356,13 @@ class Router:
         self.releaser.close()
 
     def _timeout(self, streaming: bool) -> aiohttp.ClientTimeout:
-        # A whole answer must come within the timeout; a stream's next chunk too.
+        # A whole answer must come within the timeout; a stream's next chunk too. A
+        # connection not made within connect_timeout counts as an unreachable instance (a
+        # host that drops packets never refuses).
+        connect = self.connect_timeout
         if streaming:
-            return aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
-        return aiohttp.ClientTimeout(total=self.timeout)
+            return aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=self.timeout)
+        return aiohttp.ClientTimeout(total=self.timeout, sock_connect=connect)
 
     def _headers(self, request: web.Request) -> dict[str, str]:
         return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
@@ -377,13 +403,15 @@ class Router:
                 self._prefill(path, prefill_request(body, chat, n), self._pinned(headers, "prefill", n))
             )
             try:
-                # Shielded: a client that leaves does not cut the prefill request off. vLLM
-                # may have finished it (its leases made) before it sees the connection go,
-                # and an answer the router never reads leaves them to expire; read to the
-                # end, its leases are given back instead.
+                # Shielded: a client that leaves does not cut the prefill request off at once.
+                # vLLM may have finished it (its leases made) before it sees the connection
+                # go, and an answer the router never reads leaves them to expire: an answer
+                # that comes within prefill_grace is read and its leases given back; a
+                # prefill still running then is cut off (vLLM aborts it, making no lease).
                 params = await asyncio.shield(prefill)
             except asyncio.CancelledError:
                 prefill.add_done_callback(self._release_unused)
+                asyncio.get_running_loop().call_later(self.prefill_grace, prefill.cancel)
                 raise
             except UpstreamError as e:
                 return e.response()
@@ -428,13 +456,13 @@ class Router:
                     if resp.status >= 400:
                         raise _PassThrough(_pass_through(resp.status, resp.content_type, data, upstream, "prefill"))
                 break
-            except asyncio.TimeoutError:
-                raise UpstreamError(502, f"prefill instance {upstream.url} timed out after {self.timeout} s", upstream)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
-                if isinstance(e, aiohttp.ClientConnectorError):
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as e:
+                if not isinstance(e, aiohttp.ServerDisconnectedError):
                     self.prefill.mark_down(upstream, self.down_for)
                 upstream.last_error = str(e) or type(e).__name__
                 logger.warning("prefill instance %s failed before answering (%s)", upstream.url, upstream.last_error)
+            except asyncio.TimeoutError:
+                raise UpstreamError(502, f"prefill instance {upstream.url} timed out after {self.timeout} s", upstream)
             except aiohttp.ClientError as e:
                 raise UpstreamError(502, f"prefill instance {upstream.url} is unreachable or failed: {e}", upstream)
             finally:
@@ -460,6 +488,9 @@ class Router:
         if not isinstance(params, (dict, list)):
             why = f"prefill instance {upstream.url} returned kv_transfer_params of type {type(params).__name__}"
             raise UpstreamError(502, why, upstream)
+        if logger.isEnabledFor(logging.DEBUG):
+            ids = sorted({str(e.get("remote_request_id")) for e in handoff_entries(params)})
+            logger.debug("prefill answer %s from %s: leases %s", answer.get("id"), upstream.url, ", ".join(ids))
         return params  # type: ignore[return-value]
 
     async def _decode(
@@ -478,6 +509,9 @@ class Router:
                 self.releaser.release(params, "no decode instance could be reached")
                 return error_response(502, _none_answered("decode", tried), tried[-1])
             tried.append(upstream)
+            if logger.isEnabledFor(logging.DEBUG):
+                ids = sorted({str(e.get("remote_request_id")) for e in handoff_entries(params)})
+                logger.debug("decode request to %s: leases %s", upstream.url, ", ".join(ids))
             began: list[bool] = []  # set once the decode's answer began
             try:
                 return await self._decode_on(upstream, request, path, body, headers, began)
@@ -544,13 +578,13 @@ class Router:
                 logger.info("client gone mid-answer; decode request to %s cancelled", upstream.url)
                 return response
             return await self._upstream_failed(request, response, upstream, f"the connection was reset: {e}")
-        except asyncio.TimeoutError:
-            return await self._upstream_failed(request, response, upstream, f"timed out after {self.timeout} s")
-        except aiohttp.ClientConnectorError as e:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             self.decode.mark_down(upstream, self.down_for)
             upstream.last_error = str(e) or type(e).__name__
             logger.warning("decode instance %s cannot be reached (%s)", upstream.url, upstream.last_error)
             raise _Unreachable() from e
+        except asyncio.TimeoutError:
+            return await self._upstream_failed(request, response, upstream, f"timed out after {self.timeout} s")
         except aiohttp.ClientError as e:
             return await self._upstream_failed(request, response, upstream, f"is unreachable or failed: {e}")
         finally:
@@ -704,6 +738,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "others, and are retried on them), then tried again (default 5)",
     )
     p.add_argument(
+        "--connect-timeout", type=float, default=5.0, metavar="SECONDS",
+        help="a connection to an instance not made within this long counts as unreachable (default 5)",
+    )
+    p.add_argument(
         "--cluster-key-file", default=None, metavar="PATH",
         help="the prefill instances' kvxfer cluster key (kvxfer_cluster_key), for giving back the leases of "
         "prefill answers no decode instance got",
@@ -733,6 +771,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         decode_dp_size=args.decode_dp_size,
         down_for=args.down_for,
         cluster_key=_read_key(args.cluster_key_file),
+        connect_timeout=args.connect_timeout,
     )
     logger.info(
         "routing to prefill %s and decode %s",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from typing import Any, Awaitable, Callable, Optional
 
 import pytest
@@ -391,6 +392,52 @@ def test_an_unreachable_decode_is_retried_on_another_and_out_of_rotation_until_i
                 assert s.router.decode.upstreams[0].down_until == 0.0
             finally:
                 await back.stop()
+    run(go())
+
+
+def silent_port_url() -> tuple[str, list[socket.socket]]:
+    """A port on 127.0.0.1 whose listener never accepts and whose queue is full: a
+    connection attempt there is neither accepted nor refused (SYNs dropped), as a host that
+    drops packets. The sockets must stay open for it to stay so."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):  # fill the accept queue (never accepted)
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        fillers.append(c)
+    return f"http://127.0.0.1:{port}", [listener, *fillers]
+
+
+def test_a_decode_that_never_answers_the_connect_is_unreachable_after_the_connect_timeout():
+    async def go():
+        silent, keep = silent_port_url()
+        try:
+            p, d = Upstream("prefill"), Upstream("decode")
+            async with Setup([p], [silent, d], connect_timeout=0.5) as s:
+                status, body, headers = await s.post("/v1/completions", {"prompt": "x"})
+                assert status == 200, body
+                assert headers["X-Kvxfer-Upstream"] == d.url
+                assert s.router.decode.upstreams[0].is_down(time.monotonic())
+        finally:
+            for sock in keep:
+                sock.close()
+    run(go())
+
+
+def test_a_prefill_whose_client_left_is_cut_off_after_the_grace():
+    async def go():
+        p, d = Upstream("prefill", hold), Upstream("decode")
+        async with Setup([p], [d], prefill_grace=0.3) as s:
+            task = asyncio.ensure_future(s.post("/v1/completions", {"prompt": "x"}))
+            await asyncio.wait_for(p.entered.wait(), 5)
+            task.cancel()
+            await asyncio.wait_for(p.cancelled.wait(), 5)  # vLLM would abort it: no lease made
+            await _eventually(lambda: s.router.prefill.upstreams[0].outstanding == 0)
+            assert d.requests == [] and s.router.releaser.released == 0
     run(go())
 
 

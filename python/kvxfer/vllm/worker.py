@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import kvxfer
 
-from ..params import rank_view
+from ..params import every_rank, rank_view
 from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, nested
 from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 
@@ -202,9 +202,11 @@ class KvxferWorker:
         # Leases that ended before vLLM said their request finished (request id -> ended
         # at): kept until it does, forgotten after FORGET_AFTER.
         self._ended: OrderedDict[str, float] = OrderedDict()
-        # Requests vLLM said finished whose leases are still armed: kept until the lease
-        # ends, however late (every armed lease ends, by expiry at the latest).
-        self._finished_seen: set[str] = set()
+        # Requests vLLM said finished whose leases are still armed (or to be armed this
+        # step), with when it said so: kept until the lease ends, however late (every armed
+        # lease ends, by expiry at the latest); one whose lease was never armed after all is
+        # forgotten after FORGET_AFTER.
+        self._finished_seen: dict[str, float] = {}
         # Local request id -> (its pull, its child index there), for cancels.
         self._pulls: dict[str, tuple[kvxfer.Pull, int]] = {}
         # (pull id, child index) -> local request id: where a report goes.
@@ -381,7 +383,7 @@ class KvxferWorker:
             rid = self._lease_rid.pop(lease, None) or rid
             if rid is not None:
                 self._armed.discard(rid)
-                self._finished_seen.discard(rid)
+                self._finished_seen.pop(rid, None)
                 self._ended.pop(rid, None)
             try:
                 self.prefill.cancel(rank_view(params, rank))
@@ -453,7 +455,7 @@ class KvxferWorker:
                     # very lease was armed and has ended already, and reported.)
                     self._ended[rid] = time.monotonic()
                 else:
-                    self._finished_seen.discard(rid)
+                    self._finished_seen.pop(rid, None)
 
     def run_pending(self, meta: Any) -> None:
         """The retract and load phases of ``meta`` if not run yet (a host that skipped a
@@ -530,12 +532,8 @@ class KvxferWorker:
         TP sizes, its own rank's), so each prefill rank's lease is given back by one decode
         rank. A release needs no matching layout (``DecodeAgent.release`` falls back to a
         control-only connection)."""
-        prefill_tp = int_or_none(params.get("tp_size") or 1)
-        if prefill_tp is None or prefill_tp < 1:
-            self.counters["bad_params"] += 1
-            logger.error("kvxfer: cannot release %s: tp_size is %r", params.get("remote_request_id"), params.get("tp_size"))
-            return []
-        return [rank_view(params, r) for r in range(prefill_tp) if r % max(self.s.tp_size, 1) == rank]
+        tp = max(self.s.tp_size, 1)
+        return [v for r, v in enumerate(every_rank(params)) if r % tp == rank]
 
     def _views_or_none(self, params: dict[str, Any], rank: int) -> list[dict[str, Any]]:
         """``views``, or none (logged and counted) for params that cannot be used."""
@@ -558,13 +556,13 @@ class KvxferWorker:
         (one ``submit_ranks`` over every prefill rank when the TP sizes differ)."""
         assert self.decode is not None
         groups: dict[tuple[Any, ...], list[tuple[str, list[dict[str, Any]], Any, int, Any]]] = {}
+        # Hand-offs given back, once the whole step is submitted: a shared one that a
+        # sibling later in this step reads is not released under it.
+        give_back: list[dict[str, Any]] = []
         for rid, (params, local) in to_recv.items():
             if not all_ids(local):
-                # Every block was found in the local prefix cache: nothing to pull (a shared
-                # hand-off another local request reads is not given back under it).
-                remote_id = str(params.get("remote_request_id"))
-                if not (params.get("kvxfer_shared") and (remote_id in self._pulling or remote_id in self._served)):
-                    self._release(self._given_back(params, rank))
+                # Every block was found in the local prefix cache: nothing to pull.
+                give_back.append(params)
                 self._done_recving.add(rid)
                 continue
             try:
@@ -598,11 +596,8 @@ class KvxferWorker:
                     continue
             except (LayoutMismatch, ValueError, TypeError) as e:
                 # Never pullable here (layouts, block sizes, TP sizes without a KV shape, bad
-                # params): give the lease back now rather than at its expiry — unless another
-                # local request reads the same shared hand-off.
-                remote_id = str(params.get("remote_request_id"))
-                if remote_id not in self._pulling and remote_id not in self._served:
-                    self._release(self._given_back(params, rank))
+                # params): the lease is given back now rather than at its expiry.
+                give_back.append(params)
                 self._fail(rid, local, f"cannot pull {rid}: {e}")
                 continue
             self._pulling[remote_id] = rid
@@ -634,6 +629,11 @@ class KvxferWorker:
                 self._by_child[(pull.id, child_index)] = rid
                 if views[0].get("kvxfer_shared"):
                     self._pulled[rid] = pulled_into
+        for params in give_back:
+            # Unless another local request reads the same hand-off (a shared one).
+            remote_id = str(params.get("remote_request_id"))
+            if remote_id not in self._pulling and remote_id not in self._served:
+                self._release(self._given_back(params, rank))
 
     def _follow(self, rid: str, remote_id: str, local: Any, allocated: Any) -> None:
         """Local request ``rid`` names shared hand-off ``remote_id``, which another local
@@ -718,7 +718,7 @@ class KvxferWorker:
                 to_arm = meta.to_arm
             for rid in finished_req_ids or ():
                 if rid in self._armed or rid in self._ended or rid in to_arm:
-                    self._finished_seen.add(rid)
+                    self._finished_seen.setdefault(rid, now)
             for end in self.prefill.poll_ends():
                 self.lease_ends.append(end["kind"])
                 rid = self._lease_rid.pop(end["remote_request_id"], None)
@@ -733,7 +733,10 @@ class KvxferWorker:
                 if rid in self._finished_seen:
                     sending.add(rid)
                     del self._ended[rid]
-                    self._finished_seen.discard(rid)
+                    del self._finished_seen[rid]
+            for rid, since in list(self._finished_seen.items()):
+                if rid not in self._armed and rid not in self._ended and now - since >= FORGET_AFTER:
+                    del self._finished_seen[rid]
             while self._ended:
                 oldest, since = next(iter(self._ended.items()))
                 if now - since < FORGET_AFTER:

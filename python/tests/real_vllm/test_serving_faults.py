@@ -94,11 +94,17 @@ class Stack:
             argv = [
                 sys.executable, "-m", "kvxfer.proxy", "--port", str(self.ports["router"]),
                 "--prefill", self.url("prefill"), "--decode", self.url("decode"), "--timeout", "300",
+                "--log-level", "debug",
             ]
             env = self.env
         else:
             role, core = ("kv_producer", 0) if name == "prefill" else ("kv_consumer", 1)
             argv = engine_argv(self.model, self.ports[name], role, LEASE_TTL)
+            if name == "decode":
+                # As a deployment that rides out faults would: a hand-off the decode cannot
+                # read (its prefill died) is computed locally instead of failing the request.
+                at = argv.index("--kv-transfer-config") + 1
+                argv[at] = json.dumps(dict(json.loads(argv[at]), kv_load_failure_policy="recompute"))
             env = dict(self.env, VLLM_CPU_OMP_THREADS_BIND=str(min(core, (os.cpu_count() or 1) - 1)))
         proc = Proc(label, argv, env, self.work)
         self.procs[name] = proc
@@ -160,19 +166,42 @@ def never_decoded(stack: Stack) -> None:
     assert answer.get("kv_transfer_params"), f"the prefill answer has no hand-off: {answer}"
 
 
+# What a fault may cause, and for how long after its instance is back (a decode request whose
+# hand-off the dead prefill made fails while the restarted one takes over; a lease TTL).
+FAULT_ERRORS = {"http_502", "http_500", "stream_error", "stream_cut", "connection"}
+AFTERMATH = {"decode": 10.0, "router": 5.0, "prefill": LEASE_TTL + 10.0}
+
+
+def unexplained_errors(results: list[Any], t0: float, at: dict[str, float]) -> list[str]:
+    """Failed requests (not given up by their client) that no fault explains: of another
+    kind than a dead instance causes, or not overlapping the time an instance was down
+    (from its kill to its return, and its aftermath)."""
+    windows = [(at[f"{n} killed"], at[f"{n} back"] + AFTERMATH[n]) for n in AFTERMATH]
+    out = []
+    for r in results:
+        if r.error is None or r.aborted:
+            continue
+        start, end = r.started - t0, r.started - t0 + r.latency
+        if r.error not in FAULT_ERRORS or not any(start <= b and end >= a for a, b in windows):
+            out.append(f"{r.error} at {start:.1f}-{end:.1f} s: {r.detail}")
+    return out
+
+
 def phases(results: list[Any], t0: float, at: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Latency and errors before the first fault, between it and the prefill's return, and
-    after; and for each instance killed, the seconds from its kill to the first request
-    (started after it) that succeeded."""
+    """Latency and errors of the requests that ended before the first fault, of those that
+    overlapped the faults (from the decode's kill to the prefill's return) and of those that
+    started after; and for each instance killed, the seconds from its kill to the first
+    request (started after it) that succeeded."""
     keys = ("requests", "ok", "aborted", "errors", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s")
+    kill, back = at["decode killed"], at["prefill back"]
     spans = {
-        "before faults": (0.0, at["decode killed"]),
-        "faults": (at["decode killed"], at["prefill back"]),
-        "after faults": (at["prefill back"], at["load stopped"]),
+        "before faults": (0.0, kill, lambda s, e: e < kill),
+        "faults": (kill, back, lambda s, e: e >= kill and s < back),
+        "after faults": (back, at["load stopped"], lambda s, e: s >= back),
     }
     out = {}
-    for name, (a, b) in spans.items():
-        chosen = [r for r in results if a <= r.started - t0 < b]
+    for name, (a, b, within) in spans.items():
+        chosen = [r for r in results if within(r.started - t0, r.started - t0 + r.latency)]
         summary = loadgen.summarize(chosen, b - a)
         out[name] = {k: summary[k] for k in keys}
     recovery = {}
@@ -191,7 +220,15 @@ def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(st
     results: list[Any] = []
     stop = threading.Event()
     report: dict[str, Any] = {}
-    load = threading.Thread(target=lambda: report.update(asyncio.run(loadgen.run_load(cfg, results, stop))))
+    crashed: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            report.update(asyncio.run(loadgen.run_load(cfg, results, stop)))
+        except BaseException as e:  # reported below: a crashed load must not pass quietly
+            crashed.append(e)
+
+    load = threading.Thread(target=drive)
     timeline: list[tuple[float, str]] = []
     t0 = time.monotonic()
 
@@ -227,6 +264,8 @@ def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(st
         load.join(timeout=BOUND + 120)
         mark("load stopped")
     assert not load.is_alive(), "a client is still waiting for an answer"
+    assert not crashed, f"the load generator crashed: {crashed[0]!r}"
+    assert report.get("requests"), f"no load report: {report}"
     try:
         # Quiesce: the leases of the prefill's last incarnation all end (the never-decoded one
         # by expiry, one TTL after it) and both caches go back to idle.
@@ -258,8 +297,8 @@ def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(st
 
         late = [r for r in results if not r.aborted and r.latency > BOUND]
         assert not late, f"{len(late)} requests outlived {BOUND} s: {[(r.error, r.latency) for r in late[:5]]}"
-        unexplained = {k: v for k, v in summary["errors"].items() if k in ("incomplete", "bad_answer", "timeout")}
-        assert not unexplained, f"errors no fault explains: {unexplained} {summary['error_examples']}"
+        unexplained = unexplained_errors(results, t0, dict((w, t) for t, w in timeline))
+        assert not unexplained, f"{len(unexplained)} errors no fault explains: {unexplained[:5]}"
         assert summary["after_prefill_restart_ok"] > 0, "no request succeeded after the prefill came back"
         assert reference["differ"] == 0, f"answers differ from the prefill engine's: {reference['examples']}"
         assert reference["checked"] == summary["ok"] and reference["checked"] > 0, reference
