@@ -69,4 +69,4 @@ for _ in $(seq 60); do curl -sf "http://127.0.0.1:$rp/health" >/dev/null && brea
 "$vllm_py" -m kvxfer.loadgen --url "http://127.0.0.1:$rp" --duration "$seconds" --concurrency "$clients" \
     --n4-share "$n4" --reference "http://127.0.0.1:$pp" \
     --metrics "prefill=http://127.0.0.1:$pp" --metrics "decode=http://127.0.0.1:$dp" --json
-echo "expired-lease lines in the prefill log: $(grep -ci 'expired' "$work/prefill.log" || true)" >&2
+echo "expired-lease warnings in the prefill log: $(grep -ciE 'expired before every consumer|Releasing expired KV blocks' "$work/prefill.log" || true)" >&2

@@ -306,10 +306,15 @@ async def check_against_reference(cfg: LoadConfig, results: list[Result]) -> dic
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """kvxfer's lease and pull counters (summed over label sets) and vLLM's KV-cache usage
-    (the largest over engines) from a Prometheus text page."""
+    """kvxfer's lease and pull counters (summed over label sets), the prompt tokens vLLM
+    counts as taken from KV transfer, and vLLM's KV-cache usage (the largest over engines)
+    from a Prometheus text page."""
     out: dict[str, float] = {}
     for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source") and 'source="external_kv_transfer"' in line:
+            # Prompt tokens a decode took from KV transfer (vLLM's own count, any connector).
+            out["external_prompt_tokens"] = out.get("external_prompt_tokens", 0.0) + float(line.split()[-1])
+            continue
         m = re.match(r"^(vllm:[a-z_]+?)(?:_total)?(?:\{[^}]*\})?\s+(\S+)$", line)
         if not m:
             continue
