@@ -133,6 +133,11 @@ class KvxferScheduler:
         # preempted after its pull was sent): a sibling allocated later has nothing to copy.
         self._shared_source: dict[str, _Source] = {}
         self._shared_read: set[str] = set()
+        # Shared hand-off -> (local requests naming it that were allocated, or finished
+        # unallocated; how many of them needed nothing from it; since when): it is given back
+        # only once all kvxfer_n of them have settled without a read — a child whose prompt
+        # is all in the local prefix cache must not end it for a sibling allocated after it.
+        self._shared_settled: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
         self._shared_lost: set[str] = set()
         self._last_heartbeat = 0.0
 
@@ -173,15 +178,54 @@ class KvxferScheduler:
         self._handled.add(rid)
         self._queued.pop(rid, None)
         remote = str(params.get("remote_request_id"))
-        if num_external_tokens > 0:
-            self._to_recv[rid] = (params, local_blocks(blocks, self.s.num_groups))
+        local = local_blocks(blocks, self.s.num_groups) if num_external_tokens > 0 else None
+        if params.get("kvxfer_shared"):
+            # Nothing to read when vLLM loads nothing or no block is left to fill (the
+            # prompt is in the local prefix cache, up to a sub-block tail vLLM keeps).
+            others = bool(self._claimed.get(remote, set()) - {rid})
+            self._settle_shared(remote, params, hit=local is None or not all_ids(local), others=others)
+        if local is not None:
+            self._to_recv[rid] = (params, local)
             self._recv_inflight[rid] = params
-            if params.get("kvxfer_shared"):
+            if params.get("kvxfer_shared") and all_ids(local):
                 self._shared_source.setdefault(remote, _Source(rid, request, self._step))
-        elif not (self._claimed.get(remote, set()) - {rid}) and remote not in self._shared_pulling:
-            # Everything is in the local prefix cache: nothing to pull, release the lease
-            # (unless another local request names the same shared hand-off).
+        elif not params.get("kvxfer_shared") and not (self._claimed.get(remote, set()) - {rid}):
+            # Everything is in the local prefix cache: nothing to pull, release the lease.
             self._to_release.append(params)
+
+    def _reads_nothing_now(self, remote: str) -> bool:
+        """A local request settled as reading shared hand-off ``remote`` will not read it
+        after all: true while siblings are still to settle (the last one gives it back if
+        none reads it), false once all have (the caller may give it back now)."""
+        entry = self._shared_settled.get(remote)
+        if entry is None:
+            return False
+        count, hits, since = entry
+        self._shared_settled[remote] = (count, hits + 1, since)
+        return True
+
+    def _settle_shared(self, remote: str, params: dict[str, Any], hit: bool, others: bool) -> None:
+        """One more local request naming shared hand-off ``remote`` was allocated (or
+        finished before it was); ``hit``: it reads nothing from it; ``others``: other local
+        requests claim it now. Once the parent's ``kvxfer_n`` requests have all settled and
+        none reads it, it is given back. Without a known n (params of a router that sent no
+        kvxfer_n, as Dynamo's) it is given back when no other local request claims it."""
+        n = int_or_none(params.get("kvxfer_n")) or 1
+        count, hits, _ = self._shared_settled.pop(remote, (0, 0, 0.0))
+        count, hits = count + 1, hits + int(hit)
+        now = time.monotonic()
+        if count < n:
+            self._shared_settled[remote] = (count, hits, now)
+            while self._shared_settled:
+                # Siblings that never come (a decode request with a smaller n): forgotten;
+                # the lease ends by expiry.
+                oldest, (_, _, since) = next(iter(self._shared_settled.items()))
+                if now - since < FORGET_AFTER:
+                    break
+                del self._shared_settled[oldest]
+            return
+        if hits == count and remote not in self._shared_pulling and (n > 1 or not others):
+            self._to_release.append(self._own(params))
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
         self._step += 1
@@ -575,14 +619,18 @@ class KvxferScheduler:
             params = self._to_recv.pop(rid)[0]
             self._recv_inflight.pop(rid, None)
             self._source_unsent(remote, rid)
-            if release:
+            if release and not (params.get("kvxfer_shared") and self._reads_nothing_now(remote)):
                 self._to_release.append(params)
             return False, None
         if rid in self._recv_inflight:  # the pull runs: cancel, free when it reports
             self._to_cancel.append(rid)
             return True, None
-        if not handled and release:
-            self._to_release.append(decode)  # finished (aborted) in the queue, never pulled
+        if not handled:
+            # Finished (aborted) in the queue, never pulled.
+            if decode.get("kvxfer_shared"):
+                self._settle_shared(remote, decode, hit=True, others=bool(others))
+            elif release:
+                self._to_release.append(decode)
         return False, None
 
     def _unclaim(self, remote: str, rid: str) -> set[str]:

@@ -561,8 +561,10 @@ class KvxferWorker:
         give_back: list[dict[str, Any]] = []
         for rid, (params, local) in to_recv.items():
             if not all_ids(local):
-                # Every block was found in the local prefix cache: nothing to pull.
-                give_back.append(params)
+                # Every block was found in the local prefix cache: nothing to pull. (A shared
+                # hand-off is given back by the scheduler once every sibling has settled.)
+                if not params.get("kvxfer_shared"):
+                    give_back.append(params)
                 self._done_recving.add(rid)
                 continue
             try:

@@ -292,3 +292,41 @@ def test_children_allocated_after_the_puller_is_gone_compute_their_prompt(pair: 
         assert delta == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0), delta
     finally:
         small.shutdown()
+
+
+def test_a_child_that_loads_nothing_does_not_end_the_shared_lease_for_a_sibling_that_reads_it(pair: Pair) -> None:
+    """vLLM 0.32's scheduler (the CPU build's engines) loads nothing for a request whose
+    local prefix-cache hit, sub-block tail included, covers what the connector offers (it
+    calls ``update_state_after_alloc`` with 0 external tokens), while a sibling allocated
+    right after it loads; and it has no ``on_new_request`` hook, so siblings name the
+    hand-off only as each is scheduled. Both are reproduced on 0.33's scheduler here: the
+    hook does nothing and the connector's answer for decode child 0 is overridden to 0.
+    Child 0 computes its prompt, and the shared lease must stay for its siblings — found
+    under load with real engines: child 0 released it, and child 1's read found it ended."""
+    before = Snapshot.of(pair)
+    tag = f"shared-local-first-{pair.mode}"
+    prompt = prompt_for(tag, 40)
+    _, output = run_prefill_outputs(
+        pair, f"req-{tag}", prompt, {"do_remote_decode": True, "do_remote_prefill": False, "kvxfer_n": N}
+    )
+    params = router_hop(output.kv_transfer_params)
+    holder_params, holder_sent = pair.prefill.sent_words[params["remote_request_id"]]
+    connector = pair.decode.scheduler.connector
+    real = connector.get_num_new_matched_tokens
+
+    def local_first(request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        answer = real(request, num_computed_tokens)  # it still names the hand-off
+        return (0, False) if request.request_id.startswith("0_") else answer
+
+    connector.get_num_new_matched_tokens = local_first
+    connector.on_new_request = lambda request: None  # vLLM 0.32 has no such hook
+    try:
+        decode_ids, outputs = run_decode(pair, f"dec-{tag}", prompt, N, params)
+    finally:
+        del connector.get_num_new_matched_tokens
+        del connector.on_new_request
+    final = [o for o in outputs if o.finished]
+    assert len(final) == 1 and [c.token_ids for c in final[0].outputs] == [[SAMPLED_TOKEN] * DECODE_TOKENS] * N
+    check_every_child_has_the_prompt(pair, holder_sent, decode_ids[1:], len(holder_params["remote_block_ids"]))
+    settle(pair, before)
+    assert before.lease_delta(pair) == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0)
