@@ -56,16 +56,22 @@ serve() {  # name port core config side-channel-port
 }
 serve prefill "$pp" 0 "$p_cfg" "$(free_port)"
 serve decode "$dp" 1 "$d_cfg" "$(free_port)"
-for port in "$pp" "$dp"; do
-    for _ in $(seq 900); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+ready() {  # port seconds: waits for /health, fails after that long
+    local _
+    for _ in $(seq "$2"); do
+        curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
         sleep 1
     done
-done
+    echo "nothing answered on port $1 within $2 s; the logs' tails:" >&2
+    tail -n 20 "$work"/*.log >&2 || true
+    exit 1
+}
+ready "$pp" 900
+ready "$dp" 900
 setsid "$vllm_py" -m kvxfer.proxy --port "$rp" --prefill "http://127.0.0.1:$pp" --decode "http://127.0.0.1:$dp" \
     >"$work/router.log" 2>&1 &
 pids+=($!)
-for _ in $(seq 60); do curl -sf "http://127.0.0.1:$rp/health" >/dev/null && break; sleep 1; done
+ready "$rp" 60
 "$vllm_py" -m kvxfer.loadgen --url "http://127.0.0.1:$rp" --duration "$seconds" --concurrency "$clients" \
     --n4-share "$n4" --reference "http://127.0.0.1:$pp" \
     --metrics "prefill=http://127.0.0.1:$pp" --metrics "decode=http://127.0.0.1:$dp" --json

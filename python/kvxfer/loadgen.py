@@ -269,7 +269,7 @@ async def _client(
             failures = 0
         else:
             # An instance may be down: back off as a client would (0.1 s doubling to 2 s).
-            await asyncio.sleep(min(2.0, 0.1 * 2**failures))
+            await asyncio.sleep(min(2.0, 0.1 * 2 ** min(failures, 5)))
             failures += 1
 
 

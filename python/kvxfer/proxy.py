@@ -176,12 +176,16 @@ class LeaseReleaser:
         self.released = 0
         self.refused = 0
         self._pending: set[asyncio.Future[None]] = set()
+        self._closed = False
 
     def release(self, params: Any, why: str) -> None:
         """Starts giving back every lease ``params`` names, on every prefill rank (not
         waited for: logged and counted)."""
         views = [v for entry in handoff_entries(params) for v in every_rank(entry)]
         if not views:
+            return
+        if self._closed:
+            logger.warning("%s after the router's shutdown began: %d leases left to expire", why, len(views))
             return
         future = asyncio.get_running_loop().run_in_executor(self._pool, self._release_now, views, why)
         self._pending.add(future)
@@ -212,7 +216,11 @@ class LeaseReleaser:
             return
         try:
             answers = agent.release(views, wait=True, timeout=3 * self.io_timeout) or []
-        except (KvxferError, TimeoutError, TypeError, ValueError, OverflowError):
+        except TimeoutError as e:
+            # Not every answer came in time (the releases go on): not sent again.
+            logger.warning("releasing %d leases (%s): %s", len(views), why, e)
+            answers = []
+        except (KvxferError, TypeError, ValueError, OverflowError):
             # One malformed entry refuses the whole call: each alone, so the others go.
             answers = [self._release_one(agent, v) for v in views]
         done = sum(1 for a in answers if a)
@@ -230,7 +238,8 @@ class LeaseReleaser:
             return False
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        self._closed = True
+        self._pool.shutdown(wait=True)
         with self._lock:
             if self._agent is not None:
                 self._agent.shutdown()
@@ -738,6 +747,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "others, and are retried on them), then tried again (default 5)",
     )
     p.add_argument(
+        "--prefill-grace", type=float, default=2.0, metavar="SECONDS",
+        help="how long the prefill of a client that left is still awaited, its leases then given back, before "
+        "it is cut off (default 2)",
+    )
+    p.add_argument(
         "--connect-timeout", type=float, default=5.0, metavar="SECONDS",
         help="a connection to an instance not made within this long counts as unreachable (default 5)",
     )
@@ -772,6 +786,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         down_for=args.down_for,
         cluster_key=_read_key(args.cluster_key_file),
         connect_timeout=args.connect_timeout,
+        prefill_grace=args.prefill_grace,
     )
     logger.info(
         "routing to prefill %s and decode %s",

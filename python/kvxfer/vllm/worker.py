@@ -586,9 +586,10 @@ class KvxferWorker:
                     self.s.num_groups, p.get("remote_block_ids"), local, ratio, p.get("kvxfer_skipped_blocks") or 0
                 )
                 if not all_ids(pulled_into):
-                    # Every local block lies outside the prefill side's sliding window.
-                    if holder is None:
-                        self._release(views)
+                    # Every local block lies outside the prefill side's sliding window:
+                    # given back once the step is submitted, unless another local request
+                    # reads the same hand-off.
+                    give_back.append(params)
                     self._done_recving.add(rid)
                     continue
                 views = [dict(v, remote_block_ids=remote) for v in views]
