@@ -227,8 +227,7 @@ class LeaseReleaser:
         with self._lock:
             self.released += done
             self.refused += len(views) - done
-        ids = sorted({str(v.get("remote_request_id")) for v in views})
-        logger.info("%s: released %d of %d leases of its prefill answer (%s)", why, done, len(views), ", ".join(ids))
+        logger.info("%s: released %d of %d leases of its prefill answer (%s)", why, done, len(views), lease_ids(views))
 
     def _release_one(self, agent: DecodeAgent, view: dict[str, Any]) -> bool:
         try:
@@ -498,8 +497,7 @@ class Router:
             why = f"prefill instance {upstream.url} returned kv_transfer_params of type {type(params).__name__}"
             raise UpstreamError(502, why, upstream)
         if logger.isEnabledFor(logging.DEBUG):
-            ids = sorted({str(e.get("remote_request_id")) for e in handoff_entries(params)})
-            logger.debug("prefill answer %s from %s: leases %s", answer.get("id"), upstream.url, ", ".join(ids))
+            logger.debug("prefill answer %s from %s: leases %s", answer.get("id"), upstream.url, lease_ids(params))
         return params  # type: ignore[return-value]
 
     async def _decode(
@@ -519,8 +517,7 @@ class Router:
                 return error_response(502, _none_answered("decode", tried), tried[-1])
             tried.append(upstream)
             if logger.isEnabledFor(logging.DEBUG):
-                ids = sorted({str(e.get("remote_request_id")) for e in handoff_entries(params)})
-                logger.debug("decode request to %s: leases %s", upstream.url, ", ".join(ids))
+                logger.debug("decode request to %s: leases %s", upstream.url, lease_ids(params))
             began: list[bool] = []  # set once the decode's answer began
             try:
                 return await self._decode_on(upstream, request, path, body, headers, began)
@@ -657,6 +654,11 @@ class Router:
         body["leases_released"] = self.releaser.released
         body["releases_refused"] = self.releaser.refused
         return web.json_response(body, status=200 if healthy else 503)
+
+
+def lease_ids(params: Any) -> str:
+    """The lease ids ``params`` name (a hand-off, its sibling list, or a list of them), for logs."""
+    return ", ".join(sorted({str(e.get("remote_request_id")) for e in handoff_entries(params)}))
 
 
 def _none_answered(kind: str, tried: list[Upstream]) -> str:

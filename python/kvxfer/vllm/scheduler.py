@@ -129,10 +129,9 @@ class KvxferScheduler:
         # release what another child pulls), until no local request claims them.
         self._shared_pulling: set[str] = set()
         # Shared hand-off -> the local request whose pull reads it (the workers' primary);
-        # the hand-offs it has read; those whose primary is gone (finished, aborted or
-        # preempted after its pull was sent): a sibling allocated later has nothing to copy.
+        # those whose primary is gone (finished, aborted or preempted after its pull was
+        # sent): a sibling allocated later has nothing to copy.
         self._shared_source: dict[str, _Source] = {}
-        self._shared_read: set[str] = set()
         # Shared hand-off -> (local requests naming it that were allocated, or finished
         # unallocated; how many of them needed nothing from it; since when): it is given back
         # only once all kvxfer_n of them have settled without a read — a child whose prompt
@@ -270,11 +269,7 @@ class KvxferScheduler:
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():
-            params = self._recv_inflight.pop(rid, None)
-            remote = str((params or {}).get("remote_request_id"))
-            source = self._shared_source.get(remote)
-            if source is not None and source.rid == rid:
-                self._shared_read.add(remote)
+            self._recv_inflight.pop(rid, None)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
@@ -643,7 +638,6 @@ class KvxferScheduler:
             del self._claimed[remote]
             self._shared_pulling.discard(remote)
             self._shared_source.pop(remote, None)
-            self._shared_read.discard(remote)
             self._shared_lost.discard(remote)
         return holders
 

@@ -737,9 +737,15 @@ class KvxferWorker:
                     sending.add(rid)
                     del self._ended[rid]
                     del self._finished_seen[rid]
-            for rid, since in list(self._finished_seen.items()):
-                if rid not in self._armed and rid not in self._ended and now - since >= FORGET_AFTER:
-                    del self._finished_seen[rid]
+            # In the order vLLM said so: only the entries older than FORGET_AFTER are looked at.
+            stale = []
+            for rid, since in self._finished_seen.items():
+                if now - since < FORGET_AFTER:
+                    break
+                if rid not in self._armed and rid not in self._ended:
+                    stale.append(rid)
+            for rid in stale:
+                del self._finished_seen[rid]
             while self._ended:
                 oldest, since = next(iter(self._ended.items()))
                 if now - since < FORGET_AFTER:

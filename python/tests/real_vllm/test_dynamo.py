@@ -42,7 +42,16 @@ openai = pytest.importorskip("openai", reason="the Dynamo test drives the fronte
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_serve_router import Proc, explained, free_port, http_get, make_model, metric_sum  # noqa: E402
+from test_serve_router import (  # noqa: E402
+    Proc,
+    engine_env,
+    explained,
+    free_port,
+    http_get,
+    make_model,
+    metric_sum,
+    on_core,
+)
 
 N = 4
 MAX_TOKENS = 8
@@ -124,15 +133,9 @@ def wait_until(what: str, cond: Any, stack: DynamoStack, timeout: float = START_
 def stack(tmp_path_factory):
     work = str(tmp_path_factory.mktemp("dynamo"))
     model = make_model(DYNAMO_PY, work)
-    import kvxfer
-
-    kvxfer_path = os.path.dirname(os.path.dirname(os.path.abspath(kvxfer.__file__)))
-    pythonpath = os.pathsep.join(p for p in (kvxfer_path, os.environ.get("PYTHONPATH")) if p)
     store = os.path.join(work, "discovery")
     os.makedirs(store)
-    base = dict(
-        os.environ, PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1",
+    base = engine_env(
         OMP_WAIT_POLICY="PASSIVE", DYN_DISCOVERY_BACKEND="file", DYN_FILE_KV=store,
         DYN_TCP_RPC_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1", DYN_EVENT_PLANE_HOST="127.0.0.1",
         DYN_SYSTEM_HOST="127.0.0.1",
@@ -141,7 +144,6 @@ def stack(tmp_path_factory):
         "--model", model, "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager",
         "--seed", "0",
     ]
-    cores = os.cpu_count() or 1
     s = DynamoStack(work)
     try:
         for name, extra, core, namespace in (
@@ -154,8 +156,7 @@ def stack(tmp_path_factory):
         ):
             port = free_port_i16()
             s.system[name] = f"http://127.0.0.1:{port}"
-            env = dict(base, DYN_SYSTEM_PORT=str(port), DYN_NAMESPACE=namespace,
-                       VLLM_CPU_OMP_THREADS_BIND=str(min(core, cores - 1)))
+            env = on_core(dict(base, DYN_SYSTEM_PORT=str(port), DYN_NAMESPACE=namespace), core)
             entry = "kvxfer.dynamo" if name != "reference" else "dynamo.vllm"
             s.procs[name] = Proc(name, [DYNAMO_PY, "-m", entry, *engine, *extra], env, work)
         port = free_port()

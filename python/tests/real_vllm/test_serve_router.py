@@ -174,6 +174,22 @@ def engine_argv(model: str, port: int, role: Optional[str], lease_ttl: int) -> l
     return argv
 
 
+def engine_env(**extra: str) -> dict[str, str]:
+    """The environment of an engine, a worker or the router: this checkout's kvxfer first on
+    the path, nothing downloaded, no usage reports, loopback addresses; ``extra`` on top."""
+    pythonpath = os.pathsep.join(p for p in (KVXFER_PATH, os.environ.get("PYTHONPATH")) if p)
+    return dict(
+        os.environ, PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1", **extra,
+    )
+
+
+def on_core(env: dict[str, str], core: int) -> dict[str, str]:
+    """``env`` for an engine whose OpenMP threads are bound to ``core`` (the last one on a
+    machine with fewer): on 2-core machines each engine gets a core of its own."""
+    return dict(env, VLLM_CPU_OMP_THREADS_BIND=str(min(core, (os.cpu_count() or 1) - 1)))
+
+
 def make_model(python: str, work: str) -> str:
     """The tiny model (``tiny_model.py``) made by ``python`` under ``work``; its path."""
     model = os.path.join(work, "model")
@@ -191,17 +207,13 @@ def stack(tmp_path_factory):
     model = make_model(CPU_PY, work)
 
     s = Stack(work)
-    pythonpath = os.pathsep.join(p for p in (KVXFER_PATH, os.environ.get("PYTHONPATH")) if p)
-    base_env = dict(
-        os.environ, PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1",
-    )
+    base_env = engine_env()
     try:
         ports = {}
         # One core each (2-core machines): the engines do not fight over OpenMP threads.
-        for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
+        for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
             ports[name] = free_port()
-            env = dict(base_env, VLLM_CPU_OMP_THREADS_BIND=str(min(int(core), (os.cpu_count() or 1) - 1)))
+            env = on_core(base_env, core)
             argv = engine_argv(model, ports[name], None if NO_CONNECTOR else role, LEASE_TTL)
             s.procs.append(Proc(name, argv, env, work))
         s.prefill_url = f"http://127.0.0.1:{ports['prefill']}"

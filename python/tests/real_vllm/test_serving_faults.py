@@ -46,12 +46,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from test_serve_router import (  # noqa: E402
     CPU_PY,
-    KVXFER_PATH,
     Proc,
     engine_argv,
+    engine_env,
     free_port,
     http_get,
     make_model,
+    on_core,
     wait_ready,
 )
 
@@ -73,12 +74,7 @@ class Stack:
     def __init__(self, work: str, model: str) -> None:
         self.work = work
         self.model = model
-        pythonpath = os.pathsep.join(p for p in (KVXFER_PATH, os.environ.get("PYTHONPATH")) if p)
-        self.env = dict(
-            os.environ, PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
-            PYTHONUNBUFFERED="1",
-        )
+        self.env = engine_env()
         self.ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
         self.procs: dict[str, Proc] = {}
         self.starts = {"prefill": 0, "decode": 0, "router": 0}
@@ -105,7 +101,7 @@ class Stack:
                 # read (its prefill died) is computed locally instead of failing the request.
                 at = argv.index("--kv-transfer-config") + 1
                 argv[at] = json.dumps(dict(json.loads(argv[at]), kv_load_failure_policy="recompute"))
-            env = dict(self.env, VLLM_CPU_OMP_THREADS_BIND=str(min(core, (os.cpu_count() or 1) - 1)))
+            env = on_core(self.env, core)
         proc = Proc(label, argv, env, self.work)
         self.procs[name] = proc
         self.all_procs.append(proc)

@@ -24,10 +24,10 @@ use tracing::warn;
 use super::report::{add, Counters, Reclaimed};
 use crate::AgentConfig;
 
-/// What a decode agent's tasks share.
 /// At most this many prefill addresses are remembered as refusing this agent's layouts.
 pub(super) const REFUSED_LAYOUTS_CAP: usize = 4096;
 
+/// What a decode agent's tasks share.
 pub(crate) struct Inner {
     pub(crate) config: AgentConfig,
     pub(crate) memory: Arc<KvMemory>,
