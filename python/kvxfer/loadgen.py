@@ -12,7 +12,8 @@ their client at a random moment (during the prefill, between the legs, mid-strea
 count as aborted, not as errors.
 
 Per request it records the status, the kind of error (``http_<status>``, ``timeout``,
-``connection``, ``stream_error``, ``stream_cut``, ``incomplete``, ``bad_answer``), the
+``connection``, ``stream_error``, ``stream_cut``, ``answer_cut``, ``incomplete``,
+``bad_answer``), the
 latency and the time to the first token (streams; the latency otherwise). With
 ``--reference URL`` (one engine serving the same model by itself) every successful request
 is sent there again afterwards and each choice's token ids compared: a difference means a
@@ -185,8 +186,14 @@ async def send(session: aiohttp.ClientSession, cfg: LoadConfig, r: Result, base:
                 r.error, r.detail = f"http_{resp.status}", (await resp.text())[:300]
                 return
             if not r.stream:
+                body = await resp.read()
+                if not body:
+                    # The status came and the body never did: the answer was cut (an
+                    # instance died after the router passed the status on).
+                    r.error, r.detail = "answer_cut", f"status {resp.status} and an empty body"
+                    return
                 try:
-                    answer = await resp.json(content_type=None)
+                    answer = json.loads(body)
                 except ValueError as e:  # a body cut short, or not JSON
                     r.error, r.detail = "bad_answer", f"not a JSON answer: {e}"[:300]
                     return

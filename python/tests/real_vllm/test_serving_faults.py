@@ -164,7 +164,7 @@ def never_decoded(stack: Stack) -> None:
 
 # What a fault may cause, and for how long after its instance is back (a decode request whose
 # hand-off the dead prefill made fails while the restarted one takes over; a lease TTL).
-FAULT_ERRORS = {"http_502", "http_500", "stream_error", "stream_cut", "connection"}
+FAULT_ERRORS = {"http_502", "http_500", "stream_error", "stream_cut", "answer_cut", "connection"}
 AFTERMATH = {"decode": 10.0, "router": 5.0, "prefill": LEASE_TTL + 10.0}
 
 
