@@ -23,6 +23,7 @@ from ..params import handoff_entries
 from .common import (
     CHILD_ID,
     FORGET_AFTER,
+    NULL_BLOCK_ID,
     Settings,
     all_ids,
     group_blocks,
@@ -376,10 +377,38 @@ class KvxferScheduler:
                 # Minted at request_finished instead (armed one step later).
                 logger.debug("kvxfer: the blocks of %s are not known at its last step (%s)", rid, e)
                 continue
-            blocks, skipped = strip_null_prefix(blocks)
+            blocks, skipped = strip_null_prefix(self._out_of_window_nulled(blocks, prompt))
             if all_ids(blocks):
                 logger.debug("kvxfer: %s minted at its last-token step (blocks %s)", rid, blocks)
                 self._minted[rid] = _Minted(self._mint(rid, params, blocks, skipped), request, time.monotonic())
+
+    def _out_of_window_nulled(self, blocks: Any, prompt_tokens: int) -> Any:
+        """``blocks`` with the head blocks vLLM will null when the request finishes (a sliding
+        window's blocks wholly before the window of the prompt's next token) already null,
+        as vLLM's own manager counts them: the lease minted now is then the one
+        ``request_finished`` hands off, not re-minted there and armed only at the engine's
+        next step (which an in-process offline ``LLM`` never takes once its requests are
+        done). Only managers with vLLM's head-prefix ``remove_skipped_blocks`` are predicted;
+        a wrong prediction is caught at ``request_finished`` (the blocks differ: re-mint)."""
+        managers = getattr(getattr(self._kv_cache_manager, "coordinator", None), "single_type_managers", None)
+        try:
+            managers = list(managers or ())
+        except TypeError:
+            return blocks
+        groups = blocks if nested(blocks) else [blocks]
+        if len(managers) != len(groups):
+            return blocks
+        out = []
+        for manager, ids in zip(managers, groups):
+            ids = list(ids)
+            try:
+                base = type(manager).remove_skipped_blocks.__qualname__.startswith("SingleTypeKVCacheManager.")
+                skip = int(manager.get_num_skipped_tokens(prompt_tokens)) // int(manager.block_size) if base else 0
+            except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+                skip = 0
+            skip = max(0, min(skip, len(ids)))
+            out.append([NULL_BLOCK_ID] * skip + ids[skip:])
+        return out if nested(blocks) else out[0]
 
     def _prompt_blocks(self, rid: str, prompt_tokens: int) -> Any:
         """The blocks that hold the prompt's KV (per group for several groups)."""

@@ -6,7 +6,9 @@ The tokenizer is byte-level (one token per byte, no merges) with a chat template
 weights come from a seeded generator: every run, every process writes the same model, so
 a reference engine and a prefill/decode pair compute the same logits.
 
-``python tiny_model.py DIR`` writes it (idempotent: a complete ``DIR`` is left alone).
+``python tiny_model.py DIR [SLIDING_WINDOW]`` writes it (idempotent: a complete ``DIR`` is
+left alone); with a window, every layer is sliding-window attention of that many tokens
+(``layer_types``, which vLLM's Llama reads).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ CONFIG = dict(
 )
 
 
-def make_tiny_model(path: str, seed: int = 1234) -> str:
+def make_tiny_model(path: str, seed: int = 1234, sliding_window: int = 0) -> str:
     """Writes the model and tokenizer to ``path`` (once) and returns ``path``."""
     stamp = os.path.join(path, ".complete")
     if os.path.exists(stamp):
@@ -59,11 +61,17 @@ def make_tiny_model(path: str, seed: int = 1234) -> str:
     fast.save_pretrained(path)
 
     torch.manual_seed(seed)
+    window = (
+        dict(layer_types=["sliding_attention"] * CONFIG["num_hidden_layers"], sliding_window=sliding_window)
+        if sliding_window
+        else {}
+    )
     config = LlamaConfig(
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         pad_token_id=vocab["<pad>"],
         **CONFIG,
+        **window,
     )
     model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():
@@ -80,4 +88,4 @@ def make_tiny_model(path: str, seed: int = 1234) -> str:
 
 
 if __name__ == "__main__":
-    print(make_tiny_model(sys.argv[1]))
+    print(make_tiny_model(sys.argv[1], sliding_window=int(sys.argv[2]) if len(sys.argv) > 2 else 0))
