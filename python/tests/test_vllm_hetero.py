@@ -5,11 +5,14 @@ worker per rank in this process; HND caches; ``submit_ranks``)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from kvxfer.vllm import KvxferConnector
 from kvxfer.vllm import worker as kvxfer_worker
+from kvxfer.vllm.common import bindable
 from vllm_real import Request, SchedulerOutput
 from vllm_sim import BLOCK_SIZE, Instance, full_heads, layer_names, same_blocks, same_group_blocks
 
@@ -111,6 +114,45 @@ def test_prefill_and_decode_of_different_tp_sizes_pull_through_the_connector(pre
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def not_this_node(skip: int = 0) -> str:
+    """A documentation address (RFC 5737) this machine does not have (some sandboxes do
+    give their interface one): how a rank on another node of a multi-node tensor-parallel
+    prefill sees the configured kvxfer_host."""
+    found = [a for a in ("198.51.100.1", "203.0.113.1", "198.51.100.2", "192.0.2.1") if not bindable(a)]
+    if len(found) <= skip:
+        pytest.skip("every documentation address tried is one of this machine's")
+    return found[skip]
+
+
+def test_a_rank_that_cannot_listen_on_kvxfer_host_names_its_nodes_address(monkeypatch):
+    """Multi-node TP: ``kvxfer_host`` names one node; a rank elsewhere listens on and names
+    its node's ``VLLM_HOST_IP`` (here 127.0.0.1), each rank's host travels in the hand-off,
+    and a TP 2 decode pulls every rank's heads. Before, the rank could not start (it bound
+    ``kvxfer_host``: EADDRNOTAVAIL)."""
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    far = not_this_node()
+    prefill = Instance("kv_producer", "far-prefill", seed=8, tp_size=2, hnd=True, extra={"kvxfer_host": far})
+    decode = Instance("kv_consumer", "far-decode", tp_size=2, hnd=True)
+    try:
+        _, params = prefill.finish_prefill(prefill_request("R"), [5, 6, 7])
+        assert params["remote_host"] == "127.0.0.1" and params["kvxfer_rank_hosts"] == ["127.0.0.1"] * 2, params
+        prefill.step()
+        local = decode.add_decode(Request("D", list(PROMPT), kv_transfer_params=params))
+        decode.run_until("D received on every decode rank", lambda: "D" in decode.recving, others=(prefill,))
+        assert not decode.load_errors
+        assert same_blocks(full_heads(prefill.rank_caches), [5, 6, 7], full_heads(decode.rank_caches), local)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_rank_without_any_address_to_listen_on_says_which_keys_to_set(monkeypatch):
+    far = not_this_node()
+    monkeypatch.setenv("VLLM_HOST_IP", not_this_node(skip=1))  # set, but not this node's either
+    with pytest.raises(ValueError, match=rf"rank 0 cannot listen on kvxfer_host '{re.escape(far)}'.*VLLM_HOST_IP"):
+        Instance("kv_producer", "lost-prefill", extra={"kvxfer_host": far})
 
 
 def test_different_tp_sizes_without_hnd_caches_are_recomputed_naming_the_layout():

@@ -52,7 +52,9 @@ Switch with one flag on both the prefill and the decode instance::
 - **Bad input** from the router is logged and counted (``bad_params``), never raised.
 
 Configuration (``kv_connector_extra_config``): ``kvxfer_host`` (the host hand-offs name;
-default ``$VLLM_HOST_IP`` or 127.0.0.1 — a loopback host is warned about at start-up),
+default ``$VLLM_HOST_IP`` or 127.0.0.1 — a loopback host is warned about at start-up; a
+TP rank on another node, where it is not a local address, names its node's
+``$VLLM_HOST_IP`` instead),
 ``kvxfer_port`` (base port; TP rank r of data-parallel engine d, vLLM's
 ``data_parallel_index``, listens on
 ``port + d * tp_size + r``; default 0: the OS picks, and the port travels in vLLM's

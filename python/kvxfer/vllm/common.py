@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -178,6 +179,70 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def bindable(host: str) -> bool:
+    """Whether this machine can listen on ``host`` (one of its own addresses, or a name that
+    resolves to one)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(address)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def node_address() -> Optional[str]:
+    """This node's address as vLLM names it (``VLLM_HOST_IP``, which vLLM's multi-node
+    set-ups give every node, else vLLM's ``get_ip()``), if this machine can listen on it."""
+    host = os.environ.get("VLLM_HOST_IP")
+    if not host:
+        try:
+            from vllm.utils.network_utils import get_ip
+        except ImportError:
+            try:
+                from vllm.utils import get_ip  # type: ignore[attr-defined,no-redef]
+            except ImportError:
+                return None
+        try:
+            host = get_ip()
+        except Exception:  # noqa: BLE001 - no route, no interface: no node address
+            return None
+    return host if host and bindable(host) else None
+
+
+def rank_addresses(s: "Settings", rank: int) -> tuple[str, str]:
+    """Where TP rank ``rank``'s prefill agent listens and the host its hand-offs name.
+
+    ``kvxfer_host`` names one host; in multi-node tensor parallelism the ranks on the
+    other nodes cannot listen there. A rank whose configured host is not an address of its
+    node (and whose ``kvxfer_listen_host`` is not set) listens on and names its node's
+    address instead (logged); the scheduler hands off every rank's own host
+    (``kvxfer_rank_hosts``). Without a node address that is an error naming both keys."""
+    if "kvxfer_listen_host" in s.extra or bindable(s.listen_host):
+        return s.listen_host, s.host
+    node = node_address()
+    if node is None:
+        raise ValueError(
+            f"kvxfer: tensor-parallel rank {rank} cannot listen on kvxfer_host {s.listen_host!r}: it is not an "
+            "address of this node, and no node address was found (VLLM_HOST_IP unset or not local). In multi-node "
+            "tensor parallelism set VLLM_HOST_IP on every node (each rank then names its node's address), or set "
+            "kvxfer_listen_host (e.g. 0.0.0.0) where kvxfer_host names an address that reaches this rank"
+        )
+    logger.warning(
+        "kvxfer: rank %d: kvxfer_host %s is not an address of this node; this rank listens on and names %s "
+        "(VLLM_HOST_IP / vLLM's node address), as multi-node tensor parallelism needs",
+        rank,
+        s.listen_host,
+        node,
+    )
+    return node, node
 
 
 # KV-cache specs whose blocks vLLM never frees or rewrites while their request runs (a sliding

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import kvxfer
 
 from ..params import every_rank, rank_view
-from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, nested
+from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, nested, rank_addresses
 from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 
 
@@ -280,12 +280,13 @@ class KvxferWorker:
             worker_threads=self.s.worker_threads,
         )
         if self.s.is_producer:
+            listen, advertise = rank_addresses(self.s, rank)
             self.prefill = kvxfer.PrefillAgent(
                 self._memory(kv_caches),
-                f"{self.s.listen_host}:{self.s.port_of(rank)}",
+                f"{listen}:{self.s.port_of(rank)}",
                 agent_name=f"vllm-prefill-{rank}",
                 tp_size=self.s.tp_size,
-                advertise_host=self.s.host,
+                advertise_host=advertise,
                 lease_ttl=self.s.lease_ttl,
                 arm_wait=self.s.arm_wait,
                 **common,
