@@ -139,6 +139,10 @@ class KvxferScheduler:
         # is all in the local prefix cache must not end it for a sibling allocated after it.
         self._shared_settled: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
         self._shared_lost: set[str] = set()
+        # Shared hand-offs this scheduler read or gave back, once no local request claims
+        # them (-> since when): a sibling arriving after that computes its prompt instead
+        # of reading an ended lease.
+        self._shared_ended: OrderedDict[str, float] = OrderedDict()
         self._last_heartbeat = 0.0
 
     # ------------------------------------------------------------------ vLLM hooks
@@ -226,6 +230,7 @@ class KvxferScheduler:
             return
         if hits == count and remote not in self._shared_pulling and (n > 1 or not others):
             self._to_release.append(self._own(params))
+            self._shared_end(remote)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
         self._step += 1
@@ -645,6 +650,8 @@ class KvxferScheduler:
             self._source_unsent(remote, rid)
             if release and not (params.get("kvxfer_shared") and self._reads_nothing_now(remote)):
                 self._to_release.append(params)
+                if params.get("kvxfer_shared"):
+                    self._shared_end(remote)
             return False, None
         if rid in self._recv_inflight:  # the pull runs: cancel, free when it reports
             self._to_cancel.append(rid)
@@ -665,10 +672,24 @@ class KvxferScheduler:
         holders.discard(rid)
         if not holders:
             del self._claimed[remote]
+            if remote in self._shared_pulling:
+                self._shared_end(remote)
             self._shared_pulling.discard(remote)
             self._shared_source.pop(remote, None)
             self._shared_lost.discard(remote)
         return holders
+
+    def _shared_end(self, remote: str) -> None:
+        """Shared hand-off ``remote`` was read or given back here: remembered (for
+        ``FORGET_AFTER``) so a sibling naming it later computes its prompt."""
+        now = time.monotonic()
+        self._shared_ended[remote] = now
+        self._shared_ended.move_to_end(remote)
+        while self._shared_ended:
+            oldest, since = next(iter(self._shared_ended.items()))
+            if now - since < FORGET_AFTER:
+                break
+            del self._shared_ended[oldest]
 
     def _source_unsent(self, remote: str, rid: str) -> None:
         """Local request ``rid`` finished before its pull of ``remote`` was sent: if it was
@@ -701,7 +722,13 @@ class KvxferScheduler:
         and its blocks are gone or may change before a copy (a sliding window). It stops
         naming the hand-off then (counted ``shared_recomputed``); it never fails."""
         source = self._shared_source.get(remote)
-        if source is None or source.rid == rid:
+        if source is None:
+            if remote not in self._shared_ended:
+                return False
+            # Every sibling that named it here has finished: the lease was read (or given
+            # back) and nothing is left to copy from.
+            return self._recompute(remote, rid, "an earlier sibling")
+        if source.rid == rid:
             return False
         state = status_name(source.request)
         lost = (
@@ -717,13 +744,18 @@ class KvxferScheduler:
         )
         if not lost:
             return False
+        return self._recompute(remote, rid, f"local request {source.rid}")
+
+    def _recompute(self, remote: str, rid: str, reader: str) -> bool:
+        """Local request ``rid`` stops naming shared hand-off ``remote`` (ended for it) and
+        computes its prompt; True."""
         self.counters["shared_recomputed"] += 1
         logger.warning(
-            "kvxfer: %s names the shared hand-off %s, which local request %s has read and whose blocks are gone; "
+            "kvxfer: %s names the shared hand-off %s, which %s has read or given back and whose blocks are gone; "
             "its prompt is computed locally",
             rid,
             remote,
-            source.rid,
+            reader,
         )
         self._queued.pop(rid, None)
         self._unclaim(remote, rid)

@@ -330,3 +330,26 @@ def test_a_child_that_loads_nothing_does_not_end_the_shared_lease_for_a_sibling_
     check_every_child_has_the_prompt(pair, holder_sent, decode_ids[1:], len(holder_params["remote_block_ids"]))
     settle(pair, before)
     assert before.lease_delta(pair) == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0)
+
+
+def test_siblings_arriving_after_every_reader_finished_compute_their_prompt(pair: Pair) -> None:
+    """Two children of a Dynamo-style request (no kvxfer_n) read the shared hand-off and
+    finish; two more requests naming it come later (a frontend that sends children apart,
+    or a retry). The scheduler forgot the read once no local request claimed it, so they
+    read an ended lease and failed; they now compute their prompt (``shared_recomputed``)."""
+    before = Snapshot.of(pair)
+    recomputed = int(pair.decode.connector.stats().get("shared_recomputed", 0))
+    tag = f"shared-late-{pair.mode}"
+    prompt, params, count, holder_sent = shared_prefill(pair, tag)
+    first, _ = run_decode(pair, f"dec-{tag}", prompt, 2, params)
+    check_every_child_has_the_prompt(pair, holder_sent, first, count)
+    late, outputs = run_decode(pair, f"late-{tag}", prompt, 2, params)
+    final = [o for o in outputs if o.finished]
+    assert len(final) == 1 and [c.token_ids for c in final[0].outputs] == [[SAMPLED_TOKEN] * DECODE_TOKENS] * 2
+    stats = pair.decode.connector.stats()
+    assert int(stats["shared_recomputed"]) - recomputed == 2, stats
+    assert stats["submit_failures"] == 0 and not any(r.invalid_block_ids for r in pair.decode.records), stats
+    step_both(pair, lambda: pair.prefill.idle() and pair.decode.idle(), "both engines to free every request")
+    for engine in (pair.prefill, pair.decode):
+        assert engine.free_blocks() == engine.free_blocks_at_start, "vLLM did not get every block back"
+    assert before.lease_delta(pair) == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0)
