@@ -41,7 +41,8 @@ completion gives 502 naming the instance; an upstream HTTP error (a 400 for a ba
 a 5xx) is passed through with its status and body (one that is not JSON becomes an
 OpenAI-style error of that status naming the instance). A decode stream cut mid-way ends
 with an error event and ``data: [DONE]``, as vLLM ends a stream after an error; events are
-passed on whole, so the client never gets half of one. Every answer carries the
+passed on whole, so the client never gets half of one. A whole (non-streamed) answer is
+read before its status is sent: one cut short is a 502, never a 200 with half a body. Every answer carries the
 ``X-Kvxfer-Upstream`` header naming the instance it came from.
 
 Failures: an instance that cannot be connected to is taken out of rotation for
@@ -554,19 +555,22 @@ class Router:
                 if resp.status >= 400:
                     data = await resp.read()
                     return _pass_through(resp.status, resp.content_type, data, upstream, "decode")
+                if resp.content_type != "text/event-stream":
+                    # A whole answer is read before its status is sent: a decode that dies
+                    # mid-answer is then a proper 502, not a 200 with half a body.
+                    data = await resp.read()
+                    return web.Response(status=resp.status, body=data, headers=_content_headers(resp, upstream))
                 response = web.StreamResponse(status=resp.status, headers=_content_headers(resp, upstream))
                 await response.prepare(request)
                 # A stream is passed on whole events at a time: if the upstream is cut
                 # mid-event, the client never sees half of one before the error event.
-                events = resp.content_type == "text/event-stream"
                 pending = b""
                 async for chunk in resp.content.iter_any():
-                    if events:
-                        pending += chunk
-                        cut = _event_end(pending)
-                        if not cut:
-                            continue
-                        chunk, pending = pending[:cut], pending[cut:]
+                    pending += chunk
+                    cut = _event_end(pending)
+                    if not cut:
+                        continue
+                    chunk, pending = pending[:cut], pending[cut:]
                     await response.write(chunk)
                 cut_short = resp.content.exception()
                 if cut_short is not None:
@@ -603,10 +607,10 @@ class Router:
         logger.warning("%s", message)
         if response is None:  # nothing sent yet: a proper error
             return error_response(502, message, upstream)
-        # Mid-answer: the status is sent. A stream ends with an error event and `[DONE]`, as
-        # vLLM ends its own streams after an error (clients wait for `[DONE]`); any other
-        # body is cut short.
-        if response.content_type == "text/event-stream" and not _client_gone(request):
+        # Mid-stream (only a stream's status is sent before its end): it ends with an error
+        # event and `[DONE]`, as vLLM ends its own streams after an error (clients wait for
+        # `[DONE]`).
+        if not _client_gone(request):
             error = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
             try:
                 await response.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())

@@ -623,3 +623,27 @@ def test_a_stream_cut_mid_event_ends_with_an_error_event_and_done_never_half_an_
             assert events[2] == b"data: [DONE]", "the stream ends with [DONE], as vLLM's do after an error"
             assert len(events) == 4, "no half event in between"
     run(go())
+
+
+async def cut_answer(up: Upstream, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """Sends a 200 and half of a JSON answer, then drops the connection (a decode instance
+    killed mid-answer)."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    resp.content_length = 400
+    await resp.prepare(request)
+    await resp.write(b'{"id": "cmpl-1", "choices": [{"text": "half')
+    await asyncio.sleep(0.05)
+    assert request.transport is not None
+    request.transport.close()
+    return resp
+
+
+def test_a_whole_answer_cut_short_is_a_502_not_a_200_with_half_a_body():
+    async def go():
+        p, d = Upstream("prefill"), Upstream("decode", cut_answer)
+        async with Setup([p], [d]) as s:
+            status, body, _ = await s.post("/v1/completions", {"prompt": "x", "n": 2})
+            assert status == 502, (status, body)
+            error = json.loads(body)["error"]
+            assert error["code"] == 502 and d.url in error["message"], error
+    run(go())
