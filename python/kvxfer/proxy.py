@@ -340,6 +340,8 @@ class Router:
         # given back) before it is cut off (vLLM then aborts it, making no lease).
         self.prefill_grace = prefill_grace
         self.releaser = LeaseReleaser(cluster_key)
+        # Prefill requests still read for clients that left (shutdown waits for them).
+        self._graced: set[asyncio.Future[Optional[dict[str, Any]]]] = set()
         self.session: Optional[aiohttp.ClientSession] = None
         self._warned: set[str] = set()
 
@@ -360,6 +362,10 @@ class Router:
         # limit=0: as many connections to the upstreams as there are requests in flight.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         yield
+        if self._graced:
+            # Prefills read for clients that left: their answers (each cut off after
+            # prefill_grace) are read and their leases given back before the session closes.
+            await asyncio.wait(set(self._graced), timeout=self.prefill_grace + self.connect_timeout)
         await self.session.close()
         await self.releaser.drain()
         self.releaser.close()
@@ -419,6 +425,8 @@ class Router:
                 # prefill still running then is cut off (vLLM aborts it, making no lease).
                 params = await asyncio.shield(prefill)
             except asyncio.CancelledError:
+                self._graced.add(prefill)
+                prefill.add_done_callback(self._graced.discard)
                 prefill.add_done_callback(self._release_unused)
                 asyncio.get_running_loop().call_later(self.prefill_grace, prefill.cancel)
                 raise

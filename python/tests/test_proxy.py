@@ -554,6 +554,37 @@ def test_a_client_gone_during_the_prefill_has_its_answer_read_and_its_leases_giv
     assert {e["kind"] for e in ends} == {"released"}
 
 
+def test_a_router_shut_down_while_a_left_clients_prefill_runs_still_gives_its_leases_back(leased):
+    """The router stops right after a client left during its prefill: shutdown waits (at
+    most the prefill grace) for that answer and gives its leases back before closing."""
+    agent, params = leased
+
+    async def prefill_answer(up: Upstream, request: web.Request, body: dict[str, Any]) -> web.Response:
+        await asyncio.sleep(0.5)
+        return web.json_response({"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}], "kv_transfer_params": params})
+
+    async def go():
+        p, d = Upstream("prefill", prefill_answer), Upstream("decode")
+        s = Setup([p], [d])
+        await s.__aenter__()
+        try:
+            task = asyncio.ensure_future(s.post("/v1/completions", {"prompt": "x", "n": 2}))
+            await asyncio.wait_for(p.entered.wait(), 5)
+            task.cancel()  # closes the client's connection
+            await asyncio.sleep(0.1)
+            router = s.router
+            await s.client.close()
+            assert s.runner is not None
+            await s.runner.cleanup()  # the router shuts down, the prefill still running
+            s.runner = None
+            assert router.releaser.released == 2, (router.releaser.released, router.releaser.refused)
+        finally:
+            await s.__aexit__()
+    run(go())
+    ends = agent.wait_ends(2, timeout=10)
+    assert {e["kind"] for e in ends} == {"released"}
+
+
 async def _eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
