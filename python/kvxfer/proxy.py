@@ -662,7 +662,8 @@ class Router:
         body = {"prefill": results[:k], "decode": results[k:]}
         healthy = any(r["healthy"] for r in results[:k]) and any(r["healthy"] for r in results[k:])
         body["status"] = "ok" if healthy else "unavailable"
-        # Leases of prefill answers no decode instance got, given back by the router.
+        # Leases of prefill answers no decode instance got, given back by the router; those
+        # the prefill did not release (already ended — pulled or expired — or unreachable).
         body["leases_released"] = self.releaser.released
         body["releases_refused"] = self.releaser.refused
         return web.json_response(body, status=200 if healthy else 503)
