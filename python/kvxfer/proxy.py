@@ -47,8 +47,9 @@ read before its status is sent: one cut short is a 502, never a 200 with half a 
 
 Failures: an instance that cannot be connected to is taken out of rotation for
 ``--down-for`` seconds (5) and the request is retried on another instance of its kind
-(nothing was sent); a prefill instance that closes the connection without answering (it
-died, and its leases with it) is retried on another too. A decode request that reached its
+(nothing was sent); a prefill instance that closes or resets the connection without
+answering, or cuts its answer short (it died, and its leases with it; a kept-alive
+connection to a killed instance is reset), is retried on another too. A decode request that reached its
 instance is never retried (it may have read the hand-off or streamed tokens). An instance
 out of rotation gets requests again after that time, or sooner when every instance of its
 kind is out; the first that answers is back in rotation. When no decode instance can be
@@ -73,6 +74,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import copy
+import errno
 import json
 import logging
 import sys
@@ -473,9 +475,16 @@ class Router:
                     if resp.status >= 400:
                         raise _PassThrough(_pass_through(resp.status, resp.content_type, data, upstream, "prefill"))
                 break
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as e:
-                if not isinstance(e, aiohttp.ServerDisconnectedError):
-                    self.prefill.mark_down(upstream, self.down_for)
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                self.prefill.mark_down(upstream, self.down_for)
+                upstream.last_error = str(e) or type(e).__name__
+                logger.warning("prefill instance %s cannot be reached (%s)", upstream.url, upstream.last_error)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
+                if isinstance(e, aiohttp.ClientOSError) and not _reset(e):
+                    raise UpstreamError(502, f"prefill instance {upstream.url} is unreachable or failed: {e}", upstream)
+                # It closed or reset the connection (a kept-alive one to an instance that
+                # died included) or cut its answer short: no answer, and the leases of a
+                # dead instance went with it — another instance gets the request.
                 upstream.last_error = str(e) or type(e).__name__
                 logger.warning("prefill instance %s failed before answering (%s)", upstream.url, upstream.last_error)
             except asyncio.TimeoutError:
@@ -713,6 +722,12 @@ def _content_headers(resp: aiohttp.ClientResponse, upstream: Upstream) -> dict[s
 def _event_end(data: bytes) -> int:
     """Where the last complete server-sent event in ``data`` ends (0: none is complete)."""
     return max(data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0, data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0)
+
+
+def _reset(e: OSError) -> bool:
+    """Whether ``e`` is a connection reset by the peer (aiohttp's ``ClientOSError`` keeps
+    the errno without being a ``ConnectionResetError``)."""
+    return isinstance(e, ConnectionResetError) or e.errno == errno.ECONNRESET
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import time
 from typing import Any, Awaitable, Callable, Optional
 
@@ -455,6 +456,28 @@ def test_an_unreachable_prefill_is_retried_on_another_and_all_unreachable_is_one
             assert status == 502
             message = json.loads(body)["error"]["message"]
             assert dead in message and dead2 in message, message
+    run(go())
+
+
+async def reset_connection(up: Upstream, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """Resets the connection without answering (RST: an instance killed with the request on a
+    kept-alive connection)."""
+    assert request.transport is not None
+    sock = request.transport.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    request.transport.close()
+    await asyncio.sleep(0.05)
+    return web.Response()
+
+
+def test_a_prefill_that_resets_the_connection_is_retried_on_another():
+    async def go():
+        reset, p, d = Upstream("prefill", reset_connection), Upstream("prefill"), Upstream("decode")
+        async with Setup([reset, p], [d]) as s:
+            for _ in range(2):
+                status, body, _ = await s.post("/v1/completions", {"prompt": "x"})
+                assert status == 200, body
+            assert len(reset.requests) >= 1 and len(p.requests) == 2 and len(d.requests) == 2
     run(go())
 
 
