@@ -252,11 +252,15 @@ async def _client(
     deadline: float,
     results: list[Result],
     stop: Optional[threading.Event],
+    hold: Optional[threading.Event] = None,
 ) -> None:
     rng = random.Random(cfg.seed * 1_000_003 + index)
     conv = Conversation(rng, cfg.turns)
     failures = 0
     while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+        if hold is not None and hold.is_set():
+            await asyncio.sleep(0.05)  # held: no new request starts
+            continue
         kind, body = request_body(cfg, conv, rng)
         r = Result(index, kind, body["n"], bool(body["stream"]), body, time.monotonic())
         results.append(r)
@@ -383,17 +387,21 @@ def summarize(results: list[Result], wall: float) -> dict[str, Any]:
 
 
 async def run_load(
-    cfg: LoadConfig, results: Optional[list[Result]] = None, stop: Optional[threading.Event] = None
+    cfg: LoadConfig,
+    results: Optional[list[Result]] = None,
+    stop: Optional[threading.Event] = None,
+    hold: Optional[threading.Event] = None,
 ) -> dict[str, Any]:
     """Runs the load for ``cfg.duration`` seconds, or until ``stop`` is set (clients then
     finish the request they are in), and returns the report (without the reference check
     and metrics: see :func:`run`). ``results`` (a list) receives each request as it starts,
-    for a caller that watches the run (a fault runner in another thread)."""
+    for a caller that watches the run (a fault runner in another thread); while ``hold`` is
+    set, no client starts a request (those under way finish)."""
     results = [] if results is None else results
     started = time.monotonic()
     deadline = started + cfg.duration
     async with _session(cfg) as session:
-        clients = (_client(i, cfg, session, deadline, results, stop) for i in range(cfg.concurrency))
+        clients = (_client(i, cfg, session, deadline, results, stop, hold) for i in range(cfg.concurrency))
         await asyncio.gather(*clients)
     return summarize(results, time.monotonic() - started)
 

@@ -1,12 +1,16 @@
-"""Disaggregated serving under load and faults: real engines of vLLM's CPU build (a prefill
-and a decode instance with kvxfer's connector, each a ``vllm serve`` process bound to a core
-of its own) behind ``python -m kvxfer.proxy``, driven by ``kvxfer.loadgen`` (n = 1 and 4,
+"""Disaggregated serving under load and faults: real engines of vLLM's CPU build (two prefill
+instances sharing one core and a decode instance on the other, each a ``vllm serve`` process
+with kvxfer's connector; ``KVXFER_FAULTS_PREFILLS=1`` for one prefill) behind
+``python -m kvxfer.proxy``, driven by ``kvxfer.loadgen`` (n = 1 and 4,
 streamed and not, completions and chat, multi-turn prompts, a share of clients that give up
 at random moments) while the runner:
 
 1. kills the decode instance (``kill -9``, its whole process group) and starts it again;
 2. kills the router and starts it again on its port;
-3. kills the prefill instance and starts it again;
+3. kills the first prefill instance and, after a third of a phase of load on the second
+   alone, starts it again with the load held (an engine starting beside a loaded one on its
+   core takes minutes on two cores): the router routes around the dead one, so no request
+   that starts while it is down may fail;
 4. sends a prefill request whose decode leg never comes (a client that left between them);
 
 then stops the load, lets the engines quiesce and checks what must hold whatever happened:
@@ -17,9 +21,10 @@ then stops the load, lets the engines quiesce and checks what must hold whatever
   the router was down), never a short or malformed answer;
 - every answer that came back equals the prefill engine's own for the same seed (no decode
   read KV that was not its prompt's);
-- the prefill incarnation that lived to the end balances its leases (made = pulled +
+- the killed prefill's incarnation that lived to the end balances its leases (made = pulled +
   released + expired, none live) with exactly one expired — the hand-off whose decode never
-  came — and both engines' KV-cache usage goes back to idle within a lease TTL.
+  came —, the second prefill balances with at most the requests in flight at the decode's
+  kill expired, and every engine's KV-cache usage goes back to idle within a lease TTL.
 
 The short form (the default: 4 clients, faults a few seconds apart, about 5 minutes on two
 cores with the engines' restarts) runs in the README's test command. The long form:
@@ -66,6 +71,9 @@ CONCURRENCY = int(os.environ.get("KVXFER_FAULTS_CONCURRENCY", "4"))
 # Seconds of load before the first fault, between faults and after the last.
 PHASE = float(os.environ.get("KVXFER_FAULTS_SECONDS", "60")) / 4
 REPORT = os.environ.get("KVXFER_FAULTS_REPORT")
+# Prefill instances behind the router (the first is the one killed; a second shares its core).
+PREFILLS = int(os.environ.get("KVXFER_FAULTS_PREFILLS", "2"))
+PREFILL_NAMES = ["prefill"] + [f"prefill{i}" for i in range(2, PREFILLS + 1)]
 
 
 class Stack:
@@ -75,9 +83,10 @@ class Stack:
         self.work = work
         self.model = model
         self.env = engine_env()
-        self.ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
+        names = [*PREFILL_NAMES, "decode", "router"]
+        self.ports = {name: free_port() for name in names}
         self.procs: dict[str, Proc] = {}
-        self.starts = {"prefill": 0, "decode": 0, "router": 0}
+        self.starts = {name: 0 for name in names}
         self.all_procs: list[Proc] = []
 
     def url(self, name: str) -> str:
@@ -89,12 +98,13 @@ class Stack:
         if name == "router":
             argv = [
                 sys.executable, "-m", "kvxfer.proxy", "--port", str(self.ports["router"]),
-                "--prefill", self.url("prefill"), "--decode", self.url("decode"), "--timeout", "300",
+                *(a for name in PREFILL_NAMES for a in ("--prefill", self.url(name))),
+                "--decode", self.url("decode"), "--timeout", "300",
                 "--log-level", "debug",
             ]
             env = self.env
         else:
-            role, core = ("kv_producer", 0) if name == "prefill" else ("kv_consumer", 1)
+            role, core = ("kv_producer", 0) if name.startswith("prefill") else ("kv_consumer", 1)
             argv = engine_argv(self.model, self.ports[name], role, LEASE_TTL)
             if name == "decode":
                 # As a deployment that rides out faults would: a hand-off the decode cannot
@@ -136,10 +146,10 @@ def stack(tmp_path_factory):
     work = str(tmp_path_factory.mktemp("serving_faults"))
     s = Stack(work, make_model(CPU_PY, work))
     try:
-        s.start("prefill")
-        s.start("decode")
-        s.ready("prefill")
-        s.ready("decode")
+        for name in [*PREFILL_NAMES, "decode"]:
+            s.start(name)
+        for name in [*PREFILL_NAMES, "decode"]:
+            s.ready(name)
         s.start("router")
         s.ready("router")
         yield s
@@ -208,19 +218,33 @@ def phases(results: list[Any], t0: float, at: dict[str, float]) -> tuple[dict[st
     return out, recovery
 
 
+def ended_leases(m: dict[str, float]) -> float:
+    return sum(m.get(f"leases_{k}", 0.0) for k in ("pulled", "released", "expired"))
+
+
+def errors_within(results: list[Any], t0: float, at: dict[str, float], name: str) -> list[str]:
+    """Failed requests (not given up by their client) that started while ``name`` was down."""
+    a, b = at[f"{name} killed"], at.get("load held", at[f"{name} back"])
+    return [
+        f"{r.error} at {r.started - t0:.1f} s: {r.detail}"
+        for r in results
+        if r.error is not None and not r.aborted and a <= r.started - t0 <= b
+    ]
+
+
 def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(stack):
     cfg = loadgen.LoadConfig(
         url=stack.url("router"), duration=24 * 3600, concurrency=CONCURRENCY, abort_share=0.1,
         request_timeout=BOUND + 60, max_tokens=8,
     )
     results: list[Any] = []
-    stop = threading.Event()
+    stop, hold = threading.Event(), threading.Event()
     report: dict[str, Any] = {}
     crashed: list[BaseException] = []
 
     def drive() -> None:
         try:
-            report.update(asyncio.run(loadgen.run_load(cfg, results, stop)))
+            report.update(asyncio.run(loadgen.run_load(cfg, results, stop, hold)))
         except BaseException as e:  # reported below: a crashed load must not pass quietly
             crashed.append(e)
 
@@ -248,9 +272,17 @@ def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(st
         time.sleep(PHASE / 3)
         mark("prefill killed")
         stack.kill9("prefill")
+        if len(PREFILL_NAMES) > 1:
+            # The other prefill serves the load alone; then the load is held while the
+            # killed one starts again: on two cores an engine starting beside a loaded one
+            # on its core takes minutes.
+            time.sleep(PHASE / 3)
+            mark("load held")
+            hold.set()
         stack.start("prefill")
         stack.ready("prefill")
         mark("prefill back")
+        hold.clear()
         prefill_back = len(results)
         never_decoded(stack)
         mark("a prefill answer never decoded")
@@ -268,9 +300,11 @@ def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(st
         deadline = time.monotonic() + LEASE_TTL + 30
         while True:
             p, d = stack.metrics("prefill"), stack.metrics("decode")
-            ended = sum(p.get(f"leases_{k}", 0.0) for k in ("pulled", "released", "expired"))
-            idle = p.get("kv_cache_usage_perc", 0.0) == 0.0 and d.get("kv_cache_usage_perc", 0.0) == 0.0
-            if (ended == p.get("leases_made", 0.0) and p.get("leases_expired", 0.0) >= 1 and idle) or (
+            others = {name: stack.metrics(name) for name in PREFILL_NAMES[1:]}
+            ended = ended_leases(p)
+            idle = all(m.get("kv_cache_usage_perc", 0.0) == 0.0 for m in (p, d, *others.values()))
+            balanced = all(ended_leases(m) == m.get("leases_made", 0.0) for m in others.values())
+            if (ended == p.get("leases_made", 0.0) and p.get("leases_expired", 0.0) >= 1 and idle and balanced) or (
                 time.monotonic() > deadline
             ):
                 break
@@ -284,6 +318,11 @@ def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(st
         summary = loadgen.summarize(results, report.get("wall_s") or 0.0)
         summary["router_released"] = {k: router.get(k) for k in ("leases_released", "releases_refused")}
         summary["phases"], summary["kill_to_first_answer_s"] = phases(results, t0, dict((w, t) for t, w in timeline))
+        if others:
+            summary["other_prefills"] = others
+            summary["errors_while_the_prefill_was_down"] = errors_within(
+                results, t0, dict((w, t) for t, w in timeline), "prefill"
+            )
         summary.update(reference=reference, prefill=p, decode=d, timeline=timeline, bound_s=BOUND,
                        after_prefill_restart_ok=sum(1 for r in results[prefill_back:] if r.ok))
         print(json.dumps(summary, indent=2))
@@ -301,6 +340,16 @@ def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(st
         assert p.get("leases_made", 0.0) > 0, p
         assert ended == p["leases_made"], f"the prefill's leases do not balance: {p}"
         assert p.get("leases_expired", 0.0) == 1, f"only the never-decoded hand-off may expire: {p}"
-        assert idle, f"a KV cache did not go back to idle: prefill {p}, decode {d}"
+        assert idle, f"a KV cache did not go back to idle: prefill {p}, decode {d}, other prefills {others}"
+        for name, m in others.items():
+            # Alive through every fault: a hand-off whose decode had the request when it was
+            # killed (not read yet, and not given back by the router) expires; nothing else.
+            assert ended_leases(m) == m.get("leases_made", 0.0) > 0, f"{name}'s leases do not balance: {m}"
+            assert m.get("leases_expired", 0.0) <= CONCURRENCY, f"{name}: more expired than were in flight: {m}"
+        if others:
+            # The router routes around the dead prefill: a request that started while it was
+            # down went to another one (a refused connection is retried there).
+            down = summary["errors_while_the_prefill_was_down"]
+            assert not down, f"{len(down)} requests failed while another prefill was up: {down[:5]}"
     except AssertionError as e:
         raise AssertionError(f"{e}\ntimeline {timeline}\n{stack.tails()}") from e
