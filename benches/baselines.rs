@@ -28,6 +28,28 @@ fn read_like_kvxfer(s: &mut TcpStream, dst: &mut [u8], read_span: u64) -> std::i
     Ok(dst.len())
 }
 
+/// CPU nanoseconds the raw TCP threads of this process spent sending and receiving bytes
+/// (each thread's own CPU clock, from its start to its last write or read: the kernel's
+/// share of a transfer, without the threads' start-up or their buffers' first touch).
+static RAW_TCP_SEND_NS: AtomicU64 = AtomicU64::new(0);
+static RAW_TCP_RECEIVE_NS: AtomicU64 = AtomicU64::new(0);
+
+/// CPU seconds the raw TCP baseline's sending and receiving threads of this process have
+/// spent moving bytes so far (both in a one-process run; a two-process run sends from
+/// `serve` and receives in `pull`).
+pub(crate) fn raw_tcp_cpu_seconds() -> (f64, f64) {
+    let s = |c: &AtomicU64| c.load(Ordering::SeqCst) as f64 / 1e9;
+    (s(&RAW_TCP_SEND_NS), s(&RAW_TCP_RECEIVE_NS))
+}
+
+/// Runs `f` on this thread, adding the CPU it took to `counter`.
+fn counted<T>(counter: &AtomicU64, f: impl FnOnce() -> T) -> T {
+    let t0 = crate::procstat::thread_cpu_ns();
+    let out = f();
+    counter.fetch_add(crate::procstat::thread_cpu_ns().saturating_sub(t0), Ordering::SeqCst);
+    out
+}
+
 /// GiB/s of `bytes` moved in `secs`.
 fn gib_per_s(bytes: usize, secs: f64) -> f64 {
     bytes as f64 / f64::from(1u32 << 30) / secs
@@ -72,7 +94,7 @@ pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) 
         threads.push(std::thread::spawn(move || {
             let src = vec![0x5au8; per];
             start.wait();
-            write_like_kvxfer(&mut s, &src).map(|()| 0)
+            counted(&RAW_TCP_SEND_NS, || write_like_kvxfer(&mut s, &src)).map(|()| 0)
         }));
     }
     let readers = receive(clients, per, read_span, &start);
@@ -99,7 +121,7 @@ fn receive(
             std::thread::spawn(move || {
                 let mut dst = vec![1u8; per];
                 start.wait();
-                let read = read_like_kvxfer(&mut s, &mut dst, read_span);
+                let read = counted(&RAW_TCP_RECEIVE_NS, || read_like_kvxfer(&mut s, &mut dst, read_span));
                 std::hint::black_box(&dst);
                 read
             })
@@ -123,7 +145,10 @@ pub(crate) fn raw_tcp_source(total: u64, connections: usize) -> Result<String, S
             std::thread::spawn(move || {
                 let mut go = [0u8; 1];
                 // A failure shows on the pull side, whose read then ends early.
-                if let Err(e) = s.read_exact(&mut go).and_then(|()| write_like_kvxfer(&mut s, &src)) {
+                if let Err(e) = s
+                    .read_exact(&mut go)
+                    .and_then(|()| counted(&RAW_TCP_SEND_NS, || write_like_kvxfer(&mut s, &src)))
+                {
                     eprintln!("kvxfer-bench serve: raw tcp source: {e}");
                 }
             });

@@ -135,7 +135,9 @@ pub(crate) struct RunArgs {
     /// Decode agents that each pull every child (heterogeneous TP); one process only.
     #[arg(long, default_value_t = 1)]
     pub(crate) expected_consumers: u32,
-    /// Also measure a raw TCP copy and a memcpy of the same bytes, and print the ratios.
+    /// Also measure a raw TCP copy and a memcpy of the same bytes, and print the ratios
+    /// (wall-clock and counted CPU); with --concurrency/--rate, one raw TCP run after each
+    /// level, for the kernel's CPU share of the same bytes per request.
     #[arg(long)]
     pub(crate) baseline: bool,
     /// Skip the final check of every destination block (the last pull into each).

@@ -13,8 +13,7 @@ use serde_json::Value;
 
 use crate::baselines::percentile;
 use crate::cli::RunArgs;
-use crate::procstat::cpu_seconds;
-use crate::source::LeaseSource;
+use crate::source::{LeaseSource, ProcessCounters};
 
 /// Blocks per child so that every parent's children together move `total` bytes.
 pub(crate) fn blocks_per_child(run: &RunArgs, block: u64) -> Result<u32, String> {
@@ -43,7 +42,14 @@ pub(crate) struct Measured {
     pub(crate) p50_us: f64,
     pub(crate) p99_us: f64,
     pub(crate) max_us: f64,
+    /// CPU seconds per GiB of this process (the decode agents; in a one-process run the
+    /// prefill agent too).
     pub(crate) cpu_s_per_gib: f64,
+    /// The `serve` process's (the prefill agent's) CPU seconds per GiB, two-process runs.
+    pub(crate) prefill_cpu_s_per_gib: Option<f64>,
+    /// Context switches of this process, and of `serve`, per parent handed off.
+    pub(crate) switches_per_parent: f64,
+    pub(crate) prefill_switches_per_parent: Option<f64>,
     pub(crate) verified: Option<bool>,
     pub(crate) prefill: Value,
     /// Submit → report (the hand-off as the decode engine sees it, without the lease
@@ -58,6 +64,16 @@ pub(crate) struct Measured {
     pub(crate) iter_gib_per_s: Vec<f64>,
     /// `--baseline`: raw TCP GiB/s right after each measured iteration (same bytes).
     pub(crate) raw_tcp_runs: Vec<f64>,
+    /// `--baseline`: the CPU seconds per GiB of each of those runs: its sending end (the
+    /// prefill side's) and its receiving end (the decode side's).
+    pub(crate) raw_tcp_cpu_runs: Vec<[f64; 2]>,
+}
+
+impl Measured {
+    /// CPU seconds per GiB of both agents (both processes in a two-process run).
+    pub(crate) fn cpu_s_per_gib_both(&self) -> f64 {
+        self.cpu_s_per_gib + self.prefill_cpu_s_per_gib.unwrap_or(0.0)
+    }
 }
 
 /// Measures one block size: `warmup + iters` iterations of every parent leased and
@@ -88,7 +104,9 @@ pub(crate) fn run_block_size(
     let (mut latencies, mut submit_latencies) = (Vec::new(), Vec::new());
     // Per measured iteration: (first index in `submit_latencies`, count).
     let mut iter_spans: Vec<(usize, usize)> = Vec::new();
-    let (mut seconds, mut bytes, mut cpu) = (0.0f64, 0u64, 0.0f64);
+    let (mut seconds, mut bytes) = (0.0f64, 0u64);
+    // What this process and the prefill's (when it is `serve`) spent in measured iterations.
+    let (mut spent, mut prefill_spent) = (ProcessCounters::default(), Some(ProcessCounters::default()));
     let show_progress = std::io::stderr().is_terminal() && !run.json && !run.csv;
     // Raw round trips interleaved with the iterations: ~200 in all, at least one per iteration;
     // to a responder on the prefill side (the `serve` process in a two-process run).
@@ -98,13 +116,14 @@ pub(crate) fn run_block_size(
     let latency_run = run.total_bytes < LATENCY_RUN_BYTES;
     let mut latency_iter_bytes = Vec::new();
     let mut raw_rtt_us = Vec::new();
-    let (mut iter_gib_per_s, mut raw_tcp_runs) = (Vec::new(), Vec::new());
+    let (mut iter_gib_per_s, mut raw_tcp_runs, mut raw_tcp_cpu_runs) = (Vec::new(), Vec::new(), Vec::new());
     for iter in 0..run.warmup + run.iters {
         let measured = iter >= run.warmup;
         if show_progress {
             eprint!("\r{block:>9} B blocks: iteration {}/{}   ", iter + 1, run.warmup + run.iters);
         }
-        let cpu0 = cpu_seconds();
+        let prefill0 = source.prefill_process();
+        let local0 = ProcessCounters::now();
         let bytes_before = bytes;
         let t0 = Instant::now();
         let mut handles = Vec::new();
@@ -143,18 +162,28 @@ pub(crate) fn run_block_size(
             iter_spans.push((span_start, submit_latencies.len() - span_start));
             let (secs, iter_bytes) = (t0.elapsed().as_secs_f64(), bytes - bytes_before);
             seconds += secs;
-            cpu += cpu_seconds() - cpu0;
+            let local = ProcessCounters::now().since(local0);
+            spent.cpu_seconds += local.cpu_seconds;
+            spent.context_switches += local.context_switches;
+            prefill_spent = match (prefill_spent, source.prefill_process().zip(prefill0)) {
+                (Some(total), Some((after, before))) => {
+                    let p = after.since(before);
+                    Some(ProcessCounters {
+                        cpu_seconds: total.cpu_seconds + p.cpu_seconds,
+                        context_switches: total.context_switches + p.context_switches,
+                    })
+                }
+                _ => None,
+            };
             iter_gib_per_s.push(iter_bytes as f64 / f64::from(1u32 << 30) / secs.max(1e-9));
             if let Some(r) = raw_rtt.as_mut() {
                 raw_rtt_us.extend(r.sample(rtt_per_iter)?);
                 // The bandwidth ceiling interleaved too, so each iteration has its own —
                 // except in a latency run, see below.
                 if !latency_run {
-                    raw_tcp_runs.push(source.raw_tcp_gib_per_s(
-                        iter_bytes,
-                        run.connections,
-                        u64::from(bpc) * block,
-                    )?);
+                    let r = source.raw_tcp_run(iter_bytes, run.connections, u64::from(bpc) * block)?;
+                    raw_tcp_runs.push(r.gib_per_s);
+                    raw_tcp_cpu_runs.push(r.cpu_s_per_gib(iter_bytes));
                 } else {
                     latency_iter_bytes.push(iter_bytes);
                 }
@@ -165,7 +194,9 @@ pub(crate) fn run_block_size(
     // raw run between two hand-offs (threads started, connections made) delayed the next
     // hand-off about 4x (p50 ~200 µs against ~50 µs without, one process, load 10).
     for iter_bytes in latency_iter_bytes {
-        raw_tcp_runs.push(source.raw_tcp_gib_per_s(iter_bytes, run.connections, u64::from(bpc) * block)?);
+        let r = source.raw_tcp_run(iter_bytes, run.connections, u64::from(bpc) * block)?;
+        raw_tcp_runs.push(r.gib_per_s);
+        raw_tcp_cpu_runs.push(r.cpu_s_per_gib(iter_bytes));
     }
     if show_progress {
         eprintln!();
@@ -204,6 +235,8 @@ pub(crate) fn run_block_size(
     latencies.sort_by(f64::total_cmp);
     submit_latencies.sort_by(f64::total_cmp);
     let gib = bytes as f64 / f64::from(1u32 << 30);
+    // Parents handed off in the measured iterations (each to every decode agent).
+    let handed_off = f64::from(parents) * f64::from(run.iters.max(1));
     Ok(Measured {
         bytes: bytes / u64::from(run.iters.max(1)),
         gib_per_s: gib / seconds.max(1e-9),
@@ -214,12 +247,16 @@ pub(crate) fn run_block_size(
         max_us: latencies.last().copied().unwrap_or(0.0),
         submit_us: [0.1, 0.5, 0.99].map(|p| percentile(&submit_latencies, p)),
         paired_ratio,
-        cpu_s_per_gib: cpu / gib.max(1e-12),
+        cpu_s_per_gib: spent.cpu_seconds / gib.max(1e-12),
+        prefill_cpu_s_per_gib: prefill_spent.map(|p| p.cpu_seconds / gib.max(1e-12)),
+        switches_per_parent: spent.context_switches as f64 / handed_off.max(1.0),
+        prefill_switches_per_parent: prefill_spent.map(|p| p.context_switches as f64 / handed_off.max(1.0)),
         verified,
         prefill: source.stats(),
         raw_rtt_us,
         iter_gib_per_s,
         raw_tcp_runs,
+        raw_tcp_cpu_runs,
     })
 }
 

@@ -1,6 +1,6 @@
 //! What this process holds, read from `/proc/self`: resident memory (now and peak) and open
 //! file descriptors — for the many-requests workload's "no growth with concurrency" figures;
-//! and the CPU time it used.
+//! and the CPU time and context switches it used (the whole process, or one thread).
 
 /// A `kB` field of `/proc/self/status` (e.g. `VmRSS`, `VmHWM`), in KiB; 0 when unreadable.
 fn status_kib(field: &str) -> u64 {
@@ -50,12 +50,35 @@ pub(crate) fn involuntary_switches() -> u64 {
         .sum()
 }
 
-/// Resource usage of this process: user + system CPU seconds.
-pub(crate) fn cpu_seconds() -> f64 {
+/// This process's resource usage (every thread, those that exited included).
+fn rusage() -> libc::rusage {
     // SAFETY: getrusage writes one rusage struct; zeroed is a valid initial value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: RUSAGE_SELF with a valid out-pointer.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    u
+}
+
+/// Resource usage of this process: user + system CPU seconds.
+pub(crate) fn cpu_seconds() -> f64 {
+    let u = rusage();
     let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
     t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// Context switches of this process so far, voluntary (a thread waited: a futex, a socket
+/// with nothing to read, epoll) and involuntary together, every thread included.
+pub(crate) fn context_switches() -> u64 {
+    let u = rusage();
+    u64::try_from(u.ru_nvcsw.saturating_add(u.ru_nivcsw)).unwrap_or(0)
+}
+
+/// CPU time of the calling thread so far, nanoseconds (user + system).
+pub(crate) fn thread_cpu_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return 0;
+    }
+    u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
 }

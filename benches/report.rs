@@ -55,10 +55,10 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
     let mut all_ok = true;
     let mut plot_rows = Vec::new();
     if !run.json && run.csv {
-        println!("transport,processes,block_bytes,bytes,gib_per_s,blocks_per_s,p50_us,p99_us,max_us,cpu_s_per_gib,verified,raw_tcp_gib_per_s,memcpy_gib_per_s,ratio_vs_raw_tcp,ratio_vs_memcpy");
+        println!("transport,processes,block_bytes,bytes,gib_per_s,blocks_per_s,p50_us,p99_us,max_us,cpu_s_per_gib,verified,raw_tcp_gib_per_s,memcpy_gib_per_s,ratio_vs_raw_tcp,ratio_vs_memcpy,cpu_s_per_gib_both,raw_tcp_cpu_s_per_gib,ratio_cpu_vs_raw_tcp");
     } else if !run.json {
         println!(
-            "{:>9} {:>10} {:>9} {:>12} {:>10} {:>10} {:>10} {:>9} {:>8} {:>9} {:>9}",
+            "{:>9} {:>10} {:>9} {:>12} {:>10} {:>10} {:>10} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9}",
             "block",
             "bytes",
             "GiB/s",
@@ -69,7 +69,9 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
             "CPU s/GiB",
             "verified",
             "vs rawTCP",
-            "vs memcpy"
+            "vs memcpy",
+            "CPU both",
+            "CPU vs raw"
         );
     }
     for &block in &run.block_bytes {
@@ -98,6 +100,18 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
             }
         }
         let ratio = |b: Option<f64>| b.map(|b| m.gib_per_s / b);
+        // CPU against CPU on the same bytes: both agents (both processes) against the raw
+        // runs' sending and receiving threads, the median of the runs.
+        let raw_median = |f: fn(&[f64; 2]) -> f64| {
+            let mut runs: Vec<f64> = m.raw_tcp_cpu_runs.iter().map(f).collect();
+            runs.sort_by(f64::total_cmp);
+            percentile(&runs, 0.5)
+        };
+        let raw_cpu = run.baseline.then(|| raw_median(|r| r[0] + r[1]));
+        let (raw_send, raw_receive) = (raw_median(|r| r[0]), raw_median(|r| r[1]));
+        let cpu_both = m.cpu_s_per_gib_both();
+        let cpu_ratio = raw_cpu.filter(|&r| r > 0.0).map(|r| cpu_both / r);
+        let per_parent_gib = m.bytes as f64 / f64::from(run.parents.max(1)) / f64::from(1u32 << 30);
         plot_rows.push(PlotRow { block, kvxfer: m.gib_per_s, raw_tcp: raw, memcpy: mem });
         if run.json {
             let mut j = json!({
@@ -106,6 +120,13 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 "expected_consumers": run.expected_consumers, "notify_with_read": run.notify_with_read,
                 "gib_per_s": m.gib_per_s, "blocks_per_s": m.blocks_per_s, "p50_us": m.p50_us, "p99_us": m.p99_us,
                 "max_us": m.max_us, "cpu_s_per_gib": m.cpu_s_per_gib, "verified": m.verified, "prefill": m.prefill,
+                // Counted CPU (user + system, every thread): this process (the decode agents;
+                // one process: both agents), `serve`'s (the prefill agent's), both together,
+                // and both per parent handed off; context switches per parent.
+                "decode_cpu_s_per_gib": m.cpu_s_per_gib, "prefill_cpu_s_per_gib": m.prefill_cpu_s_per_gib,
+                "cpu_s_per_gib_both": cpu_both, "cpu_us_per_parent_both": cpu_both * per_parent_gib * 1e6,
+                "context_switches_per_parent": m.switches_per_parent,
+                "prefill_context_switches_per_parent": m.prefill_switches_per_parent,
                 "async_submit": run.async_submit, "current_thread": run.current_thread,
                 // Submit → report: the hand-off without the bench's lease request.
                 "submit_p10_us": m.submit_us[0], "submit_p50_us": m.submit_us[1], "submit_p99_us": m.submit_us[2],
@@ -119,6 +140,18 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 j["memcpy_gib_per_s"] = json!(mem);
                 j["ratio_vs_raw_tcp"] = json!(ratio(raw));
                 j["ratio_vs_memcpy"] = json!(ratio(mem));
+                j["raw_tcp_cpu_s_per_gib"] = json!(raw_cpu);
+                j["raw_tcp_cpu_us_per_parent"] = json!(raw_cpu.map(|r| r * per_parent_gib * 1e6));
+                j["ratio_cpu_vs_raw_tcp"] = json!(cpu_ratio);
+                // Each end: the sending (prefill side) and receiving (decode side) threads.
+                j["raw_tcp_send_cpu_s_per_gib"] = json!(raw_send);
+                j["raw_tcp_receive_cpu_s_per_gib"] = json!(raw_receive);
+                if let Some(prefill) = m.prefill_cpu_s_per_gib {
+                    j["prefill_cpu_vs_raw_send"] = json!(prefill / raw_send.max(1e-12));
+                    j["decode_cpu_vs_raw_receive"] = json!(m.cpu_s_per_gib / raw_receive.max(1e-12));
+                }
+                // memcpy is one CPU-bound thread: its CPU per GiB is its time per GiB.
+                j["memcpy_cpu_s_per_gib"] = json!(mem.map(|g| 1.0 / g));
                 j["raw_tcp_rtt_one_block_p50_us"] = json!(rtt);
                 j["p10_us"] = json!(m.p10_us);
                 j["p10_vs_raw_rtt_p10"] = json!(m.p10_us / percentile(&m.raw_rtt_us, 0.1));
@@ -131,6 +164,7 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 if run.iters <= 20 {
                     j["iter_gib_per_s"] = json!(m.iter_gib_per_s);
                     j["raw_tcp_runs"] = json!(m.raw_tcp_runs);
+                    j["raw_tcp_cpu_runs"] = json!(m.raw_tcp_cpu_runs);
                     j["ratio_vs_raw_tcp_per_iter"] = json!(per_iter);
                 }
                 // Taken between kvxfer's iterations; the spread says how far to trust the ratio.
@@ -155,7 +189,7 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
         } else if run.csv {
             let o = |v: Option<f64>| v.map(|v| format!("{v:.4}")).unwrap_or_default();
             println!(
-                "{transport},{processes},{block},{},{:.4},{:.0},{:.1},{:.1},{:.1},{:.4},{},{},{},{},{}",
+                "{transport},{processes},{block},{},{:.4},{:.0},{:.1},{:.1},{:.1},{:.4},{},{},{},{},{},{:.4},{},{}",
                 m.bytes,
                 m.gib_per_s,
                 m.blocks_per_s,
@@ -167,12 +201,15 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 o(raw),
                 o(mem),
                 o(ratio(raw)),
-                o(ratio(mem))
+                o(ratio(mem)),
+                cpu_both,
+                o(raw_cpu),
+                o(cpu_ratio)
             );
         } else {
             let o = |v: Option<f64>| v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into());
             println!(
-                "{:>9} {:>10} {:>9.3} {:>12.0} {:>10.0} {:>10.0} {:>10.0} {:>9.3} {:>8} {:>9} {:>9}",
+                "{:>9} {:>10} {:>9.3} {:>12.0} {:>10.0} {:>10.0} {:>10.0} {:>9.3} {:>8} {:>9} {:>9} {:>9.3} {:>9}",
                 human(block),
                 human(m.bytes),
                 m.gib_per_s,
@@ -183,7 +220,9 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 m.cpu_s_per_gib,
                 m.verified.map(|v| v.to_string()).unwrap_or_else(|| "skipped".into()),
                 o(ratio(raw)),
-                o(ratio(mem))
+                o(ratio(mem)),
+                cpu_both,
+                o(cpu_ratio)
             );
         }
     }

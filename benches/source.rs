@@ -56,9 +56,18 @@ pub(crate) trait LeaseSource {
     }
     /// Raw TCP GiB/s of `total` bytes over `connections` sockets from the prefill side to
     /// this process, written as kvxfer's server writes and read `read_span` bytes at a time
-    /// (see [`crate::baselines`]): two threads of this process, or the `serve` process.
-    fn raw_tcp_gib_per_s(&mut self, total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
-        crate::baselines::raw_tcp_gib_per_s(total, connections, read_span)
+    /// (see [`crate::baselines`]): two threads of this process, or the `serve` process;
+    /// with the CPU seconds its sending and receiving threads took, both ends.
+    fn raw_tcp_run(&mut self, total: u64, connections: usize, read_span: u64) -> Result<RawTcpRun, String> {
+        let (sent0, received0) = crate::baselines::raw_tcp_cpu_seconds();
+        let gib_per_s = crate::baselines::raw_tcp_gib_per_s(total, connections, read_span)?;
+        let (sent, received) = crate::baselines::raw_tcp_cpu_seconds();
+        Ok(RawTcpRun { gib_per_s, send_cpu_seconds: sent - sent0, receive_cpu_seconds: received - received0 })
+    }
+    /// The prefill process's CPU seconds and context switches so far when it is another
+    /// process (`serve`); `None` when the agents share this one (whose counters hold both).
+    fn prefill_process(&mut self) -> Option<ProcessCounters> {
+        None
     }
     /// A raw one-block round trip to the prefill side: a responder thread of this process,
     /// or of the `serve` process (so it crosses processes as the hand-off does).
@@ -76,6 +85,48 @@ pub(crate) trait LeaseSource {
         config: &kvxfer_ucx::UcxConfig,
         bytes: u64,
     ) -> Result<kvxfer_ucx::TargetInfo, String>;
+}
+
+/// One run of the raw TCP baseline.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawTcpRun {
+    /// Bytes read over the run's wall-clock time.
+    pub(crate) gib_per_s: f64,
+    /// CPU of the threads sending the bytes (the prefill side's end).
+    pub(crate) send_cpu_seconds: f64,
+    /// CPU of the threads receiving them (the decode side's end).
+    pub(crate) receive_cpu_seconds: f64,
+}
+
+impl RawTcpRun {
+    /// CPU seconds per GiB of the sending and the receiving end, for a run of `bytes`.
+    pub(crate) fn cpu_s_per_gib(&self, bytes: u64) -> [f64; 2] {
+        let gib = (bytes as f64 / f64::from(1u32 << 30)).max(1e-12);
+        [self.send_cpu_seconds / gib, self.receive_cpu_seconds / gib]
+    }
+}
+
+/// A process's counters at one moment.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ProcessCounters {
+    /// User + system CPU seconds, every thread.
+    pub(crate) cpu_seconds: f64,
+    /// Voluntary and involuntary context switches, every thread.
+    pub(crate) context_switches: u64,
+}
+
+impl ProcessCounters {
+    /// This process's counters now.
+    pub(crate) fn now() -> Self {
+        Self { cpu_seconds: cpu_seconds(), context_switches: crate::procstat::context_switches() }
+    }
+    /// What the process spent from `earlier` to `self`.
+    pub(crate) fn since(self, earlier: Self) -> Self {
+        Self {
+            cpu_seconds: self.cpu_seconds - earlier.cpu_seconds,
+            context_switches: self.context_switches.saturating_sub(earlier.context_switches),
+        }
+    }
 }
 
 /// A prefill agent in this process, started anew for each block size.
@@ -133,6 +184,8 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
            "expired": s.leases.expired, "unrecognized": s.leases.unrecognized, "bytes_served": s.server.bytes_served,
            "crc_bytes_precomputed": s.server.crc_bytes_precomputed,
            "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds(),
+           "context_switches": crate::procstat::context_switches(),
+           "raw_tcp_send_cpu_seconds": crate::baselines::raw_tcp_cpu_seconds().0,
            "rss_kib": crate::procstat::rss_kib(), "rss_peak_kib": crate::procstat::peak_rss_kib(),
            "fds": crate::procstat::open_fds(),
            "raw_rtt_rounds_served": crate::baselines::raw_rtt_rounds_served(),
@@ -335,10 +388,24 @@ impl LeaseSource for RemoteSource {
         self.leasing = None;
         Self::lease_results(answer?, count).map(Some)
     }
-    fn raw_tcp_gib_per_s(&mut self, total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
+    fn raw_tcp_run(&mut self, total: u64, connections: usize, read_span: u64) -> Result<RawTcpRun, String> {
         let v = self.call(json!({"op": "raw_tcp_source", "bytes": total, "connections": connections}))?;
         let addr = v.get("addr").and_then(Value::as_str).ok_or("serve sent no raw source address")?;
-        crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)
+        let remote = |s: &mut Self| s.stats().get("raw_tcp_send_cpu_seconds").and_then(Value::as_f64);
+        let (sent0, received0) = (remote(self), crate::baselines::raw_tcp_cpu_seconds().1);
+        let gib_per_s = crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)?;
+        let received = crate::baselines::raw_tcp_cpu_seconds().1 - received0;
+        // The senders add their count right after their last write returns; the stats
+        // round trip after the last read here gives them that moment.
+        let sent = remote(self).zip(sent0).map(|(b, a)| b - a).ok_or("serve sent no raw tcp CPU count")?;
+        Ok(RawTcpRun { gib_per_s, send_cpu_seconds: sent, receive_cpu_seconds: received })
+    }
+    fn prefill_process(&mut self) -> Option<ProcessCounters> {
+        let s = self.stats();
+        Some(ProcessCounters {
+            cpu_seconds: s.get("cpu_seconds")?.as_f64()?,
+            context_switches: s.get("context_switches")?.as_u64()?,
+        })
     }
     fn raw_rtt(&mut self, block: u64) -> Result<crate::baselines::RawRtt, String> {
         let v = self.call(json!({"op": "raw_rtt_responder", "block_bytes": block}))?;

@@ -28,6 +28,13 @@ pub(crate) struct Loaded {
     /// Per-request latency (start → last child's completion) quantiles, us: p50, p99.
     pub(crate) request_us: [f64; 2],
     pub(crate) cpu_us_per_request: f64,
+    /// Context switches (voluntary and involuntary) of this process, and of `serve`, per
+    /// request in the window.
+    pub(crate) switches_per_request: f64,
+    pub(crate) prefill_switches_per_request: Option<f64>,
+    /// `--baseline`: the raw TCP run's sending and receiving CPU per request, µs (the same
+    /// bytes per request).
+    pub(crate) raw_tcp_us_per_request: Option<[f64; 2]>,
     /// Mean time of the lease calls per parent (in two processes, control round trips to
     /// `serve`, `--lease-batch` parents each): the submitting thread's own cost.
     pub(crate) lease_call_us: f64,

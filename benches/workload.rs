@@ -40,8 +40,8 @@ use crate::baselines::percentile;
 use crate::cli::{Arrivals, RunArgs};
 use crate::measure::Decoder;
 use crate::plot::human;
-use crate::procstat::{cpu_seconds, involuntary_switches, open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
-use crate::source::LeaseSource;
+use crate::procstat::{involuntary_switches, open_fds, peak_rss_kib, reset_peak_rss, rss_kib};
+use crate::source::{LeaseSource, ProcessCounters, RawTcpRun};
 use crate::types::{Level, Loaded};
 
 /// Parents to lease per batch: `--lease-batch`, at most `c / 2` (the remote slots hold two
@@ -75,10 +75,14 @@ type Finished = Pin<Box<dyn Future<Output = Done>>>;
 /// What a [`Finished`] gives: local slot, remote slot, started, submitted, report.
 type Done = (usize, usize, Instant, Instant, PullReport);
 
-/// The prefill process's CPU seconds as its stats report them.
-fn prefill_cpu(source: &mut dyn LeaseSource) -> Option<f64> {
-    source.stats().get("cpu_seconds").and_then(Value::as_f64)
+/// This process's counters and the prefill process's (when it is `serve`), now.
+fn counters(source: &mut dyn LeaseSource) -> (ProcessCounters, Option<ProcessCounters>) {
+    (ProcessCounters::now(), source.prefill_process())
 }
+
+/// Bytes of the raw TCP run beside a many-requests level at most: its CPU per byte is
+/// scaled to the level's bytes per request.
+const RAW_RUN_MAX_BYTES: u64 = 512 << 20;
 
 /// Wakes the submitting thread when a pull finishes.
 struct Unpark(std::thread::Thread);
@@ -240,7 +244,6 @@ pub(crate) fn run_level(
     source: &mut dyn LeaseSource,
     block: u64,
     level: Level,
-    processes: &str,
 ) -> Result<Loaded, String> {
     let w = &run.workload;
     let (n, bpc) = (run.n.max(1), w.blocks_per_child.max(1));
@@ -304,7 +307,7 @@ pub(crate) fn run_level(
     let mut cap_blocked_upto: Option<Instant> = None;
     let mut submit_lag = Vec::new();
 
-    let (mut cpu0, mut pcpu0, mut cpu1, mut pcpu1) = (None, None, None, None);
+    let (mut at0, mut at1) = (None, None);
     let (mut preempted0, mut preempted1) = (0, 0);
     // How long after the window's end its readings were taken.
     let mut end_reading_late = Duration::ZERO;
@@ -314,16 +317,14 @@ pub(crate) fn run_level(
     let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr()) && !run.json && !run.csv;
     loop {
         let now = Instant::now();
-        if cpu0.is_none() && now >= warm {
-            cpu0 = Some(cpu_seconds());
+        if at0.is_none() && now >= warm {
+            at0 = Some(counters(source));
             preempted0 = involuntary_switches();
-            pcpu0 = if processes == "2" { prefill_cpu(source) } else { None };
         }
-        if cpu1.is_none() && now >= end {
+        if at1.is_none() && now >= end {
             end_reading_late = now - end;
-            cpu1 = Some(cpu_seconds());
+            at1 = Some(counters(source));
             preempted1 = involuntary_switches();
-            pcpu1 = if processes == "2" { prefill_cpu(source) } else { None };
             if show_progress {
                 eprintln!("\r{} B blocks, {level:?}: draining   ", human(block));
             }
@@ -391,7 +392,7 @@ pub(crate) fn run_level(
         };
         pool.collect(source, false)?;
         pool.top_up(source, &mut free_remote, wanted)?;
-        let edges = [cpu0.is_none().then_some(warm), cpu1.is_none().then_some(end)];
+        let edges = [at0.is_none().then_some(warm), at1.is_none().then_some(end)];
         let next =
             match next_until(&mut in_flight, &waker, park_deadline(wait_until, &edges), decoder.runtime()) {
                 None => continue,
@@ -441,12 +442,11 @@ pub(crate) fn run_level(
         }
     }
     // The measured window is over even when the last pull finished before its end.
-    if cpu1.is_none() {
+    if at1.is_none() {
         std::thread::sleep(end.saturating_duration_since(Instant::now()));
         end_reading_late = end.elapsed();
-        cpu1 = Some(cpu_seconds());
+        at1 = Some(counters(source));
         preempted1 = involuntary_switches();
-        pcpu1 = if processes == "2" { prefill_cpu(source) } else { None };
     }
     if cap_waits > 0 {
         eprintln!(
@@ -456,8 +456,24 @@ pub(crate) fn run_level(
             human(block)
         );
     }
-    let cpu = cpu1.zip(cpu0).map(|(b, a)| b - a).unwrap_or(0.0);
-    let pcpu = pcpu1.zip(pcpu0).map(|(b, a)| b - a);
+    let (local, prefill) = match (at0, at1) {
+        (Some((l0, p0)), Some((l1, p1))) => (l1.since(l0), p1.zip(p0).map(|(b, a)| b.since(a))),
+        _ => (ProcessCounters::default(), None),
+    };
+    // The kernel's share of the same bytes: a raw TCP run (the level's bytes, at most
+    // RAW_RUN_MAX_BYTES, scaled), from the prefill side to this process as kvxfer's bytes.
+    let raw = if run.baseline && bytes > 0 {
+        let moved = bytes.min(RAW_RUN_MAX_BYTES);
+        let r = source.raw_tcp_run(moved, run.connections, u64::from(bpc) * block)?;
+        let scale = bytes as f64 / moved as f64;
+        Some(RawTcpRun {
+            gib_per_s: r.gib_per_s,
+            send_cpu_seconds: r.send_cpu_seconds * scale,
+            receive_cpu_seconds: r.receive_cpu_seconds * scale,
+        })
+    } else {
+        None
+    };
     let rss_peak = peak_rss_kib();
     let verified = if run.no_verify {
         None
@@ -500,7 +516,10 @@ pub(crate) fn run_level(
             child_lat.last().copied().unwrap_or(0.0),
         ],
         request_us: [percentile(&req_lat, 0.5), percentile(&req_lat, 0.99)],
-        cpu_us_per_request: per_req(cpu),
+        cpu_us_per_request: per_req(local.cpu_seconds),
+        switches_per_request: local.context_switches as f64 / (requests.max(1) as f64),
+        prefill_switches_per_request: prefill.map(|p| p.context_switches as f64 / (requests.max(1) as f64)),
+        raw_tcp_us_per_request: raw.map(|r| [per_req(r.send_cpu_seconds), per_req(r.receive_cpu_seconds)]),
         lease_call_us: pool.calls_secs * 1e6 / (pool.leased.max(1) as f64),
         submit_lag_us: [
             percentile(&submit_lag, 0.5),
@@ -515,7 +534,7 @@ pub(crate) fn run_level(
         cap_waits,
         end_reading_late_us: end_reading_late.as_secs_f64() * 1e6,
         max_backlog,
-        prefill_cpu_us_per_request: pcpu.map(per_req),
+        prefill_cpu_us_per_request: prefill.map(|p| per_req(p.cpu_seconds)),
         preempted_per_s: preempted1.saturating_sub(preempted0) as f64 / secs,
         rss_before_mib: rss_before as f64 / 1024.0,
         rss_peak_mib: if peak_reset { rss_peak as f64 / 1024.0 } else { f64::NAN },
@@ -584,7 +603,7 @@ pub(crate) fn bench_many(
     }
     for &block in &run.block_bytes {
         for &level in &levels {
-            let l = run_level(run, source, block, level, processes)?;
+            let l = run_level(run, source, block, level)?;
             all_ok &= l.verified != Some(false);
             let (mode, concurrency, offered, cap) = match l.level {
                 Level::Closed(c) => ("many", Some(c), None, None),
@@ -607,7 +626,24 @@ pub(crate) fn bench_many(
                     "involuntary_switches_per_s": l.preempted_per_s,
                     "rss_before_mib": l.rss_before_mib, "rss_peak_mib": l.rss_peak_mib, "kv_mib": l.kv_mib,
                     "fds_before": l.fds_before, "fds_max": l.fds_max, "verified": l.verified, "prefill": l.prefill,
+                    "context_switches_per_request": l.switches_per_request,
+                    "prefill_context_switches_per_request": l.prefill_switches_per_request,
                 });
+                // Counted CPU against the kernel's share of the same bytes (`--baseline`):
+                // both agents against both raw ends; in two processes each side against its
+                // end (decode: receiving, prefill: sending).
+                if let Some([send, receive]) = l.raw_tcp_us_per_request {
+                    let both = l.cpu_us_per_request + l.prefill_cpu_us_per_request.unwrap_or(0.0);
+                    j["cpu_us_per_request_both"] = json!(both);
+                    j["raw_tcp_send_cpu_us_per_request"] = json!(send);
+                    j["raw_tcp_receive_cpu_us_per_request"] = json!(receive);
+                    j["ratio_cpu_vs_raw_tcp"] = json!(both / (send + receive).max(1e-9));
+                    j["cpu_us_above_raw_tcp_per_request"] = json!(both - (send + receive));
+                    if let Some(prefill) = l.prefill_cpu_us_per_request {
+                        j["decode_cpu_us_above_raw_receive"] = json!(l.cpu_us_per_request - receive);
+                        j["prefill_cpu_us_above_raw_send"] = json!(prefill - send);
+                    }
+                }
                 // The open loop's own figures (null in the closed loop).
                 let open = |v: Value| if offered.is_some() { v } else { Value::Null };
                 j["offered_per_s"] = json!(offered);

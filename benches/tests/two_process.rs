@@ -107,6 +107,27 @@ fn raw_tcp_baseline_across_two_processes() {
         rounds += r["raw_tcp_rtt_one_block_us"]["samples"].as_u64().expect("rtt samples");
         assert!(rounds > 0, "{r}");
         assert_eq!(r["prefill"]["raw_rtt_rounds_served"], rounds, "{r}");
+        // Counted CPU: each process's share, both together, and the raw runs' (the sending
+        // threads counted in `serve`, the receiving ones here) on the same bytes.
+        let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {r}"));
+        let (decode, prefill, both) =
+            (f("decode_cpu_s_per_gib"), f("prefill_cpu_s_per_gib"), f("cpu_s_per_gib_both"));
+        assert!(decode > 0.0 && prefill > 0.0, "{r}");
+        assert!((both - (decode + prefill)).abs() < 1e-9, "{r}");
+        let raw_cpu = r["raw_tcp_cpu_runs"].as_array().expect("raw CPU runs");
+        assert_eq!(raw_cpu.len(), 2, "{r}");
+        // [sending end, receiving end]: each copies every byte once through the kernel.
+        let ends_counted = |v: &serde_json::Value| {
+            let ends =
+                v.as_array().map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect::<Vec<_>>());
+            ends.is_some_and(|e| e.len() == 2 && e.iter().all(|c| c.is_finite() && *c > 0.005))
+        };
+        assert!(raw_cpu.iter().all(ends_counted), "{r}");
+        assert_eq!(r["ratio_cpu_vs_raw_tcp"].as_f64(), Some(both / f("raw_tcp_cpu_s_per_gib")), "{r}");
+        assert!(
+            f("context_switches_per_parent") >= 0.0 && f("prefill_context_switches_per_parent") >= 0.0,
+            "{r}"
+        );
     }
 }
 
@@ -230,5 +251,34 @@ fn many_requests_across_two_processes(submit: &[&str]) {
             assert!(r[k].as_f64().is_some(), "{k} missing: {r}");
         }
         assert!(r["prefill"]["fds"].as_u64().is_some(), "{r}");
+        assert!(r["context_switches_per_request"].as_f64().is_some(), "{r}");
+        assert!(r["prefill_context_switches_per_request"].as_f64().is_some(), "{r}");
     }
+}
+
+/// `--baseline` with many requests: after the level, a raw TCP run of the same bytes from
+/// `serve`; each side's counted CPU per request stands beside its end's share of that run.
+#[test]
+fn many_requests_with_the_raw_tcp_baseline_report_cpu_against_the_kernels_share() {
+    let (_serve, addr) = serve(&["--transport", "tcp"]);
+    let out = Command::new(BIN)
+        .args(["pull", "--peer", &addr, "--transport", "tcp", "--block-bytes", "64K", "--n", "4"])
+        .args(["--blocks-per-child", "2", "--concurrency", "8", "--duration", "0.3", "--warmup-secs", "0.1"])
+        .args(["--baseline", "--json"])
+        .output()
+        .expect("run pull");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "pull failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_str(stdout.lines().next().expect("a row")).expect("json");
+    let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {r}"));
+    let (send, receive) = (f("raw_tcp_send_cpu_us_per_request"), f("raw_tcp_receive_cpu_us_per_request"));
+    assert!(send > 0.0 && receive > 0.0, "{r}");
+    let both = f("cpu_us_per_request") + f("prefill_cpu_us_per_request");
+    assert!((f("cpu_us_per_request_both") - both).abs() < 1e-6, "{r}");
+    assert!((f("decode_cpu_us_above_raw_receive") - (f("cpu_us_per_request") - receive)).abs() < 1e-6, "{r}");
+    assert!(
+        (f("prefill_cpu_us_above_raw_send") - (f("prefill_cpu_us_per_request") - send)).abs() < 1e-6,
+        "{r}"
+    );
+    assert!((f("ratio_cpu_vs_raw_tcp") - both / (send + receive)).abs() < 1e-9, "{r}");
 }
