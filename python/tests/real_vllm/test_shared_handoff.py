@@ -298,9 +298,11 @@ def test_a_child_that_loads_nothing_does_not_end_the_shared_lease_for_a_sibling_
     """vLLM 0.32's scheduler (the CPU build's engines) loads nothing for a request whose
     local prefix-cache hit, sub-block tail included, covers what the connector offers (it
     calls ``update_state_after_alloc`` with 0 external tokens), while a sibling allocated
-    right after it loads; and it has no ``on_new_request`` hook, so siblings name the
-    hand-off only as each is scheduled. Both are reproduced on 0.33's scheduler here: the
-    hook does nothing and the connector's answer for decode child 0 is overridden to 0.
+    right after it loads; and its siblings may reach the scheduler only after it was
+    allocated (the front end adds a parent's children one request at a time), so they name
+    the hand-off only then. Both are reproduced on 0.33's scheduler here: the
+    ``on_new_request`` hook does nothing and the connector's answer for decode child 0 is
+    overridden to 0.
     Child 0 computes its prompt, and the shared lease must stay for its siblings — found
     under load with real engines: child 0 released it, and child 1's read found it ended."""
     before = Snapshot.of(pair)
@@ -319,7 +321,7 @@ def test_a_child_that_loads_nothing_does_not_end_the_shared_lease_for_a_sibling_
         return (0, False) if request.request_id.startswith("0_") else answer
 
     connector.get_num_new_matched_tokens = local_first
-    connector.on_new_request = lambda request: None  # vLLM 0.32 has no such hook
+    connector.on_new_request = lambda request: None  # the siblings are not there yet
     try:
         decode_ids, outputs = run_decode(pair, f"dec-{tag}", prompt, N, params)
     finally:
