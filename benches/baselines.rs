@@ -42,6 +42,15 @@ pub(crate) fn raw_tcp_cpu_seconds() -> (f64, f64) {
     (s(&RAW_TCP_SEND_NS), s(&RAW_TCP_RECEIVE_NS))
 }
 
+/// Sending threads of this process that have finished and added their CPU: a `pull` waits
+/// for `serve`'s senders of a run to reach it before it reads their CPU.
+static RAW_TCP_SENDERS_DONE: AtomicU64 = AtomicU64::new(0);
+
+/// [`RAW_TCP_SENDERS_DONE`] now.
+pub(crate) fn raw_tcp_senders_done() -> u64 {
+    RAW_TCP_SENDERS_DONE.load(Ordering::SeqCst)
+}
+
 /// Runs `f` on this thread, adding the CPU it took to `counter`.
 fn counted<T>(counter: &AtomicU64, f: impl FnOnce() -> T) -> T {
     let t0 = crate::procstat::thread_cpu_ns();
@@ -145,10 +154,11 @@ pub(crate) fn raw_tcp_source(total: u64, connections: usize) -> Result<String, S
             std::thread::spawn(move || {
                 let mut go = [0u8; 1];
                 // A failure shows on the pull side, whose read then ends early.
-                if let Err(e) = s
+                let sent = s
                     .read_exact(&mut go)
-                    .and_then(|()| counted(&RAW_TCP_SEND_NS, || write_like_kvxfer(&mut s, &src)))
-                {
+                    .and_then(|()| counted(&RAW_TCP_SEND_NS, || write_like_kvxfer(&mut s, &src)));
+                RAW_TCP_SENDERS_DONE.fetch_add(1, Ordering::SeqCst);
+                if let Err(e) = sent {
                     eprintln!("kvxfer-bench serve: raw tcp source: {e}");
                 }
             });

@@ -83,6 +83,14 @@ pub(crate) struct RunArgs {
     /// `AgentConfig::notify_with_read`).
     #[arg(long)]
     pub(crate) notify_with_read: bool,
+    /// A vLLM-shaped KV cache: one registered region per layer (and per K/V with
+    /// --kv-split), each block one piece of --block-bytes in every region, so a child of B
+    /// blocks is B x layers (x 2) pieces; 0: one region, one piece per block.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) layers: u32,
+    /// With --layers: separate K and V regions per layer (vLLM's FlashAttention caches).
+    #[arg(long, requires = "layers")]
+    pub(crate) kv_split: bool,
     /// Drive the async `DecodeAgent` on a runtime of the bench's own, not the blocking
     /// facade: in the bulk and latency runs each pull is submitted and awaited by a task on
     /// it (as an engine on tokio would); in the many-requests runs the bench's thread
@@ -171,6 +179,15 @@ pub(crate) struct RunArgs {
 }
 
 impl RunArgs {
+    /// Regions of the KV cache (pieces per block): `--layers` (x 2 with `--kv-split`), or 1.
+    pub(crate) fn segments(&self) -> u32 {
+        if self.layers == 0 {
+            1
+        } else {
+            self.layers.saturating_mul(if self.kv_split { 2 } else { 1 })
+        }
+    }
+
     /// The runs of the cost-growth sweep (`--sweep-n`, `--sweep-blocks-per-child`), every n
     /// with every blocks-per-child value; just this run without them.
     pub(crate) fn sweep(&self) -> Result<Vec<RunArgs>, String> {

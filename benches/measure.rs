@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvxfer::blocking::DecodeAgent;
-use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, PullReport};
+use kvxfer::{BlockId, ChildOutcome, KvMemory, PrefillResult, PullReport};
 use kvxfer_mem::pattern;
 use serde_json::Value;
 
@@ -15,10 +15,11 @@ use crate::baselines::percentile;
 use crate::cli::RunArgs;
 use crate::source::{LeaseSource, ProcessCounters};
 
-/// Blocks per child so that every parent's children together move `total` bytes.
+/// Blocks per child so that every parent's children together move `total` bytes (a block
+/// is one `block`-byte piece in each of the cache's regions).
 pub(crate) fn blocks_per_child(run: &RunArgs, block: u64) -> Result<u32, String> {
     let children = u64::from(run.n.max(1)) * u64::from(run.parents.max(1));
-    let b = run.total_bytes / block / children;
+    let b = run.total_bytes / (block * u64::from(run.segments())) / children;
     u32::try_from(b).ok().filter(|&b| b > 0).ok_or_else(|| {
         format!(
             "--total-bytes {} is too small for {children} children of {block}-byte blocks",
@@ -88,8 +89,8 @@ pub(crate) fn run_block_size(
     let n = run.n.max(1);
     let parents = run.parents.max(1);
     let blocks = bpc * n * parents;
-    source.setup(block, blocks)?;
-    let layout = BlockLayout::single(blocks, block).map_err(|e| e.to_string())?;
+    source.setup(block, blocks, run.segments())?;
+    let layout = crate::source::bench_layout(blocks, block, run.segments())?;
     let consumers = run.expected_consumers.max(1);
     let decoders = (0..consumers)
         .map(|i| {
@@ -181,7 +182,11 @@ pub(crate) fn run_block_size(
                 // The bandwidth ceiling interleaved too, so each iteration has its own —
                 // except in a latency run, see below.
                 if !latency_run {
-                    let r = source.raw_tcp_run(iter_bytes, run.connections, u64::from(bpc) * block)?;
+                    let r = source.raw_tcp_run(
+                        iter_bytes,
+                        run.connections,
+                        u64::from(bpc) * block * u64::from(run.segments()),
+                    )?;
                     raw_tcp_runs.push(r.gib_per_s);
                     raw_tcp_cpu_runs.push(r.cpu_s_per_gib(iter_bytes));
                 } else {
@@ -194,7 +199,11 @@ pub(crate) fn run_block_size(
     // raw run between two hand-offs (threads started, connections made) delayed the next
     // hand-off about 4x (p50 ~200 µs against ~50 µs without, one process, load 10).
     for iter_bytes in latency_iter_bytes {
-        let r = source.raw_tcp_run(iter_bytes, run.connections, u64::from(bpc) * block)?;
+        let r = source.raw_tcp_run(
+            iter_bytes,
+            run.connections,
+            u64::from(bpc) * block * u64::from(run.segments()),
+        )?;
         raw_tcp_runs.push(r.gib_per_s);
         raw_tcp_cpu_runs.push(r.cpu_s_per_gib(iter_bytes));
     }

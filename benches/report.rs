@@ -19,7 +19,8 @@ fn raw_ucx_baseline(
     #[cfg(feature = "ucx")]
     if run.baseline && run.transport.to_string() == "ucx" {
         let config = crate::ucx_baseline::raw_config(&run.ucx_tls, run.ucx_peer_failure);
-        let per_child = u64::from(crate::measure::blocks_per_child(run, block)?) * block;
+        let per_child =
+            u64::from(crate::measure::blocks_per_child(run, block)?) * block * u64::from(run.segments());
         let children = u64::from(run.n.max(1)) * u64::from(run.parents.max(1));
         let total = per_child * children;
         let info = source.raw_ucx_target(&config, total)?;
@@ -112,6 +113,9 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
         let cpu_both = m.cpu_s_per_gib_both();
         let cpu_ratio = raw_cpu.filter(|&r| r > 0.0).map(|r| cpu_both / r);
         let per_parent_gib = m.bytes as f64 / f64::from(run.parents.max(1)) / f64::from(1u32 << 30);
+        let pieces_per_parent = u64::from(run.n.max(1))
+            * u64::from(crate::measure::blocks_per_child(run, block)?)
+            * u64::from(run.segments());
         plot_rows.push(PlotRow { block, kvxfer: m.gib_per_s, raw_tcp: raw, memcpy: mem });
         if run.json {
             let mut j = json!({
@@ -127,6 +131,11 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 "cpu_s_per_gib_both": cpu_both, "cpu_us_per_parent_both": cpu_both * per_parent_gib * 1e6,
                 "context_switches_per_parent": m.switches_per_parent,
                 "prefill_context_switches_per_parent": m.prefill_switches_per_parent,
+                // The cache's shape (`--layers`, `--kv-split`): pieces one parent moves
+                // (children x blocks x regions) and both agents' CPU per piece.
+                "layers": run.layers, "kv_split": run.kv_split, "segments": run.segments(),
+                "pieces_per_parent": pieces_per_parent,
+                "cpu_us_per_piece_both": cpu_both * per_parent_gib * 1e6 / pieces_per_parent.max(1) as f64,
                 "async_submit": run.async_submit, "current_thread": run.current_thread,
                 // Submit → report: the hand-off without the bench's lease request.
                 "submit_p10_us": m.submit_us[0], "submit_p50_us": m.submit_us[1], "submit_p99_us": m.submit_us[2],

@@ -42,7 +42,8 @@ pub(crate) fn serve(args: &ServeArgs) -> Result<(), String> {
                     Some("setup") => {
                         let block = req["block_bytes"].as_u64().unwrap_or(0);
                         let blocks = u32::try_from(req["blocks"].as_u64().unwrap_or(0)).unwrap_or(0);
-                        match source.setup(block, blocks) {
+                        let segments = u32::try_from(req["segments"].as_u64().unwrap_or(1)).unwrap_or(1);
+                        match source.setup(block, blocks, segments) {
                             Ok(()) => json!({"ok": true}),
                             Err(e) => json!({"error": e}),
                         }

@@ -17,7 +17,7 @@ use crate::procstat::cpu_seconds;
 /// The decode side: where the leases come from (an agent in this process or a `serve`).
 pub(crate) trait LeaseSource {
     /// Sets up a prefill agent for `layout`; returns nothing (the result names the agent).
-    fn setup(&mut self, block: u64, blocks: u32) -> Result<(), String>;
+    fn setup(&mut self, block: u64, blocks: u32, segments: u32) -> Result<(), String>;
     /// Leases one parent (for `ttl`, or the prefill agent's default); returns its result.
     fn lease(
         &mut self,
@@ -140,10 +140,10 @@ pub(crate) struct LocalSource {
 }
 
 impl LeaseSource for LocalSource {
-    fn setup(&mut self, block: u64, blocks: u32) -> Result<(), String> {
+    fn setup(&mut self, block: u64, blocks: u32, segments: u32) -> Result<(), String> {
         self.raw_ucx = None;
         self.agent = None;
-        self.agent = Some(start_prefill(self.config.clone(), self.memory, block, blocks)?);
+        self.agent = Some(start_prefill(self.config.clone(), self.memory, block, blocks, segments)?);
         Ok(())
     }
     fn lease(
@@ -186,6 +186,7 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
            "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds(),
            "context_switches": crate::procstat::context_switches(),
            "raw_tcp_send_cpu_seconds": crate::baselines::raw_tcp_cpu_seconds().0,
+           "raw_tcp_senders_done": crate::baselines::raw_tcp_senders_done(),
            "rss_kib": crate::procstat::rss_kib(), "rss_peak_kib": crate::procstat::peak_rss_kib(),
            "fds": crate::procstat::open_fds(),
            "raw_rtt_rounds_served": crate::baselines::raw_rtt_rounds_served(),
@@ -201,15 +202,24 @@ pub(crate) fn ucx_runtime_version() -> Value {
     Value::Null
 }
 
-/// A prefill agent over `blocks` blocks of `block` bytes, filled with the test pattern, in
-/// `memory`.
+/// The bench's KV-cache layout: `blocks` blocks of one `piece`-byte piece in each of
+/// `segments` regions (one region: the simplest layout; several: vLLM's per-layer, per-K/V
+/// caches, `--layers` / `--kv-split`).
+pub(crate) fn bench_layout(blocks: u32, piece: u64, segments: u32) -> Result<BlockLayout, String> {
+    let segments = vec![kvxfer::Segment::packed(piece); segments.max(1) as usize];
+    BlockLayout::new(blocks, segments, "u8", 16).map_err(|e| e.to_string())
+}
+
+/// A prefill agent over `blocks` blocks of `segments` pieces of `block` bytes, filled with
+/// the test pattern, in `memory`.
 pub(crate) fn start_prefill(
     config: AgentConfig,
     memory: Memory,
     block: u64,
     blocks: u32,
+    segments: u32,
 ) -> Result<PrefillAgent, String> {
-    let layout = BlockLayout::single(blocks, block).map_err(|e| e.to_string())?;
+    let layout = bench_layout(blocks, block, segments)?;
     let mem = match memory {
         #[cfg(feature = "ucx")]
         Memory::Ucx => {
@@ -331,8 +341,10 @@ impl RemoteSource {
 }
 
 impl LeaseSource for RemoteSource {
-    fn setup(&mut self, block: u64, blocks: u32) -> Result<(), String> {
-        let r = self.call(json!({"op": "setup", "block_bytes": block, "blocks": blocks})).map(drop);
+    fn setup(&mut self, block: u64, blocks: u32, segments: u32) -> Result<(), String> {
+        let r = self
+            .call(json!({"op": "setup", "block_bytes": block, "blocks": blocks, "segments": segments}))
+            .map(drop);
         // A batch still under way leased from the agent this replaced: dropped with it.
         (self.leasing, self.lease_answer) = (None, None);
         r
@@ -391,13 +403,32 @@ impl LeaseSource for RemoteSource {
     fn raw_tcp_run(&mut self, total: u64, connections: usize, read_span: u64) -> Result<RawTcpRun, String> {
         let v = self.call(json!({"op": "raw_tcp_source", "bytes": total, "connections": connections}))?;
         let addr = v.get("addr").and_then(Value::as_str).ok_or("serve sent no raw source address")?;
-        let remote = |s: &mut Self| s.stats().get("raw_tcp_send_cpu_seconds").and_then(Value::as_f64);
-        let (sent0, received0) = (remote(self), crate::baselines::raw_tcp_cpu_seconds().1);
+        let remote = |s: &mut Self| {
+            let v = s.stats();
+            v.get("raw_tcp_send_cpu_seconds")
+                .and_then(Value::as_f64)
+                .zip(v.get("raw_tcp_senders_done").and_then(Value::as_u64))
+        };
+        let (before, received0) = (remote(self), crate::baselines::raw_tcp_cpu_seconds().1);
         let gib_per_s = crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)?;
         let received = crate::baselines::raw_tcp_cpu_seconds().1 - received0;
-        // The senders add their count right after their last write returns; the stats
-        // round trip after the last read here gives them that moment.
-        let sent = remote(self).zip(sent0).map(|(b, a)| b - a).ok_or("serve sent no raw tcp CPU count")?;
+        let (sent0, done0) = before.ok_or("serve sent no raw tcp CPU count")?;
+        // Each sender adds its CPU once its last write returned, which may be after the last
+        // bytes were read here: wait (a while at most) until every sender of this run has.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let sent = loop {
+            let (sent, done) = remote(self).ok_or("serve sent no raw tcp CPU count")?;
+            if done >= done0 + connections.max(1) as u64 {
+                break sent - sent0;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "serve's raw tcp senders did not finish ({} of {connections})",
+                    done - done0
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
         Ok(RawTcpRun { gib_per_s, send_cpu_seconds: sent, receive_cpu_seconds: received })
     }
     fn prefill_process(&mut self) -> Option<ProcessCounters> {

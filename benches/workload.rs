@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use futures::task::ArcWake;
-use kvxfer::{BlockId, BlockLayout, ChildOutcome, KvMemory, PrefillResult, PullReport};
+use kvxfer::{BlockId, ChildOutcome, KvMemory, PrefillResult, PullReport};
 use kvxfer_mem::pattern;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -253,8 +253,8 @@ pub(crate) fn run_level(
     } as usize;
     let per_parent = n * bpc;
     let slots = u32::try_from(c).map_err(|e| e.to_string())?;
-    source.setup(block, 2 * slots * per_parent)?;
-    let layout = BlockLayout::single(slots * per_parent, block).map_err(|e| e.to_string())?;
+    source.setup(block, 2 * slots * per_parent, run.segments())?;
+    let layout = crate::source::bench_layout(slots * per_parent, block, run.segments())?;
     let config = crate::cli::decode_config(run, "bench-decode-many".into())?;
     let decoder = Decoder::start(run, config, KvMemory::alloc(layout).map_err(|e| e.to_string())?)?;
     // Peak RSS and fds from here on: what the agent and the requests in flight hold.
@@ -460,20 +460,6 @@ pub(crate) fn run_level(
         (Some((l0, p0)), Some((l1, p1))) => (l1.since(l0), p1.zip(p0).map(|(b, a)| b.since(a))),
         _ => (ProcessCounters::default(), None),
     };
-    // The kernel's share of the same bytes: a raw TCP run (the level's bytes, at most
-    // RAW_RUN_MAX_BYTES, scaled), from the prefill side to this process as kvxfer's bytes.
-    let raw = if run.baseline && bytes > 0 {
-        let moved = bytes.min(RAW_RUN_MAX_BYTES);
-        let r = source.raw_tcp_run(moved, run.connections, u64::from(bpc) * block)?;
-        let scale = bytes as f64 / moved as f64;
-        Some(RawTcpRun {
-            gib_per_s: r.gib_per_s,
-            send_cpu_seconds: r.send_cpu_seconds * scale,
-            receive_cpu_seconds: r.receive_cpu_seconds * scale,
-        })
-    } else {
-        None
-    };
     let rss_peak = peak_rss_kib();
     let verified = if run.no_verify {
         None
@@ -495,6 +481,24 @@ pub(crate) fn run_level(
         .runtime()
         .is_some_and(|rt| rt.handle().runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
     drop(decoder);
+    // The prefill's figures (its peak memory among them) before the raw run's buffers.
+    let prefill_stats = source.stats();
+    // The kernel's share of the same bytes: a raw TCP run (the level's bytes, at most
+    // RAW_RUN_MAX_BYTES, scaled), from the prefill side to this process as kvxfer's bytes;
+    // after every memory reading of the level: its buffers are no part of them.
+    let raw = if run.baseline && bytes > 0 {
+        let moved = bytes.min(RAW_RUN_MAX_BYTES);
+        let r =
+            source.raw_tcp_run(moved, run.connections, u64::from(bpc) * block * u64::from(run.segments()))?;
+        let scale = bytes as f64 / moved as f64;
+        Some(RawTcpRun {
+            gib_per_s: r.gib_per_s,
+            send_cpu_seconds: r.send_cpu_seconds * scale,
+            receive_cpu_seconds: r.receive_cpu_seconds * scale,
+        })
+    } else {
+        None
+    };
     child_lat.sort_by(f64::total_cmp);
     req_lat.sort_by(f64::total_cmp);
     submit_lag.sort_by(f64::total_cmp);
@@ -542,7 +546,7 @@ pub(crate) fn run_level(
         fds_before,
         fds_max,
         verified,
-        prefill: source.stats(),
+        prefill: prefill_stats,
     })
 }
 
@@ -604,6 +608,9 @@ pub(crate) fn bench_many(
     for &block in &run.block_bytes {
         for &level in &levels {
             let l = run_level(run, source, block, level)?;
+            // Pieces one request moves: children x blocks x the cache's regions.
+            let pieces =
+                u64::from(run.n.max(1)) * u64::from(w.blocks_per_child.max(1)) * u64::from(run.segments());
             all_ok &= l.verified != Some(false);
             let (mode, concurrency, offered, cap) = match l.level {
                 Level::Closed(c) => ("many", Some(c), None, None),
@@ -629,6 +636,14 @@ pub(crate) fn bench_many(
                     "context_switches_per_request": l.switches_per_request,
                     "prefill_context_switches_per_request": l.prefill_switches_per_request,
                 });
+                j["layers"] = json!(run.layers);
+                j["kv_split"] = json!(run.kv_split);
+                j["segments"] = json!(run.segments());
+                j["pieces_per_request"] = json!(pieces);
+                j["cpu_us_per_piece"] = json!(
+                    (l.cpu_us_per_request + l.prefill_cpu_us_per_request.unwrap_or(0.0))
+                        / pieces.max(1) as f64
+                );
                 // Counted CPU against the kernel's share of the same bytes (`--baseline`):
                 // both agents against both raw ends; in two processes each side against its
                 // end (decode: receiving, prefill: sending).

@@ -8,6 +8,14 @@ request per iteration (like nixlbench's initiator/target pair). Prints one JSON 
 block size with the GiB/s of every measured iteration; the bytes are compared after the last
 one. UCX_TLS (e.g. posix,sysv,cma,self) picks NIXL's transports as for kvxfer.
 
+With `--layers L [--kv-split]` it reads a vLLM-shaped cache instead: one registered region per
+layer (and per K/V), `--num-blocks` blocks of `--block-bytes` in each; every request reads
+`--blocks-per-request` blocks from every region (L x 2 x B pieces), as vLLM's NixlConnector
+does: descriptor lists prepared once (`prep_xfer_dlist`), one `make_prepped_xfer` per request
+(`--n` of them at once for a parent of n children), `--requests` requests one after another.
+It prints µs per request and counted CPU (user + system, `getrusage`) per request of each
+process; every pulled block is compared with its source at the end.
+
 Needs the `nixl` Python package (`pip install nixl-cu12`, which bundles its own UCX; its
 `torch` dependency is not needed here) and numpy:
 
@@ -20,6 +28,7 @@ import json
 import os
 import pickle
 import re
+import resource
 import socket
 import struct
 import subprocess
@@ -89,6 +98,101 @@ def target(port_file, total):
     conn.close()
 
 
+def cpu_seconds():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def shaped_target(port_file, regions, region_bytes):
+    """The target of a vLLM-shaped run: `regions` filled regions; answers "cpu" with its CPU
+    seconds so far until "done"."""
+    agent = make_agent("target")
+    srcs = [np.roll(pattern(region_bytes), 7 * r) for r in range(regions)]
+    agent.register_memory([(a.ctypes.data, region_bytes, 0, "") for a in srcs], "DRAM")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    with open(port_file, "w") as f:
+        f.write(str(listener.getsockname()[1]))
+    conn, _ = listener.accept()
+    send_obj(conn, {"meta": agent.get_agent_metadata(), "addrs": [a.ctypes.data for a in srcs]})
+    while recv_obj(conn) == "cpu":
+        send_obj(conn, cpu_seconds())
+    conn.close()
+
+
+def shaped_initiator(port, a, regions, block, num_blocks):
+    agent = make_agent("initiator")
+    sock = socket.create_connection(("127.0.0.1", port))
+    info = recv_obj(sock)
+    remote = agent.add_remote_agent(info["meta"])
+    region_bytes = block * num_blocks
+    dsts = [np.zeros(region_bytes, dtype=np.uint8) for _ in range(regions)]
+    for d in dsts:
+        d[::4096] = 1
+    agent.register_memory([(d.ctypes.data, region_bytes, 0, "") for d in dsts], "DRAM")
+    # One descriptor per (region, block), prepared once, as vLLM's NixlConnector does.
+    local = agent.prep_xfer_dlist(
+        "NIXL_INIT_AGENT",
+        [(d.ctypes.data + b * block, block, 0) for d in dsts for b in range(num_blocks)], "DRAM")
+    far = agent.prep_xfer_dlist(
+        remote, [(addr + b * block, block, 0) for addr in info["addrs"] for b in range(num_blocks)], "DRAM")
+    per_child = a.blocks_per_request
+    slots = num_blocks // per_child
+    if slots < a.n:
+        raise SystemExit(f"--num-blocks {num_blocks} holds fewer than --n {a.n} children of {per_child} blocks")
+
+    def ids(slot):
+        first = slot * per_child
+        return [r * num_blocks + b for r in range(regions) for b in range(first, first + per_child)]
+
+    latencies, cpu, target_cpu = [], 0.0, 0.0
+    for req in range(a.warmup + a.requests):
+        measured = req >= a.warmup
+        if measured:
+            send_obj(sock, "cpu")
+            t_cpu0 = recv_obj(sock)
+            c0 = cpu_seconds()
+        t0 = time.perf_counter()
+        slot0 = (req * a.n) % (slots - a.n + 1)
+        handles = []
+        for k in range(a.n):
+            i = ids(slot0 + k)
+            h = agent.make_prepped_xfer("READ", local, i, far, i)
+            if agent.transfer(h) not in ("PROC", "DONE"):
+                raise RuntimeError("NIXL transfer failed to start")
+            handles.append(h)
+        for h in handles:
+            state = agent.check_xfer_state(h)
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL transfer ended in {state}")
+            agent.release_xfer_handle(h)
+        if measured:
+            latencies.append((time.perf_counter() - t0) * 1e6)
+            cpu += cpu_seconds() - c0
+            send_obj(sock, "cpu")
+            target_cpu += recv_obj(sock) - t_cpu0
+    used = min(slots, a.n * (a.warmup + a.requests))
+    verified = all(
+        np.array_equal(d[: used * per_child * block], np.roll(pattern(region_bytes), 7 * r)[: used * per_child * block])
+        for r, d in enumerate(dsts))
+    latencies.sort()
+    pieces = a.n * per_child * regions
+    print(json.dumps({
+        "mode": "vllm_shaped", "layers": a.layers, "kv_split": a.kv_split, "regions": regions, "block_bytes": block,
+        "n": a.n, "blocks_per_request": per_child, "pieces_per_request": pieces, "requests": a.requests,
+        "bytes_per_request": pieces * block, "p50_us": latencies[len(latencies) // 2],
+        "p99_us": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        "initiator_cpu_us_per_request": cpu * 1e6 / a.requests, "target_cpu_us_per_request": target_cpu * 1e6 / a.requests,
+        "cpu_us_per_request_both": (cpu + target_cpu) * 1e6 / a.requests,
+        "cpu_us_per_piece_both": (cpu + target_cpu) * 1e6 / a.requests / pieces,
+        "verified": verified, "ucx_version": loaded_ucx_version()}), flush=True)
+    send_obj(sock, "done")
+    sock.close()
+
+
 def loaded_ucx_version():
     """The version of the libucp this process loaded (NIXL bundles its own), from
     `ucp_get_version_string`; None when no libucp is mapped."""
@@ -147,23 +251,39 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--role", choices=["both", "target"], default="both")
     p.add_argument("--port-file")
+    p.add_argument("--layers", type=int, default=0, help="a vLLM-shaped cache of this many layers")
+    p.add_argument("--kv-split", action="store_true", help="with --layers: K and V regions per layer")
+    p.add_argument("--num-blocks", type=int, default=1024, help="with --layers: blocks per region")
+    p.add_argument("--blocks-per-request", type=int, default=64)
+    p.add_argument("--n", type=int, default=1, help="with --layers: children per request, read at once")
+    p.add_argument("--requests", type=int, default=200)
     a = p.parse_args()
     total = size(a.total_bytes)
+    regions = a.layers * (2 if a.kv_split else 1)
+    shaped_block = size(a.block_bytes.split(",")[0])
     if a.role == "target":
-        target(a.port_file, total)
+        if regions:
+            shaped_target(a.port_file, regions, shaped_block * a.num_blocks)
+        else:
+            target(a.port_file, total)
         sys.stdout.flush()
         os._exit(0)
 
     port_file = tempfile.mktemp()
     child = subprocess.Popen([sys.executable, __file__, "--role", "target", "--port-file", port_file,
-                              "--total-bytes", a.total_bytes])
+                              "--total-bytes", a.total_bytes, "--layers", str(a.layers), "--block-bytes", a.block_bytes,
+                              "--num-blocks", str(a.num_blocks), *(["--kv-split"] if a.kv_split else [])])
     try:
         deadline = time.time() + 60
         while not (os.path.exists(port_file) and open(port_file).read().strip()):
             if time.time() > deadline or child.poll() is not None:
                 raise RuntimeError("NIXL target did not start")
             time.sleep(0.05)
-        initiator(int(open(port_file).read()), total, [size(b) for b in a.block_bytes.split(",")], a.iters, a.warmup)
+        port = int(open(port_file).read())
+        if regions:
+            shaped_initiator(port, a, regions, shaped_block, a.num_blocks)
+        else:
+            initiator(port, total, [size(b) for b in a.block_bytes.split(",")], a.iters, a.warmup)
         child.wait(timeout=60)
     finally:
         if child.poll() is None:

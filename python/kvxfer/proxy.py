@@ -42,14 +42,15 @@ a 5xx) is passed through with its status and body (one that is not JSON becomes 
 OpenAI-style error of that status naming the instance). A decode stream cut mid-way ends
 with an error event and ``data: [DONE]``, as vLLM ends a stream after an error; events are
 passed on whole, so the client never gets half of one. A whole (non-streamed) answer is
-read before its status is sent: one cut short is a 502, never a 200 with half a body. Every answer carries the
+read before its status is sent: one cut short (framed by its length or chunks, as vLLM's
+are) is a 502, never a 200 with half a body. Every answer carries the
 ``X-Kvxfer-Upstream`` header naming the instance it came from.
 
 Failures: an instance that cannot be connected to is taken out of rotation for
 ``--down-for`` seconds (5) and the request is retried on another instance of its kind
 (nothing was sent); a prefill instance that closes or resets the connection without
-answering, or cuts its answer short (it died, and its leases with it; a kept-alive
-connection to a killed instance is reset), is retried on another too. A decode request that reached its
+answering (it died, and its leases with it; a kept-alive connection to a killed instance is
+reset) is retried on another too. A decode request that reached its
 instance is never retried (it may have read the hand-off or streamed tokens). An instance
 out of rotation gets requests again after that time, or sooner when every instance of its
 kind is out; the first that answers is back in rotation. When no decode instance can be
@@ -479,12 +480,13 @@ class Router:
                 self.prefill.mark_down(upstream, self.down_for)
                 upstream.last_error = str(e) or type(e).__name__
                 logger.warning("prefill instance %s cannot be reached (%s)", upstream.url, upstream.last_error)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 if isinstance(e, aiohttp.ClientOSError) and not _reset(e):
                     raise UpstreamError(502, f"prefill instance {upstream.url} is unreachable or failed: {e}", upstream)
-                # It closed or reset the connection (a kept-alive one to an instance that
-                # died included) or cut its answer short: no answer, and the leases of a
-                # dead instance went with it — another instance gets the request.
+                # It closed or reset the connection before answering (a kept-alive one to an
+                # instance that died included): the leases of a dead instance went with it —
+                # another instance gets the request. (An answer cut short is a 502: a live
+                # instance that began answering has made its leases.)
                 upstream.last_error = str(e) or type(e).__name__
                 logger.warning("prefill instance %s failed before answering (%s)", upstream.url, upstream.last_error)
             except asyncio.TimeoutError:

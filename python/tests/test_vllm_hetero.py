@@ -152,7 +152,12 @@ def test_a_rank_without_any_address_to_listen_on_says_which_keys_to_set(monkeypa
     far = not_this_node()
     monkeypatch.setenv("VLLM_HOST_IP", not_this_node(skip=1))  # set, but not this node's either
     with pytest.raises(ValueError, match=rf"rank 0 cannot listen on kvxfer_host '{re.escape(far)}'.*VLLM_HOST_IP"):
-        Instance("kv_producer", "lost-prefill", extra={"kvxfer_host": far})
+        Instance("kv_producer", "lost-prefill", tp_size=2, hnd=True, extra={"kvxfer_host": far})
+    # One rank (no other node to be on): VLLM_HOST_IP is never taken over kvxfer_host — a
+    # NAT or virtual address needs kvxfer_listen_host, and start-up says so.
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    with pytest.raises(ValueError, match=r"rank 0 cannot listen on .*kvxfer_listen_host"):
+        Instance("kv_producer", "nat-prefill", extra={"kvxfer_host": far})
 
 
 def test_different_tp_sizes_without_hnd_caches_are_recomputed_naming_the_layout():

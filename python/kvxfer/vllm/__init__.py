@@ -53,8 +53,8 @@ Switch with one flag on both the prefill and the decode instance::
 
 Configuration (``kv_connector_extra_config``): ``kvxfer_host`` (the host hand-offs name;
 default ``$VLLM_HOST_IP`` or 127.0.0.1 — a loopback host is warned about at start-up; a
-TP rank on another node, where it is not a local address, names its node's
-``$VLLM_HOST_IP`` instead),
+TP rank (TP > 1) on another node, where it is not a local address, names its node's
+``$VLLM_HOST_IP`` instead, when that is one of the node's addresses),
 ``kvxfer_port`` (base port; TP rank r of data-parallel engine d, vLLM's
 ``data_parallel_index``, listens on
 ``port + d * tp_size + r``; default 0: the OS picks, and the port travels in vLLM's

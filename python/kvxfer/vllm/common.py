@@ -198,51 +198,50 @@ def bindable(host: str) -> bool:
     return False
 
 
-def node_address() -> Optional[str]:
-    """This node's address as vLLM names it (``VLLM_HOST_IP``, which vLLM's multi-node
-    set-ups give every node, else vLLM's ``get_ip()``), if this machine can listen on it."""
-    host = os.environ.get("VLLM_HOST_IP")
-    if not host:
-        try:
-            from vllm.utils.network_utils import get_ip
-        except ImportError:
-            try:
-                from vllm.utils import get_ip  # type: ignore[attr-defined,no-redef]
-            except ImportError:
-                return None
-        try:
-            host = get_ip()
-        except Exception:  # noqa: BLE001 - no route, no interface: no node address
-            return None
-    return host if host and bindable(host) else None
-
-
 def rank_addresses(s: "Settings", rank: int) -> tuple[str, str]:
     """Where TP rank ``rank``'s prefill agent listens and the host its hand-offs name.
 
     ``kvxfer_host`` names one host; in multi-node tensor parallelism the ranks on the
-    other nodes cannot listen there. A rank whose configured host is not an address of its
-    node (and whose ``kvxfer_listen_host`` is not set) listens on and names its node's
-    address instead (logged); the scheduler hands off every rank's own host
-    (``kvxfer_rank_hosts``). Without a node address that is an error naming both keys."""
+    other nodes cannot listen there. A rank of a TP > 1 instance whose configured host is
+    not an address of its node (and whose ``kvxfer_listen_host`` is not set) listens on
+    and names its node's ``VLLM_HOST_IP`` instead, when that is set to one of its node's
+    own (specific) addresses (logged); the scheduler hands off every rank's own host
+    (``kvxfer_rank_hosts``). Otherwise it is a start-up error naming the keys to set."""
     if "kvxfer_listen_host" in s.extra or bindable(s.listen_host):
         return s.listen_host, s.host
-    node = node_address()
-    if node is None:
-        raise ValueError(
-            f"kvxfer: tensor-parallel rank {rank} cannot listen on kvxfer_host {s.listen_host!r}: it is not an "
-            "address of this node, and no node address was found (VLLM_HOST_IP unset or not local). In multi-node "
-            "tensor parallelism set VLLM_HOST_IP on every node (each rank then names its node's address), or set "
-            "kvxfer_listen_host (e.g. 0.0.0.0) where kvxfer_host names an address that reaches this rank"
+    node = os.environ.get("VLLM_HOST_IP", "")
+    if s.tp_size > 1 and node and not _unspecified(node) and bindable(node):
+        logger.warning(
+            "kvxfer: rank %d: kvxfer_host %s is not an address of this node; this rank listens on and names "
+            "VLLM_HOST_IP %s, as multi-node tensor parallelism needs",
+            rank,
+            s.listen_host,
+            node,
         )
-    logger.warning(
-        "kvxfer: rank %d: kvxfer_host %s is not an address of this node; this rank listens on and names %s "
-        "(VLLM_HOST_IP / vLLM's node address), as multi-node tensor parallelism needs",
-        rank,
-        s.listen_host,
-        node,
+        return node, node
+    multi_node = (
+        "in multi-node tensor parallelism set VLLM_HOST_IP on every node to one of that node's addresses (each "
+        "rank then listens on and names it); "
+        if s.tp_size > 1
+        else ""
     )
-    return node, node
+    raise ValueError(
+        f"kvxfer: tensor-parallel rank {rank} cannot listen on kvxfer_host {s.listen_host!r}: it is not an "
+        f"address of this node; {multi_node}where kvxfer_host is an address that reaches this instance from "
+        "elsewhere (NAT, a virtual address), set kvxfer_listen_host to one it can listen on (e.g. 0.0.0.0)"
+    )
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 # KV-cache specs whose blocks vLLM never frees or rewrites while their request runs (a sliding

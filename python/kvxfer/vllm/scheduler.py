@@ -78,6 +78,20 @@ def _clip_to_prompt(blocks: Any, prompt_tokens: int, block_size: int) -> Any:
     return [list(g)[:per] for g in blocks] if nested(blocks) else list(blocks)[:per]
 
 
+def _nulls_window_before_request_finished() -> bool:
+    """Whether this vLLM's scheduler frees a finished request's out-of-window blocks
+    (``remove_skipped_blocks``) just before it calls ``request_finished`` (0.32 and 0.33 do):
+    only then is the lease minted at the prompt's last step predicted to match."""
+    try:
+        import inspect
+
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        return "remove_skipped_blocks" in inspect.getsource(Scheduler._connector_finished)
+    except Exception:  # noqa: BLE001 - another vLLM (or none): no prediction, re-mint as before
+        return False
+
+
 def _multi(params: Any) -> bool:
     """Whether ``params`` hold the hand-offs of several children (a parent's fan-out):
     only then does a request id's ``{i}_`` prefix name a child index."""
@@ -95,6 +109,9 @@ class KvxferScheduler:
         self.s = settings
         self.counters = counters
         self._kv_cache_manager: Any = None
+        # Whether vLLM nulls out-of-window blocks just before request_finished (checked when
+        # the manager is bound).
+        self._window_nulled_at_finish = False
         self._step = 0
         # Prefill requests that hand off (do_remote_decode), until their lease is minted.
         self._producing: dict[str, Any] = {}
@@ -149,6 +166,7 @@ class KvxferScheduler:
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
+        self._window_nulled_at_finish = _nulls_window_before_request_finished()
 
     def on_new_request(self, request: Any) -> None:
         """Starts heartbeating the lease of a decode request waiting in the queue; notes a
@@ -395,6 +413,8 @@ class KvxferScheduler:
         next step (which an in-process offline ``LLM`` never takes once its requests are
         done). Only managers with vLLM's head-prefix ``remove_skipped_blocks`` are predicted;
         a wrong prediction is caught at ``request_finished`` (the blocks differ: re-mint)."""
+        if not self._window_nulled_at_finish:
+            return blocks
         managers = getattr(getattr(self._kv_cache_manager, "coordinator", None), "single_type_managers", None)
         try:
             managers = list(managers or ())

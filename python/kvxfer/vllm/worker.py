@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import kvxfer
 
 from ..params import every_rank, rank_view
-from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, nested, rank_addresses
+from .common import FORGET_AFTER, Settings, all_ids, int_or_none, logger, host_port, nested, rank_addresses
 from .metadata import KvxferConnectorMetadata, KvxferHandshakeMetadata
 
 
@@ -283,7 +283,7 @@ class KvxferWorker:
             listen, advertise = rank_addresses(self.s, rank)
             self.prefill = kvxfer.PrefillAgent(
                 self._memory(kv_caches),
-                f"{listen}:{self.s.port_of(rank)}",
+                host_port(listen, self.s.port_of(rank)),
                 agent_name=f"vllm-prefill-{rank}",
                 tp_size=self.s.tp_size,
                 advertise_host=advertise,

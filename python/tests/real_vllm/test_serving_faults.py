@@ -21,10 +21,11 @@ then stops the load, lets the engines quiesce and checks what must hold whatever
   the router was down), never a short or malformed answer;
 - every answer that came back equals the prefill engine's own for the same seed (no decode
   read KV that was not its prompt's);
-- the killed prefill's incarnation that lived to the end balances its leases (made = pulled +
-  released + expired, none live) with exactly one expired — the hand-off whose decode never
-  came —, the second prefill balances with at most the requests in flight at the decode's
-  kill expired, and every engine's KV-cache usage goes back to idle within a lease TTL.
+- the restarted first prefill balances its leases (made = pulled + released + expired, none
+  live) with exactly one expired — the hand-off whose decode never came —; the second
+  prefill, alive through every kill, balances with at most the requests in flight at the
+  decode's and the router's kills expired; and every engine's KV-cache usage goes back to
+  idle within a lease TTL.
 
 The short form (the default: 4 clients, faults a few seconds apart, about 5 minutes on two
 cores with the engines' restarts) runs in the README's test command. The long form:
@@ -63,7 +64,8 @@ from test_serve_router import (  # noqa: E402
 
 loadgen = pytest.importorskip("kvxfer.loadgen", reason="the load generator needs aiohttp (the `proxy` extra)")
 
-LEASE_TTL = 10  # s
+# s; the long form on two cores overloads the decode past 10 s at times (KVXFER_FAULTS_LEASE_TTL).
+LEASE_TTL = int(os.environ.get("KVXFER_FAULTS_LEASE_TTL", "10"))
 IO_TIMEOUT = 10  # s: the connector's default kvxfer_io_timeout
 SLACK = 60  # s: an engine starting on the other core starves the one serving
 BOUND = LEASE_TTL + IO_TIMEOUT + SLACK
@@ -343,9 +345,10 @@ def test_no_request_hangs_and_no_block_is_stranded_through_kills_and_restarts(st
         assert idle, f"a KV cache did not go back to idle: prefill {p}, decode {d}, other prefills {others}"
         for name, m in others.items():
             # Alive through every fault: a hand-off whose decode had the request when it was
-            # killed (not read yet, and not given back by the router) expires; nothing else.
+            # killed (not read yet, and not given back by the router), or whose answer the
+            # killed router never read, expires; nothing else.
             assert ended_leases(m) == m.get("leases_made", 0.0) > 0, f"{name}'s leases do not balance: {m}"
-            assert m.get("leases_expired", 0.0) <= CONCURRENCY, f"{name}: more expired than were in flight: {m}"
+            assert m.get("leases_expired", 0.0) <= 2 * CONCURRENCY, f"{name}: more expired than were in flight: {m}"
         if others:
             # The router routes around the dead prefill: a request that started while it was
             # down went to another one (a refused connection is retried there).
