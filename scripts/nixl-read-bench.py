@@ -146,7 +146,7 @@ def shaped_initiator(port, a, regions, block, num_blocks):
         first = slot * per_child
         return [r * num_blocks + b for r in range(regions) for b in range(first, first + per_child)]
 
-    latencies, cpu, target_cpu = [], 0.0, 0.0
+    latencies, cpu, target_cpu, used = [], 0.0, 0.0, set()
     for req in range(a.warmup + a.requests):
         measured = req >= a.warmup
         if measured:
@@ -157,6 +157,7 @@ def shaped_initiator(port, a, regions, block, num_blocks):
         slot0 = (req * a.n) % (slots - a.n + 1)
         handles = []
         for k in range(a.n):
+            used.add(slot0 + k)
             i = ids(slot0 + k)
             h = agent.make_prepped_xfer("READ", local, i, far, i)
             if agent.transfer(h) not in ("PROC", "DONE"):
@@ -174,10 +175,12 @@ def shaped_initiator(port, a, regions, block, num_blocks):
             cpu += cpu_seconds() - c0
             send_obj(sock, "cpu")
             target_cpu += recv_obj(sock) - t_cpu0
-    used = min(slots, a.n * (a.warmup + a.requests))
+    # Every block read, each region against its source (a piece from the wrong region or
+    # block differs); the target's CPU window includes its "cpu" message exchanges.
+    span = per_child * block
     verified = all(
-        np.array_equal(d[: used * per_child * block], np.roll(pattern(region_bytes), 7 * r)[: used * per_child * block])
-        for r, d in enumerate(dsts))
+        np.array_equal(d[slot * span:(slot + 1) * span], np.roll(pattern(region_bytes), 7 * r)[slot * span:(slot + 1) * span])
+        for r, d in enumerate(dsts) for slot in used)
     latencies.sort()
     pieces = a.n * per_child * regions
     print(json.dumps({
