@@ -118,6 +118,8 @@ pub(crate) fn run_block_size(
     let mut latency_iter_bytes = Vec::new();
     let mut raw_rtt_us = Vec::new();
     let (mut iter_gib_per_s, mut raw_tcp_runs, mut raw_tcp_cpu_runs) = (Vec::new(), Vec::new(), Vec::new());
+    // One child's bytes: what kvxfer's read of a child spans, and the raw run's read size.
+    let read_span = u64::from(bpc) * block * u64::from(run.segments());
     for iter in 0..run.warmup + run.iters {
         let measured = iter >= run.warmup;
         if show_progress {
@@ -182,13 +184,14 @@ pub(crate) fn run_block_size(
                 // The bandwidth ceiling interleaved too, so each iteration has its own —
                 // except in a latency run, see below.
                 if !latency_run {
-                    let r = source.raw_tcp_run(
+                    raw_run(
+                        source,
                         iter_bytes,
                         run.connections,
-                        u64::from(bpc) * block * u64::from(run.segments()),
+                        read_span,
+                        &mut raw_tcp_runs,
+                        &mut raw_tcp_cpu_runs,
                     )?;
-                    raw_tcp_runs.push(r.gib_per_s);
-                    raw_tcp_cpu_runs.push(r.cpu_s_per_gib(iter_bytes));
                 } else {
                     latency_iter_bytes.push(iter_bytes);
                 }
@@ -199,13 +202,7 @@ pub(crate) fn run_block_size(
     // raw run between two hand-offs (threads started, connections made) delayed the next
     // hand-off about 4x (p50 ~200 µs against ~50 µs without, one process, load 10).
     for iter_bytes in latency_iter_bytes {
-        let r = source.raw_tcp_run(
-            iter_bytes,
-            run.connections,
-            u64::from(bpc) * block * u64::from(run.segments()),
-        )?;
-        raw_tcp_runs.push(r.gib_per_s);
-        raw_tcp_cpu_runs.push(r.cpu_s_per_gib(iter_bytes));
+        raw_run(source, iter_bytes, run.connections, read_span, &mut raw_tcp_runs, &mut raw_tcp_cpu_runs)?;
     }
     if show_progress {
         eprintln!();
@@ -267,6 +264,22 @@ pub(crate) fn run_block_size(
         raw_tcp_runs,
         raw_tcp_cpu_runs,
     })
+}
+
+/// One raw TCP run of `bytes` (read `read_span` at a time): its GiB/s into `rates`, its
+/// CPU per GiB (sending end, receiving end) into `cpu`.
+fn raw_run(
+    source: &mut dyn LeaseSource,
+    bytes: u64,
+    connections: usize,
+    read_span: u64,
+    rates: &mut Vec<f64>,
+    cpu: &mut Vec<[f64; 2]>,
+) -> Result<(), String> {
+    let r = source.raw_tcp_run(bytes, connections, read_span)?;
+    rates.push(r.gib_per_s);
+    cpu.push(r.cpu_s_per_gib(bytes));
+    Ok(())
 }
 
 /// A decode agent as the bench drives it: the blocking facade (the caller's thread submits

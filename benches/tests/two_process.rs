@@ -283,34 +283,24 @@ fn many_requests_with_the_raw_tcp_baseline_report_cpu_against_the_kernels_share(
     assert!((f("ratio_cpu_vs_raw_tcp") - both / (send + receive)).abs() < 1e-9, "{r}");
 }
 
+/// `pull` at `addr` with `args`, `--json`: its first row (the run must succeed).
+fn first_row(addr: &str, args: &[&str]) -> serde_json::Value {
+    let out =
+        Command::new(BIN).args(["pull", "--peer", addr]).args(args).arg("--json").output().expect("run pull");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "pull failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(stdout.lines().next().expect("a row")).expect("json")
+}
+
 /// A vLLM-shaped cache (`--layers 4 --kv-split`: 8 regions, one 16 KiB piece of every
 /// block in each) across two processes, bulk and many requests: every byte verified, and
 /// the rows say how many pieces a parent moved.
 #[test]
 fn a_vllm_shaped_cache_of_many_regions_is_pulled_piece_by_piece() {
-    let shape = ["--layers", "4", "--kv-split", "--block-bytes", "16K", "--n", "4"];
+    let shape = ["--transport", "tcp", "--layers", "4", "--kv-split", "--block-bytes", "16K", "--n", "4"];
     let (_serve, addr) = serve(&["--transport", "tcp"]);
-    let out = Command::new(BIN)
-        .args([
-            "pull",
-            "--peer",
-            &addr,
-            "--transport",
-            "tcp",
-            "--total-bytes",
-            "8M",
-            "--iters",
-            "2",
-            "--warmup",
-            "0",
-        ])
-        .args(shape)
-        .arg("--json")
-        .output()
-        .expect("run pull");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "pull failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    let r: serde_json::Value = serde_json::from_str(stdout.lines().next().expect("a row")).expect("json");
+    let r =
+        first_row(&addr, &[&shape[..], &["--total-bytes", "8M", "--iters", "2", "--warmup", "0"]].concat());
     assert_eq!(r["verified"], true, "{r}");
     assert_eq!(r["segments"], 8, "{r}");
     // 8 MiB per iteration: 4 children of 16 blocks of 8 pieces of 16 KiB.
@@ -319,26 +309,8 @@ fn a_vllm_shaped_cache_of_many_regions_is_pulled_piece_by_piece() {
     assert_eq!(r["prefill"]["bytes_served"], 2 * (8 << 20), "{r}");
 
     let (_serve, addr) = serve(&["--transport", "tcp"]); // `serve --runs 1` served one pull
-    let out = Command::new(BIN)
-        .args([
-            "pull",
-            "--peer",
-            &addr,
-            "--transport",
-            "tcp",
-            "--blocks-per-child",
-            "2",
-            "--concurrency",
-            "4",
-        ])
-        .args(["--duration", "0.3", "--warmup-secs", "0.1"])
-        .args(shape)
-        .arg("--json")
-        .output()
-        .expect("run pull");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "pull failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    let r: serde_json::Value = serde_json::from_str(stdout.lines().next().expect("a row")).expect("json");
+    let many = ["--blocks-per-child", "2", "--concurrency", "4", "--duration", "0.3", "--warmup-secs", "0.1"];
+    let r = first_row(&addr, &[&shape[..], &many[..]].concat());
     assert_eq!(r["verified"], true, "{r}");
     assert_eq!(r["pieces_per_request"], 4 * 2 * 8, "{r}");
     assert!(r["requests"].as_u64().unwrap_or(0) > 0 && r["cpu_us_per_piece"].as_f64().is_some(), "{r}");
