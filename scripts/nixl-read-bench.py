@@ -83,16 +83,23 @@ def make_agent(name):
     return agent
 
 
-def target(port_file, total):
-    agent = make_agent("target")
-    src = pattern(total)
-    agent.register_memory([(src.ctypes.data, total, 0, "")], "DRAM")
+def accept_initiator(port_file):
+    """Listens on 127.0.0.1, writes the port to `port_file` and returns the initiator's
+    connection."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     with open(port_file, "w") as f:
         f.write(str(listener.getsockname()[1]))
     conn, _ = listener.accept()
+    return conn
+
+
+def target(port_file, total):
+    agent = make_agent("target")
+    src = pattern(total)
+    agent.register_memory([(src.ctypes.data, total, 0, "")], "DRAM")
+    conn = accept_initiator(port_file)
     send_obj(conn, {"meta": agent.get_agent_metadata(), "addr": src.ctypes.data})
     recv_obj(conn)  # the initiator is done
     conn.close()
@@ -103,18 +110,19 @@ def cpu_seconds():
     return r.ru_utime + r.ru_stime
 
 
+def region_pattern(region_bytes, region):
+    """Region `region`'s bytes: the pattern shifted per region, so a piece read from the
+    wrong region differs."""
+    return np.roll(pattern(region_bytes), 7 * region)
+
+
 def shaped_target(port_file, regions, region_bytes):
     """The target of a vLLM-shaped run: `regions` filled regions; answers "cpu" with its CPU
     seconds so far until "done"."""
     agent = make_agent("target")
-    srcs = [np.roll(pattern(region_bytes), 7 * r) for r in range(regions)]
+    srcs = [region_pattern(region_bytes, r) for r in range(regions)]
     agent.register_memory([(a.ctypes.data, region_bytes, 0, "") for a in srcs], "DRAM")
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    with open(port_file, "w") as f:
-        f.write(str(listener.getsockname()[1]))
-    conn, _ = listener.accept()
+    conn = accept_initiator(port_file)
     send_obj(conn, {"meta": agent.get_agent_metadata(), "addrs": [a.ctypes.data for a in srcs]})
     while recv_obj(conn) == "cpu":
         send_obj(conn, cpu_seconds())
@@ -178,9 +186,10 @@ def shaped_initiator(port, a, regions, block, num_blocks):
     # Every block read, each region against its source (a piece from the wrong region or
     # block differs); the target's CPU window includes its "cpu" message exchanges.
     span = per_child * block
-    verified = all(
-        np.array_equal(d[slot * span:(slot + 1) * span], np.roll(pattern(region_bytes), 7 * r)[slot * span:(slot + 1) * span])
-        for r, d in enumerate(dsts) for slot in used)
+    verified = True
+    for r, d in enumerate(dsts):
+        want = region_pattern(region_bytes, r)  # once per region
+        verified &= all(np.array_equal(d[k * span:(k + 1) * span], want[k * span:(k + 1) * span]) for k in used)
     latencies.sort()
     pieces = a.n * per_child * regions
     print(json.dumps({
