@@ -16,7 +16,12 @@ use crate::cli::Memory;
 
 /// UCX settings of a raw run (what the agents get from `--ucx-tls`, `--ucx-peer-failure`).
 pub(crate) fn raw_config(tls: &Option<String>, peer_failure: bool) -> UcxConfig {
-    UcxConfig { tls: tls.clone(), peer_failure_handling: peer_failure, verify_payloads: false }
+    UcxConfig {
+        tls: tls.clone(),
+        peer_failure_handling: peer_failure,
+        same_host_shared_memory: false,
+        verify_payloads: false,
+    }
 }
 
 /// A touched region of `bytes` (every page written once, so no first-touch fault is timed).

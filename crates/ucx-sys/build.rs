@@ -1,10 +1,17 @@
 //! Finds UCX and generates bindings for the `ucp_*` / `ucs_*` API.
 //!
-//! `UCX_HOME=<prefix>` names the UCX to build against and wins over the system's: a prefix
-//! with `lib/pkgconfig/ucx.pc` (asked with pkg-config, its `prefix` redefined to
-//! `UCX_HOME`, so a relocated install such as the `libucx-cu12` wheel works) or else plain
-//! `lib/` + `include/` (the version read from `ucp/api/ucp_version.h`). Without it,
-//! pkg-config finds the system UCX.
+//! Which UCX, first found wins:
+//! 1. `UCX_HOME=<prefix>`: a prefix with `lib/pkgconfig/ucx.pc` (asked with pkg-config, its
+//!    `prefix` redefined to `UCX_HOME`, so a relocated install such as the `libucx-cu12`
+//!    wheel works) or else plain `lib/` + `include/` (the version read from
+//!    `ucp/api/ucp_version.h`);
+//! 2. in a build of the Python wheel (maturin sets `PYO3_PYTHON`): the `libucx` package of
+//!    that Python (the `libucx-cu12` wheel, a build requirement and a dependency of the
+//!    `kvxfer` wheel), the UCX the wheel's `kvxfer` package loads at import;
+//! 3. the system UCX pkg-config finds.
+//!
+//! It also tells whether the headers have `ucp_ep_query`'s transport list (UCX >= 1.14):
+//! `cargo:ep_transports=1` for dependents (`DEP_UCP_EP_TRANSPORTS`).
 //!
 //! Run time: nothing here makes a binary find the chosen libraries (an rpath emitted by this
 //! build script would reach only this crate's own targets), so a binary built against
@@ -27,9 +34,13 @@ struct Ucx {
 fn main() {
     println!("cargo:rerun-if-changed=wrapper.h");
     println!("cargo:rerun-if-env-changed=UCX_HOME");
-    let ucx = match env::var_os("UCX_HOME").filter(|h| !h.is_empty()) {
-        Some(home) => from_home(Path::new(&home)),
-        None => from_system(),
+    println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
+    let (ucx, source) = match env::var_os("UCX_HOME").filter(|h| !h.is_empty()) {
+        Some(home) => (from_home(Path::new(&home)), "UCX_HOME"),
+        None => match python_libucx() {
+            Some(home) => (from_home(&home), "the libucx Python package"),
+            None => (from_system(), "the system (pkg-config)"),
+        },
     };
     let mut builder = bindgen::Builder::default()
         .header("wrapper.h")
@@ -53,6 +64,11 @@ fn main() {
     });
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     bindings.write_to_file(out.join("bindings.rs")).expect("writing bindings.rs");
+    let generated = bindings.to_string();
+    if generated.contains("UCP_EP_ATTR_FIELD_TRANSPORTS") {
+        println!("cargo:ep_transports=1");
+    }
+    println!("cargo:rustc-env=UCX_SYS_SOURCE={source}");
     if let Some(v) = ucx_version(&ucx.version) {
         println!("cargo:version={v}");
     }
@@ -61,6 +77,21 @@ fn main() {
     // For dependents' build scripts (DEP_UCP_LIBDIR) and the run-time mismatch message.
     println!("cargo:libdir={lib_dir}");
     println!("cargo:rustc-env=UCX_SYS_LIBDIR={lib_dir}");
+}
+
+/// In a maturin build (`PYO3_PYTHON` names the Python the wheel is built for): the install
+/// prefix inside that Python's `libucx` package, when it has one with headers.
+fn python_libucx() -> Option<PathBuf> {
+    let python = env::var_os("PYO3_PYTHON").filter(|p| !p.is_empty())?;
+    let out = Command::new(&python)
+        .args(["-c", "import libucx, os; print(os.path.dirname(os.path.abspath(libucx.__file__)))"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let dir = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+    dir.join("include/ucp/api/ucp.h").exists().then_some(dir)
 }
 
 /// The system UCX, found by pkg-config (which also emits the link flags).

@@ -201,9 +201,11 @@ class Handoff:
     def ttl(self) -> float: ...
 
 class PrefillAgent:
-    """A prefill worker's agent: serves the registered KV cache over TCP, leases (or arms)
-    children's blocks, and reports how each lease ended. ``worker_threads`` runtime workers
-    (0: one thread driving a current-thread runtime)."""
+    """A prefill worker's agent: serves the registered KV cache over TCP and, with
+    ``transport="auto"`` (default) or ``"ucx"`` in a build with UCX, over UCX too; leases (or
+    arms) children's blocks, and reports how each lease ended. ``worker_threads`` runtime
+    workers (0: one thread driving a current-thread runtime). ``ucx_tls``: UCX's transports
+    (``UCX_TLS`` syntax, e.g. ``"posix,cma,self"``); default UCX's own choice."""
 
     def __init__(
         self,
@@ -222,11 +224,15 @@ class PrefillAgent:
         max_lease_lifetime: float = 600.0,
         io_timeout: float = 10.0,
         worker_threads: int = 2,
-        transport: str = "tcp",
+        transport: str = "auto",
+        ucx_tls: Optional[str] = None,
         shutdown_grace: float = 5.0,
     ) -> None: ...
     @property
     def address(self) -> tuple[str, int]: ...
+    @property
+    def offers_ucx(self) -> bool:
+        """Whether the agent started UCX and offers it to decode agents."""
     @property
     def port(self) -> int: ...
     @property
@@ -309,7 +315,8 @@ class DecodeAgent:
         worker_threads: int = 2,
         connections_per_peer: int = 2,
         heartbeat_interval: Optional[float] = None,
-        transport: str = "tcp",
+        transport: str = "auto",
+        ucx_tls: Optional[str] = None,
         shutdown_grace: float = 5.0,
         queue_reports: bool = False,
         notify_with_read: bool = False,
@@ -320,9 +327,15 @@ class DecodeAgent:
         sibling, a plain ``submit``) sends its notify behind the read, one round trip for its
         hand-off instead of two; its lease then ends as pulled once the prefill side sent
         the payload (see the engine's ``AgentConfig::notify_with_read``). ``stats()``
-        counts such reads as ``notifies_with_read``."""
+        counts such reads as ``notifies_with_read``. ``transport``: ``"auto"`` pulls over
+        UCX from a peer that offers it, else TCP; ``"tcp"`` / ``"ucx"`` force one. Every
+        report says which path the child's bytes took: ``path`` (``"tcp"``, or ``"ucx(...)"``
+        with the transports UCX's endpoint uses) and ``ucx_transports``."""
     @property
     def consumer_id(self) -> str: ...
+    @property
+    def has_ucx(self) -> bool:
+        """Whether the agent started UCX."""
     @property
     def closed(self) -> bool: ...
     def submit(self, children: Sequence[Params], local_blocks: Sequence[Blocks]) -> Pull:
@@ -353,3 +366,4 @@ def enable_logging(filter: str = "info") -> bool:
     """Logs kvxfer's events to stderr (``RUST_LOG`` syntax; ``RUST_LOG`` wins)."""
 
 def protocol_version() -> int: ...
+def ucx_info(ucx_tls: Optional[str] = None) -> dict[str, Any]: ...

@@ -88,7 +88,7 @@ def run_block_size(args: argparse.Namespace, block: int) -> dict[str, Any]:
         set_hugepage(args.numpy_hugepages)
     src = np.random.default_rng(block).integers(0, 256, size=blocks * block, dtype=np.uint8)
     dst = np.zeros_like(src)
-    common = dict(worker_threads=args.worker_threads)
+    common = dict(worker_threads=args.worker_threads, transport=args.transport)
     prefill = kvxfer.PrefillAgent(
         kvxfer.Memory([kvxfer.Segment(src, block_bytes=block)], num_blocks=blocks), agent_name="bench-prefill", **common
     )
@@ -144,7 +144,7 @@ def run_block_size(args: argparse.Namespace, block: int) -> dict[str, Any]:
     leases = stats["leases"]
     return {
         "api": "python",
-        "transport": "tcp",
+        "transport": args.transport,
         "processes": "1",
         "block_bytes": block,
         "bytes": moved // max(args.iters, 1),
@@ -181,6 +181,7 @@ def prefill_server(args: argparse.Namespace) -> int:
         kvxfer.Memory([kvxfer.Segment(src, block_bytes=block)], num_blocks=blocks),
         agent_name="bench-prefill",
         worker_threads=args.worker_threads,
+        transport=args.transport,
     )
     raw_listener: Optional[socket.socket] = None
     try:
@@ -237,7 +238,8 @@ class LatencyPeers:
         self.control: Optional[socket.socket] = None
         self.child = subprocess.Popen(
             [sys.executable, "-m", "kvxfer.bench", "--prefill-server", "--block-bytes", str(block),
-             "--blocks", str(args.blocks), "--worker-threads", str(args.worker_threads)],
+             "--blocks", str(args.blocks), "--worker-threads", str(args.worker_threads),
+             "--transport", args.transport],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
 
@@ -313,6 +315,7 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
             agent_name="bench-decode",
             connections_per_peer=args.connections,
             worker_threads=args.worker_threads,
+            transport=args.transport,
             notify_with_read=args.notify_with_read,
         )
         stack.callback(decode.shutdown)
@@ -350,7 +353,7 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
     return {
         "api": "python",
         "mode": "latency",
-        "transport": "tcp",
+        "transport": args.transport,
         "processes": "2",
         "block_bytes": block,
         "iters": args.iters,
@@ -417,8 +420,8 @@ def json_lines(cmd: list[str]) -> list[dict[str, Any]]:
 def paired(args: argparse.Namespace) -> int:
     """Rust and Python runs alternated, ``--rounds`` each; medians and the ratio."""
     flags = workload_flags(args)
-    rust_cmd = [args.pair_with, "--transport", "tcp"] + flags
-    py_cmd = [sys.executable, "-m", "kvxfer.bench"] + flags + (["--numpy-hugepages"] if args.numpy_hugepages else [])
+    rust_cmd = [args.pair_with, "--transport", args.transport] + flags
+    py_cmd = [sys.executable, "-m", "kvxfer.bench", "--transport", args.transport] + flags + (["--numpy-hugepages"] if args.numpy_hugepages else [])
     samples: dict[str, dict[int, list[dict[str, Any]]]] = {"rust": {}, "python": {}}
     for r in range(args.rounds):
         order = [("rust", rust_cmd), ("python", py_cmd)] if r % 2 == 0 else [("python", py_cmd), ("rust", rust_cmd)]
@@ -474,6 +477,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--connections", type=int, default=2)
     ap.add_argument("--worker-threads", type=int, default=2)
+    ap.add_argument(
+        "--transport",
+        choices=("tcp", "auto", "ucx"),
+        default="tcp",
+        help="the agents' data path (default tcp: the one the raw TCP and --pair-with baselines measure)",
+    )
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument(
         "--numpy-hugepages",

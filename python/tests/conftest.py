@@ -24,6 +24,12 @@ if _IMPORTED != _HERE:
         "point the venv's kvxfer-checkout.pth (and maturin develop's kvxfer.pth) at this checkout's python/"
     )
 
+# Agents default to transport="auto": UCX where both peers offer it. UCX's tcp transport
+# listens on every network device it may use; tests (and the engines they start, which
+# inherit this) keep it on the loopback device. Its shared-memory transports are not network
+# devices and stay on.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 # Per layer (2, num_blocks, block_size, heads, head_dim), float16: 256-byte K and V blocks.
 SHAPE = (2, 32, 4, 2, 16)
 
@@ -73,15 +79,19 @@ def dst():
     return np.zeros(SHAPE, dtype=np.float16)
 
 
+# The `prefill` / `decode` fixtures use the TCP data path (what most tests here check: its
+# batches, CRCs, connections); test_ucx.py covers the default, UCX.
 @pytest.fixture
 def prefill(src):
-    agent = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), engine_id="prefill-engine")
+    agent = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), engine_id="prefill-engine", transport="tcp")
     yield agent
     agent.shutdown()
 
 
 @pytest.fixture
 def decode(dst):
-    agent = kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), engine_id="decode-engine", queue_reports=True)
+    agent = kvxfer.DecodeAgent(
+        kvxfer.kv_cache_memory([dst]), engine_id="decode-engine", queue_reports=True, transport="tcp"
+    )
     yield agent
     agent.shutdown()

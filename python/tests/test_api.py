@@ -40,9 +40,11 @@ def test_a_parent_with_four_children_is_pulled_and_every_lease_ends_pulled(prefi
 def test_agents_on_one_thread_each_with_the_notify_behind_the_read_pull_every_child_once(src, dst):
     # worker_threads=0: each agent's runtime is one thread; notify_with_read: one round trip
     # per child whose own read settles it (children 0 and 2 share block 1: not those reads).
-    prefill = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), engine_id="prefill-engine", worker_threads=0)
+    prefill = kvxfer.PrefillAgent(
+        kvxfer.kv_cache_memory([src]), engine_id="prefill-engine", worker_threads=0, transport="tcp"
+    )
     decode = kvxfer.DecodeAgent(
-        kvxfer.kv_cache_memory([dst]), engine_id="decode-engine", worker_threads=0, notify_with_read=True
+        kvxfer.kv_cache_memory([dst]), engine_id="decode-engine", worker_threads=0, notify_with_read=True, transport="tcp"
     )
     try:
         blocks = [[1, 3], [4, 5], [1, 6], [7]]

@@ -287,7 +287,7 @@ def test_a_pull_between_mismatched_layouts_fails_with_advice_to_recompute(prefil
     [
         ({"cluster_key": "zz"}, "cluster_key"),
         ({"cluster_key": "00"}, "cluster_key"),
-        ({"transport": "ucx"}, "TCP data path only"),
+        ({"transport": "udp"}, "unknown transport"),
         ({"lease_ttl": -1.0}, "lease_ttl"),
         ({"arm_wait": float("nan")}, "arm_wait"),
         # Too large for a Duration, and large enough for a Duration but not for an Instant.

@@ -33,7 +33,8 @@ def decode():
 
 
 # The latency options: one thread per agent's runtime, and the notify behind the read.
-ONE_THREAD = {"kvxfer_worker_threads": 0, "kvxfer_notify_with_read": True}
+# The notify rides behind a TCP read: this option set is on the TCP data path.
+ONE_THREAD = {"kvxfer_worker_threads": 0, "kvxfer_notify_with_read": True, "kvxfer_transport": "tcp"}
 
 
 def prefill_request(rid: str, n: int = 1) -> Request:

@@ -35,6 +35,8 @@ struct ReportData {
     child_index: u32,
     local_blocks: LocalBlocks,
     outcome: ChildOutcome,
+    /// The data path its bytes took (`None`: the peer was not reached).
+    path: Option<kvxfer::DataPath>,
     /// From submit to this report.
     after: Duration,
 }
@@ -52,6 +54,14 @@ impl ReportData {
             LocalBlocks::Grouped(g) => d.set_item("local_blocks", g.clone())?,
         }
         d.set_item("seconds", self.after.as_secs_f64())?;
+        d.set_item("path", self.path.as_ref().map(ToString::to_string))?;
+        d.set_item(
+            "ucx_transports",
+            match &self.path {
+                Some(kvxfer::DataPath::Ucx { transports }) => Some(transports.clone()),
+                _ => None,
+            },
+        )?;
         let (outcome, error) = match &self.outcome {
             ChildOutcome::Done { bytes_delivered, acknowledged } => {
                 d.set_item("bytes_delivered", *bytes_delivered)?;
@@ -148,6 +158,7 @@ impl PullState {
             child_index,
             local_blocks: local,
             outcome: r.outcome,
+            path: r.path,
             after: self.submitted.elapsed(),
         }
     }
@@ -263,7 +274,7 @@ impl DecodeAgent {
         memory, *, agent_name = "decode", engine_id = None, rank = 0, kv_shape = None, consumer_id = None,
         cluster_key = None,
         io_timeout = 10.0, worker_threads = 2, connections_per_peer = 2, heartbeat_interval = None,
-        transport = "tcp", shutdown_grace = 5.0, queue_reports = false, notify_with_read = false
+        transport = "auto", ucx_tls = None, ucx_peer_failure_handling = None, shutdown_grace = 5.0, queue_reports = false, notify_with_read = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -280,6 +291,8 @@ impl DecodeAgent {
         connections_per_peer: usize,
         heartbeat_interval: Option<f64>,
         transport: &str,
+        ucx_tls: Option<&str>,
+        ucx_peer_failure_handling: Option<bool>,
         shutdown_grace: f64,
         queue_reports: bool,
         notify_with_read: bool,
@@ -292,7 +305,7 @@ impl DecodeAgent {
             cluster_key,
             io_timeout,
             worker_threads,
-            transport,
+            (transport, ucx_tls, ucx_peer_failure_handling),
             shutdown_grace,
         )?;
         if let Some(shape) = kv_shape {
@@ -338,6 +351,12 @@ impl DecodeAgent {
     #[getter]
     fn consumer_id(&self) -> &str {
         &self.consumer_id
+    }
+
+    /// Whether the agent started UCX (it pulls over UCX from peers that offer it).
+    #[getter]
+    fn has_ucx(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.agent(py)?.0.has_ucx())
     }
 
     /// Pulls `children` — `kv_transfer_params` dicts of children of one parent: all of them,

@@ -53,6 +53,41 @@ fn protocol_version() -> u32 {
     kvxfer_proto::PROTOCOL_VERSION
 }
 
+/// Which UCX this build uses: a dict with `built` (whether the binding has the UCX data
+/// path), and where it has: `built_version` and `built_from` (the UCX it was compiled
+/// against), `loaded_version` (the libucp this process loaded), `usable` (whether they
+/// match: kvxfer refuses to start UCX on another major.minor), `error` (why not, or why UCX
+/// did not start), and `transports` — the `"<transport>/<device>"` resources a UCX context
+/// with `ucx_tls` (default: UCX's own choice, or `UCX_TLS`) finds on this host.
+#[pyfunction]
+#[pyo3(signature = (ucx_tls = None))]
+fn ucx_info<'py>(py: Python<'py>, ucx_tls: Option<&str>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("built", cfg!(feature = "ucx"))?;
+    #[cfg(feature = "ucx")]
+    {
+        let v = kvxfer::ucx_version();
+        d.set_item("built_version", v.built)?;
+        d.set_item("built_from", v.built_from)?;
+        d.set_item("loaded_version", &v.runtime)?;
+        d.set_item("usable", v.matches_build())?;
+        let config = kvxfer::UcxConfig { tls: ucx_tls.map(str::to_owned), ..kvxfer::UcxConfig::default() };
+        match py.detach(|| kvxfer::ucx_transports(&config)) {
+            Ok(t) => {
+                d.set_item("transports", t)?;
+                d.set_item("error", py.None())?;
+            }
+            Err(e) => {
+                d.set_item("transports", Vec::<String>::new())?;
+                d.set_item("error", e.to_string())?;
+            }
+        }
+    }
+    #[cfg(not(feature = "ucx"))]
+    let _ = ucx_tls;
+    Ok(d)
+}
+
 /// The module `kvxfer._kvxfer`.
 #[pymodule]
 fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -65,6 +100,7 @@ fn _kvxfer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<decode::Pull>()?;
     m.add_function(wrap_pyfunction!(enable_logging, m)?)?;
     m.add_function(wrap_pyfunction!(protocol_version, m)?)?;
+    m.add_function(wrap_pyfunction!(ucx_info, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -24,7 +24,7 @@ pub(crate) fn base_config(
     cluster_key: Option<&str>,
     io_timeout: f64,
     worker_threads: usize,
-    transport: &str,
+    (transport, ucx_tls, ucx_peer_failure): (&str, Option<&str>, Option<bool>),
     shutdown_grace: f64,
 ) -> PyResult<AgentConfig> {
     let mut c = AgentConfig::new(agent_name).rank(rank).worker_threads(worker_threads);
@@ -40,17 +40,42 @@ pub(crate) fn base_config(
     };
     c = c.io_timeout(seconds(py, "io_timeout", io_timeout)?);
     c = c.shutdown_grace(seconds(py, "shutdown_grace", shutdown_grace)?);
-    c.transport = match transport {
-        "tcp" | "auto" => TransportChoice::Tcp,
-        other => {
-            return Err(raise::<ConfigError>(
-                py,
-                format!("transport {other:?}: this wheel is built with the TCP data path only (\"tcp\")"),
-                &[],
-            ))
+    c.transport = transport_choice(py, transport)?;
+    #[cfg(feature = "ucx")]
+    {
+        c.ucx.tls = ucx_tls.map(str::to_owned);
+        if let Some(on) = ucx_peer_failure {
+            c.ucx.peer_failure_handling = on;
         }
-    };
+    }
+    #[cfg(not(feature = "ucx"))]
+    if ucx_tls.is_some() || ucx_peer_failure.is_some() {
+        return Err(raise::<ConfigError>(
+            py,
+            "UCX options: this kvxfer is built without UCX".to_owned(),
+            &[],
+        ));
+    }
     Ok(c)
+}
+
+/// `"auto"` (UCX where both peers offer it, else TCP), `"tcp"` or `"ucx"`; in a build without
+/// UCX, `"auto"` is TCP and `"ucx"` an error.
+fn transport_choice(py: Python<'_>, transport: &str) -> PyResult<TransportChoice> {
+    let choice: TransportChoice = transport.parse().map_err(|e: String| raise::<ConfigError>(py, e, &[]))?;
+    if cfg!(not(feature = "ucx")) {
+        return match choice {
+            TransportChoice::Ucx => Err(raise::<ConfigError>(
+                py,
+                "transport \"ucx\": this kvxfer is built without UCX (the TCP data path only); \
+                 install the wheel built with it (pip install kvxfer) or use \"tcp\"/\"auto\""
+                    .to_owned(),
+                &[],
+            )),
+            _ => Ok(TransportChoice::Tcp),
+        };
+    }
+    Ok(choice)
 }
 
 /// `config` with `shape` (completed from `memory`'s layouts): its TP size and rank become
@@ -145,7 +170,8 @@ impl PrefillAgent {
     #[pyo3(signature = (
         memory, listen = "127.0.0.1:0", *, agent_name = "prefill", engine_id = None, rank = 0, tp_size = 1,
         kv_shape = None, advertise_host = None, cluster_key = None, lease_ttl = 30.0, arm_wait = 5.0, max_lease_lifetime = 600.0,
-        io_timeout = 10.0, worker_threads = 2, transport = "tcp", shutdown_grace = 5.0
+        io_timeout = 10.0, worker_threads = 2, transport = "auto", ucx_tls = None, ucx_peer_failure_handling = None,
+        shutdown_grace = 5.0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -165,6 +191,8 @@ impl PrefillAgent {
         io_timeout: f64,
         worker_threads: usize,
         transport: &str,
+        ucx_tls: Option<&str>,
+        ucx_peer_failure_handling: Option<bool>,
         shutdown_grace: f64,
     ) -> PyResult<Self> {
         let mut config = base_config(
@@ -175,7 +203,7 @@ impl PrefillAgent {
             cluster_key,
             io_timeout,
             worker_threads,
-            transport,
+            (transport, ucx_tls, ucx_peer_failure_handling),
             shutdown_grace,
         )?;
         config = config
@@ -239,6 +267,13 @@ impl PrefillAgent {
     }
 
     /// Whether the agent is draining (new leases refused).
+    /// Whether the agent offers the UCX data path (it started UCX: transport `"auto"` or
+    /// `"ucx"` in a build with UCX, and UCX started here).
+    #[getter]
+    fn offers_ucx(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.agent(py)?.offers_ucx())
+    }
+
     #[getter]
     fn draining(&self, py: Python<'_>) -> PyResult<bool> {
         Ok(self.agent(py)?.is_draining())

@@ -31,7 +31,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-pub use raw::{ucx_version, UcxError, UcxVersion, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN};
+pub use raw::{ucx_transports, ucx_version, UcxError, UcxVersion, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN};
 
 /// UCX settings of an agent.
 #[derive(Debug, Clone)]
@@ -44,6 +44,12 @@ pub struct UcxConfig {
     /// cma) cannot do that, so with it on, reads between processes on one host go over tcp;
     /// with it off they use shared memory / CMA, and a dead peer surfaces as failed reads.
     pub peer_failure_handling: bool,
+    /// With `peer_failure_handling` on: connect to a peer on this host
+    /// ([`UcxInitiator::connect_on_host`] with `same_host`) without it, so UCX may read over
+    /// shared memory / CMA (it will not with peer-failure handling, UCX 1.22 as 1.13); a
+    /// dead peer on this host then surfaces as failed reads. Peers on other hosts keep it.
+    /// On by default; [`UcxConfig::default`] is thus "peer-failure handling across hosts".
+    pub same_host_shared_memory: bool,
     /// Check every one-sided read against a CRC-32C the prefill side takes when it pins the
     /// blocks. Off by default: UCX's transports carry their own integrity checks, the
     /// pin's `held` answer already tells a read that outlived its pin, and the two extra
@@ -54,7 +60,12 @@ pub struct UcxConfig {
 
 impl Default for UcxConfig {
     fn default() -> Self {
-        UcxConfig { tls: None, peer_failure_handling: true, verify_payloads: false }
+        UcxConfig {
+            tls: None,
+            peer_failure_handling: true,
+            same_host_shared_memory: true,
+            verify_payloads: false,
+        }
     }
 }
 
@@ -270,7 +281,7 @@ fn spawn<R: Send + 'static>(
 }
 
 enum Command {
-    Connect { peer: String, info: TargetInfo, done: Done<()> },
+    Connect { peer: String, info: TargetInfo, same_host: bool, done: Done<Vec<String>> },
     Get { peer: String, pieces: Vec<GetPiece>, done: Done<u64> },
     Disconnect { peer: String },
     Abort { peer: String },
@@ -343,7 +354,8 @@ impl UcxInitiator {
     }
 
     /// Creates (or replaces) the endpoint to `peer` and unpacks its rkeys; `done` runs once
-    /// the endpoint is wired up both ways (so the target holds nothing of its wire-up
+    /// the endpoint is wired up both ways, with the transports it uses as UCX names them
+    /// (`"<transport>/<device>"`; empty where UCX < 1.14 cannot say) (so the target holds nothing of its wire-up
     /// queued: see ARCHITECTURE.md, UCX notes), or with an error if that takes over 5 s
     /// (the endpoint is then closed once its wire-up ends). Reads can be issued once `done`
     /// reported `Ok`. An endpoint it replaces is closed once the reads issued on it finish —
@@ -352,9 +364,15 @@ impl UcxInitiator {
     /// [`MAX_WORKER_ADDRESS_LEN`] / [`MAX_RKEY_LEN`] bytes) and every region's `base + len`
     /// must fit in 64 bits; their contents are opaque to kvxfer and parsed by UCX itself
     /// (UCX takes no length for them), so connect only to peers that passed the handshake.
-    pub fn connect(&self, peer: &str, info: TargetInfo, done: Done<()>) {
+    pub fn connect(&self, peer: &str, info: TargetInfo, done: Done<Vec<String>>) {
+        self.connect_on_host(peer, info, false, done);
+    }
+
+    /// [`UcxInitiator::connect`] to a peer that is (`same_host`) or may not be on this host:
+    /// see [`UcxConfig::same_host_shared_memory`].
+    pub fn connect_on_host(&self, peer: &str, info: TargetInfo, same_host: bool, done: Done<Vec<String>>) {
         if let Err(Command::Connect { done, .. }) =
-            self.send(Command::Connect { peer: peer.to_owned(), info, done })
+            self.send(Command::Connect { peer: peer.to_owned(), info, same_host, done })
         {
             done(Err(UcxError::thread_died()));
         }

@@ -24,3 +24,9 @@ pub(crate) use handles::{Context, SharedContext, Signal};
 pub(crate) use initiator::{run_initiator, InitiatorLoop};
 pub(crate) use target::run_target;
 pub use version::{ucx_version, UcxVersion};
+
+/// The transports UCX may use with `config` (its transport set and the `UCX_*` environment),
+/// as `"<transport>/<device>"` names: what a context made for it finds on this host.
+pub fn ucx_transports(config: &crate::UcxConfig) -> Result<Vec<String>, UcxError> {
+    Context::private(config)?.resources()
+}

@@ -20,7 +20,18 @@ fn run(tls: &str, peer_failure_handling: bool) {
     let initiator = unsafe { UcxInitiator::start(&config, vec![dst_span], Arc::new(())) }.expect("initiator");
     let (tx, rx) = crossbeam_channel::bounded(1);
     initiator.connect("peer", target.info().clone(), Box::new(move |r| tx.send(r).expect("send")));
-    rx.recv().expect("reply").expect("connect");
+    let transports = rx.recv().expect("reply").expect("connect");
+    // UCX >= 1.14 names the endpoint's transports ("<transport>/<device>"), each one of those
+    // asked for; older UCX cannot say.
+    if cfg!(ucx_ep_transports) {
+        assert!(!transports.is_empty(), "UCX named no transport for {tls}");
+        for t in &transports {
+            let name = t.split('/').next().unwrap_or_default();
+            assert!(tls.split(',').any(|asked| asked == name), "{t} is not one of {tls}");
+        }
+    } else {
+        assert!(transports.is_empty(), "{transports:?}");
+    }
 
     let pieces = vec![
         GetPiece { local: dst_span.ptr, remote_region: 0, remote_offset: 4096, len: 65536 },

@@ -268,7 +268,9 @@ impl AgentConfig {
         {
             let mut c = self;
             c.ucx.tls = tls;
+            // An explicit choice, for every peer (no same-host exception).
             c.ucx.peer_failure_handling = peer_failure_handling;
+            c.ucx.same_host_shared_memory = false;
             Ok(c)
         }
         #[cfg(not(feature = "ucx"))]

@@ -66,11 +66,13 @@ mod runtime;
 mod ucx;
 
 pub use config::{AgentConfig, TransportChoice};
-pub use decode::{ChildReport, DecodeAgent, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
+pub use decode::{
+    ChildReport, DataPath, DecodeAgent, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed,
+};
 pub use error::{Error, SubmitError};
 pub use kvxfer_core::pull::{Advice, ChildOutcome, MismatchField, PullError};
 #[cfg(feature = "ucx")]
-pub use kvxfer_ucx::UcxConfig;
+pub use kvxfer_ucx::{ucx_transports, ucx_version, UcxConfig, UcxVersion};
 pub use prefill::{LeaseEnds, PrefillAgent, PrefillStats};
 pub use runtime::wait_for_teardown;
 #[cfg(feature = "ucx")]

@@ -118,13 +118,24 @@ pub(crate) fn start_if_wanted<T>(
         crate::TransportChoice::Tcp => Ok(None),
         choice => match start(&config.ucx) {
             Ok(t) => Ok(Some(t)),
-            Err(e) if choice == crate::TransportChoice::Ucx => Err(e.into()),
+            Err(e) if choice == crate::TransportChoice::Ucx => Err(explain(e, &config.ucx).into()),
             Err(e) => {
-                tracing::warn!(error = %e, "UCX unavailable; using TCP only");
+                tracing::warn!(error = %explain(e, &config.ucx), "UCX unavailable; using TCP only");
                 Ok(None)
             }
         },
     }
+}
+
+/// `e` (UCX failed to start) with the transports asked for and those UCX finds here.
+fn explain(e: UcxError, config: &UcxConfig) -> UcxError {
+    let asked = config.tls.as_deref().unwrap_or("UCX's default (or UCX_TLS)");
+    let any = UcxConfig { tls: None, ..config.clone() };
+    let here = match kvxfer_ucx::ucx_transports(&any) {
+        Ok(t) => t.join(","),
+        Err(e) => format!("none ({e})"),
+    };
+    e.with_context(format!("transports asked: {asked}; UCX finds here: {here}"))
 }
 
 /// The handshake offer of a UCX target.
@@ -242,34 +253,39 @@ pub(crate) fn slice_gets(
     out
 }
 
-/// Makes (or reuses) the UCX endpoint to `peer` from its handshake answer: `Ok(true)` when
-/// reads may use UCX, `Ok(false)` to fall back to TCP (`auto`), an error when UCX is
-/// required and unusable.
-pub(crate) async fn connect(inner: &Inner, peer: &Peer, ack: &v1::HelloAck) -> Result<bool, PullError> {
+/// Makes (or reuses) the UCX endpoint to `peer` from its handshake answer: `Ok(Some(the
+/// endpoint's transports))` when reads may use UCX, `Ok(None)` to fall back to TCP (`auto`),
+/// an error when UCX is required and unusable.
+pub(crate) async fn connect(
+    inner: &Inner,
+    peer: &Peer,
+    ack: &v1::HelloAck,
+) -> Result<Option<Vec<String>>, PullError> {
     let want = inner.config.transport;
-    let Some(init) = inner.ucx() else { return Ok(false) };
+    let Some(init) = inner.ucx() else { return Ok(None) };
     let unavailable = |detail: String| PullError::TransportUnavailable { peer: peer.addr.clone(), detail };
     match parse_offer(&ack.transports) {
         Some(Ok(info)) => {
             let engine = (ack.engine_id.clone(), ack.incarnation);
             let mut connected = peer.ucx_engine.lock().await;
-            if connected.as_ref() == Some(&engine) {
-                return Ok(true);
+            if let Some((_, transports)) = connected.as_ref().filter(|(e, _)| *e == engine) {
+                return Ok(Some(transports.clone()));
             }
             let (tx, rx) = tokio::sync::oneshot::channel();
-            init.connect(&peer.ucx_endpoint, info, Box::new(move |r| drop(tx.send(r))));
+            let same_host = is_this_host(&peer.addr);
+            init.connect_on_host(&peer.ucx_endpoint, info, same_host, Box::new(move |r| drop(tx.send(r))));
             match rx.await {
-                Ok(Ok(())) => {
-                    *connected = Some(engine);
-                    debug!(peer = %peer.addr, "UCX endpoint ready");
-                    Ok(true)
+                Ok(Ok(transports)) => {
+                    info!(peer = %peer.addr, transports = %transports.join(","), "UCX endpoint ready");
+                    *connected = Some((engine, transports.clone()));
+                    Ok(Some(transports))
                 }
                 Ok(Err(e)) if want == TransportChoice::Ucx => {
                     Err(unavailable(format!("UCX to {}: {e}", peer.addr)))
                 }
                 Ok(Err(e)) => {
                     warn!(peer = %peer.addr, error = %log::Peer(&e), "UCX endpoint failed; pulling over TCP");
-                    Ok(false)
+                    Ok(None)
                 }
                 Err(_) => Err(unavailable("the UCX thread stopped".into())),
             }
@@ -277,10 +293,18 @@ pub(crate) async fn connect(inner: &Inner, peer: &Peer, ack: &v1::HelloAck) -> R
         Some(Err(e)) if want == TransportChoice::Ucx => Err(unavailable(e)),
         Some(Err(e)) => {
             warn!(peer = %peer.addr, error = %log::Peer(&e), "ignoring the peer's UCX offer");
-            Ok(false)
+            Ok(None)
         }
-        None => Ok(false),
+        None => Ok(None),
     }
+}
+
+/// Whether `addr` (`host:port`, an IP address) is one of this host's: a loopback address, or
+/// one a socket can bind here. A name, or an address of another host, is not.
+fn is_this_host(addr: &str) -> bool {
+    let Ok(sa) = addr.parse::<std::net::SocketAddr>() else { return false };
+    let ip = sa.ip();
+    ip.is_loopback() || std::net::UdpSocket::bind((ip, 0)).is_ok()
 }
 
 /// Pins child `i`'s runs on a pooled connection, reads them with UCX straight into the

@@ -14,8 +14,13 @@ include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 /// `1.13.1`), or `major.minor` from `ucp_version.h` for a `UCX_HOME` without a `.pc`.
 pub const UCX_SYS_BUILT_VERSION: &str = env!("UCX_SYS_BUILT_VERSION");
 
-/// The `lib/` directory of the `UCX_HOME` built against; empty for the system UCX.
+/// The `lib/` directory of the `UCX_HOME` (or `libucx` package) built against; empty for the
+/// system UCX.
 pub const UCX_SYS_LIBDIR: &str = env!("UCX_SYS_LIBDIR");
+
+/// Where the UCX built against came from: `"UCX_HOME"`, `"the libucx Python package"` (a
+/// maturin build of the wheel) or `"the system (pkg-config)"`.
+pub const UCX_SYS_SOURCE: &str = env!("UCX_SYS_SOURCE");
 
 /// `ucp_init` from `ucp.h` (a static inline): initialises a context for the API version
 /// these bindings were generated from.

@@ -260,6 +260,14 @@ def _dp_index(parallel: Any) -> int:
     return int(getattr(parallel, "data_parallel_rank", 0) or 0)
 
 
+def _transport(extra: dict[str, Any]) -> str:
+    """``kvxfer_transport``: ``auto`` (default), ``tcp`` or ``ucx``."""
+    value = str(extra.get("kvxfer_transport", "auto")).lower()
+    if value not in ("auto", "tcp", "ucx"):
+        raise ValueError(f"kvxfer_transport must be 'auto', 'tcp' or 'ucx', not {extra.get('kvxfer_transport')!r}")
+    return value
+
+
 @dataclass
 class Settings:
     """The connector's configuration, read once from ``VllmConfig`` (see the package docs
@@ -276,6 +284,10 @@ class Settings:
     io_timeout: float
     worker_threads: int
     notify_with_read: bool
+    # The agents' data path: "auto" (UCX where both sides offer it, else TCP), "tcp", "ucx".
+    transport: str
+    # UCX's transports (UCX_TLS syntax); None: UCX's own choice (or UCX_TLS).
+    ucx_tls: Optional[str]
     cluster_key: Optional[str]
     tp_size: int
     dp_rank: int
@@ -337,6 +349,8 @@ class Settings:
             io_timeout=float(extra.get("kvxfer_io_timeout", 10.0)),
             worker_threads=int(extra.get("kvxfer_worker_threads", 2)),
             notify_with_read=flag(extra, "kvxfer_notify_with_read"),
+            transport=_transport(extra),
+            ucx_tls=str(extra["kvxfer_ucx_tls"]) if extra.get("kvxfer_ucx_tls") else None,
             cluster_key=extra.get("kvxfer_cluster_key"),
             tp_size=tp_size,
             dp_rank=_dp_index(parallel),

@@ -42,6 +42,11 @@ COUNTERS = (
     "leases_pulled",
     "leases_released",
     "leases_expired",
+    # Completed pulls by data path (a report's "path"), and their bytes.
+    "pulls_ucx",
+    "pulls_tcp",
+    "bytes_ucx",
+    "bytes_tcp",
 )
 LEASE_END_COUNTER = {"pulled": "leases_pulled", "released": "leases_released", "expired": "leases_expired"}
 
@@ -50,6 +55,8 @@ def _empty() -> dict[str, Any]:
     out: dict[str, Any] = {k: 0 for k in COUNTERS}
     out["seconds"] = []
     out["bytes"] = []
+    # The UCX transports pulls used, as UCX names them ("posix/memory", "tcp/eth0").
+    out["ucx_transports"] = []
     return out
 
 
@@ -71,10 +78,21 @@ class KvxferConnectorStats(_StatsBase):  # type: ignore[misc]
             self.data["pulls_done"] += 1
             self.data["seconds"].append(float(report.get("seconds") or 0.0))
             self.data["bytes"].append(int(report.get("bytes_delivered") or 0))
+            path = str(report.get("path") or "")
+            kind = "ucx" if path.startswith("ucx") else "tcp" if path == "tcp" else None
+            if kind is not None:
+                self.data[f"pulls_{kind}"] += 1
+                self.data[f"bytes_{kind}"] += int(report.get("bytes_delivered") or 0)
+            self._note_transports(report.get("ucx_transports") or ())
         elif outcome == "cancelled":
             self.data["pulls_cancelled"] += 1
         else:
             self.data["pulls_failed"] += 1
+
+    def _note_transports(self, names: Any) -> None:
+        for name in names:
+            if name not in self.data["ucx_transports"]:
+                self.data["ucx_transports"].append(str(name))
 
     def record_made(self, count: int) -> None:
         """Prefill-side leases armed (each ends once: pulled, released or expired)."""
@@ -95,6 +113,7 @@ class KvxferConnectorStats(_StatsBase):  # type: ignore[misc]
             self.data[k] += int(theirs.get(k, 0))
         self.data["seconds"].extend(theirs.get("seconds", ()))
         self.data["bytes"].extend(theirs.get("bytes", ()))
+        self._note_transports(theirs.get("ucx_transports", ()))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -105,6 +124,8 @@ class KvxferConnectorStats(_StatsBase):  # type: ignore[misc]
             out["avg_pull_ms"] = round(1000 * sum(seconds) / len(seconds), 3)
             out["p90_pull_ms"] = round(1000 * seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))], 3)
             out["pulled_MiB"] = round(total_bytes / (1 << 20), 3)
+        if self.data["ucx_transports"]:
+            out["ucx_transports"] = ",".join(sorted(self.data["ucx_transports"]))  # type: ignore[assignment]
         return out
 
     def is_empty(self) -> bool:
@@ -125,6 +146,10 @@ class KvxferPromMetrics(_PromBase):  # type: ignore[misc]
             ("leases_pulled", "Prefill leases that ended pulled by every expected consumer"),
             ("leases_released", "Prefill leases released without a pull"),
             ("leases_expired", "Prefill leases that expired unpulled (their blocks were held until then)"),
+            ("pulls_ucx", "KV-cache pulls that completed over UCX"),
+            ("pulls_tcp", "KV-cache pulls that completed over kvxfer's TCP data path"),
+            ("bytes_ucx", "Bytes pulled over UCX"),
+            ("bytes_tcp", "Bytes pulled over kvxfer's TCP data path"),
         ):
             counter = self._counter_cls(name=f"vllm:kvxfer_{key}", documentation=doc, labelnames=labelnames)
             self._counters[key] = {i: counter.labels(*v) for i, v in per_engine_labelvalues.items()}

@@ -278,6 +278,8 @@ class KvxferWorker:
             cluster_key=self.s.cluster_key,
             io_timeout=self.s.io_timeout,
             worker_threads=self.s.worker_threads,
+            transport=self.s.transport,
+            ucx_tls=self.s.ucx_tls,
         )
         if self.s.is_producer:
             listen, advertise = rank_addresses(self.s, rank)
@@ -299,6 +301,31 @@ class KvxferWorker:
                 queue_reports=True,
                 notify_with_read=self.s.notify_with_read,
                 **common,
+            )
+        self._log_data_path()
+
+    def _log_data_path(self) -> None:
+        """Says at start-up which data path this rank's agents use, and from which memory."""
+        memory = "a host copy of the device cache (host staging)" if self.staging is not None else "the KV cache"
+        if self.s.transport == "tcp":
+            logger.info("kvxfer: data path TCP (kvxfer_transport=tcp), reading %s", memory)
+            return
+        started = [a.offers_ucx for a in (self.prefill,) if a is not None]
+        started += [a.has_ucx for a in (self.decode,) if a is not None]
+        info = kvxfer.ucx_info(self.s.ucx_tls)
+        if started and all(started):
+            logger.info(
+                "kvxfer: data path UCX %s (libucp %s from %s), registered over %s; TCP where a peer has no UCX",
+                ",".join(info.get("transports") or []) or "(transports unknown)",
+                info.get("loaded_version"),
+                info.get("library") or info.get("loaded_from"),
+                memory,
+            )
+        else:
+            logger.warning(
+                "kvxfer: UCX did not start (%s); data path TCP (kvxfer_transport=%s)",
+                info.get("error") or ("this kvxfer is built without UCX" if not info.get("built") else "see the log"),
+                self.s.transport,
             )
 
     def _memory(self, kv_caches: dict[str, Any]) -> kvxfer.Memory:

@@ -135,6 +135,52 @@ impl PeerEp {
         Ok(peer)
     }
 
+    /// The transports the endpoint uses, as UCX names them (`"<transport>/<device>"`, e.g.
+    /// `"posix/memory"`, `"cma/memory"`, `"tcp/lo"`), one per lane, in UCX's order and
+    /// without repeats; empty when the loaded UCX cannot say (the query came in UCX 1.14;
+    /// the headers built against decide whether it is asked).
+    pub(super) fn transports(&self) -> Vec<String> {
+        #[cfg(ucx_ep_transports)]
+        {
+            const MAX: usize = 32;
+            let mut entries = [sys::ucp_transport_entry_t {
+                transport_name: std::ptr::null(),
+                device_name: std::ptr::null(),
+            }; MAX];
+            let mut attr = sys::ucp_ep_attr_t {
+                field_mask: u64::from(sys::UCP_EP_ATTR_FIELD_TRANSPORTS),
+                ..Default::default()
+            };
+            attr.transports.entries = entries.as_mut_ptr();
+            attr.transports.num_entries = MAX as u32;
+            attr.transports.entry_size = std::mem::size_of::<sys::ucp_transport_entry_t>();
+            // SAFETY: live endpoint; `entries` has room for `num_entries` entries of
+            // `entry_size` bytes and outlives the call; UCX writes at most that many.
+            let st = unsafe { sys::ucp_ep_query(self.ep, &mut attr) };
+            if check("ucp_ep_query", st).is_err() {
+                return Vec::new();
+            }
+            let name = |p: *const std::ffi::c_char| {
+                if p.is_null() {
+                    String::new()
+                } else {
+                    // SAFETY: UCX's NUL-terminated name, valid while the endpoint is open.
+                    unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+                }
+            };
+            let mut out: Vec<String> = Vec::new();
+            for e in entries.iter().take((attr.transports.num_entries as usize).min(MAX)) {
+                let t = format!("{}/{}", name(e.transport_name), name(e.device_name));
+                if !out.contains(&t) {
+                    out.push(t);
+                }
+            }
+            out
+        }
+        #[cfg(not(ucx_ep_transports))]
+        Vec::new()
+    }
+
     /// Starts the endpoint's wire-up check: a flush, which UCX completes only once the
     /// endpoint is connected both ways (the target's reply to our wire-up request has
     /// arrived, so the target no longer holds it queued). `None`: already wired up.

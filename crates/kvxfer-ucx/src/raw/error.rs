@@ -25,6 +25,13 @@ impl UcxError {
         UcxError { op, status: 0, message: message.into() }
     }
 
+    /// The same error with `context` appended to its message (what was asked, what exists).
+    #[must_use]
+    pub fn with_context(mut self, context: impl std::fmt::Display) -> Self {
+        self.message = format!("{}; {context}", self.message);
+        self
+    }
+
     pub(crate) fn thread(e: &std::io::Error) -> Self {
         Self::other("thread", format!("could not start the UCX thread: {e}"))
     }

@@ -61,6 +61,11 @@ impl Context {
     /// A context with the transports of `config`; `multi_threaded` asks UCX for one its
     /// workers on several threads may share (`mt_workers_shared`; check the mode UCX gave
     /// with [`Context::thread_mode`]).
+    /// A context of the calling thread only (not shared).
+    pub(crate) fn private(config: &UcxConfig) -> Result<Self, UcxError> {
+        Context::new(config, false)
+    }
+
     fn new(config: &UcxConfig, multi_threaded: bool) -> Result<Self, UcxError> {
         super::version::check_version()?;
         let mut cfg: *mut sys::ucp_config_t = null_mut();
@@ -205,6 +210,33 @@ impl Context {
             .iter()
             .find(|a| a.base <= start && end <= a.base + a.len)
             .map(|a| a.memh as sys::ucp_mem_h)
+    }
+
+    /// The transport resources this context may use, as UCX prints them
+    /// (`ucp_context_print_info`): `"<transport>/<device>"` per resource, e.g.
+    /// `"posix/memory"`, `"tcp/lo"`, `"cuda_ipc/cuda"`.
+    pub(crate) fn resources(&self) -> Result<Vec<String>, UcxError> {
+        let mut buf: *mut std::ffi::c_char = null_mut();
+        let mut size: libc::size_t = 0;
+        // SAFETY: both out-pointers are valid for writes while the stream is open.
+        let stream = unsafe { libc::open_memstream(&mut buf, &mut size) };
+        if stream.is_null() {
+            return Err(UcxError::other("open_memstream", std::io::Error::last_os_error().to_string()));
+        }
+        // SAFETY: live context; `stream` is an open FILE (libc's and UCX's are the same C
+        // library's FILE).
+        unsafe { sys::ucp_context_print_info(self.raw, stream.cast()) };
+        // SAFETY: closing the stream flushes it and sets `buf`/`size`; it is not used after.
+        unsafe { libc::fclose(stream) };
+        if buf.is_null() {
+            return Ok(Vec::new());
+        }
+        // SAFETY: open_memstream's buffer holds `size` bytes (plus a NUL) until freed below.
+        let text = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) };
+        let text = String::from_utf8_lossy(text).into_owned();
+        // SAFETY: the buffer was allocated by open_memstream with malloc and is freed once.
+        unsafe { libc::free(buf.cast()) };
+        Ok(parse_resources(&text))
     }
 }
 
@@ -508,6 +540,20 @@ fn transport_set(tls: Option<&str>) -> Option<String> {
     Some(format!("{prefix}{}", names.join(",")))
 }
 
+/// The `"<transport>/<device>"` of each `resource` line `ucp_context_print_info` prints
+/// (`#     resource 0  :  md 0  dev 0  flags -- posix/memory`), without repeats.
+pub(crate) fn parse_resources(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in text.lines().filter(|l| l.contains("resource")) {
+        if let Some(name) = line.split_whitespace().last().filter(|w| w.contains('/')) {
+            if !out.iter().any(|o| o == name) {
+                out.push(name.to_owned());
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -565,5 +611,23 @@ mod tests {
         // A private context asks for no thread safety.
         let private = Context::new(&config("posix,sysv,self"), false).expect("context");
         assert_ne!(private.thread_mode().expect("query"), sys::UCS_THREAD_MODE_MULTI);
+    }
+
+    /// The transports a context may use are those asked for, as UCX names them.
+    #[test]
+    fn a_context_lists_the_transports_it_may_use() {
+        let names = Context::private(&config("posix,self")).expect("context").resources().expect("print");
+        assert!(names.iter().any(|n| n == "posix/memory"), "{names:?}");
+        assert!(names.iter().any(|n| n.starts_with("self/memory")), "{names:?}");
+        assert!(names.iter().all(|n| n.starts_with("posix/") || n.starts_with("self/")), "{names:?}");
+    }
+
+    #[test]
+    fn resource_lines_are_parsed() {
+        let text = "#\n# UCP context\n#\n#     md 0  :  component 0  posix \n\
+                    #     resource 0  :  md 0  dev 0  flags -- posix/memory\n\
+                    #     resource 1  :  md 1  dev 1  flags -- tcp/lo\n\
+                    #     resource 2  :  md 1  dev 1  flags -- tcp/lo\n";
+        assert_eq!(parse_resources(text), ["posix/memory", "tcp/lo"]);
     }
 }

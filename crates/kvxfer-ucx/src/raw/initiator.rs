@@ -127,7 +127,7 @@ struct Wiring {
     ep: PeerEp,
     wireup: Wireup,
     deadline: Instant,
-    done: Option<Done<()>>,
+    done: Option<Done<Vec<String>>>,
 }
 
 impl Wiring {
@@ -184,7 +184,7 @@ pub(crate) fn run_initiator(
         loop {
             while let Ok(cmd) = commands.try_recv() {
                 match cmd {
-                    Command::Connect { peer, info, done } => {
+                    Command::Connect { peer, info, same_host, done } => {
                         if wiring.iter().any(|w| w.peer == peer && w.done.is_some()) {
                             done(Err(UcxError::other("connect", "a connect to this peer is under way")));
                             continue;
@@ -193,7 +193,9 @@ pub(crate) fn run_initiator(
                         if let Some((g, old)) = peers.remove(&peer) {
                             closing.push((peer.clone(), g, old));
                         }
-                        let ep = match PeerEp::connect(&worker, &info, config.peer_failure_handling) {
+                        let peer_failure =
+                            config.peer_failure_handling && !(same_host && config.same_host_shared_memory);
+                        let ep = match PeerEp::connect(&worker, &info, peer_failure) {
                             Ok(ep) => ep,
                             Err(e) => {
                                 done(Err(e));
@@ -204,8 +206,9 @@ pub(crate) fn run_initiator(
                         match ep.start_wireup() {
                             Ok(None) => {
                                 generation += 1;
+                                let transports = ep.transports();
                                 peers.insert(peer, (generation, ep));
-                                done(Ok(()));
+                                done(Ok(transports));
                             }
                             Ok(Some(wireup)) => wiring.push(Wiring {
                                 peer,
@@ -290,10 +293,11 @@ pub(crate) fn run_initiator(
                         match (done, result) {
                             (Some(done), Ok(())) => {
                                 generation += 1;
+                                let transports = ep.transports();
                                 if let Some((g, old)) = peers.insert(peer.clone(), (generation, ep)) {
                                     closing.push((peer, g, old));
                                 }
-                                done(Ok(()));
+                                done(Ok(transports));
                             }
                             (Some(done), Err(e)) => {
                                 ep.close(&worker);

@@ -16,8 +16,11 @@ pub struct UcxVersion {
     pub runtime_numbers: (u32, u32, u32),
     /// The version of the UCX the bindings were built against (`ucx-sys`'s build script).
     pub built: &'static str,
-    /// That UCX's `lib/` when it came from `UCX_HOME`; empty for the system UCX.
+    /// That UCX's `lib/` when it came from `UCX_HOME` or a `libucx` package; empty for the
+    /// system UCX.
     pub built_lib_dir: &'static str,
+    /// Where that UCX came from (`ucx_sys::UCX_SYS_SOURCE`).
+    pub built_from: &'static str,
 }
 
 impl UcxVersion {
@@ -41,6 +44,7 @@ pub fn ucx_version() -> UcxVersion {
         runtime_numbers: (major, minor, release),
         built: sys::UCX_SYS_BUILT_VERSION,
         built_lib_dir: sys::UCX_SYS_LIBDIR,
+        built_from: sys::UCX_SYS_SOURCE,
     }
 }
 
@@ -54,6 +58,12 @@ pub(super) fn check_version() -> Result<(), UcxError> {
     }
     let hint = if v.built_lib_dir.is_empty() {
         "the system UCX (pkg-config); is LD_LIBRARY_PATH pointing at another UCX?".to_owned()
+    } else if v.built_from.starts_with("the libucx") {
+        format!(
+            "the libucx-cu12 wheel (pip install libucx-cu12=={}); the `kvxfer` package loads it \
+             unless KVXFER_UCX_HOME names another UCX",
+            v.built
+        )
     } else {
         format!("{0}; run with LD_LIBRARY_PATH={0}", v.built_lib_dir)
     };

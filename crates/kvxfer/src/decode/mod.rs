@@ -31,7 +31,7 @@ use tracing::info;
 
 use peer::{ControlOp, ControlReply};
 use report::{add, Counters};
-pub use report::{ChildReport, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
+pub use report::{ChildReport, DataPath, DecodeStats, PullCanceller, PullHandle, PullReport, Reclaimed};
 use shared::Inner;
 
 use crate::{AgentConfig, Error, SubmitError};
@@ -159,6 +159,14 @@ impl DecodeAgent {
             closed: std::sync::Mutex::new(false),
             reclaimed,
         })
+    }
+
+    /// Whether the agent started UCX (so it pulls over UCX from peers that offer it).
+    pub fn has_ucx(&self) -> bool {
+        #[cfg(feature = "ucx")]
+        return self.inner.ucx().is_some();
+        #[cfg(not(feature = "ucx"))]
+        false
     }
 
     /// The registered KV cache pulls write into.

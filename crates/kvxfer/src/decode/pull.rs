@@ -26,18 +26,53 @@ use tracing::{debug, info, warn};
 use self::batch::{Batches, ReadDone};
 use super::groups::GroupIds;
 use super::peer::{pull_error, read_error, ControlOp, ControlReply};
-use super::report::{add, ChildReport, PullChannels, Totals};
+use super::report::{add, ChildReport, DataPath, PullChannels, Totals};
 use super::shared::{Inner, Peer};
 use crate::TransportChoice;
 
 mod batch;
 
-/// The data path a pull uses with one peer.
+/// The data path a pull uses with one peer (the public [`DataPath`] without UCX's names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Path {
     Tcp,
     #[cfg(feature = "ucx")]
     Ucx,
+}
+
+impl Path {
+    pub(crate) fn of(path: &DataPath) -> Path {
+        match path {
+            #[cfg(feature = "ucx")]
+            DataPath::Ucx { .. } => Path::Ucx,
+            _ => Path::Tcp,
+        }
+    }
+}
+
+/// The data path to `peer` from its handshake answer: UCX when both sides offer it (and
+/// the config allows), else TCP; an error when UCX is required and unusable.
+#[cfg_attr(not(feature = "ucx"), allow(clippy::unused_async))]
+pub(crate) async fn choose_path(
+    inner: &Inner,
+    peer: &Peer,
+    ack: &v1::HelloAck,
+) -> Result<DataPath, PullError> {
+    let want = inner.config.transport;
+    if want == TransportChoice::Tcp {
+        return Ok(DataPath::Tcp);
+    }
+    #[cfg(feature = "ucx")]
+    if let Some(transports) = crate::ucx::connect(inner, peer, ack).await? {
+        return Ok(DataPath::Ucx { transports });
+    }
+    if want == TransportChoice::Ucx {
+        let detail =
+            format!("UCX was requested, but {} does not offer it or this agent has no UCX", peer.addr);
+        return Err(PullError::TransportUnavailable { peer: peer.addr.clone(), detail });
+    }
+    let _ = (peer, ack);
+    Ok(DataPath::Tcp)
 }
 
 /// What one of the pull's concurrent I/O futures reports.
@@ -73,6 +108,8 @@ pub(crate) struct Pull {
     /// One-sided reads the transport could not stop, and the blocks they hold.
     #[cfg(feature = "ucx")]
     held: Arc<crate::ucx::HeldReads>,
+    /// The data path chosen at the handshake, for the children's reports.
+    data_path: std::sync::OnceLock<DataPath>,
 }
 
 impl Pull {
@@ -97,6 +134,7 @@ impl Pull {
             started,
             reachable: AtomicBool::new(true),
             notify_answer_lost: (0..children_len).map(|_| AtomicBool::new(false)).collect(),
+            data_path: std::sync::OnceLock::new(),
         }
     }
 
@@ -370,31 +408,10 @@ impl Pull {
             .map(BlockLayout::from_wire)
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| protocol(format!("the prefill agent's layout is malformed: {e}")))?;
-        let path = self.choose_path(peer, &ack).await.map_err(|e| (e, true))?;
+        let data_path = choose_path(&self.inner, peer, &ack).await.map_err(|e| (e, true))?;
+        let path = Path::of(&data_path);
+        let _ = self.data_path.set(data_path);
         Ok((layouts, path))
-    }
-
-    #[cfg_attr(not(feature = "ucx"), allow(clippy::unused_async))]
-    async fn choose_path(&self, peer: &Peer, ack: &v1::HelloAck) -> Result<Path, PullError> {
-        let want = self.inner.config.transport;
-        if want == TransportChoice::Tcp {
-            return Ok(Path::Tcp);
-        }
-        #[cfg(feature = "ucx")]
-        if crate::ucx::connect(&self.inner, peer, ack).await? {
-            return Ok(Path::Ucx);
-        }
-        if want == TransportChoice::Ucx {
-            return Err(PullError::TransportUnavailable {
-                peer: peer.addr.clone(),
-                detail: format!(
-                    "UCX was requested, but {} does not offer it or this agent has no UCX",
-                    peer.addr
-                ),
-            });
-        }
-        let _ = (peer, ack);
-        Ok(Path::Tcp)
     }
 
     /// Reads child `i`'s wire runs; a TCP read stops when `abort` is cancelled. With
@@ -623,6 +640,7 @@ impl Pull {
             remote_request_id: id.to_owned(),
             outcome,
             completed_at: std::time::Instant::now(),
+            path: path.and(self.data_path.get().cloned()),
         });
     }
 

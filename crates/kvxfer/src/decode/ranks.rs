@@ -188,6 +188,7 @@ impl DecodeAgent {
             )),
             abandoned: std::sync::Mutex::new(HashSet::new()),
             reachable: (0..results.len()).map(|_| AtomicBool::new(true)).collect(),
+            data_path: std::sync::OnceLock::new(),
             inner: self.inner.clone(),
             results,
             local: local_blocks,
@@ -225,6 +226,8 @@ struct RankPull {
     /// Per prefill rank: cleared once it proved unreachable in this pull (its later control
     /// exchanges are skipped).
     reachable: Vec<AtomicBool>,
+    /// The data path to the first source rank, for the children's reports.
+    data_path: std::sync::OnceLock<super::report::DataPath>,
 }
 
 /// A source rank: its rank, its peer, and the data path to it.
@@ -322,32 +325,16 @@ impl RankPull {
                     }
                 }
             }
-            let path = self.choose_path(&peer, &ack).await?;
+            let data_path = super::pull::choose_path(&self.inner, &peer, &ack).await?;
+            let path = Path::of(&data_path);
+            if peers.is_empty() {
+                let _ = self.data_path.set(data_path);
+            }
             peers.push((rank, peer, path));
         }
         let (pair, _) =
             pair.ok_or_else(|| PullError::Protocol { peer: String::new(), detail: "no source rank".into() })?;
         Ok((pair, peers))
-    }
-
-    /// The data path to a source: UCX when both offer it (and the config allows), else TCP.
-    #[cfg_attr(not(feature = "ucx"), allow(clippy::unused_async))]
-    async fn choose_path(&self, peer: &Peer, ack: &kvxfer_proto::v1::HelloAck) -> Result<Path, PullError> {
-        let want = self.inner.config.transport;
-        if want == crate::TransportChoice::Tcp {
-            return Ok(Path::Tcp);
-        }
-        #[cfg(feature = "ucx")]
-        if crate::ucx::connect(&self.inner, peer, ack).await? {
-            return Ok(Path::Ucx);
-        }
-        if want == crate::TransportChoice::Ucx {
-            let detail =
-                format!("UCX was requested, but {} does not offer it or this agent has no UCX", peer.addr);
-            return Err(PullError::TransportUnavailable { peer: peer.addr.clone(), detail });
-        }
-        let _ = (peer, ack);
-        Ok(Path::Tcp)
     }
 
     /// Child `i`'s plan: its groups' remote lists (the same on every source rank) and local
@@ -837,6 +824,7 @@ impl RankPull {
             remote_request_id: child.remote_request_id().to_owned(),
             outcome,
             completed_at: std::time::Instant::now(),
+            path: self.data_path.get().cloned(),
         });
     }
 }

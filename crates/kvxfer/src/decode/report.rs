@@ -25,6 +25,34 @@ pub struct Reclaimed {
     pub local_blocks: Vec<BlockId>,
 }
 
+/// The data path a child's bytes took: what an operator checks when a pull is slower than
+/// the hardware ("which transport did it use?").
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DataPath {
+    /// kvxfer's TCP data path (a CRC-32C per read).
+    Tcp,
+    /// UCX one-sided reads over the transports its endpoint to the peer uses, as UCX names
+    /// them (`"<transport>/<device>"`: `"posix/memory"`, `"cma/memory"`, `"tcp/lo"`,
+    /// `"rc_mlx5/mlx5_0:1"`, `"cuda_ipc/cuda"`); empty where the loaded UCX (< 1.14) cannot
+    /// say.
+    Ucx {
+        /// The endpoint's transports, one per lane, without repeats.
+        transports: Vec<String>,
+    },
+}
+
+impl std::fmt::Display for DataPath {
+    /// `tcp`, `ucx` or `ucx(posix/memory,cma/memory)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataPath::Tcp => f.write_str("tcp"),
+            DataPath::Ucx { transports } if transports.is_empty() => f.write_str("ucx"),
+            DataPath::Ucx { transports } => write!(f, "ucx({})", transports.join(",")),
+        }
+    }
+}
+
 /// One child's report.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -39,6 +67,10 @@ pub struct ChildReport {
     /// answered, or its failure known), stamped where it happened: for hand-off latency
     /// figures that do not depend on when the caller got round to polling the report.
     pub completed_at: Instant,
+    /// The data path its bytes took (or would have: a child failed after the path was
+    /// chosen keeps it); `None` when no path was chosen (the peer was not reached). For a
+    /// pull from several source ranks, the path of the first source.
+    pub path: Option<DataPath>,
 }
 
 /// All children's reports of one pull.
@@ -368,6 +400,7 @@ impl PullHandle {
                 invalid_local_blocks: blocks.clone(),
             },
             completed_at: Instant::now(),
+            path: None,
         })
     }
 }

@@ -248,9 +248,10 @@ pub(crate) struct Peer {
     /// `Limits::idle_timeout`.
     pub(super) max_idle: Duration,
     /// The engine id and incarnation our UCX endpoint to this address was made for (a
-    /// restarted prefill at the same address gets a new endpoint).
+    /// restarted prefill at the same address gets a new endpoint), and the transports UCX
+    /// said the endpoint uses.
     #[cfg(feature = "ucx")]
-    pub(crate) ucx_engine: tokio::sync::Mutex<Option<(String, u64)>>,
+    pub(crate) ucx_engine: tokio::sync::Mutex<Option<((String, u64), Vec<String>)>>,
     /// The name of this peer's UCX endpoint in the initiator: the address and a number
     /// unique to this `Peer`, so a peer forgotten (or invalidated) while a pull still holds
     /// it closes its own endpoint, never that of a newer `Peer` for the same address.

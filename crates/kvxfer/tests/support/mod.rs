@@ -57,6 +57,8 @@ impl Transport {
                 c.ucx = kvxfer::UcxConfig {
                     tls: Some("tcp".into()),
                     peer_failure_handling: true,
+                    // Peer failures reported for same-host peers too (the tests' peers).
+                    same_host_shared_memory: false,
                     verify_payloads: true,
                 };
                 c
@@ -67,6 +69,7 @@ impl Transport {
                 c.ucx = kvxfer::UcxConfig {
                     tls: Some("posix,sysv,cma,self".into()),
                     peer_failure_handling: false,
+                    same_host_shared_memory: true,
                     verify_payloads: false,
                 };
                 c

@@ -1,0 +1,120 @@
+"""The UCX data path of the binding: ``transport="auto"`` (the default) pulls over UCX where
+both agents offer it, and every report names the path its bytes took. UCX comes from the
+libucx-cu12 wheel (the ``kvxfer`` wheel's dependency), not from the system."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import kvxfer
+from conftest import SHAPE, blocks_equal, random_cache
+
+SHARED_MEMORY = ("posix/", "sysv/", "cma/", "xpmem/", "knem/")
+
+
+def test_the_binding_loads_the_ucx_it_was_built_against_from_the_libucx_wheel():
+    info = kvxfer.ucx_info()
+    assert info["built"] is True, info
+    assert info["usable"] is True and info["error"] is None, info
+    assert info["loaded_version"].split(".")[:2] == info["built_version"].split(".")[:2], info
+    # The libucp mapped in this process is the wheel's (a system libucp is never loaded).
+    assert info["loaded_from"] == "libucx wheel", info
+    assert info["library"] and f"{os.sep}libucx{os.sep}lib{os.sep}" in info["library"], info
+    assert any(t.startswith(SHARED_MEMORY) for t in info["transports"]), info
+    # Asking for a transport set narrows what UCX may use.
+    assert set(kvxfer.ucx_info("posix,self")["transports"]) <= {"posix/memory", "self/memory"}
+
+
+@pytest.mark.parametrize("transport", ["auto", "ucx"])
+def test_two_agents_pull_four_children_over_ucx_shared_memory(transport):
+    src, dst = random_cache(11), np.zeros(SHAPE, dtype=np.float16)
+    with kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), engine_id="p", transport=transport) as prefill:
+        with kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), engine_id="d", transport=transport) as decode:
+            assert prefill.offers_ucx and decode.has_ucx
+            blocks = [[1, 2, 10 + i] for i in range(4)]
+            local = [[20, 21, 22], [23, 24, 25], [26, 27, 28], [29, 30, 31]]
+            params = [h.to_params() for h in prefill.lease_parent("U", blocks)]
+            reports = decode.submit(params, local).wait(timeout=30)
+            assert [r["outcome"] for r in reports] == ["done"] * 4, reports
+            for i in range(4):
+                assert blocks_equal(src, blocks[i], dst, local[i])
+            for r in reports:
+                assert r["path"].startswith("ucx(") and r["ucx_transports"], r
+                # One host: UCX reads over a shared-memory transport.
+                assert any(t.startswith(SHARED_MEMORY) for t in r["ucx_transports"]), r
+            assert sorted(e["kind"] for e in prefill.wait_ends(4, timeout=10)) == ["pulled"] * 4
+            stats = decode.stats()
+            assert stats["bytes_pulled_tcp"] == 0 and stats["bytes_pulled_ucx"] == stats["bytes_pulled"] > 0, stats
+
+
+def test_a_tcp_peer_is_pulled_over_tcp_under_auto_and_refused_under_ucx():
+    src = random_cache(12)
+    with kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), engine_id="p", transport="tcp") as prefill:
+        assert not prefill.offers_ucx
+        for transport, outcome in (("auto", "done"), ("ucx", "failed")):
+            dst = np.zeros(SHAPE, dtype=np.float16)
+            with kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), engine_id="d", transport=transport) as decode:
+                params = [prefill.lease_parent(f"T-{transport}", [[3]])[0].to_params()]
+                (report,) = decode.submit(params, [[4]]).wait(timeout=30)
+                assert report["outcome"] == outcome, report
+                if outcome == "done":
+                    assert report["path"] == "tcp" and report["ucx_transports"] is None
+                    assert blocks_equal(src, [3], dst, [4])
+                else:
+                    assert report["error"].kind == "transport_unavailable", report
+                    assert "does not offer it" in str(report["error"])
+
+
+def test_ucx_required_but_unable_to_start_is_an_error_naming_the_transports():
+    with pytest.raises(kvxfer.KvxferError, match="no_such_transport.*UCX finds here: .*posix/memory"):
+        kvxfer.PrefillAgent(
+            kvxfer.kv_cache_memory([random_cache(13)]), transport="ucx", ucx_tls="no_such_transport"
+        )
+    # Under auto the agent starts without UCX and serves over TCP.
+    with kvxfer.PrefillAgent(
+        kvxfer.kv_cache_memory([random_cache(13)]), transport="auto", ucx_tls="no_such_transport"
+    ) as prefill:
+        assert not prefill.offers_ucx
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"), reason="needs root and unshare(1)")
+def test_a_pull_over_ucx_needs_no_system_ucx():
+    """In a mount namespace where the system's UCX libraries are empty files, a fresh
+    interpreter imports kvxfer and pulls over UCX: everything UCX comes from the wheel."""
+    hidden = [
+        os.path.join(d, f)
+        for d in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib")
+        if os.path.isdir(d)
+        for f in os.listdir(d)
+        if f.startswith(("libucp.so", "libuct.so", "libucs.so", "libucm.so")) and not os.path.islink(os.path.join(d, f))
+    ]
+    script = textwrap.dedent(
+        """
+        import numpy as np, kvxfer, sys
+        src = np.arange(2 * 32 * 4 * 2 * 16, dtype=np.float16).reshape(2, 32, 4, 2, 16)
+        dst = np.zeros_like(src)
+        with kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), engine_id="p", transport="ucx") as p:
+            with kvxfer.DecodeAgent(kvxfer.kv_cache_memory([dst]), engine_id="d", transport="ucx") as d:
+                params = [h.to_params() for h in p.lease_parent("W", [[1], [2]])]
+                reports = d.submit(params, [[5], [6]]).wait(timeout=30)
+                assert [r["outcome"] for r in reports] == ["done", "done"], reports
+                assert np.array_equal(dst[:, 5], src[:, 1]) and np.array_equal(dst[:, 6], src[:, 2])
+                print(reports[0]["path"], kvxfer.ucx_info()["library"])
+        """
+    )
+    binds = "".join(f"mount --bind /dev/null {h} && " for h in hidden)
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{binds}exec "$0" -c "$1"', sys.executable, script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    path, library = out.stdout.split()[-2:]
+    assert path.startswith("ucx(") and "/libucx/lib/" in library, out.stdout
