@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Disaggregated prefill/decode inside real vLLM (the CPU build): per-request transfer time
-for n = 1 and n = 4 with kvxfer's connector, and the same run with vLLM's own NixlConnector
-side by side — what each decode child pulled, and what the prefill held until its lease ran
-out.
+for n = 1 and n = 4 with kvxfer's connector over UCX and over its TCP path, and the same run
+with vLLM's own NixlConnector side by side — what each decode child pulled, over which
+path, and what the prefill held until its lease ran out.
 
-    python scripts/vllm-pd-bench.py --requests 8 [--connector kvxfer,nixl] [--json]
+    python scripts/vllm-pd-bench.py --requests 8 [--connector kvxfer-ucx,kvxfer-tcp,nixl] [--json]
+
+Connectors: ``kvxfer-ucx`` (the connector's default, ``kvxfer_transport: auto``: UCX where
+both engines have it), ``kvxfer-tcp`` (``kvxfer_transport: tcp``), ``nixl``.
 
 Engines: python/tests/real_vllm/engine_proc.py under vLLM's CPU build (KVXFER_VLLM_CPU_PY,
 made by scripts/python-envs.sh; NixlConnector needs `pip install nixl-cu12 nixl-cu13 nixl`
@@ -33,13 +36,14 @@ SAMPLING = {"max_tokens": 8, "temperature": 1.0, "seed": 7}
 
 
 def kv_config(connector: str, engine_id: str) -> dict:
-    if connector == "kvxfer":
+    if connector.startswith("kvxfer"):
+        transport = {"kvxfer-tcp": "tcp"}.get(connector, "auto")
         return {
             "kv_connector": "KvxferConnector",
             "kv_connector_module_path": "kvxfer.vllm",
             "kv_role": "kv_both",
             "engine_id": engine_id,
-            "kv_connector_extra_config": {"kvxfer_host": "127.0.0.1"},
+            "kv_connector_extra_config": {"kvxfer_host": "127.0.0.1", "kvxfer_transport": transport},
         }
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": engine_id, "kv_buffer_device": "cpu"}
 
@@ -61,7 +65,7 @@ def run(connector: str, ns: list[int], requests: int, workdir: Path, lease_s: in
         dec.wait_ready()
         for n in ns:
             kv = {"do_remote_decode": True}
-            if connector == "kvxfer" and n > 1:
+            if connector.startswith("kvxfer") and n > 1:
                 kv["kvxfer_n"] = n
             walls = []
             before = dec.call({"op": "metrics"})
@@ -82,8 +86,21 @@ def run(connector: str, ns: list[int], requests: int, workdir: Path, lease_s: in
                 total = hist[k]["sum"] - before.get(k, {"sum": 0.0})["sum"]
                 row["pulls"] = count
                 row["pull_ms_mean"] = round(1000 * total / max(count, 1), 2)
+                # A shared hand-off's one pull serves all n children (its siblings copy).
+                row["pull_ms_per_child"] = round(1000 * total / max(requests + 1, 1) / n, 2)
+            if connector.startswith("kvxfer"):
+                grew = lambda part: sum(  # noqa: E731
+                    v - before.get(k, 0) for k, v in after.items() if part in k and not isinstance(v, dict)
+                )
+                row["pulls_ucx"], row["pulls_tcp"] = grew("kvxfer_pulls_ucx"), grew("kvxfer_pulls_tcp")
+                row["bytes_tcp"] = grew("kvxfer_bytes_tcp")
+                row["ucx_transports"] = sorted(
+                    k.split("transports=", 1)[1].rstrip("}")
+                    for k, v in after.items()
+                    if k.startswith("vllm:kvxfer_ucx_pulls{") and v != before.get(k, 0)
+                )
             rows.append(row)
-        if connector == "kvxfer":
+        if connector.startswith("kvxfer"):
             pre.generate(["x"], max_tokens=1)  # flushes the last stats to the front end
             series = pre.call({"op": "metrics"})
             for key in ("leases_pulled", "leases_released", "leases_expired"):
@@ -108,7 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=8, help="measured requests per n (plus one warm-up)")
     ap.add_argument("--n", default="1,4", help="parallel-sampling widths")
-    ap.add_argument("--connector", default="kvxfer,nixl")
+    ap.add_argument("--connector", default="kvxfer-ucx,kvxfer-tcp,nixl")
     ap.add_argument("--lease-seconds", type=int, default=20, help="NIXL's abort timeout for this run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--workdir", default=None, help="keep the model and the engines' logs here")
@@ -118,7 +135,7 @@ def main() -> None:
         d = Path(args.workdir or tmp)
         d.mkdir(parents=True, exist_ok=True)
         rows = []
-        for c in args.connector.split(","):
+        for c in args.connector.replace("kvxfer,", "kvxfer-ucx,").split(","):
             rows += run(c, ns, args.requests, d, args.lease_seconds)
     for r in rows:
         print(json.dumps(r) if args.json else r)

@@ -121,6 +121,26 @@ impl ResultPlan {
         remote_blocks: u32,
         local_blocks: u32,
     ) -> Result<Self, PlanError> {
+        Self::build_with(children, remote_blocks, local_blocks, true)
+    }
+
+    /// [`ResultPlan::build`] for destination memory the CPU cannot copy within (device
+    /// memory): a remote block that lands in two different local blocks crosses the wire
+    /// once per local block, so no plan step is a local copy.
+    pub fn build_without_copies(
+        children: &[(&[BlockId], &[BlockId])],
+        remote_blocks: u32,
+        local_blocks: u32,
+    ) -> Result<Self, PlanError> {
+        Self::build_with(children, remote_blocks, local_blocks, false)
+    }
+
+    fn build_with(
+        children: &[(&[BlockId], &[BlockId])],
+        remote_blocks: u32,
+        local_blocks: u32,
+        local_copies: bool,
+    ) -> Result<Self, PlanError> {
         // remote block -> (child that reads it, local block it lands in)
         let mut first: HashMap<BlockId, (usize, BlockId)> = HashMap::new();
         // local block -> remote block it receives
@@ -145,6 +165,10 @@ impl ResultPlan {
                 match first.get(&r) {
                     None => {
                         first.insert(r, (index, l));
+                        wire_pairs.push((r, l));
+                        push_unique(&mut plan.depends_on, index);
+                    }
+                    Some(&(_, src)) if src != l && !local_copies => {
                         wire_pairs.push((r, l));
                         push_unique(&mut plan.depends_on, index);
                     }
@@ -219,6 +243,25 @@ mod tests {
         assert!(plan.children[1].copies.is_empty());
         assert_eq!(plan.children[1].depends_on, vec![0, 1]);
         assert_eq!(plan.children[2].copies, vec![(0, 5), (1, 6), (2, 7)]);
+    }
+
+    #[test]
+    fn without_copies_a_shared_block_crosses_the_wire_once_per_local_block() {
+        let remote: [&[BlockId]; 3] = [&[0, 1, 2, 10], &[0, 1, 2, 11], &[0, 1, 2, 12]];
+        let local: [&[BlockId]; 3] = [&[0, 1, 2, 3], &[0, 1, 2, 4], &[5, 6, 7, 8]];
+        let pairs: Vec<_> = remote.iter().zip(local.iter()).map(|(r, l)| (*r, *l)).collect();
+        let plan = ResultPlan::build_without_copies(&pairs, 16, 16).expect("plan");
+        assert!(plan.children.iter().all(|c| c.copies.is_empty()));
+        // Child 1 still shares child 0's local blocks 0..3 (nothing to copy); child 2 reads its own.
+        assert_eq!(plan.children[1].wire, vec![BlockRun { remote_start: 11, local_start: 4, count: 1 }]);
+        assert_eq!(plan.children[1].depends_on, vec![0, 1]);
+        assert_eq!(plan.children[2].wire, vec![BlockRun { remote_start: 0, local_start: 5, count: 3 }, BlockRun {
+            remote_start: 12,
+            local_start: 8,
+            count: 1
+        }]);
+        assert_eq!(plan.children[2].depends_on, vec![2]);
+        assert_eq!(plan.wire_blocks(), 9);
     }
 
     #[test]

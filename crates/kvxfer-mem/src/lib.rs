@@ -15,6 +15,12 @@
 //!
 //! The raw accessors are `unsafe` and state that contract; every other crate calls them
 //! with a `// SAFETY:` comment naming the lease or pull that makes the call sound.
+//!
+//! # Device memory
+//! A region made with [`Region::borrowed_device`] (a CUDA KV cache) is never read or
+//! written by the CPU: only UCX, with its CUDA transports, moves its bytes. Its byte
+//! accessors panic (a guard: callers check [`KvMemory::is_device`] first and refuse the
+//! CPU paths — TCP reads, CRC checks, local block copies — with an error).
 
 use std::alloc::{self, Layout};
 use std::any::Any;
@@ -68,6 +74,12 @@ pub enum MemError {
         /// Groups of the memory.
         groups: usize,
     },
+    /// Host and device regions in one memory.
+    #[error("a KV cache's regions are all host memory or all device memory, not both")]
+    MixedMemory,
+    /// A CPU operation (a block copy) on device memory.
+    #[error("the KV cache is device memory, which the CPU does not read or write here")]
+    DeviceMemory,
     /// Data of the wrong length for a block.
     #[error("block data is {have} bytes, a block is {need}")]
     BlockLength {
@@ -91,6 +103,8 @@ pub struct Region {
     ptr: NonNull<u8>,
     len: usize,
     keeper: Keeper,
+    /// Device memory (see the crate docs): the CPU never touches its bytes.
+    device: bool,
 }
 
 // SAFETY: a Region is a pointer and a length; the memory it names is shared under the
@@ -107,7 +121,7 @@ impl fmt::Debug for Region {
             Keeper::Owned(_) => "owned",
             Keeper::Borrowed(_) => "borrowed",
         };
-        f.debug_struct("Region").field("len", &self.len).field("kind", &kind).finish()
+        f.debug_struct("Region").field("len", &self.len).field("kind", &kind).field("device", &self.device).finish()
     }
 }
 
@@ -119,7 +133,7 @@ impl Region {
         // SAFETY: `layout` has a non-zero size.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(MemError::Alloc(len))?;
-        Ok(Region { ptr, len, keeper: Keeper::Owned(layout) })
+        Ok(Region { ptr, len, keeper: Keeper::Owned(layout), device: false })
     }
 
     /// A region over memory the worker already owns (its KV cache).
@@ -136,7 +150,31 @@ impl Region {
         len: usize,
         keep_alive: Option<Box<dyn Any + Send + Sync>>,
     ) -> Self {
-        Region { ptr, len, keeper: Keeper::Borrowed(keep_alive) }
+        Region { ptr, len, keeper: Keeper::Borrowed(keep_alive), device: false }
+    }
+
+    /// A region over device memory (a CUDA KV cache), which only UCX's device transports
+    /// read and write: the engine never dereferences `ptr` on the CPU (its byte accessors
+    /// panic), and agents over such memory refuse every CPU path (TCP reads, CRC checks,
+    /// local block copies).
+    ///
+    /// # Safety
+    /// - `ptr .. ptr + len` is device memory the UCX loaded in this process can register
+    ///   (`ucp_mem_map` detects its memory type), valid for as long as this region lives;
+    ///   `keep_alive` is dropped with the region and may own it.
+    /// - The access contract above holds for its blocks (on the device: no kernel writes a
+    ///   leased block, none touches a destination block while a pull into it is under way).
+    pub unsafe fn borrowed_device(
+        ptr: NonNull<u8>,
+        len: usize,
+        keep_alive: Option<Box<dyn Any + Send + Sync>>,
+    ) -> Self {
+        Region { ptr, len, keeper: Keeper::Borrowed(keep_alive), device: true }
+    }
+
+    /// Whether this is device memory ([`Region::borrowed_device`]).
+    pub fn is_device(&self) -> bool {
+        self.device
     }
 
     /// Length in bytes.
@@ -155,6 +193,7 @@ impl Region {
     }
 
     fn check(&self, offset: usize, len: usize) {
+        assert!(!self.device, "a CPU access to device memory ({len} bytes at {offset}): callers must refuse it");
         assert!(
             offset.checked_add(len).is_some_and(|end| end <= self.len),
             "range {offset}+{len} outside region of {} bytes",
@@ -235,6 +274,9 @@ impl KvMemory {
                 return Err(MemError::RegionTooShort { segment, have: region.len(), need });
             }
         }
+        if regions.iter().any(Region::is_device) && !regions.iter().all(Region::is_device) {
+            return Err(MemError::MixedMemory);
+        }
         Ok(KvMemory { layout, regions, other_groups: Vec::new() })
     }
 
@@ -247,6 +289,13 @@ impl KvMemory {
             self.other_groups.extend(nested);
         }
         self
+    }
+
+    /// Whether the memory is device memory (every region of every group is; see the crate
+    /// docs): only UCX may move its bytes.
+    pub fn is_device(&self) -> bool {
+        self.regions.first().is_some_and(Region::is_device)
+            || self.other_groups.iter().any(KvMemory::is_device)
     }
 
     /// Number of KV-cache groups (1 unless built with [`Self::with_groups`]).
@@ -423,6 +472,9 @@ impl KvMemory {
     /// # Safety
     /// Nobody writes `src` and nobody else touches `dst` meanwhile; `src != dst`.
     pub unsafe fn copy_block(&self, src: BlockId, dst: BlockId) -> Result<(), MemError> {
+        if self.is_device() {
+            return Err(MemError::DeviceMemory);
+        }
         self.check_block(src)?;
         self.check_block(dst)?;
         if src == dst {
@@ -443,6 +495,44 @@ pub type SharedKvMemory = Arc<KvMemory>;
 mod tests {
     use super::*;
     use kvxfer_core::Segment;
+
+    /// Host memory flagged as device memory: the engine's CPU accessors refuse it (what a
+    /// CUDA cache gets). Sound here: nothing dereferences the region through the flag.
+    fn device_memory(host: &Region) -> KvMemory {
+        let layout = BlockLayout::new(4, vec![Segment::packed(16)], "u8", 16).expect("layout");
+        let ptr = NonNull::new(host.as_ptr()).expect("non-null");
+        // SAFETY: `host` outlives the returned memory in every test below, and no byte is
+        // accessed through it (the accessors refuse device regions).
+        let region = unsafe { Region::borrowed_device(ptr, host.len(), None) };
+        KvMemory::new(layout, vec![region]).expect("memory")
+    }
+
+    #[test]
+    fn device_memory_is_never_copied_or_sliced_by_the_cpu() {
+        let host = Region::alloc(64).expect("alloc");
+        let mem = device_memory(&host);
+        assert!(mem.is_device() && mem.regions()[0].is_device());
+        // SAFETY: refused before any access.
+        assert!(matches!(unsafe { mem.copy_block(0, 1) }, Err(MemError::DeviceMemory)));
+        let chunk = mem.run_chunks(0, 1).next().expect("chunk");
+        // SAFETY: the accessor panics before touching the bytes.
+        let touched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { mem.chunk(chunk) }.len()));
+        assert!(touched.is_err(), "a CPU slice of device memory must panic");
+        assert!(!KvMemory::alloc(BlockLayout::new(4, vec![Segment::packed(16)], "u8", 16).expect("l"))
+            .expect("alloc")
+            .is_device());
+    }
+
+    #[test]
+    fn host_and_device_regions_do_not_mix_in_one_memory() {
+        let host = Region::alloc(64).expect("alloc");
+        let layout =
+            BlockLayout::new(4, vec![Segment::packed(16), Segment::packed(16)], "u8", 16).expect("layout");
+        // SAFETY: as in `device_memory`.
+        let device = unsafe { Region::borrowed_device(NonNull::new(host.as_ptr()).expect("ptr"), 64, None) };
+        let plain = Region::alloc(64).expect("alloc");
+        assert!(matches!(KvMemory::new(layout, vec![plain, device]), Err(MemError::MixedMemory)));
+    }
 
     #[test]
     fn owned_regions_are_page_aligned_and_zeroed() {

@@ -87,6 +87,15 @@ impl Pins {
             );
             return Frame::error(ErrorCode::LimitExceeded, msg, req.seq);
         }
+        if req.pin_crc32c && ctx.memory.is_device() {
+            // A peer's request: answered, never a CPU read of device memory.
+            let message = format!(
+                "pin {}: this agent's KV cache is device memory, whose CRC it does not compute on the CPU \
+                 (pin without pin_crc32c)",
+                req.seq
+            );
+            return Frame::error(ErrorCode::Internal, message, req.seq);
+        }
         let (guard, bytes, slices) = match begin(ctx, req) {
             Ok(started) => started,
             Err(e) => return Frame::Error(e),

@@ -355,6 +355,18 @@ pub(crate) async fn serve_read(
     answer_follows: bool,
 ) -> Result<ReadServed, FrameError> {
     let refused = ReadServed::Refused(req.remote_request_id.clone());
+    if ctx.memory.is_device() {
+        // Checked before the lease is touched: a TCP read would copy device memory on the CPU.
+        let e = v1::Error {
+            code: ErrorCode::Internal as i32,
+            message: "this prefill agent's KV cache is device memory, which it serves only over UCX \
+                      (pull with UCX)"
+                .into(),
+            seq: req.seq,
+        };
+        crate::context::write_reply(stream, ctx, &Frame::Error(e), scratch).await?;
+        return Ok(refused);
+    }
     let (guard, payload_len, slices) = match begin(ctx, &req) {
         Ok(g) => g,
         Err(e) => {

@@ -298,14 +298,42 @@ impl AgentConfig {
         }
     }
 
-    /// Refuses a UCX-only config in a build without UCX.
-    pub(crate) fn check_transport(&self) -> Result<(), crate::Error> {
-        if cfg!(not(feature = "ucx")) && self.transport == TransportChoice::Ucx {
+    /// The config an agent over `memory` runs with: a UCX-only config is refused in a build
+    /// without UCX; device memory (a CUDA cache, `kvxfer_mem::Region::borrowed_device`)
+    /// needs UCX — `auto` becomes `ucx`, so UCX must start and every peer must offer it —
+    /// and refuses the options that read its bytes on the CPU (`precompute_crcs`, UCX's
+    /// `verify_payloads`) and `tcp`.
+    pub(crate) fn for_memory(mut self, memory: &kvxfer_mem::KvMemory) -> Result<Self, crate::Error> {
+        let no_ucx = cfg!(not(feature = "ucx"));
+        if no_ucx && self.transport == TransportChoice::Ucx {
             return Err(crate::Error::Unsupported(
                 "UCX was requested, but kvxfer was built without the `ucx` feature".into(),
             ));
         }
-        Ok(())
+        if !memory.is_device() {
+            return Ok(self);
+        }
+        let refuse = |why: &str| {
+            Err(crate::Error::Unsupported(format!(
+                "the KV cache is device memory, which only UCX reads and writes here (no CPU copy of \
+                 it is made): {why}; or register a host copy (host staging)"
+            )))
+        };
+        if self.transport == TransportChoice::Tcp {
+            return refuse("the transport is `tcp`; use `auto` or `ucx`");
+        }
+        if self.precompute_crcs {
+            return refuse("`precompute_crcs` reads every leased block on the CPU; turn it off");
+        }
+        #[cfg(feature = "ucx")]
+        if self.ucx.verify_payloads {
+            return refuse("UCX's `verify_payloads` checks reads on the CPU; turn it off");
+        }
+        if no_ucx {
+            return refuse("this kvxfer is built without the `ucx` feature");
+        }
+        self.transport = TransportChoice::Ucx;
+        Ok(self)
     }
 
     /// Sets the engine id.

@@ -130,7 +130,7 @@ impl PrefillAgent {
         listen: &str,
         memory: KvMemory,
     ) -> Result<Self, Error> {
-        config.check_transport()?;
+        let config = config.for_memory(&memory)?;
         let memory = Arc::new(memory);
         #[cfg(feature = "ucx")]
         let ucx = {
@@ -154,7 +154,7 @@ impl PrefillAgent {
         listen: &str,
         memory: KvMemory,
     ) -> Result<Self, Error> {
-        config.check_transport()?;
+        let config = config.for_memory(&memory)?;
         let memory = Arc::new(memory);
         #[cfg(feature = "ucx")]
         let ucx = crate::ucx::start_if_wanted(&config, |u| crate::ucx::start_target(u, &memory))?;

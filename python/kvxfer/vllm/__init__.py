@@ -63,7 +63,12 @@ handshake metadata, so several instances share a host), ``kvxfer_listen_host`` (
 ``kvxfer_heartbeat_interval`` (s, ``lease_ttl / 6``), ``kvxfer_io_timeout`` (s, 10),
 ``kvxfer_worker_threads`` (2; 0: one thread driving each agent's runtime, the lowest
 one-block latency), ``kvxfer_notify_with_read`` (False; True: one round trip for a child whose
-own read settles it — over TCP, no block shared with a sibling; see ``kvxfer.DecodeAgent``), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``),
+own read settles it — over TCP, no block shared with a sibling; see ``kvxfer.DecodeAgent``),
+``kvxfer_transport`` (``"auto"``: UCX where both engines have it, else TCP; ``"tcp"``,
+``"ucx"`` force one; the start-up log names the path, each pull's report and the
+``vllm:kvxfer_pulls_ucx`` / ``_tcp`` and ``vllm:kvxfer_ucx_pulls{transports=...}`` series the
+path taken), ``kvxfer_ucx_tls`` (UCX's transports, ``UCX_TLS`` syntax; default UCX's own
+choice), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``),
 ``kvxfer_kv_layout`` (default ``"auto"``: from the tensors' shapes and strides),
 ``kvxfer_decode_tp_size``, ``kvxfer_total_kv_heads``, ``kvxfer_host_staging`` (stage through
 host memory even for a CPU cache), ``kvxfer_share_prompt`` (True: one shared prompt hand-off

@@ -55,8 +55,9 @@ def _empty() -> dict[str, Any]:
     out: dict[str, Any] = {k: 0 for k in COUNTERS}
     out["seconds"] = []
     out["bytes"] = []
-    # The UCX transports pulls used, as UCX names them ("posix/memory", "tcp/eth0").
-    out["ucx_transports"] = []
+    # Per completed UCX pull, the transports its endpoint used, as UCX names them
+    # ("cma/memory,posix/memory,sysv/memory", "tcp/eth0").
+    out["ucx_paths"] = []
     return out
 
 
@@ -83,16 +84,12 @@ class KvxferConnectorStats(_StatsBase):  # type: ignore[misc]
             if kind is not None:
                 self.data[f"pulls_{kind}"] += 1
                 self.data[f"bytes_{kind}"] += int(report.get("bytes_delivered") or 0)
-            self._note_transports(report.get("ucx_transports") or ())
+            if kind == "ucx":
+                self.data["ucx_paths"].append(",".join(sorted(report.get("ucx_transports") or ())) or "unknown")
         elif outcome == "cancelled":
             self.data["pulls_cancelled"] += 1
         else:
             self.data["pulls_failed"] += 1
-
-    def _note_transports(self, names: Any) -> None:
-        for name in names:
-            if name not in self.data["ucx_transports"]:
-                self.data["ucx_transports"].append(str(name))
 
     def record_made(self, count: int) -> None:
         """Prefill-side leases armed (each ends once: pulled, released or expired)."""
@@ -113,7 +110,7 @@ class KvxferConnectorStats(_StatsBase):  # type: ignore[misc]
             self.data[k] += int(theirs.get(k, 0))
         self.data["seconds"].extend(theirs.get("seconds", ()))
         self.data["bytes"].extend(theirs.get("bytes", ()))
-        self._note_transports(theirs.get("ucx_transports", ()))
+        self.data["ucx_paths"].extend(str(p) for p in theirs.get("ucx_paths", ()))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -124,8 +121,9 @@ class KvxferConnectorStats(_StatsBase):  # type: ignore[misc]
             out["avg_pull_ms"] = round(1000 * sum(seconds) / len(seconds), 3)
             out["p90_pull_ms"] = round(1000 * seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))], 3)
             out["pulled_MiB"] = round(total_bytes / (1 << 20), 3)
-        if self.data["ucx_transports"]:
-            out["ucx_transports"] = ",".join(sorted(self.data["ucx_transports"]))  # type: ignore[assignment]
+        names = {n for p in self.data["ucx_paths"] for n in p.split(",")}
+        if names:
+            out["ucx_transports"] = ",".join(sorted(names))  # type: ignore[assignment]
         return out
 
     def is_empty(self) -> bool:
@@ -165,6 +163,12 @@ class KvxferPromMetrics(_PromBase):  # type: ignore[misc]
             labelnames=labelnames,
         )
         self._bytes = {i: pulled.labels(*v) for i, v in per_engine_labelvalues.items()}
+        self._labelvalues = per_engine_labelvalues
+        self._ucx_pulls = self._counter_cls(
+            name="vllm:kvxfer_ucx_pulls",
+            documentation="KV-cache pulls that completed over UCX, by the transports UCX's endpoint used",
+            labelnames=[*labelnames, "transports"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, by_engine in self._counters.items():
@@ -176,3 +180,5 @@ class KvxferPromMetrics(_PromBase):  # type: ignore[misc]
         total = sum(int(b) for b in transfer_stats_data.get("bytes", ()) or ())
         if total:
             self._bytes[engine_idx].inc(total)
+        for path in transfer_stats_data.get("ucx_paths", ()) or ():
+            self._ucx_pulls.labels(*self._labelvalues[engine_idx], str(path)).inc()

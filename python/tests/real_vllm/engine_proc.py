@@ -53,10 +53,13 @@ def main() -> None:
             series = {}
             for m in llm.get_metrics():
                 if "kvxfer" in m.name or "nixl" in m.name:
+                    # A series with a `transports` label is keyed by it too.
+                    transports = (getattr(m, "labels", None) or {}).get("transports")
+                    name = f"{m.name}{{transports={transports}}}" if transports else m.name
                     if hasattr(m, "sum") and hasattr(m, "count"):
-                        series[m.name] = {"count": m.count, "sum": m.sum}
+                        series[name] = {"count": m.count, "sum": m.sum}
                     else:
-                        series[m.name] = getattr(m, "value", None)
+                        series[name] = getattr(m, "value", None)
             print("RESULT " + json.dumps(series), file=results, flush=True)
             continue
         sampling = dict(cmd.get("sampling") or {})

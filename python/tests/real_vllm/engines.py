@@ -57,6 +57,11 @@ class Engine:
         )
         self._log_path = log
 
+    @property
+    def log_path(self) -> Path:
+        """The engine process's stderr (vLLM's and the connector's log)."""
+        return self._log_path
+
     def wait_ready(self, timeout: float = 600.0) -> None:
         self._expect("READY", timeout)
 

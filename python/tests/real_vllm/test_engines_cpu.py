@@ -103,6 +103,23 @@ def test_every_prefill_lease_ended_pulled(engines):
     assert pulled >= 2 and released >= 3 and expired == 0, series
 
 
+def test_the_decode_pulled_over_ucx_shared_memory_and_nothing_over_tcp(engines):
+    """The connector's default transport ("auto") on one host: both engines start UCX, the
+    decode reads every block with UCX over a shared-memory transport (the prefill's cache
+    registered as it is, the decode's host staging buffer), none over kvxfer's TCP path."""
+    series = kvxfer_series(engines["decode"])
+    total = lambda part: sum(v for k, v in series.items() if part in k)  # noqa: E731
+    assert total("kvxfer_pulls_ucx") >= 2 and total("kvxfer_bytes_ucx") > 0, series
+    assert total("kvxfer_pulls_tcp") == 0 and total("kvxfer_bytes_tcp") == 0, series
+    by_transports = {k: v for k, v in series.items() if k.startswith("vllm:kvxfer_ucx_pulls{")}
+    assert by_transports and all(
+        any(t in k for t in ("posix/", "sysv/", "cma/")) for k in by_transports
+    ), by_transports
+    for name in ("prefill", "decode"):
+        log = engines[name].log_path.read_text(errors="replace")
+        assert "kvxfer: data path UCX" in log, f"{name}: no start-up line naming the UCX data path"
+
+
 def test_the_decode_uses_the_pulled_kv(engines):
     """Control: hand the decode another prompt's KV (same length): its tokens must differ
     from the reference's — the pulled blocks are what it attends to."""

@@ -67,7 +67,7 @@ impl DecodeAgent {
 
     /// Starts an agent that pulls into `memory`, on the runtime of `handle`.
     pub async fn start_on(handle: Handle, config: AgentConfig, memory: KvMemory) -> Result<Self, Error> {
-        config.check_transport()?;
+        let config = config.for_memory(&memory)?;
         let memory = Arc::new(memory);
         #[cfg(feature = "ucx")]
         let ucx = {
@@ -90,7 +90,7 @@ impl DecodeAgent {
         config: AgentConfig,
         memory: KvMemory,
     ) -> Result<Self, Error> {
-        config.check_transport()?;
+        let config = config.for_memory(&memory)?;
         let memory = Arc::new(memory);
         #[cfg(feature = "ucx")]
         let ucx = crate::ucx::start_if_wanted(&config, |u| crate::ucx::start_initiator(u, &memory))?;
@@ -312,7 +312,13 @@ impl DecodeAgent {
         let pairs: Vec<(&[BlockId], &[BlockId])> =
             flat_remote.iter().zip(&local).map(|(r, l)| (r.as_slice(), l.as_slice())).collect();
         let local_num = memory.group_layouts().map(|l| l.num_blocks()).fold(0u32, u32::saturating_add);
-        let plan = ResultPlan::build(&pairs, u32::MAX, local_num).map_err(plan_err)?;
+        // Device memory has no CPU copies: a block shared by siblings is read per local block.
+        let plan = if memory.is_device() {
+            ResultPlan::build_without_copies(&pairs, u32::MAX, local_num)
+        } else {
+            ResultPlan::build(&pairs, u32::MAX, local_num)
+        }
+        .map_err(plan_err)?;
         // Claim the destination blocks: no two pulls write the same local block.
         let claimed: HashSet<BlockId> = local.iter().flatten().copied().collect();
         {
