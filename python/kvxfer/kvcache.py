@@ -99,14 +99,16 @@ class _Tensor:
 
 
 def _torch_tensor(name: str, t: Any) -> _Tensor:
-    """A torch tensor: host memory only; its buffer is its whole storage, flat."""
+    """A torch tensor: host memory, or CUDA memory (registered as device memory, which only
+    UCX's CUDA transports move); its buffer is its whole storage, flat."""
     shape = tuple(int(d) for d in t.shape)
     dtype = str(t.dtype).replace("torch.", "")
     device = t.device
-    if getattr(device, "type", str(device)) != "cpu":
+    if getattr(device, "type", str(device)) not in ("cpu", "cuda"):
         raise RegistrationError(
-            f"{name}: the KV cache {shape} ({dtype}) is on {device}; kvxfer reads and writes host memory: set "
-            'kv_buffer_device to "cpu" in kv_connector_extra_config (host staging), or register CPU tensors'
+            f"{name}: the KV cache {shape} ({dtype}) is on {device}; kvxfer reads and writes host memory, and "
+            'CUDA memory over UCX: set kv_buffer_device to "cpu" in kv_connector_extra_config (host staging), '
+            "or register CPU tensors"
         )
     item = int(t.element_size())
     storage = t.untyped_storage()

@@ -118,3 +118,54 @@ def test_a_pull_over_ucx_needs_no_system_ucx():
     assert out.returncode == 0, out.stderr[-3000:]
     path, library = out.stdout.split()[-2:]
     assert path.startswith("ucx(") and "/libucx/lib/" in library, out.stdout
+
+
+class FakeCudaTensor:
+    """Host memory presented the way a CUDA torch tensor is (``device.type == "cuda"``,
+    ``data_ptr()``, ``nbytes``): the binding registers it as device memory, which kvxfer
+    never touches on the CPU — so this checks the CPU-side logic of the device path (UCX
+    moves every byte; TCP reads, CRCs and local copies are refused) without a GPU."""
+
+    class device:  # noqa: N801 - torch's attribute name
+        type = "cuda"
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
+def cuda_memory(array: np.ndarray, blocks: int) -> kvxfer.Memory:
+    flat = array.reshape(-1).view(np.uint8)
+    return kvxfer.Memory([kvxfer.Segment(FakeCudaTensor(flat), block_bytes=flat.nbytes // blocks)], num_blocks=blocks)
+
+
+def test_cuda_memory_is_served_and_pulled_only_over_ucx_with_no_cpu_copy():
+    src = np.random.default_rng(5).integers(0, 255, size=(16, 512), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    memory = cuda_memory(src, 16)
+    assert memory.device is True
+    with pytest.raises(kvxfer.KvxferError, match="device memory"):
+        kvxfer.PrefillAgent(cuda_memory(src, 16), transport="tcp")
+    with kvxfer.PrefillAgent(memory, engine_id="p", ucx_tls="posix,cma,self") as prefill:
+        with kvxfer.DecodeAgent(cuda_memory(dst, 16), engine_id="d", ucx_tls="posix,cma,self") as decode:
+            # Two children share remote block 1 but land it in different local blocks: no
+            # CPU copy on device memory, so it is read twice.
+            params = [h.to_params() for h in prefill.lease_parent("C", [[1, 2], [1, 3]])]
+            reports = decode.submit(params, [[10, 11], [12, 13]]).wait(timeout=30)
+            assert [r["outcome"] for r in reports] == ["done", "done"], reports
+            assert all(r["path"].startswith("ucx(") for r in reports), reports
+            for remote, local in (([1, 2], [10, 11]), ([1, 3], [12, 13])):
+                assert np.array_equal(dst[local], src[remote])
+            stats = decode.stats()
+            assert (stats["bytes_pulled_ucx"], stats["bytes_pulled_tcp"]) == (4 * 512, 0), stats
+        # A host-memory decode on TCP: its read of the device cache is refused, by name.
+        host = kvxfer.Memory([kvxfer.Segment(np.zeros(16 * 512, dtype=np.uint8), block_bytes=512)], num_blocks=16)
+        with kvxfer.DecodeAgent(host, transport="tcp") as tcp:
+            (report,) = tcp.submit([prefill.lease_parent("X", [[4]])[0].to_params()], [[5]]).wait(timeout=30)
+            assert report["outcome"] == "failed" and "device memory" in str(report["error"]), report

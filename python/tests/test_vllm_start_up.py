@@ -24,6 +24,24 @@ def test_a_device_cache_without_host_staging_is_refused_naming_kv_buffer_device(
     assert conn.worker is not None and conn.worker.prefill is None, "nothing started"
 
 
+@pytest.mark.parametrize(
+    "extra, reason",
+    [
+        ({}, "no CUDA transport"),  # this machine's UCX: no CUDA driver, so no cuda_* transport
+        ({"kvxfer_transport": "tcp"}, "kvxfer_transport"),
+        ({"kvxfer_host_staging": True}, "asked for"),
+    ],
+)
+def test_a_cuda_cache_is_staged_through_host_memory_unless_ucx_reads_cuda_memory(extra, reason):
+    """Where the loaded UCX has CUDA transports (and the transport is not tcp) a CUDA cache is
+    registered as it is; otherwise it is staged, and the start-up log says why."""
+    conn = KvxferConnector(vllm_config("kv_producer", "dev", extra), KVConnectorRole.WORKER, None)
+    why = conn.worker._why_staged({"cuda"})
+    assert why is not None and reason in why, why
+    if "no CUDA transport" in reason:
+        assert "posix/memory" in why, "the message names the transports UCX has"
+
+
 def test_a_loopback_advertised_host_is_warned_about(caplog):
     with caplog.at_level(logging.WARNING):
         KvxferConnector(vllm_config("kv_producer", "lo"), KVConnectorRole.SCHEDULER, None)

@@ -255,11 +255,13 @@ mod tests {
         // Child 1 still shares child 0's local blocks 0..3 (nothing to copy); child 2 reads its own.
         assert_eq!(plan.children[1].wire, vec![BlockRun { remote_start: 11, local_start: 4, count: 1 }]);
         assert_eq!(plan.children[1].depends_on, vec![0, 1]);
-        assert_eq!(plan.children[2].wire, vec![BlockRun { remote_start: 0, local_start: 5, count: 3 }, BlockRun {
-            remote_start: 12,
-            local_start: 8,
-            count: 1
-        }]);
+        assert_eq!(
+            plan.children[2].wire,
+            vec![
+                BlockRun { remote_start: 0, local_start: 5, count: 3 },
+                BlockRun { remote_start: 12, local_start: 8, count: 1 }
+            ]
+        );
         assert_eq!(plan.children[2].depends_on, vec![2]);
         assert_eq!(plan.wire_blocks(), 9);
     }

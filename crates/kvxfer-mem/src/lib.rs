@@ -121,7 +121,11 @@ impl fmt::Debug for Region {
             Keeper::Owned(_) => "owned",
             Keeper::Borrowed(_) => "borrowed",
         };
-        f.debug_struct("Region").field("len", &self.len).field("kind", &kind).field("device", &self.device).finish()
+        f.debug_struct("Region")
+            .field("len", &self.len)
+            .field("kind", &kind)
+            .field("device", &self.device)
+            .finish()
     }
 }
 
@@ -193,7 +197,10 @@ impl Region {
     }
 
     fn check(&self, offset: usize, len: usize) {
-        assert!(!self.device, "a CPU access to device memory ({len} bytes at {offset}): callers must refuse it");
+        assert!(
+            !self.device,
+            "a CPU access to device memory ({len} bytes at {offset}): callers must refuse it"
+        );
         assert!(
             offset.checked_add(len).is_some_and(|end| end <= self.len),
             "range {offset}+{len} outside region of {} bytes",
@@ -516,7 +523,8 @@ mod tests {
         assert!(matches!(unsafe { mem.copy_block(0, 1) }, Err(MemError::DeviceMemory)));
         let chunk = mem.run_chunks(0, 1).next().expect("chunk");
         // SAFETY: the accessor panics before touching the bytes.
-        let touched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { mem.chunk(chunk) }.len()));
+        let touched =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { mem.chunk(chunk) }.len()));
         assert!(touched.is_err(), "a CPU slice of device memory must panic");
         assert!(!KvMemory::alloc(BlockLayout::new(4, vec![Segment::packed(16)], "u8", 16).expect("l"))
             .expect("alloc")

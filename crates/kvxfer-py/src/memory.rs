@@ -43,27 +43,38 @@ struct Resolved {
     kind: &'static str,
 }
 
-/// An object with `data_ptr()` and `nbytes` (a torch tensor, duck-typed): host memory,
-/// contiguous, a non-null pointer; with `untyped_storage()` (torch), inside that storage,
-/// which is kept too. Without it the object's `data_ptr()` is trusted as given.
+/// Whether a resolved buffer is CUDA device memory (`kind` "cuda tensor").
+fn is_device_kind(kind: &str) -> bool {
+    kind == "cuda tensor"
+}
+
+/// An object with `data_ptr()` and `nbytes` (a torch tensor, duck-typed): host memory, or
+/// CUDA device memory (registered as device memory: only UCX moves its bytes), contiguous, a
+/// non-null pointer; with `untyped_storage()` (torch), inside that storage, which is kept
+/// too. Without it the object's `data_ptr()` is trusted as given.
 fn resolve_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Resolved> {
     let py = obj.py();
     let name = type_name(obj);
+    let mut kind = "tensor";
     if obj.hasattr("device")? {
         let device = obj.getattr("device")?;
-        let kind: String = match device.getattr("type") {
+        let device_type: String = match device.getattr("type") {
             Ok(t) => t.str()?.to_string(),
             Err(_) => device.str()?.to_string(),
         };
-        if kind != "cpu" {
-            return Err(reg_err(
-                py,
-                format!(
-                    "{name} is on device {}: kvxfer's data paths here read and write host memory; \
-                     register CPU (pinned) memory",
-                    device.str()?
-                ),
-            ));
+        match device_type.as_str() {
+            "cpu" => {}
+            "cuda" => kind = "cuda tensor",
+            _ => {
+                return Err(reg_err(
+                    py,
+                    format!(
+                        "{name} is on device {}: kvxfer registers host memory and CUDA device memory \
+                         (UCX's CUDA transports); register a CPU (pinned) copy",
+                        device.str()?
+                    ),
+                ))
+            }
         }
     }
     if obj.hasattr("is_contiguous")? && !obj.call_method0("is_contiguous")?.is_truthy()? {
@@ -90,7 +101,7 @@ fn resolve_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Resolved> {
     // swap the tensor's storage, freeing the old one unless something else holds it), and
     // check the tensor's bytes lie inside it.
     if !obj.hasattr("untyped_storage")? {
-        return Ok(Resolved { addr, len, owner: obj.clone().unbind(), kind: "tensor" });
+        return Ok(Resolved { addr, len, owner: obj.clone().unbind(), kind });
     }
     let storage = obj.call_method0("untyped_storage")?;
     let start: i128 = storage.call_method0("data_ptr")?.extract()?;
@@ -115,7 +126,7 @@ fn resolve_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Resolved> {
         ));
     }
     let owner = PyTuple::new(py, [obj.clone(), storage])?.into_any().unbind();
-    Ok(Resolved { addr, len, owner, kind: "tensor" })
+    Ok(Resolved { addr, len, owner, kind })
 }
 
 /// A buffer-protocol object (numpy array, bytearray, ...): writable, C-contiguous,
@@ -352,6 +363,15 @@ impl Memory {
                 ));
             };
             let keep: Box<dyn std::any::Any + Send + Sync> = Box::new(KeepAlive(s.owner.clone_ref(py)));
+            if is_device_kind(s.kind) {
+                // SAFETY: `start .. start + need` lies inside a CUDA tensor's storage
+                // (checked above and in `resolve_tensor`), kept alive by `keep`; it is
+                // registered as device memory, so kvxfer never touches it on the CPU (only
+                // UCX, which detects its memory type, reads or writes it). The access
+                // contract is the caller's, as for host memory.
+                regions.push(unsafe { Region::borrowed_device(start, need, Some(keep)) });
+                continue;
+            }
             // SAFETY: `start .. start + need` lies inside the buffer (checked above), which is
             // host memory: resolved from the object itself (a buffer export, or a CPU tensor's
             // `data_ptr()`), or vouched for by the caller of `Segment.from_address`. `keep`
@@ -411,6 +431,13 @@ impl Memory {
     #[getter]
     fn num_groups(&self) -> usize {
         self.layouts.len()
+    }
+
+    /// Whether this is CUDA device memory (segments over CUDA tensors): agents over it pull
+    /// and serve only over UCX. None once an agent took the memory.
+    #[getter]
+    fn device(&self) -> Option<bool> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(KvMemory::is_device)
     }
 
     /// Blocks of every group, group 0 first.

@@ -61,7 +61,8 @@ fn options_that_read_device_memory_on_the_cpu_are_refused_at_start() {
     }
     #[cfg(not(feature = "ucx"))]
     {
-        let msg = refused(PrefillAgent::start(AgentConfig::new("p"), "127.0.0.1:0", as_device(&host)), "no UCX");
+        let msg =
+            refused(PrefillAgent::start(AgentConfig::new("p"), "127.0.0.1:0", as_device(&host)), "no UCX");
         assert!(msg.contains("built without"), "{msg}");
     }
 }
@@ -89,7 +90,8 @@ mod over_ucx {
         init_tracing();
         let src = Arc::new(pattern::alloc_filled(layout()).expect("memory"));
         let dst = Arc::new(KvMemory::alloc(layout()).expect("memory"));
-        let prefill = PrefillAgent::start(shm(AgentConfig::new("p")), "127.0.0.1:0", as_device(&src)).expect("p");
+        let prefill =
+            PrefillAgent::start(shm(AgentConfig::new("p")), "127.0.0.1:0", as_device(&src)).expect("p");
         let decode = DecodeAgent::start(shm(AgentConfig::new("d")), as_device(&dst)).expect("d");
         assert!(prefill.offers_ucx());
         let remote = [vec![1, 2], vec![1, 3]];
@@ -117,14 +119,18 @@ mod over_ucx {
     fn a_tcp_read_of_device_memory_is_refused_and_a_device_decode_needs_ucx() {
         init_tracing();
         let src = Arc::new(pattern::alloc_filled(layout()).expect("memory"));
-        let prefill = PrefillAgent::start(shm(AgentConfig::new("p")), "127.0.0.1:0", as_device(&src)).expect("p");
+        let prefill =
+            PrefillAgent::start(shm(AgentConfig::new("p")), "127.0.0.1:0", as_device(&src)).expect("p");
         // A host-memory decode on TCP: the prefill answers its read with an error.
-        let tcp = keyed(AgentConfig::new("d").transport(TransportChoice::Tcp).io_timeout(Duration::from_secs(5)));
+        let tcp =
+            keyed(AgentConfig::new("d").transport(TransportChoice::Tcp).io_timeout(Duration::from_secs(5)));
         let decode = DecodeAgent::start(tcp, KvMemory::alloc(layout()).expect("memory")).expect("d");
         let result = prefill.lease_parent("T", vec![vec![4]], 1, None).expect("lease");
         let report = decode.submit(result, vec![vec![5]]).expect("submit").wait();
         match &report.children[0].outcome {
-            ChildOutcome::Failed { error, .. } => assert!(error.to_string().contains("device memory"), "{error}"),
+            ChildOutcome::Failed { error, .. } => {
+                assert!(error.to_string().contains("device memory"), "{error}")
+            }
             other => panic!("a TCP read of device memory was not refused: {other:?}"),
         }
         // A device-memory decode (auto becomes UCX) and a prefill serving TCP only.
@@ -140,7 +146,10 @@ mod over_ucx {
         let result = tcp_prefill.lease_parent("U", vec![vec![6]], 1, None).expect("lease");
         let report = device_decode.submit(result, vec![vec![7]]).expect("submit").wait();
         assert!(
-            matches!(&report.children[0].outcome, ChildOutcome::Failed { error: PullError::TransportUnavailable { .. }, .. }),
+            matches!(
+                &report.children[0].outcome,
+                ChildOutcome::Failed { error: PullError::TransportUnavailable { .. }, .. }
+            ),
             "{report:?}"
         );
     }

@@ -194,6 +194,8 @@ class KvxferWorker:
         # The KV shape this rank states (None: the cache's blocks do not hold whole heads).
         self.kv_shape: Optional[kvxfer.KvShape] = None
         self.staging: Optional[HostStaging] = None
+        # A CUDA cache registered as it is (device memory: UCX only, no host copy).
+        self.device_registered = False
         self._phases: dict[str, int] = {"retract": -1, "load": -1, "save": -1}
         # lease id (remote_request_id) -> the vLLM request it holds blocks of.
         self._lease_rid: dict[str, str] = {}
@@ -256,16 +258,24 @@ class KvxferWorker:
         the agents of this rank."""
         devices = {_device_type(t) for t in kv_caches.values()}
         on_device = devices - {"cpu"}
+        staging_asked = self.s.kv_buffer_device == "cpu" or self.s.host_staging
+        if on_device - {"cuda"} and not staging_asked:
+            raise kvxfer.RegistrationError(
+                f"kvxfer: the KV cache is on {', '.join(sorted(on_device))} memory, which kvxfer's data paths "
+                f"do not read directly here; set \"kv_buffer_device\": \"cpu\" in --kv-transfer-config "
+                f"(host staging: blocks are copied through a registered host buffer; kv_buffer_device is "
+                f"{self.s.kv_buffer_device!r} now)"
+            )
         if on_device or self.s.host_staging:
-            if on_device and self.s.kv_buffer_device != "cpu" and not self.s.host_staging:
-                raise kvxfer.RegistrationError(
-                    f"kvxfer: the KV cache is on {', '.join(sorted(on_device))} memory, which kvxfer's data paths "
-                    f"do not read directly here; set \"kv_buffer_device\": \"cpu\" in --kv-transfer-config "
-                    f"(host staging: blocks are copied through a registered host buffer; kv_buffer_device is "
-                    f"{self.s.kv_buffer_device!r} now)"
-                )
-            self.staging = HostStaging(dict(kv_caches), self.s.group_layers)
-            kv_caches = self.staging.host
+            why = self._why_staged(on_device)
+            if why is None:
+                self.device_registered = True
+                logger.info("kvxfer: the CUDA KV cache is registered as it is: UCX reads and writes its blocks, no host copy")
+            else:
+                if on_device and not staging_asked:
+                    logger.warning("kvxfer: staging the %s KV cache through host memory: %s", "/".join(sorted(on_device)), why)
+                self.staging = HostStaging(dict(kv_caches), self.s.group_layers)
+                kv_caches = self.staging.host
         rank = self.tp_rank()
         first = next(iter(kv_caches.values()), None)
         if first is not None:
@@ -304,9 +314,31 @@ class KvxferWorker:
             )
         self._log_data_path()
 
+    def _why_staged(self, on_device: set[str]) -> Optional[str]:
+        """None when a device (CUDA) cache is registered directly with UCX; else why it is
+        staged through host memory (asked for, or UCX cannot read CUDA memory here)."""
+        if not on_device:
+            return "kvxfer_host_staging is set"
+        if self.s.host_staging or self.s.kv_buffer_device == "cpu":
+            return "asked for (kv_buffer_device \"cpu\" or kvxfer_host_staging)"
+        if self.s.transport == "tcp":
+            return "kvxfer_transport is \"tcp\" (only UCX reads device memory)"
+        info = kvxfer.ucx_info(self.s.ucx_tls)
+        if not info.get("built") or not info.get("usable"):
+            return f"UCX is not usable here: {info.get('error') or 'this kvxfer is built without UCX'}"
+        cuda = [t for t in info.get("transports") or () if t.startswith(("cuda_copy/", "cuda_ipc/", "gdr_copy/"))]
+        if not cuda:
+            return f"the loaded UCX finds no CUDA transport (it has {', '.join(info.get('transports') or ()) or 'none'})"
+        return None
+
     def _log_data_path(self) -> None:
         """Says at start-up which data path this rank's agents use, and from which memory."""
-        memory = "a host copy of the device cache (host staging)" if self.staging is not None else "the KV cache"
+        if self.staging is not None:
+            memory = "a host copy of the device cache (host staging)"
+        elif self.device_registered:
+            memory = "the CUDA KV cache as it is (device memory)"
+        else:
+            memory = "the KV cache"
         if self.s.transport == "tcp":
             logger.info("kvxfer: data path TCP (kvxfer_transport=tcp), reading %s", memory)
             return
