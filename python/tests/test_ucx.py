@@ -4,6 +4,7 @@ libucx-cu12 wheel (the ``kvxfer`` wheel's dependency), not from the system."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,10 +84,16 @@ def test_ucx_required_but_unable_to_start_is_an_error_naming_the_transports():
         assert not prefill.offers_ucx
 
 
+# The interpreter of a venv with the wheel `pip install .` made (scripts/test-all.sh), else
+# this one (this checkout's build, with the libucx wheel of this venv).
+WHEEL_PY = os.environ.get("KVXFER_WHEEL_PY") or sys.executable
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"), reason="needs root and unshare(1)")
 def test_a_pull_over_ucx_needs_no_system_ucx():
     """In a mount namespace where the system's UCX libraries are empty files, a fresh
-    interpreter imports kvxfer and pulls over UCX: everything UCX comes from the wheel."""
+    interpreter (of the venv `pip install .` made, in the README test command) imports
+    kvxfer and pulls over UCX: everything UCX comes from the libucx-cu12 wheel."""
     hidden = [
         os.path.join(d, f)
         for d in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib")
@@ -105,19 +112,25 @@ def test_a_pull_over_ucx_needs_no_system_ucx():
                 reports = d.submit(params, [[5], [6]]).wait(timeout=30)
                 assert [r["outcome"] for r in reports] == ["done", "done"], reports
                 assert np.array_equal(dst[:, 5], src[:, 1]) and np.array_equal(dst[:, 6], src[:, 2])
-                print(reports[0]["path"], kvxfer.ucx_info()["library"])
+                print(reports[0]["path"], kvxfer.ucx_info()["library"], kvxfer.__file__)
         """
     )
     binds = "".join(f"mount --bind /dev/null {h} && " for h in hidden)
     out = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{binds}exec "$0" -c "$1"', sys.executable, script],
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{binds}exec "$0" -c "$1"', WHEEL_PY, script],
         capture_output=True,
         text=True,
         timeout=120,
+        # Run from elsewhere than the checkout, so the wheel's package is what is imported.
+        cwd="/",
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    path, library = out.stdout.split()[-2:]
+    path, library, package = out.stdout.split()[-3:]
     assert path.startswith("ucx(") and "/libucx/lib/" in library, out.stdout
+    if os.environ.get("KVXFER_WHEEL_PY"):
+        venv = os.path.dirname(os.path.dirname(WHEEL_PY))
+        assert library.startswith(venv) and package.startswith(venv), (venv, out.stdout)
 
 
 class FakeCudaTensor:
@@ -169,3 +182,58 @@ def test_cuda_memory_is_served_and_pulled_only_over_ucx_with_no_cpu_copy():
         with kvxfer.DecodeAgent(host, transport="tcp") as tcp:
             (report,) = tcp.submit([prefill.lease_parent("X", [[4]])[0].to_params()], [[5]]).wait(timeout=30)
             assert report["outcome"] == "failed" and "device memory" in str(report["error"]), report
+
+
+def run_with_env(script: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, **env),
+    )
+
+
+@pytest.mark.skipif(
+    not any(os.path.exists(p) for p in ("/usr/lib/x86_64-linux-gnu/libucp.so.0", "/usr/lib/libucp.so.0")),
+    reason="needs a system UCX of another version (Debian's libucx0)",
+)
+def test_a_libucp_of_another_version_is_refused_naming_both_versions():
+    """KVXFER_UCX_HOME=/usr loads the system's UCX (Debian's 1.13) under a binding built
+    against the wheel's 1.22: UCX is refused with both versions named, TCP still works."""
+    out = run_with_env(
+        """
+        import json, numpy as np, kvxfer
+        info = kvxfer.ucx_info()
+        print(json.dumps({k: info.get(k) for k in ("usable", "error", "loaded_version", "built_version", "loaded_from")}))
+        mem = lambda: kvxfer.Memory([kvxfer.Segment(np.zeros(4096, dtype=np.uint8), block_bytes=1024)], num_blocks=4)
+        try:
+            kvxfer.PrefillAgent(mem(), transport="ucx")
+            print("STARTED")
+        except kvxfer.KvxferError as e:
+            print("REFUSED", e)
+        with kvxfer.PrefillAgent(mem()) as p:
+            print("AUTO", p.offers_ucx)
+        """,
+        KVXFER_UCX_HOME="/usr",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    info = json.loads(lines[0])
+    assert info["loaded_from"] == "KVXFER_UCX_HOME" and info["usable"] is False, info
+    assert info["loaded_version"].split(".")[:2] != info["built_version"].split(".")[:2], info
+    refused = next(line for line in lines if line.startswith(("REFUSED", "STARTED")))
+    assert refused.startswith("REFUSED") and info["loaded_version"] in refused and info["built_version"] in refused, refused
+    assert "AUTO False" in lines, lines
+
+
+def test_a_wrong_kvxfer_ucx_home_is_reported_and_the_wheels_ucx_used():
+    out = run_with_env(
+        """
+        import json, kvxfer
+        info = kvxfer.ucx_info()
+        print(json.dumps({k: info.get(k) for k in ("usable", "loaded_from", "load_problem")}))
+        """,
+        KVXFER_UCX_HOME="/nonexistent/ucx",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads(out.stdout.splitlines()[-1])
+    assert info["loaded_from"] == "libucx wheel" and info["usable"] is True, info
+    assert "KVXFER_UCX_HOME" in info["load_problem"] and "/nonexistent/ucx" in info["load_problem"], info

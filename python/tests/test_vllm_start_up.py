@@ -27,8 +27,10 @@ def test_a_device_cache_without_host_staging_is_refused_naming_kv_buffer_device(
 @pytest.mark.parametrize(
     "extra, reason",
     [
-        ({}, "no CUDA transport"),  # this machine's UCX: no CUDA driver, so no cuda_* transport
-        ({"kvxfer_transport": "tcp"}, "kvxfer_transport"),
+        ({}, "opt-in"),
+        # This machine's UCX: no CUDA driver, so no cuda_* transport.
+        ({"kvxfer_device_direct": True}, "no CUDA transport"),
+        ({"kvxfer_device_direct": True, "kvxfer_transport": "tcp"}, "kvxfer_transport"),
         ({"kvxfer_host_staging": True}, "asked for"),
     ],
 )
@@ -40,6 +42,26 @@ def test_a_cuda_cache_is_staged_through_host_memory_unless_ucx_reads_cuda_memory
     assert why is not None and reason in why, why
     if "no CUDA transport" in reason:
         assert "posix/memory" in why, "the message names the transports UCX has"
+
+
+def test_the_block_copier_of_a_device_cache_copies_with_torch_as_the_host_one_does():
+    """A CUDA cache registered as it is is copied by torch on its device (the CPU never
+    touches it); here on CPU tensors, against the host copier's numpy copy."""
+    from kvxfer.vllm.worker import BlockCopier
+
+    conn = KvxferConnector(vllm_config("kv_consumer", "copy"), KVConnectorRole.WORKER, None)
+    g = torch.Generator().manual_seed(3)
+    base = {f"layer.{i}": torch.randn((2, 8, 4, 2, 16), generator=g, dtype=torch.float32) for i in range(2)}
+    host = {k: v.clone() for k, v in base.items()}
+    device = {k: v.clone() for k, v in base.items()}
+    pairs = [(1, 5), (2, 6), (3, 3)]
+    BlockCopier.over(host, conn.worker.s).copy(0, pairs)
+    torch_copier = BlockCopier.over(device, conn.worker.s, on_device=True)
+    assert torch_copier.on_device
+    torch_copier.copy(0, pairs)
+    for k in base:
+        assert torch.equal(host[k], device[k]), k
+        assert torch.equal(device[k][:, 5], base[k][:, 1]) and torch.equal(device[k][:, 6], base[k][:, 2])
 
 
 def test_a_loopback_advertised_host_is_warned_about(caplog):

@@ -143,6 +143,8 @@ impl ResultPlan {
     ) -> Result<Self, PlanError> {
         // remote block -> (child that reads it, local block it lands in)
         let mut first: HashMap<BlockId, (usize, BlockId)> = HashMap::new();
+        // Without local copies: (remote, local) pair -> the child whose read lands it.
+        let mut landed: HashMap<(BlockId, BlockId), usize> = HashMap::new();
         // local block -> remote block it receives
         let mut dest: HashMap<BlockId, BlockId> = HashMap::new();
         let mut plans = Vec::with_capacity(children.len());
@@ -162,13 +164,22 @@ impl ResultPlan {
                 } else {
                     dest.insert(l, r);
                 }
+                if !local_copies {
+                    // Each distinct (remote, local) pair crosses the wire once, read by the
+                    // first child naming it; a later child naming it shares that read.
+                    match landed.get(&(r, l)) {
+                        None => {
+                            landed.insert((r, l), index);
+                            wire_pairs.push((r, l));
+                            push_unique(&mut plan.depends_on, index);
+                        }
+                        Some(&owner) => push_unique(&mut plan.depends_on, owner),
+                    }
+                    continue;
+                }
                 match first.get(&r) {
                     None => {
                         first.insert(r, (index, l));
-                        wire_pairs.push((r, l));
-                        push_unique(&mut plan.depends_on, index);
-                    }
-                    Some(&(_, src)) if src != l && !local_copies => {
                         wire_pairs.push((r, l));
                         push_unique(&mut plan.depends_on, index);
                     }
@@ -264,6 +275,12 @@ mod tests {
         );
         assert_eq!(plan.children[2].depends_on, vec![2]);
         assert_eq!(plan.wire_blocks(), 9);
+        // One remote block into local 5, 7, 7: read twice (5 and 7), the third child shares
+        // the second's read of block 7 and depends on it.
+        let pairs: [(&[BlockId], &[BlockId]); 3] = [(&[4], &[5]), (&[4], &[7]), (&[4], &[7])];
+        let plan = ResultPlan::build_without_copies(&pairs, 16, 16).expect("plan");
+        assert_eq!(plan.wire_blocks(), 2);
+        assert!(plan.children[2].wire.is_empty() && plan.children[2].depends_on == vec![1]);
     }
 
     #[test]

@@ -441,6 +441,9 @@ impl KvMemory {
     /// # Safety
     /// The block is not leased and no pull is writing it (the access contract).
     pub unsafe fn write_block(&self, block: BlockId, data: &[u8]) -> Result<(), MemError> {
+        if self.is_device() {
+            return Err(MemError::DeviceMemory);
+        }
         self.check_block(block)?;
         if data.len() as u64 != self.layout.block_bytes() {
             return Err(MemError::BlockLength { have: data.len(), need: self.layout.block_bytes() });
@@ -460,6 +463,9 @@ impl KvMemory {
     /// # Safety
     /// Nobody writes the block meanwhile (the access contract).
     pub unsafe fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), MemError> {
+        if self.is_device() {
+            return Err(MemError::DeviceMemory);
+        }
         self.check_block(block)?;
         if out.len() as u64 != self.layout.block_bytes() {
             return Err(MemError::BlockLength { have: out.len(), need: self.layout.block_bytes() });
@@ -521,6 +527,10 @@ mod tests {
         assert!(mem.is_device() && mem.regions()[0].is_device());
         // SAFETY: refused before any access.
         assert!(matches!(unsafe { mem.copy_block(0, 1) }, Err(MemError::DeviceMemory)));
+        // SAFETY: refused before any access.
+        assert!(matches!(unsafe { mem.write_block(0, &[0; 16]) }, Err(MemError::DeviceMemory)));
+        // SAFETY: as above.
+        assert!(matches!(unsafe { mem.read_block(0, &mut [0; 16]) }, Err(MemError::DeviceMemory)));
         let chunk = mem.run_chunks(0, 1).next().expect("chunk");
         // SAFETY: the accessor panics before touching the bytes.
         let touched =

@@ -45,7 +45,9 @@ pub(crate) fn base_config(
     {
         c.ucx.tls = ucx_tls.map(str::to_owned);
         if let Some(on) = ucx_peer_failure {
+            // An explicit choice, for every peer (as `AgentConfig::ucx_options`).
             c.ucx.peer_failure_handling = on;
+            c.ucx.same_host_shared_memory = false;
         }
     }
     #[cfg(not(feature = "ucx"))]
@@ -266,7 +268,6 @@ impl PrefillAgent {
         Ok(())
     }
 
-    /// Whether the agent is draining (new leases refused).
     /// Whether the agent offers the UCX data path (it started UCX: transport `"auto"` or
     /// `"ucx"` in a build with UCX, and UCX started here).
     #[getter]
@@ -274,6 +275,7 @@ impl PrefillAgent {
         Ok(self.agent(py)?.offers_ucx())
     }
 
+    /// Whether the agent is draining (new leases refused).
     #[getter]
     fn draining(&self, py: Python<'_>) -> PyResult<bool> {
         Ok(self.agent(py)?.is_draining())

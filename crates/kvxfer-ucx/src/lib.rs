@@ -22,7 +22,10 @@
 //! allocation is unmapped by its buffer's drop, not by the targets that serve it. An
 //! initiator's context is its own, created and cleaned up on its thread.
 
+mod host;
 mod raw;
+
+pub use host::is_local_address;
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

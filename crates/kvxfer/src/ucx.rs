@@ -299,12 +299,11 @@ pub(crate) async fn connect(
     }
 }
 
-/// Whether `addr` (`host:port`, an IP address) is one of this host's: a loopback address, or
-/// one a socket can bind here. A name, or an address of another host, is not.
+/// Whether `addr` (`host:port` with an IP address) is on this host
+/// ([`kvxfer_ucx::is_local_address`]). A host name is not resolved here and counts as
+/// another host (peer-failure handling stays on: no shared memory for it).
 fn is_this_host(addr: &str) -> bool {
-    let Ok(sa) = addr.parse::<std::net::SocketAddr>() else { return false };
-    let ip = sa.ip();
-    ip.is_loopback() || std::net::UdpSocket::bind((ip, 0)).is_ok()
+    addr.parse::<std::net::SocketAddr>().is_ok_and(|sa| kvxfer_ucx::is_local_address(sa.ip()))
 }
 
 /// Pins child `i`'s runs on a pooled connection, reads them with UCX straight into the

@@ -9,7 +9,6 @@ mod support;
 
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kvxfer::blocking::{DecodeAgent, PrefillAgent};
 use kvxfer::{AgentConfig, BlockLayout, Error, KvMemory, Region, TransportChoice};
@@ -69,6 +68,8 @@ fn options_that_read_device_memory_on_the_cpu_are_refused_at_start() {
 
 #[cfg(feature = "ucx")]
 mod over_ucx {
+    use std::time::Duration;
+
     use super::*;
     use kvxfer::{ChildOutcome, PullError};
 

@@ -47,8 +47,13 @@ Switch with one flag on both the prefill and the decode instance::
 - **Hybrid models** (``SupportsHMA``): one memory group per ``kv_cache_groups[g]``, nested
   ``remote_block_ids``; a sliding-window group's leading null blocks are not leased
   (``kvxfer_skipped_blocks``).
-- **GPU caches**: ``"kv_buffer_device": "cpu"`` stages through registered host memory with
-  vLLM's copy op (``set_host_xfer_buffer_ops``). Not yet run on a GPU.
+- **GPU caches**: staged through registered host memory with vLLM's copy op
+  (``set_host_xfer_buffer_ops``) — asked for with ``"kv_buffer_device": "cpu"``, and the
+  fallback otherwise (logged with the reason). With ``kvxfer_device_direct: true`` and a UCX
+  that has CUDA transports (the libucx-cu12 wheel where CUDA is), a CUDA cache is registered
+  as it is instead: UCX reads and writes its blocks (``cuda_ipc`` on one node), nothing is
+  copied through the host, and shared-prompt siblings are copied by torch on the device.
+  Opt-in until ``scripts/gpu-check.sh`` has run on a GPU: not yet run on a GPU.
 - **Bad input** from the router is logged and counted (``bad_params``), never raised.
 
 Configuration (``kv_connector_extra_config``): ``kvxfer_host`` (the host hand-offs name;
@@ -68,7 +73,8 @@ own read settles it — over TCP, no block shared with a sibling; see ``kvxfer.D
 ``"ucx"`` force one; the start-up log names the path, each pull's report and the
 ``vllm:kvxfer_pulls_ucx`` / ``_tcp`` and ``vllm:kvxfer_ucx_pulls{transports=...}`` series the
 path taken), ``kvxfer_ucx_tls`` (UCX's transports, ``UCX_TLS`` syntax; default UCX's own
-choice), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``),
+choice), ``kvxfer_device_direct`` (False; True: a CUDA cache registered as it is, see
+above), ``kvxfer_cluster_key`` (hex; else ``KVXFER_CLUSTER_KEY``),
 ``kvxfer_kv_layout`` (default ``"auto"``: from the tensors' shapes and strides),
 ``kvxfer_decode_tp_size``, ``kvxfer_total_kv_heads``, ``kvxfer_host_staging`` (stage through
 host memory even for a CPU cache), ``kvxfer_share_prompt`` (True: one shared prompt hand-off

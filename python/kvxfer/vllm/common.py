@@ -297,6 +297,8 @@ class Settings:
     kv_buffer_device: str
     # Stage through host memory even for a CPU cache (tests the GPU path on a CPU).
     host_staging: bool
+    # Register a CUDA cache as it is with UCX (no host copy) where UCX has CUDA transports.
+    device_direct: bool
     # Children of a parallel-sampling parent share one prompt hand-off (see scheduler.py).
     share_prompt: bool
     # Every KV-cache group is full attention (MLA included): vLLM keeps a running request's
@@ -359,6 +361,7 @@ class Settings:
             block_size=int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0),
             kv_buffer_device=str(getattr(config, "kv_buffer_device", None) or "").lower(),
             host_staging=flag(extra, "kvxfer_host_staging"),
+            device_direct=flag(extra, "kvxfer_device_direct"),
             share_prompt=flag(extra, "kvxfer_share_prompt", True),
             stable_blocks=bool(groups)
             and all(type(getattr(g, "kv_cache_spec", None)).__name__ in _STABLE_SPECS for g in groups),

@@ -13,9 +13,11 @@ agents, and applies each step's metadata at the point of the step vLLM intends.
   device cache first when staged).
 
 GPU caches are served through host staging (``kv_buffer_device: "cpu"``, as vLLM's own
-NixlConnector does): a host copy of every layer is registered, vLLM's copy op
-(``set_host_xfer_buffer_ops``) moves a prefill's blocks device→host before arming and a
-decode's blocks host→device before reporting them loaded."""
+NixlConnector does, and the fallback): a host copy of every layer is registered, vLLM's copy
+op (``set_host_xfer_buffer_ops``) moves a prefill's blocks device→host before arming and a
+decode's blocks host→device before reporting them loaded. With ``kvxfer_device_direct`` and
+a UCX with CUDA transports, the CUDA cache is registered as it is (device memory: only UCX
+moves it; ``BlockCopier`` copies siblings' blocks with torch on the device)."""
 
 from __future__ import annotations
 
@@ -128,33 +130,41 @@ class HostStaging:
 
 
 class BlockCopier:
-    """Copies whole blocks inside the registered KV cache (host memory): every byte a block
-    owns in every layer (the segments ``kv_cache_segments`` finds), block ``src`` to block
-    ``dst``. How a decode child gets the prompt KV a sibling's pull of their shared hand-off
-    read, with nothing more on the wire."""
+    """Copies whole blocks inside the registered KV cache: every byte a block owns in every
+    layer (the segments ``kv_cache_segments`` finds), block ``src`` to block ``dst``. How a
+    decode child gets the prompt KV a sibling's pull of their shared hand-off read, with
+    nothing more on the wire. Host memory is copied by numpy; a CUDA cache registered as it
+    is (``on_device``) by torch on its device — the CPU never touches device memory."""
 
-    def __init__(self, groups: list[list[Any]]) -> None:
+    def __init__(self, groups: list[list[Any]], storages: Optional[dict[int, Any]] = None) -> None:
         import numpy as np
 
         # The segments keep their buffers alive (the registered cache's tensors).
         self.segments = groups
+        self.on_device = storages is not None
         # Per KV-cache group, per segment: its blocks as the rows of a byte matrix over the
         # buffer (block b is ``block_bytes`` bytes at ``offset + b * stride``).
         self.groups: list[list[Any]] = []
         for segments in groups:
             views = []
             for seg in segments:
+                rows = (seg.length - seg.offset - seg.block_bytes) // seg.stride + 1 if seg.stride else 1
+                if storages is not None:
+                    # A uint8 tensor over the whole storage the segment lies in, on its device.
+                    flat = storages[seg.address]
+                    views.append(flat.as_strided((rows, seg.block_bytes), (seg.stride, 1), seg.offset))
+                    continue
                 buffer = np.frombuffer((ctypes.c_uint8 * seg.length).from_address(seg.address), dtype=np.uint8)
                 first = buffer[seg.offset :]
-                rows = (len(first) - seg.block_bytes) // seg.stride + 1 if seg.stride else 1
                 views.append(
                     np.lib.stride_tricks.as_strided(first, shape=(rows, seg.block_bytes), strides=(seg.stride, 1))
                 )
             self.groups.append(views)
 
     @classmethod
-    def over(cls, kv_caches: dict[str, Any], settings: Settings) -> "BlockCopier":
-        """A copier over the cache as ``KvxferWorker`` registers it."""
+    def over(cls, kv_caches: dict[str, Any], settings: Settings, on_device: bool = False) -> "BlockCopier":
+        """A copier over the cache as ``KvxferWorker`` registers it; ``on_device``: torch
+        copies on the tensors' device (a CUDA cache registered as it is)."""
         from ..kvcache import kv_cache_segments
 
         groups = settings.group_layers or [list(kv_caches)]
@@ -165,7 +175,19 @@ class BlockCopier:
                 caches, kv_layout=settings.kv_layout, num_blocks=settings.num_blocks, block_size=settings.block_size or None
             )
             out.append(segments)
-        return cls(out)
+        storages = None
+        if on_device:
+            import torch
+
+            # Each segment's buffer is a whole tensor storage (kv_cache_segments registers the
+            # storage a tensor lies in), named by its start address.
+            storages = {}
+            for t in kv_caches.values():
+                storage = t.untyped_storage()
+                flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+                flat.set_(storage, 0, (storage.nbytes(),), (1,))
+                storages[int(storage.data_ptr())] = flat
+        return cls(out, storages)
 
     def copy(self, group: int, pairs: list[tuple[int, int]]) -> None:
         """Copies block ``src`` onto block ``dst`` for each ``(src, dst)`` of ``group`` (one
@@ -174,6 +196,20 @@ class BlockCopier:
 
         pairs = [(s, d) for s, d in pairs if s != d]
         if not pairs:
+            return
+        if self.on_device:
+            import torch
+
+            devices = set()
+            for rows in self.groups[group]:
+                src_t = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=rows.device)
+                dst_t = torch.tensor([d for _, d in pairs], dtype=torch.long, device=rows.device)
+                rows[dst_t] = rows[src_t]
+                devices.add(rows.device)
+            # The copy is done when the request is reported loaded: wait for the device.
+            for device in devices:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
             return
         src = np.array([s for s, _ in pairs], dtype=np.intp)
         dst = np.array([d for _, d in pairs], dtype=np.intp)
@@ -304,7 +340,7 @@ class KvxferWorker:
                 **common,
             )
         if self.s.is_consumer:
-            self.copier = BlockCopier.over(kv_caches, self.s)
+            self.copier = BlockCopier.over(kv_caches, self.s, on_device=self.device_registered)
             self.decode = kvxfer.DecodeAgent(
                 self._memory(kv_caches),
                 agent_name=f"vllm-decode-{rank}",
@@ -321,6 +357,11 @@ class KvxferWorker:
             return "kvxfer_host_staging is set"
         if self.s.host_staging or self.s.kv_buffer_device == "cpu":
             return "asked for (kv_buffer_device \"cpu\" or kvxfer_host_staging)"
+        if not self.s.device_direct:
+            return (
+                "registering a CUDA cache as it is (UCX's CUDA transports, no host copy) is opt-in until it has "
+                "run on a GPU: kvxfer_device_direct: true"
+            )
         if self.s.transport == "tcp":
             return "kvxfer_transport is \"tcp\" (only UCX reads device memory)"
         info = kvxfer.ucx_info(self.s.ucx_tls)

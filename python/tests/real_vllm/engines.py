@@ -29,6 +29,7 @@ class Engine:
         log: Path,
         env: Optional[dict[str, str]] = None,
         core: int = 0,
+        python: Optional[str] = None,
     ) -> None:
         self.name = name
         # One core per engine, its OpenMP threads bound there and never spinning: engines
@@ -47,7 +48,7 @@ class Engine:
         )
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
-            [CPU_PY, str(HERE / "engine_proc.py"), model, json.dumps(kv) if kv else ""],
+            [python or CPU_PY, str(HERE / "engine_proc.py"), model, json.dumps(kv) if kv else ""],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,

@@ -235,6 +235,11 @@ pub(super) struct ControlPool {
     pub(super) generation: u64,
 }
 
+/// The engine (id, incarnation) a UCX endpoint was made for, and the transports UCX said it
+/// uses.
+#[cfg(feature = "ucx")]
+pub(crate) type UcxLink = ((String, u64), Vec<String>);
+
 /// A prefill agent this decode agent talks to.
 pub(crate) struct Peer {
     pub(crate) addr: String,
@@ -251,7 +256,7 @@ pub(crate) struct Peer {
     /// restarted prefill at the same address gets a new endpoint), and the transports UCX
     /// said the endpoint uses.
     #[cfg(feature = "ucx")]
-    pub(crate) ucx_engine: tokio::sync::Mutex<Option<((String, u64), Vec<String>)>>,
+    pub(crate) ucx_engine: tokio::sync::Mutex<Option<UcxLink>>,
     /// The name of this peer's UCX endpoint in the initiator: the address and a number
     /// unique to this `Peer`, so a peer forgotten (or invalidated) while a pull still holds
     /// it closes its own endpoint, never that of a newer `Peer` for the same address.
