@@ -69,7 +69,7 @@ eval "$ucx_env"
     # UCX reads every UCX_* variable and would warn that UCX_HOME is not one of its own.
     export UCX_WARN_UNUSED_ENV_VARS=n
     cargo test --locked -p ucx-sys -p kvxfer-ucx
-    cargo test --locked -p kvxfer --features kvxfer/ucx --lib --test engine --test hardening --test limits --test pull_errors
+    cargo test --locked -p kvxfer --features kvxfer/ucx --lib --test engine --test hardening --test limits --test pull_errors --test device_memory
     # The loopback run right after kvxfer's tests, with the same package and features, reuses
     # their build (the bench's features would rebuild kvxfer's dependencies).
     cargo run --locked -p kvxfer --features ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
