@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import socket
 import statistics
 import subprocess
@@ -307,6 +308,11 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
     dst = np.zeros(blocks * block, dtype=np.uint8)
     handoffs: list[float] = []
     rtts: list[float] = []
+    # Counted CPU of this (decode) process over the hand-offs alone, submit to report, every
+    # thread (the agent's runtime included): CLOCK_PROCESS_CPUTIME_ID (time.process_time,
+    # exact, not tick-sampled); and its context switches (getrusage).
+    cpu_s = 0.0
+    switches = 0
     with contextlib.ExitStack() as stack:
         peers = LatencyPeers(args, block)
         stack.callback(peers.close)
@@ -330,9 +336,14 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
             b = it % blocks
             params = peers.ask({"op": "lease", "parent": f"lat-{it}", "blocks": [[b]]})["params"]
             dst[b * block : (b + 1) * block] = 0
+            r0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
             t0 = time.perf_counter()
             reports = decode.submit(params, [[b]]).wait(timeout=LatencyPeers.TIMEOUT)
             t1 = time.perf_counter()
+            c1, r1 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+            if it >= args.warmup:
+                cpu_s += c1 - c0
+                switches += (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw)
             raw.sendall(request)
             got = raw.recv_into(answer, block, socket.MSG_WAITALL)
             t2 = time.perf_counter()
@@ -369,6 +380,8 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
         "raw_rtt_p99_us": percentile(rtts, 0.99),
         "handoff_vs_raw_rtt_paired_p50": percentile(ratios, 0.5),
         "handoff_vs_raw_rtt_paired_p10": percentile(ratios, 0.1),
+        "decode_cpu_us_per_handoff": round(cpu_s * 1e6 / max(args.iters, 1), 1),
+        "decode_context_switches_per_handoff": round(switches / max(args.iters, 1), 2),
         "verified": True,
         "prefill": {k: leases[k] for k in ("leased", "pulled", "released", "expired")},
     }

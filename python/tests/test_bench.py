@@ -30,6 +30,8 @@ def test_the_latency_benchmark_pairs_each_hand_off_with_a_raw_round_trip():
     assert row["mode"] == "latency" and row["processes"] == "2" and row["raw_responder"] == "python"
     assert 0 < row["raw_rtt_p10_us"] <= row["raw_rtt_p50_us"] and 0 < row["handoff_p10_us"] <= row["handoff_p50_us"]
     assert row["handoff_vs_raw_rtt_paired_p50"] > 0
+    # Counted CPU of the decode process per hand-off (submit to report), and its switches.
+    assert row["decode_cpu_us_per_handoff"] > 0 and row["decode_context_switches_per_handoff"] >= 0
     # Every lease of the run was pulled, none released or expired.
     assert row["prefill"] == {"leased": 32, "pulled": 32, "released": 0, "expired": 0}
     # Every pulled block was checked, and each lone child's notify rode behind its read.
