@@ -37,10 +37,10 @@ pub enum Error {
 #[non_exhaustive]
 pub enum LeaseError {
     /// A lease with this id is still live (or still draining reads).
-    #[error("a lease for request {0} is already live")]
+    #[error("a lease for request {0} is already live (kind=already_leased)")]
     AlreadyLeased(String),
     /// Block ids outside the registered layout.
-    #[error("lease for request {request}: block ids {ids:?} are outside the layout of {num_blocks} blocks")]
+    #[error("lease for request {request}: block ids {ids:?} are outside the layout of {num_blocks} blocks (kind=blocks_out_of_range)")]
     BlocksOutOfRange {
         /// The request id.
         request: String,
@@ -50,12 +50,12 @@ pub enum LeaseError {
         num_blocks: u32,
     },
     /// A lease must have at least one block.
-    #[error("lease for request {0} names no blocks")]
+    #[error("lease for request {0} names no blocks (kind=no_blocks)")]
     NoBlocks(String),
     /// One KV-cache group's block list names the same block more than once (its end would
     /// hand the block back twice). Different children may share blocks; one child may not
     /// list one twice.
-    #[error("lease for request {request}: block {block} of KV-cache group {group} is listed more than once")]
+    #[error("lease for request {request}: block {block} of KV-cache group {group} is listed more than once (kind=duplicate_block)")]
     DuplicateBlock {
         /// The request id.
         request: String,
@@ -66,7 +66,7 @@ pub enum LeaseError {
     },
     /// Not one block list per KV-cache group of the layout (or more groups' blocks than
     /// block ids can number).
-    #[error("lease for request {request}: {got} KV-cache group block lists given, the layout has {expected} groups")]
+    #[error("lease for request {request}: {got} KV-cache group block lists given, the layout has {expected} groups (kind=group_count)")]
     GroupCount {
         /// The request id.
         request: String,
@@ -76,10 +76,10 @@ pub enum LeaseError {
         got: usize,
     },
     /// `expected_consumers` must be at least 1.
-    #[error("lease for request {0}: expected_consumers must be at least 1")]
+    #[error("lease for request {0}: expected_consumers must be at least 1 (kind=no_consumers)")]
     NoConsumers(String),
     /// `n` is larger than `LeaseConfig::max_children`.
-    #[error("lease for request {request}: n = {n} children is more than the {max} allowed (LeaseConfig::max_children)")]
+    #[error("lease for request {request}: n = {n} children is more than the {max} allowed (LeaseConfig::max_children) (kind=too_many_children)")]
     TooManyChildren {
         /// The request id.
         request: String,
@@ -89,7 +89,7 @@ pub enum LeaseError {
         max: u32,
     },
     /// The child index is not below `n`, or `n` is 0.
-    #[error("lease for request {request}: child index {index} is not below n = {n}")]
+    #[error("lease for request {request}: child index {index} is not below n = {n} (kind=bad_child_index)")]
     BadChildIndex {
         /// The request id.
         request: String,
@@ -99,7 +99,7 @@ pub enum LeaseError {
         n: u32,
     },
     /// A child of a parent whose other leases (still tracked) named another `n`.
-    #[error("lease of a child of {parent} with n = {n}: its other leased children have n = {tracked}")]
+    #[error("lease of a child of {parent} with n = {n}: its other leased children have n = {tracked} (kind=child_count_mismatch)")]
     ChildCountMismatch {
         /// The parent request id.
         parent: String,
@@ -110,11 +110,11 @@ pub enum LeaseError {
     },
     /// The table was closed ([`crate::LeaseTable::release_all`]: the prefill agent is
     /// shutting down); no lease is made after that, so none is left without an end.
-    #[error("lease for request {0}: the prefill agent is shutting down")]
+    #[error("lease for request {0}: the prefill agent is shutting down (kind=closed)")]
     Closed(String),
     /// [`crate::LeaseTable::arm`]: the request id given is not the one the parent, child
     /// index and `n` name (`"{index}_{parent}"` for `n > 1`, the parent's own id for `n == 1`).
-    #[error("arming lease {given}: parent, child index and n name request {expected}")]
+    #[error("arming lease {given}: parent, child index and n name request {expected} (kind=id_mismatch)")]
     IdMismatch {
         /// The id the lease was to be armed under.
         given: String,
@@ -123,7 +123,7 @@ pub enum LeaseError {
     },
     /// The request id is longer than [`crate::MAX_REQUEST_ID_LEN`]: its notify and cancel
     /// frames would not fit a prefill agent's small-frame cap.
-    #[error("lease for request {start}…: the request id is {len} bytes; at most {max} are accepted")]
+    #[error("lease for request {start}…: the request id is {len} bytes; at most {max} are accepted (kind=id_too_long)")]
     IdTooLong {
         /// The id's first characters.
         start: String,
@@ -133,12 +133,35 @@ pub enum LeaseError {
         max: usize,
     },
     /// [`crate::LeaseTable::arm`]: a token of all zeros (never minted).
-    #[error("arming lease {0}: the lease token is all zeros (not minted)")]
+    #[error("arming lease {0}: the lease token is all zeros (not minted) (kind=zero_token)")]
     ZeroToken(String),
     /// [`crate::LeaseTable::arm`]: this token is the token of an ended lease of the same id
     /// still on record; arming it again would bring an ended lease back.
-    #[error("arming lease {0}: this token belongs to a lease of the same id that already ended")]
+    #[error("arming lease {0}: this token belongs to a lease of the same id that already ended (kind=token_reused)")]
     TokenReused(String),
+}
+
+impl LeaseError {
+    /// The snake-case name of the variant (`already_leased`, `id_too_long`, ...): the `kind`
+    /// its message ends with and the Python binding's `LeaseError` carries.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LeaseError::AlreadyLeased(_) => "already_leased",
+            LeaseError::BlocksOutOfRange { .. } => "blocks_out_of_range",
+            LeaseError::NoBlocks(_) => "no_blocks",
+            LeaseError::DuplicateBlock { .. } => "duplicate_block",
+            LeaseError::GroupCount { .. } => "group_count",
+            LeaseError::NoConsumers(_) => "no_consumers",
+            LeaseError::TooManyChildren { .. } => "too_many_children",
+            LeaseError::BadChildIndex { .. } => "bad_child_index",
+            LeaseError::ChildCountMismatch { .. } => "child_count_mismatch",
+            LeaseError::Closed(_) => "closed",
+            LeaseError::IdMismatch { .. } => "id_mismatch",
+            LeaseError::IdTooLong { .. } => "id_too_long",
+            LeaseError::ZeroToken(_) => "zero_token",
+            LeaseError::TokenReused(_) => "token_reused",
+        }
+    }
 }
 
 /// Why a hand-off or prefill result was refused.
@@ -514,4 +537,63 @@ pub enum RankPlanError {
         /// The block.
         block: BlockId,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One lease error of every kind (`kind()`'s match fails to compile when a kind is added).
+    fn one_of_each() -> Vec<LeaseError> {
+        let r = || "req-1".to_owned();
+        let all = vec![
+            LeaseError::AlreadyLeased(r()),
+            LeaseError::BlocksOutOfRange { request: r(), ids: vec![9], num_blocks: 4 },
+            LeaseError::NoBlocks(r()),
+            LeaseError::DuplicateBlock { request: r(), group: 0, block: 1 },
+            LeaseError::GroupCount { request: r(), expected: 1, got: 2 },
+            LeaseError::NoConsumers(r()),
+            LeaseError::TooManyChildren { request: r(), n: 9, max: 8 },
+            LeaseError::BadChildIndex { request: r(), index: 4, n: 4 },
+            LeaseError::ChildCountMismatch { parent: r(), n: 4, tracked: 2 },
+            LeaseError::Closed(r()),
+            LeaseError::IdMismatch { given: r(), expected: "0_req-1".into() },
+            LeaseError::IdTooLong { start: r(), len: 999, max: 512 },
+            LeaseError::ZeroToken(r()),
+            LeaseError::TokenReused(r()),
+        ];
+        for e in &all {
+            // No wildcard: a new kind does not compile until it has an example above.
+            match e {
+                LeaseError::AlreadyLeased(_)
+                | LeaseError::BlocksOutOfRange { .. }
+                | LeaseError::NoBlocks(_)
+                | LeaseError::DuplicateBlock { .. }
+                | LeaseError::GroupCount { .. }
+                | LeaseError::NoConsumers(_)
+                | LeaseError::TooManyChildren { .. }
+                | LeaseError::BadChildIndex { .. }
+                | LeaseError::ChildCountMismatch { .. }
+                | LeaseError::Closed(_)
+                | LeaseError::IdMismatch { .. }
+                | LeaseError::IdTooLong { .. }
+                | LeaseError::ZeroToken(_)
+                | LeaseError::TokenReused(_) => {}
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn every_lease_error_names_its_kind_and_the_troubleshooting_guide_has_it() {
+        let guide = include_str!("../../../docs/src/guides/troubleshooting.md");
+        let all = one_of_each();
+        let kinds: std::collections::HashSet<_> = all.iter().map(LeaseError::kind).collect();
+        assert_eq!(kinds.len(), all.len(), "one example per kind");
+        for e in &all {
+            let tag = format!("(kind={})", e.kind());
+            assert!(e.to_string().ends_with(&tag), "{e}");
+            assert!(guide.contains(&format!("`{tag}`")), "troubleshooting.md does not list {tag}");
+        }
+    }
 }

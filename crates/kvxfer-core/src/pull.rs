@@ -66,7 +66,7 @@ pub enum MismatchField {
 pub enum PullError {
     /// No connection to the prefill agent could be opened (refused, unreachable, timed
     /// out). Advice: retry from a fresh hand-off (another prefill worker).
-    #[error("{detail}")]
+    #[error("cannot connect to the prefill agent: {detail} (kind=connect)")]
     Connect {
         /// The prefill agent's address.
         peer: String,
@@ -76,7 +76,7 @@ pub enum PullError {
     /// The handshake failed because the two agents are not compatible: protocol versions or
     /// layout compatibility hashes differ. Advice: recompute (this pair will never
     /// transfer; fix the deployment).
-    #[error("handshake with {peer} refused: {message}")]
+    #[error("incompatible prefill agent: handshake with {peer} refused: {message} (kind=incompatible)")]
     Incompatible {
         /// The prefill agent's address.
         peer: String,
@@ -92,7 +92,7 @@ pub enum PullError {
     },
     /// The peer refused the handshake for another reason (it is over its connection
     /// limits, or sent something malformed). Advice: retry from a fresh hand-off.
-    #[error("handshake with {peer} refused: {message}")]
+    #[error("prefill agent refused the handshake: handshake with {peer} refused: {message} (kind=handshake_refused)")]
     HandshakeRefused {
         /// The prefill agent's address.
         peer: String,
@@ -101,7 +101,7 @@ pub enum PullError {
     },
     /// The authenticated handshake failed: no cluster key on one side, different keys, or
     /// a replayed handshake. Advice: recompute (and fix the cluster keys).
-    #[error("{detail}")]
+    #[error("authentication with the prefill agent failed: {detail} (kind=authentication)")]
     Authentication {
         /// The prefill agent's address.
         peer: String,
@@ -114,7 +114,7 @@ pub enum PullError {
     #[error(
         "stale hand-off: {peer} is engine {found_engine} incarnation {}, but the \
          hand-off names engine {expected_engine} incarnation {} (the prefill worker restarted; its \
-         leases are gone)",
+         leases are gone) (kind=peer_restarted)",
         crate::log::Incarnation(*found_incarnation),
         fmt_incarnation(*expected_incarnation)
     )]
@@ -133,7 +133,7 @@ pub enum PullError {
     /// The prefill side has no live lease with this id and token (never made, or ended long
     /// ago, or a wrong token: the peer does not say which). Advice: retry from a fresh
     /// hand-off.
-    #[error("{peer} refused the read of {remote_request_id}: {message}")]
+    #[error("no such lease at the prefill agent: {peer} refused the read of {remote_request_id}: {message} (kind=lease_unknown)")]
     LeaseUnknown {
         /// The prefill agent's address.
         peer: String,
@@ -144,7 +144,7 @@ pub enum PullError {
     },
     /// The lease has ended (expired, released, or pulled by other consumers) before it was
     /// read. Advice: retry from a fresh hand-off (and heartbeat sooner, if it expired).
-    #[error("{peer} refused the read of {remote_request_id}: {message}")]
+    #[error("lease ended before it was read: {peer} refused the read of {remote_request_id}: {message} (kind=lease_ended)")]
     LeaseEnded {
         /// The prefill agent's address.
         peer: String,
@@ -155,7 +155,7 @@ pub enum PullError {
     },
     /// The peer refused a request for another reason (over a limit, blocks outside the
     /// lease). Advice: retry from a fresh hand-off.
-    #[error("{detail}")]
+    #[error("prefill agent refused the request: {detail} (kind=refused)")]
     Refused {
         /// The prefill agent's address.
         peer: String,
@@ -164,7 +164,7 @@ pub enum PullError {
     },
     /// A payload failed its integrity check (CRC-32C, length, or an answer to another read).
     /// Nothing of it was used. Advice: retry from a fresh hand-off (and check the network).
-    #[error("{detail}")]
+    #[error("payload failed its integrity check: {detail} (kind=integrity)")]
     Integrity {
         /// The prefill agent's address.
         peer: String,
@@ -173,7 +173,7 @@ pub enum PullError {
     },
     /// The peer stopped answering or moving bytes within the I/O timeout (or a read's
     /// overall deadline). Advice: retry from a fresh hand-off.
-    #[error("{detail}")]
+    #[error("prefill agent timed out: {detail} (kind=timeout)")]
     Timeout {
         /// The prefill agent's address.
         peer: String,
@@ -182,7 +182,7 @@ pub enum PullError {
     },
     /// The connection broke mid-exchange (reset, closed). Advice: retry from a fresh
     /// hand-off.
-    #[error("{detail}")]
+    #[error("connection to the prefill agent lost: {detail} (kind=connection_lost)")]
     ConnectionLost {
         /// The prefill agent's address.
         peer: String,
@@ -190,7 +190,7 @@ pub enum PullError {
         detail: String,
     },
     /// The peer broke the protocol (an unexpected frame or answer). Advice: recompute.
-    #[error("{detail}")]
+    #[error("prefill agent broke the protocol: {detail} (kind=protocol)")]
     Protocol {
         /// The prefill agent's address.
         peer: String,
@@ -199,7 +199,7 @@ pub enum PullError {
     },
     /// The hand-off names remote blocks outside the prefill agent's layout. Advice:
     /// recompute (the hand-off is wrong).
-    #[error("remote block ids {ids:?} are outside the prefill layout of {num_blocks} blocks")]
+    #[error("remote blocks outside the prefill layout: block ids {ids:?} are outside the prefill layout of {num_blocks} blocks (kind=remote_blocks_out_of_range)")]
     RemoteBlocksOutOfRange {
         /// The offending ids (at most 16).
         ids: Vec<BlockId>,
@@ -209,7 +209,7 @@ pub enum PullError {
     /// The data path the configuration asks for is not available with this peer (UCX
     /// required but not offered, or its endpoint could not be made). Advice: recompute (and
     /// fix the transport settings).
-    #[error("{detail}")]
+    #[error("data path unavailable: {detail} (kind=transport_unavailable)")]
     TransportUnavailable {
         /// The prefill agent's address.
         peer: String,
@@ -218,7 +218,7 @@ pub enum PullError {
     },
     /// A one-sided (UCX) read failed or made no progress. Advice: retry from a fresh
     /// hand-off.
-    #[error("{detail}")]
+    #[error("UCX read failed: {detail} (kind=ucx_read)")]
     UcxRead {
         /// The prefill agent's address.
         peer: String,
@@ -228,7 +228,7 @@ pub enum PullError {
     /// A one-sided read finished, but the prefill side had dropped its pin before (its hold
     /// time passed) or the unpin got no answer: the bytes cannot be trusted. Advice: retry
     /// from a fresh hand-off.
-    #[error("{detail}")]
+    #[error("pin not held through the read: {detail} (kind=pin_not_held)")]
     PinNotHeld {
         /// The prefill agent's address.
         peer: String,
@@ -240,7 +240,7 @@ pub enum PullError {
     /// or crashed: its leases are gone), or — for a hand-off that names only the engine id —
     /// no such rank is registered (yet). Nothing was sent to the engine. Advice: retry from a
     /// fresh hand-off.
-    #[error("engine {engine} rank {rank}: {detail}")]
+    #[error("engine not registered: engine {engine} rank {rank}: {detail} (kind=engine_not_registered)")]
     EngineNotRegistered {
         /// The engine id the hand-off names.
         engine: String,
@@ -251,7 +251,7 @@ pub enum PullError {
     },
     /// This child's blocks depend on a read made for a sibling (shared prompt blocks), and
     /// that read failed. Advice: the cause's.
-    #[error("shared blocks were read for sibling {sibling}, which failed: {cause}")]
+    #[error("shared blocks were read for sibling {sibling}, which failed: {cause} (kind=sibling_failed)")]
     SiblingFailed {
         /// The sibling's child index.
         sibling: u32,
@@ -260,12 +260,12 @@ pub enum PullError {
     },
     /// The decode agent shut down before the child's blocks were read. Advice: fail the
     /// request (or retry on another decode worker).
-    #[error("the decode agent shut down before the pull finished")]
+    #[error("the decode agent shut down before the pull finished (kind=shutdown)")]
     Shutdown,
     /// The caller's local block lists do not fit the plan made with the prefill ranks'
     /// shapes (not `ceil(remote / block_ratio)` blocks per group): nothing was read and no
     /// lease was touched (other decode ranks may still read it). Advice: fail the request.
-    #[error("{detail}")]
+    #[error("local block lists do not fit the plan: {detail} (kind=local_blocks)")]
     LocalBlocks {
         /// What does not fit.
         detail: String,
@@ -305,6 +305,33 @@ impl PullError {
             PullError::SiblingFailed { .. } => "sibling_failed",
             PullError::Shutdown => "shutdown",
             PullError::LocalBlocks { .. } => "local_blocks",
+        }
+    }
+
+    /// The fixed words every message of this kind starts with (before its first `: `), the
+    /// text the troubleshooting guide is searched by. Each kind's are its own.
+    pub fn summary(&self) -> &'static str {
+        match self {
+            PullError::Connect { .. } => "cannot connect to the prefill agent",
+            PullError::Incompatible { .. } => "incompatible prefill agent",
+            PullError::HandshakeRefused { .. } => "prefill agent refused the handshake",
+            PullError::Authentication { .. } => "authentication with the prefill agent failed",
+            PullError::PeerRestarted { .. } => "stale hand-off",
+            PullError::LeaseUnknown { .. } => "no such lease at the prefill agent",
+            PullError::LeaseEnded { .. } => "lease ended before it was read",
+            PullError::Refused { .. } => "prefill agent refused the request",
+            PullError::Integrity { .. } => "payload failed its integrity check",
+            PullError::Timeout { .. } => "prefill agent timed out",
+            PullError::ConnectionLost { .. } => "connection to the prefill agent lost",
+            PullError::Protocol { .. } => "prefill agent broke the protocol",
+            PullError::RemoteBlocksOutOfRange { .. } => "remote blocks outside the prefill layout",
+            PullError::TransportUnavailable { .. } => "data path unavailable",
+            PullError::UcxRead { .. } => "UCX read failed",
+            PullError::PinNotHeld { .. } => "pin not held through the read",
+            PullError::EngineNotRegistered { .. } => "engine not registered",
+            PullError::SiblingFailed { .. } => "shared blocks were read for sibling",
+            PullError::Shutdown => "the decode agent shut down before the pull finished",
+            PullError::LocalBlocks { .. } => "local block lists do not fit the plan",
         }
     }
 
@@ -1022,5 +1049,122 @@ impl PullMachine {
             None => local.len() as u64 * self.config.block_bytes,
         };
         ChildOutcome::Done { bytes_delivered, acknowledged: false }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One error of every kind (the match below fails to compile when a kind is added
+    /// without an example here).
+    pub(crate) fn one_of_each() -> Vec<PullError> {
+        let p = || "10.0.0.1:5000".to_owned();
+        let d = || "what happened".to_owned();
+        let all = vec![
+            PullError::Connect { peer: p(), detail: d() },
+            PullError::Incompatible {
+                peer: p(),
+                field: MismatchField::CompatHash,
+                local: 1,
+                remote: Some(2),
+                message: d(),
+            },
+            PullError::HandshakeRefused { peer: p(), message: d() },
+            PullError::Authentication { peer: p(), detail: d() },
+            PullError::PeerRestarted {
+                peer: p(),
+                expected_engine: "e".into(),
+                expected_incarnation: 1,
+                found_engine: "e".into(),
+                found_incarnation: 2,
+            },
+            PullError::LeaseUnknown { peer: p(), remote_request_id: "r".into(), message: d() },
+            PullError::LeaseEnded { peer: p(), remote_request_id: "r".into(), message: d() },
+            PullError::Refused { peer: p(), detail: d() },
+            PullError::Integrity { peer: p(), detail: d() },
+            PullError::Timeout { peer: p(), detail: d() },
+            PullError::ConnectionLost { peer: p(), detail: d() },
+            PullError::Protocol { peer: p(), detail: d() },
+            PullError::RemoteBlocksOutOfRange { ids: vec![9], num_blocks: 4 },
+            PullError::TransportUnavailable { peer: p(), detail: d() },
+            PullError::UcxRead { peer: p(), detail: d() },
+            PullError::PinNotHeld { peer: p(), detail: d() },
+            PullError::EngineNotRegistered { engine: "e".into(), rank: 0, detail: d() },
+            PullError::SiblingFailed {
+                sibling: 0,
+                cause: Box::new(PullError::Timeout { peer: p(), detail: d() }),
+            },
+            PullError::Shutdown,
+            PullError::LocalBlocks { detail: d() },
+        ];
+        for e in &all {
+            match e {
+                PullError::Connect { .. }
+                | PullError::Incompatible { .. }
+                | PullError::HandshakeRefused { .. }
+                | PullError::Authentication { .. }
+                | PullError::PeerRestarted { .. }
+                | PullError::LeaseUnknown { .. }
+                | PullError::LeaseEnded { .. }
+                | PullError::Refused { .. }
+                | PullError::Integrity { .. }
+                | PullError::Timeout { .. }
+                | PullError::ConnectionLost { .. }
+                | PullError::Protocol { .. }
+                | PullError::RemoteBlocksOutOfRange { .. }
+                | PullError::TransportUnavailable { .. }
+                | PullError::UcxRead { .. }
+                | PullError::PinNotHeld { .. }
+                | PullError::EngineNotRegistered { .. }
+                | PullError::SiblingFailed { .. }
+                | PullError::Shutdown
+                | PullError::LocalBlocks { .. } => {}
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn every_message_starts_with_its_kinds_own_words_and_ends_with_its_kind() {
+        let all = one_of_each();
+        let kinds: std::collections::HashSet<_> = all.iter().map(PullError::kind).collect();
+        assert_eq!(kinds.len(), all.len(), "one example per kind");
+        let mut summaries = std::collections::HashSet::new();
+        for e in &all {
+            let text = e.to_string();
+            assert!(text.starts_with(e.summary()), "{text:?} does not start with {:?}", e.summary());
+            assert!(text.ends_with(&format!("(kind={})", e.kind())), "{text:?}");
+            assert!(summaries.insert(e.summary()), "{:?} is shared by two kinds", e.summary());
+        }
+        // No kind's words are a prefix of another's: a search for one never lands on another.
+        for a in &summaries {
+            for b in &summaries {
+                assert!(a == b || !b.starts_with(a), "{a:?} is a prefix of {b:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_troubleshooting_guide_has_an_entry_for_every_kind_found_by_its_printed_words() {
+        let guide = include_str!("../../../docs/src/guides/troubleshooting.md");
+        for e in one_of_each() {
+            let heading = format!("### {}", e.kind());
+            let section = guide
+                .split("\n### ")
+                .find(|s| s.starts_with(&heading[4..]) && s[heading.len() - 4..].starts_with('\n'))
+                .unwrap_or_else(|| panic!("troubleshooting.md has no section {heading:?}"));
+            let printed = format!("`{}`", e.summary());
+            assert!(
+                section.contains(&printed),
+                "section {heading:?} does not quote the printed words {printed}"
+            );
+            assert!(
+                section.contains(&format!("kind={}", e.kind())),
+                "section {heading:?} does not name kind={}",
+                e.kind()
+            );
+            assert!(section.contains("**Do:**"), "section {heading:?} says no action");
+        }
     }
 }

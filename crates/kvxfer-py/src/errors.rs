@@ -94,28 +94,6 @@ pub(crate) fn s(py: Python<'_>, v: &str) -> Py<PyAny> {
     v.into_pyobject(py).map(|o| o.into_any().unbind()).unwrap_or_else(|_| py.None())
 }
 
-/// The snake-case name of a `LeaseError` variant.
-fn lease_kind(e: &kvxfer_core::LeaseError) -> &'static str {
-    use kvxfer_core::LeaseError as L;
-    match e {
-        L::AlreadyLeased(_) => "already_leased",
-        L::BlocksOutOfRange { .. } => "blocks_out_of_range",
-        L::NoBlocks(_) => "no_blocks",
-        L::DuplicateBlock { .. } => "duplicate_block",
-        L::GroupCount { .. } => "group_count",
-        L::Closed(_) => "closed",
-        L::NoConsumers(_) => "no_consumers",
-        L::TooManyChildren { .. } => "too_many_children",
-        L::BadChildIndex { .. } => "bad_child_index",
-        L::ChildCountMismatch { .. } => "child_count_mismatch",
-        L::IdMismatch { .. } => "id_mismatch",
-        L::ZeroToken(_) => "zero_token",
-        L::TokenReused(_) => "token_reused",
-        L::IdTooLong { .. } => "id_too_long",
-        _ => "other",
-    }
-}
-
 /// The snake-case name of a `SubmitError` variant.
 fn submit_kind(e: &kvxfer::SubmitError) -> &'static str {
     use kvxfer::SubmitError as S;
@@ -158,7 +136,7 @@ pub(crate) fn to_py(py: Python<'_>, e: kvxfer::Error) -> PyErr {
     use kvxfer_core::Error as C;
     let msg = e.to_string();
     match &e {
-        kvxfer::Error::Core(C::Lease(l)) => raise::<LeaseError>(py, msg, &[("kind", s(py, lease_kind(l)))]),
+        kvxfer::Error::Core(C::Lease(l)) => raise::<LeaseError>(py, msg, &[("kind", s(py, l.kind()))]),
         kvxfer::Error::Core(C::Params(p)) => params_error(py, "", p),
         kvxfer::Error::Core(C::Handoff(_)) => raise::<ParamsError>(py, msg, &[("field", py.None())]),
         kvxfer::Error::Core(C::Layout(_)) => raise::<LayoutError>(py, msg, &[]),

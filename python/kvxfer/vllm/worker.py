@@ -863,7 +863,7 @@ class KvxferWorker:
                     del self._pulling[remote_id]
                 failed = r["outcome"] in ("failed", "failed_blocks_held")
                 if failed:
-                    logger.warning("kvxfer: pulling %s failed (%s): %s", rid, r["error"].advice, r["error"])
+                    logger.warning("kvxfer: pulling %s failed (advice=%s): %s", rid, r["error"].advice, r["error"])
                     self._load_errors.update(all_ids(r["local_blocks"]))
                     self._failed_recving.add(rid)
                 elif self.staging is not None:
