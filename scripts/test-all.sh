@@ -52,6 +52,9 @@ python3 scripts/check-doc-links.py
 # The API docs too: every intra-doc link resolves (doctests run with the tests below).
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked -q
 
+echo "== two clones building into one target directory (a shared CI cache or CARGO_TARGET_DIR)"
+bash scripts/check-shared-target.sh
+
 echo "== tests (every crate, with the UCX data path)"
 cargo test --workspace --all-features --locked
 
