@@ -49,6 +49,8 @@ if grep -E '\b(WARN|ERROR)\b' "$mdbook_log"; then
 fi
 rm -f "$mdbook_log"
 python3 scripts/check-doc-links.py
+# The embedding guide's Cargo dependency lines build its fragments from outside the workspace.
+bash scripts/check-cargo-lines.sh
 # The API docs too: every intra-doc link resolves (doctests run with the tests below).
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked -q
 
