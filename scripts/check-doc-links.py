@@ -24,7 +24,7 @@ import re
 import sys
 import urllib.parse
 
-ROOT_DOCS = ("README.md", "ARCHITECTURE.md", "BENCHMARKING.md")
+ROOT_DOCS = ("README.md", "ARCHITECTURE.md", "BENCHMARKING.md", "CHANGELOG.md")
 
 
 class _Page(html.parser.HTMLParser):
