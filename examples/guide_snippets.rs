@@ -144,4 +144,17 @@ fn cluster() -> AgentConfig {
     config
 }
 
+/// The cluster guide: etcd over TLS with authentication, settings from the environment.
+#[cfg(feature = "cluster")]
+fn cluster_secure() -> Result<AgentConfig, Box<dyn std::error::Error>> {
+    // ANCHOR: etcd_security
+    use kvxfer::cluster::DiscoveryConfig;
+
+    let mut discovery = DiscoveryConfig::new(["https://10.0.0.1:2379"], "prod");
+    discovery.etcd = discovery.etcd.security_from_env()?; // KVXFER_ETCD_CA, _CERT, _KEY, _USER, _PASSWORD_FILE
+    let config = AgentConfig::new("prefill-0").engine_id("prefill-a").rank(0).discovery(discovery);
+    // ANCHOR_END: etcd_security
+    Ok(config)
+}
+
 fn main() {}

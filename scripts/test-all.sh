@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 # step below build against that UCX: only the UCX 1.22 section sets it, for itself.
 unset UCX_HOME
 
-SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server protobuf-compiler python3-venv python3-pip)
+SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server etcd-client protobuf-compiler python3-venv python3-pip)
 missing=()
 for p in "${SYSTEM_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -86,6 +86,9 @@ cargo run --locked --example loopback -- --n 3 --cancel-child 1 --skip-child 2 -
 cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
 echo "== tokio host smoke run (prefill, decode and router tasks on one runtime; every child's hand-off routed)"
 cargo run --locked --example tokio_host -- --n 4 --cancel-child 1 --json
+echo "== the cluster guide's etcd with TLS, client certificates and authentication (scripts/etcd-tls-auth-example.sh)"
+# (kvxfer-register was built with kvxfer-cluster's integration tests above.)
+bash scripts/etcd-tls-auth-example.sh "$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug/kvxfer-register"
 echo "== multi-host run in network namespaces (etcd, prefill, decode; TCP and UCX-tcp; kill -9 and restart; partition, etcd outage, SIGTERM, three-member etcd with one killed; skipped unless root)"
 KVXFER_BIN_DIR="$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug" \
     bash scripts/multihost.sh
