@@ -49,6 +49,9 @@ if grep -E '\b(WARN|ERROR)\b' "$mdbook_log"; then
 fi
 rm -f "$mdbook_log"
 python3 scripts/check-doc-links.py
+# BENCHMARKING.md's tables are rendered from bench-results/, and every figure README, ARCHITECTURE
+# and the book quote is marked and equals its results cell (scripts/render-benchmarks.py).
+python3 scripts/render-benchmarks.py --check
 # The embedding guide's Cargo dependency lines build its fragments from outside the workspace.
 bash scripts/check-cargo-lines.sh
 # The API docs too: every intra-doc link resolves (doctests run with the tests below).
