@@ -354,6 +354,9 @@ class DecodeAgent:
     def poll_reports(self) -> list[dict[str, Any]]: ...
     def wait_reports(self, timeout: float = 10.0) -> list[dict[str, Any]]: ...
     def cancel(self, remote_request_id: str) -> bool: ...
+    @property
+    def _tracked_pulls(self) -> int:
+        """How many pulls the agent tracks for ``cancel`` (for tests)."""
     def heartbeat(self, children: Sequence[Params], *, wait: bool = False, timeout: float = 10.0) -> Optional[list[str]]:
         """Keeps leases of pulls not started yet alive (requests waiting in the queue); with
         ``wait``, one outcome per child (an empty list when no answer came within ``timeout``

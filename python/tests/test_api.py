@@ -121,9 +121,26 @@ def test_cancelling_a_child_releases_its_lease(prefill, decode):
     err = reports[1]["error"]
     assert reports[1]["outcome"] == "failed" and isinstance(err, kvxfer.PullError)
     assert err.kind == "lease_ended" and err.advice == "retry_fresh_handoff" and err.retryable
+    # The message a log shows: its kind's own first words, and its kind at the end.
+    assert str(err).startswith("lease ended before it was read: ") and str(err).endswith("(kind=lease_ended)")
     assert reports[1]["local_blocks"] == [4]
     kinds = sorted(e["kind"] for e in prefill.wait_ends(2, timeout=10))
     assert kinds == ["pulled", "released"]
+
+
+def test_finished_pulls_are_not_kept_by_the_agent(prefill, decode):
+    """A decode worker serves pulls for as long as it runs: the agent keeps track of the live
+    ones (for `cancel`), not of every pull it ever made."""
+    for i in range(300):
+        params = [h.to_params() for h in prefill.lease_parent(f"T{i}", [[i % 32]])]
+        assert decode.submit(params, [[i % 32]]).wait(timeout=30)[0]["outcome"] == "done"
+        decode.poll_reports()
+    assert decode._tracked_pulls <= 128, decode._tracked_pulls
+    # A pull under way is still found by its child's id.
+    params = [h.to_params() for h in prefill.lease_parent("T-live", [[5]])]
+    pull = decode.submit(params, [[5]])
+    assert decode.cancel(params[0]["remote_request_id"]) or pull.done
+    pull.wait(timeout=30)
 
 
 def test_a_draining_agent_refuses_new_leases_while_its_leases_are_pulled(prefill, decode, src, dst):

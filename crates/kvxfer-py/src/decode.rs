@@ -174,11 +174,40 @@ struct Queue {
 /// What the Python `DecodeAgent` and its pulls' forwarder tasks share.
 struct Shared {
     queue: Option<Queue>,
-    pulls: Mutex<Vec<Weak<PullState>>>,
+    pulls: Mutex<TrackedPulls>,
     next_id: AtomicU64,
     /// The pulls' forwarder tasks: a shutdown waits for them after the agent's own, so
     /// every report reached its `Pull` before the runtime (and any task on it) is dropped.
     forwarders: TaskTracker,
+}
+
+/// The pulls `DecodeAgent.cancel` may find a child in: weak, so a finished pull whose
+/// `Pull` Python dropped is not kept; the dead ones are pruned as pulls are added (whenever
+/// the list has doubled since the last pruning), so a long-running worker's list stays
+/// about the size of its live pulls.
+#[derive(Default)]
+struct TrackedPulls {
+    pulls: Vec<Weak<PullState>>,
+    prune_at: usize,
+}
+
+impl TrackedPulls {
+    /// Fewest entries worth a pruning pass.
+    const MIN_PRUNE: usize = 64;
+
+    fn push(&mut self, pull: &Arc<PullState>) {
+        if self.pulls.len() >= self.prune_at.max(Self::MIN_PRUNE) {
+            self.pulls.retain(|w| w.strong_count() > 0);
+            self.prune_at = 2 * self.pulls.len();
+        }
+        self.pulls.push(Arc::downgrade(pull));
+    }
+
+    fn live(&mut self) -> Vec<Arc<PullState>> {
+        self.pulls.retain(|w| w.strong_count() > 0);
+        self.prune_at = 2 * self.pulls.len();
+        self.pulls.iter().filter_map(Weak::upgrade).collect()
+    }
 }
 
 /// Moves a pull's reports into its state (and the agent's queue) as children finish.
@@ -214,9 +243,7 @@ impl DecodeAgent {
     }
 
     fn live_pulls(&self) -> Vec<Arc<PullState>> {
-        let mut pulls = self.shared.pulls.lock().unwrap_or_else(|p| p.into_inner());
-        pulls.retain(|w| w.strong_count() > 0);
-        pulls.iter().filter_map(Weak::upgrade).collect()
+        self.shared.pulls.lock().unwrap_or_else(|p| p.into_inner()).live()
     }
 }
 
@@ -340,11 +367,18 @@ impl DecodeAgent {
         let consumer_id = agent.consumer_id().to_owned();
         let shared = Arc::new(Shared {
             queue: queue_reports.then(Queue::default),
-            pulls: Mutex::new(Vec::new()),
+            pulls: Mutex::new(TrackedPulls::default()),
             next_id: AtomicU64::new(1),
             forwarders: TaskTracker::new(),
         });
         Ok(DecodeAgent { host: Hosted::new(agent, rt, "decode agent"), shared, keeper, consumer_id })
+    }
+
+    /// How many pulls the agent keeps track of for `cancel` (finished ones are pruned as new
+    /// ones come): for tests.
+    #[getter]
+    fn _tracked_pulls(&self) -> usize {
+        self.shared.pulls.lock().unwrap_or_else(|p| p.into_inner()).pulls.len()
     }
 
     /// The consumer id this agent notifies with (`"{engine_id}/{rank}"` by default).
@@ -730,7 +764,7 @@ impl DecodeAgent {
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
         });
-        self.shared.pulls.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(&state));
+        self.shared.pulls.lock().unwrap_or_else(|p| p.into_inner()).push(&state);
         self.shared.forwarders.spawn_on(forward(handle, state.clone(), self.shared.clone()), rt);
         Pull { state }
     }
