@@ -159,7 +159,7 @@ class FakeTensor:
     "buffer, message",
     [
         (FakeTensor(0, 4096), "data_ptr() is 0"),
-        (FakeTensor(0x1000, 4096, device="cuda"), "device cuda"),
+        (FakeTensor(0x1000, 4096, device="xpu"), "device xpu"),  # CUDA is registered as device memory
         (FakeTensor(0x1000, 4096, contiguous=False), "not contiguous"),
         (FakeTensor(0x1000, 0), "empty"),
         (FakeTensor(-5, 4096), "not a valid buffer"),
