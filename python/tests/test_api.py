@@ -235,6 +235,17 @@ def test_queued_lease_heartbeats(prefill, decode):
     assert (stats["keeper_extended"], stats["keeper_ended"]) == (1, 1)
 
 
+def test_queued_lease_heartbeats_keep_no_connection_to_a_prefill_agent_that_went_away(decode, src):
+    """A prefill engine restarted on another port leaves no pooled heartbeat connection
+    behind in a decode agent that runs for days."""
+    for i in range(3):
+        prefill = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]), transport="tcp")
+        params = prefill.lease(f"K{i}", 0, 1, [1], ttl=30).to_params()
+        assert decode.heartbeat([params], wait=True) == ["extended"]
+        assert decode.stats()["keeper_connections"] == 1, "the gone agents' connections were dropped"
+        prefill.shutdown()  # closes the keeper's connection; no heartbeat goes there again
+
+
 def test_a_shut_down_agent_refuses_calls(src):
     agent = kvxfer.PrefillAgent(kvxfer.kv_cache_memory([src]))
     agent.shutdown()

@@ -29,6 +29,8 @@ pub(crate) struct Keeper {
     unrecognized: AtomicU64,
     ended: AtomicU64,
     errors: AtomicU64,
+    /// Connections pooled now.
+    pooled: AtomicU64,
 }
 
 fn outcome_name(o: LeaseOutcome) -> &'static str {
@@ -54,6 +56,7 @@ impl Keeper {
             unrecognized: AtomicU64::new(0),
             ended: AtomicU64::new(0),
             errors: AtomicU64::new(0),
+            pooled: AtomicU64::new(0),
         }
     }
 
@@ -62,7 +65,12 @@ impl Keeper {
     /// new one.
     async fn connection(&self, addr: &str, fresh: bool) -> Option<Connection> {
         let max_idle = self.limits.idle_timeout / 2;
-        let pooled = self.conns.lock().await.remove(addr);
+        let pooled = {
+            let mut conns = self.conns.lock().await;
+            let pooled = conns.remove(addr);
+            self.pooled.store(conns.len() as u64, Ordering::Relaxed);
+            pooled
+        };
         if let Some((c, _)) =
             pooled.filter(|(c, since)| !fresh && !c.closed_by_peer() && since.elapsed() < max_idle)
         {
@@ -75,6 +83,18 @@ impl Keeper {
                 None
             }
         }
+    }
+
+    /// Pools `conn` for the next heartbeat to `addr`, first dropping the pooled connections
+    /// no heartbeat would reuse (closed by their peer, or idle past half the idle timeout):
+    /// a prefill agent that went away — a restart on a new port, a host replaced — leaves
+    /// no connection behind for as long as this agent runs.
+    async fn pool(&self, addr: &str, conn: Connection) {
+        let max_idle = self.limits.idle_timeout / 2;
+        let mut conns = self.conns.lock().await;
+        conns.retain(|_, (c, since)| !c.closed_by_peer() && since.elapsed() < max_idle);
+        conns.insert(addr.to_owned(), (conn, Instant::now()));
+        self.pooled.store(conns.len() as u64, Ordering::Relaxed);
     }
 
     /// One heartbeat exchange with the prefill agent at `addr`; a connection whose exchange
@@ -106,13 +126,13 @@ impl Keeper {
         if live.is_empty() {
             // Only a new connection tells every lease gone (a pooled one is asked again on
             // one): it is pooled for the next heartbeat rather than made again.
-            self.conns.lock().await.insert(addr.to_owned(), (conn, Instant::now()));
+            self.pool(addr, conn).await;
             return Some(out);
         }
         let (at, refs): (Vec<usize>, Vec<v1::LeaseRef>) = live.into_iter().map(|(i, (r, _))| (i, r)).unzip();
         match conn.heartbeat(refs).await {
             Ok(outcomes) => {
-                self.conns.lock().await.insert(addr.to_owned(), (conn, Instant::now()));
+                self.pool(addr, conn).await;
                 for (i, o) in at.into_iter().zip(outcomes) {
                     out[i] = o;
                 }
@@ -171,6 +191,7 @@ impl Keeper {
     /// Closes every connection.
     pub(crate) async fn close(&self) {
         self.conns.lock().await.clear();
+        self.pooled.store(0, Ordering::Relaxed);
     }
 
     /// The counters, named as `DecodeAgent.stats()` reports them.
@@ -182,6 +203,7 @@ impl Keeper {
             ("keeper_unrecognized", l(&self.unrecognized)),
             ("keeper_ended", l(&self.ended)),
             ("keeper_errors", l(&self.errors)),
+            ("keeper_connections", l(&self.pooled)),
         ])
     }
 }

@@ -201,6 +201,10 @@ def test_one_lease_per_parent_whichever_childs_params_the_router_keeps(pair: Pai
     assert before.lease_delta(pair) == dict(leased=N, pulled=1, released=N - 1, expired=0, retracted=0, live=0)
     decode_stats = pair.decode.worker_stats()["decode"]
     assert decode_stats is not None
+    # Every child finished: the prefill scheduler keeps nothing of the parent (a long-running
+    # engine would otherwise hold each parent's hand-offs until they age out).
+    sched = pair.prefill.connector.scheduler
+    assert not [p for p in sched._siblings if tag in p], sched._siblings
 
 
 def test_a_decode_child_aborted_before_the_pull_does_not_end_the_lease_for_the_others(pair: Pair) -> None:
