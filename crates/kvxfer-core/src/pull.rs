@@ -66,7 +66,7 @@ pub enum MismatchField {
 pub enum PullError {
     /// No connection to the prefill agent could be opened (refused, unreachable, timed
     /// out). Advice: retry from a fresh hand-off (another prefill worker).
-    #[error("cannot connect to the prefill agent: {detail} (kind=connect)")]
+    #[error("no connection to the prefill agent: {detail} (kind=connect)")]
     Connect {
         /// The prefill agent's address.
         peer: String,
@@ -92,7 +92,7 @@ pub enum PullError {
     },
     /// The peer refused the handshake for another reason (it is over its connection
     /// limits, or sent something malformed). Advice: retry from a fresh hand-off.
-    #[error("prefill agent refused the handshake: handshake with {peer} refused: {message} (kind=handshake_refused)")]
+    #[error("prefill agent refused the handshake: {peer}: {message} (kind=handshake_refused)")]
     HandshakeRefused {
         /// The prefill agent's address.
         peer: String,
@@ -155,7 +155,7 @@ pub enum PullError {
     },
     /// The peer refused a request for another reason (over a limit, blocks outside the
     /// lease). Advice: retry from a fresh hand-off.
-    #[error("prefill agent refused the request: {detail} (kind=refused)")]
+    #[error("request not served: {detail} (kind=refused)")]
     Refused {
         /// The prefill agent's address.
         peer: String,
@@ -164,7 +164,7 @@ pub enum PullError {
     },
     /// A payload failed its integrity check (CRC-32C, length, or an answer to another read).
     /// Nothing of it was used. Advice: retry from a fresh hand-off (and check the network).
-    #[error("payload failed its integrity check: {detail} (kind=integrity)")]
+    #[error("corrupt payload: {detail} (kind=integrity)")]
     Integrity {
         /// The prefill agent's address.
         peer: String,
@@ -173,7 +173,7 @@ pub enum PullError {
     },
     /// The peer stopped answering or moving bytes within the I/O timeout (or a read's
     /// overall deadline). Advice: retry from a fresh hand-off.
-    #[error("prefill agent timed out: {detail} (kind=timeout)")]
+    #[error("no progress from the prefill agent: {detail} (kind=timeout)")]
     Timeout {
         /// The prefill agent's address.
         peer: String,
@@ -182,7 +182,7 @@ pub enum PullError {
     },
     /// The connection broke mid-exchange (reset, closed). Advice: retry from a fresh
     /// hand-off.
-    #[error("connection to the prefill agent lost: {detail} (kind=connection_lost)")]
+    #[error("connection lost: {detail} (kind=connection_lost)")]
     ConnectionLost {
         /// The prefill agent's address.
         peer: String,
@@ -190,7 +190,7 @@ pub enum PullError {
         detail: String,
     },
     /// The peer broke the protocol (an unexpected frame or answer). Advice: recompute.
-    #[error("prefill agent broke the protocol: {detail} (kind=protocol)")]
+    #[error("protocol error: {detail} (kind=protocol)")]
     Protocol {
         /// The prefill agent's address.
         peer: String,
@@ -240,7 +240,7 @@ pub enum PullError {
     /// or crashed: its leases are gone), or — for a hand-off that names only the engine id —
     /// no such rank is registered (yet). Nothing was sent to the engine. Advice: retry from a
     /// fresh hand-off.
-    #[error("engine not registered: engine {engine} rank {rank}: {detail} (kind=engine_not_registered)")]
+    #[error("engine unknown to discovery: engine {engine} rank {rank}: {detail} (kind=engine_not_registered)")]
     EngineNotRegistered {
         /// The engine id the hand-off names.
         engine: String,
@@ -308,27 +308,28 @@ impl PullError {
         }
     }
 
-    /// The fixed words every message of this kind starts with (before its first `: `), the
-    /// text the troubleshooting guide is searched by. Each kind's are its own.
+    /// The fixed words every message of this kind starts with, the text the troubleshooting
+    /// guide is searched by. Each kind's are its own, and none starts another's. (A sibling's
+    /// failure quotes its cause: its message holds two `kind=`, the last one its own.)
     pub fn summary(&self) -> &'static str {
         match self {
-            PullError::Connect { .. } => "cannot connect to the prefill agent",
+            PullError::Connect { .. } => "no connection to the prefill agent",
             PullError::Incompatible { .. } => "incompatible prefill agent",
             PullError::HandshakeRefused { .. } => "prefill agent refused the handshake",
             PullError::Authentication { .. } => "authentication with the prefill agent failed",
             PullError::PeerRestarted { .. } => "stale hand-off",
             PullError::LeaseUnknown { .. } => "no such lease at the prefill agent",
             PullError::LeaseEnded { .. } => "lease ended before it was read",
-            PullError::Refused { .. } => "prefill agent refused the request",
-            PullError::Integrity { .. } => "payload failed its integrity check",
-            PullError::Timeout { .. } => "prefill agent timed out",
-            PullError::ConnectionLost { .. } => "connection to the prefill agent lost",
-            PullError::Protocol { .. } => "prefill agent broke the protocol",
+            PullError::Refused { .. } => "request not served",
+            PullError::Integrity { .. } => "corrupt payload",
+            PullError::Timeout { .. } => "no progress from the prefill agent",
+            PullError::ConnectionLost { .. } => "connection lost",
+            PullError::Protocol { .. } => "protocol error",
             PullError::RemoteBlocksOutOfRange { .. } => "remote blocks outside the prefill layout",
             PullError::TransportUnavailable { .. } => "data path unavailable",
             PullError::UcxRead { .. } => "UCX read failed",
             PullError::PinNotHeld { .. } => "pin not held through the read",
-            PullError::EngineNotRegistered { .. } => "engine not registered",
+            PullError::EngineNotRegistered { .. } => "engine unknown to discovery",
             PullError::SiblingFailed { .. } => "shared blocks were read for sibling",
             PullError::Shutdown => "the decode agent shut down before the pull finished",
             PullError::LocalBlocks { .. } => "local block lists do not fit the plan",
