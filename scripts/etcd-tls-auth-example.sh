@@ -15,10 +15,16 @@ for tool in etcd etcdctl openssl "$register"; do
 done
 dir=$(mktemp -d)
 pids=()
+# Waits up to 10 s for process $1 to exit (it was signalled, or its stdin closed).
+gone() {
+    for _ in $(seq 100); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
+    return 1
+}
 cleanup() {
-    # etcd, a registration still running, and the stdin holders of the refusal runs.
-    pkill -P $$ 2>/dev/null || true
-    for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+    # etcd and a registration still running: TERM, then KILL if one does not go.
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${pids[@]}"; do gone "$p" || kill -9 "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
     rm -rf "$dir"
 }
 trap cleanup EXIT
@@ -54,9 +60,12 @@ etcd --name kvxfer-etcd --data-dir etcd-data \
 # ANCHOR_END: etcd
 pids+=($!)
 
-# ANCHOR: roles
+# ANCHOR: etcdctl
 ctl() { etcdctl --endpoints "https://127.0.0.1:$CLIENT_PORT" --cacert ca.crt --cert client.crt --key client.key "$@"; }
 for _ in $(seq 100); do ctl endpoint health >/dev/null 2>&1 && break; sleep 0.1; done   # etcd up
+# ANCHOR_END: etcdctl
+ctl endpoint health || { echo "etcd did not come up:" >&2; cat etcd.log >&2; exit 1; }
+# ANCHOR: roles
 # A root user, then a role that may read and write the namespace's prefix only, and the
 # user kvxfer's agents log in as; then authentication on.
 ctl user add root:root-password
@@ -88,20 +97,29 @@ keys=$(ctl --user root:root-password get --prefix /prod/ --keys-only)
 echo "$keys"
 grep -qx /prod/v1/engines/prefill-0/0 <<<"$keys" || { echo "no engine key" >&2; exit 1; }
 exec 3>&-
-wait "${pids[1]}"
+gone "${pids[1]}" || { echo "the registration did not end when its stdin closed" >&2; exit 1; }
 grep -q '"revoked"' register.out || { echo "the registration did not end by revoking its key" >&2; exit 1; }
 
 # What a wrong set-up gets: refused at the first answer, exit status 1, etcd's reason named.
+# Each run's stdin stays open (a FIFO this script holds open for reading and writing), so
+# only a refusal ends it: an accepted registration would hold on until the timeout kills it.
+mkfifo open-stdin
+exec 4<>open-stdin
 refused() {
     local want=$1
     shift
-    if "$register" --etcd "https://127.0.0.1:$CLIENT_PORT" --engine-id prefill-0 --addr 10.0.0.7:5600 "$@" \
-        < <(sleep 20) >refused.out 2>&1; then
-        cat refused.out >&2; echo "expected a refusal naming '$want'" >&2
+    if timeout 30 "$register" --etcd "https://127.0.0.1:$CLIENT_PORT" --engine-id prefill-0 \
+        --addr 10.0.0.7:5600 "$@" <open-stdin >refused.out 2>&1; then
+        cat refused.out >&2
+        echo "expected a refusal naming '$want'" >&2
         exit 1
     fi
-    cat refused.out >&2; grep -q "$want" refused.out || { echo "expected '$want' in:" >&2; cat refused.out >&2; exit 1; }
-    echo "refused as expected: $want"
+    if ! grep -Eq "$want" refused.out; then
+        echo "expected '$want' in:" >&2
+        cat refused.out >&2
+        exit 1
+    fi
+    echo "refused as expected: $(grep -Eo "$want" refused.out | head -1)"
 }
 # A namespace outside the role's prefix.
 refused "permission denied" --namespace other
@@ -109,5 +127,6 @@ refused "permission denied" --namespace other
 echo wrong >wrong-password
 KVXFER_ETCD_PASSWORD_FILE=$PWD/wrong-password refused "authentication failed" --namespace prod
 # No client certificate while etcd asks for one.
-(unset KVXFER_ETCD_CERT KVXFER_ETCD_KEY; refused "certificate" --namespace prod)
+(unset KVXFER_ETCD_CERT KVXFER_ETCD_KEY; refused "BadCertificate|CertificateRequired|certificate required" --namespace prod)
+exec 4>&-
 echo "etcd with TLS, client certificates and authentication: ok"

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 # step below build against that UCX: only the UCX 1.22 section sets it, for itself.
 unset UCX_HOME
 
-SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server etcd-client protobuf-compiler python3-venv python3-pip)
+SYSTEM_PACKAGES=(libucx-dev pkg-config libclang-dev etcd-server etcd-client openssl procps protobuf-compiler python3-venv python3-pip)
 missing=()
 for p in "${SYSTEM_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

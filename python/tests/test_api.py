@@ -136,11 +136,15 @@ def test_finished_pulls_are_not_kept_by_the_agent(prefill, decode):
         assert decode.submit(params, [[i % 32]]).wait(timeout=30)[0]["outcome"] == "done"
         decode.poll_reports()
     assert decode._tracked_pulls <= 128, decode._tracked_pulls
-    # A pull under way is still found by its child's id.
-    params = [h.to_params() for h in prefill.lease_parent("T-live", [[5]])]
-    pull = decode.submit(params, [[5]])
-    assert decode.cancel(params[0]["remote_request_id"]) or pull.done
-    pull.wait(timeout=30)
+    # A pull under way is still found by its child's id (its hand-off not armed yet, so it
+    # waits), also when a finished pull of the same id is still held.
+    finished = decode.submit([h.to_params() for h in prefill.lease_parent("T-live", [[5]])], [[5]])
+    assert finished.wait(timeout=30)[0]["outcome"] == "done"
+    waiting = unarmed(prefill, "T-live", [6])
+    pull = decode.submit([waiting], [[6]])
+    assert decode.cancel("T-live")
+    assert pull.wait(timeout=30)[0]["outcome"] == "cancelled"
+    del finished
 
 
 def test_a_draining_agent_refuses_new_leases_while_its_leases_are_pulled(prefill, decode, src, dst):

@@ -503,11 +503,13 @@ impl DecodeAgent {
         taken.iter().map(|r| r.to_dict(py)).collect()
     }
 
-    /// Cancels the child with this `remote_request_id` in whichever pull of this agent has
-    /// it: its lease is released (or ends as it already had), and its local blocks are not
-    /// written after its report. Returns whether a pull had it.
+    /// Cancels the child with this `remote_request_id` in whichever pull of this agent still
+    /// under way has it: its lease is released (or ends as it already had), and its local
+    /// blocks are not written after its report. Returns whether such a pull had it.
     fn cancel(&self, remote_request_id: &str) -> bool {
-        for pull in self.live_pulls() {
+        // A pull still under way: a finished one Python still holds may name the same child
+        // (a request retried under its id).
+        for pull in self.live_pulls().into_iter().filter(|p| p.lock().totals.is_none()) {
             if let Some(j) = pull
                 .children
                 .iter()
