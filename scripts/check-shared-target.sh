@@ -4,7 +4,7 @@
 # file, even after the first clone is gone.
 set -euo pipefail
 src=${1:-$(cd "$(dirname "$0")/.." && pwd)}
-rev=${2:-HEAD}
+rev=${2:-HEAD}  # a commit: what CI cloned (uncommitted edits are not seen)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 git -C "$src" worktree list >/dev/null

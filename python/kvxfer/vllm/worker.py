@@ -272,6 +272,14 @@ class KvxferWorker:
         # then those of the last get_finished.
         self._failed_recving: set[str] = set()
         self.last_failed_recving: set[str] = set()
+        # Requests whose pull ended failed_blocks_held: a one-sided (UCX) read into their
+        # blocks could not be stopped, so vLLM must not reuse or recompute into them yet.
+        # They are reported (failed) once the agent reclaims the blocks: request id ->
+        # (the pull's parent, its local block ids, its report).
+        self._held: dict[str, tuple[str, set[int], dict[str, Any]]] = {}
+        # Reclaimed blocks no held pull matched yet (its report may come a step later):
+        # (when, parent, block ids).
+        self._reclaimed: list[tuple[float, str, set[int]]] = []
         # Finished pulls and lease ends since vLLM last read the stats.
         self.transfers: list[dict[str, Any]] = []
         self.lease_ends: list[str] = []
@@ -861,8 +869,20 @@ class KvxferWorker:
                 remote_id = r["remote_request_id"]
                 if self._pulling.get(remote_id) == rid:
                     del self._pulling[remote_id]
-                failed = r["outcome"] in ("failed", "failed_blocks_held")
-                if failed:
+                held = r["outcome"] == "failed_blocks_held"
+                failed = r["outcome"] == "failed" or held
+                if held:
+                    # Not reported to vLLM yet: it would recompute into (or reuse) blocks a
+                    # read may still write. Reported once the agent reclaims them.
+                    logger.warning(
+                        "kvxfer: pulling %s failed (advice=%s): %s; its blocks stay held until the read "
+                        "that could not be stopped completes",
+                        rid,
+                        r["error"].advice,
+                        r["error"],
+                    )
+                    self._held[rid] = (r.get("parent_request_id", ""), set(all_ids(r["local_blocks"])), r)
+                elif failed:
                     logger.warning("kvxfer: pulling %s failed (advice=%s): %s", rid, r["error"].advice, r["error"])
                     self._load_errors.update(all_ids(r["local_blocks"]))
                     self._failed_recving.add(rid)
@@ -885,10 +905,37 @@ class KvxferWorker:
                 else:
                     self._pulled.pop(rid, None)
                 self.transfers.append(r)
-                self._done_recving.add(rid)
+                if not held:
+                    self._done_recving.add(rid)
+            if self._held or self._reclaimed:
+                self._reclaim_held()
         recving, self._done_recving = self._done_recving, set()
         self.last_failed_recving, self._failed_recving = self._failed_recving, set()
         return (sending or None), (recving or None)
+
+    def _reclaim_held(self) -> None:
+        """Reports the held pulls whose blocks the decode agent reclaimed (the read that could
+        not be stopped completed): failed, their blocks load errors, so vLLM recomputes."""
+        assert self.decode is not None
+        now = time.monotonic()
+        self._reclaimed += [
+            (now, rec["parent_request_id"], set(rec["local_blocks"])) for rec in self.decode.poll_reclaimed()
+        ]
+        unmatched = []
+        for since, parent, freed in self._reclaimed:
+            of_parent = [rid for rid, (p, _, _) in self._held.items() if p == parent]
+            matched = [rid for rid in of_parent if self._held[rid][1] <= freed]
+            if not matched and len(of_parent) == 1:
+                matched = of_parent  # one held pull of this parent: these are its blocks
+            for rid in matched:
+                _, _, r = self._held.pop(rid)
+                logger.info("kvxfer: the blocks of %s are free again; reported failed (vLLM recomputes)", rid)
+                self._load_errors.update(all_ids(r["local_blocks"]))
+                self._failed_recving.add(rid)
+                self._done_recving.add(rid)
+            if not matched and now - since < FORGET_AFTER:
+                unmatched.append((since, parent, freed))
+        self._reclaimed = unmatched
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of failed pulls — for one KV-cache group only: block ids repeat across
