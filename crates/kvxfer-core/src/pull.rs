@@ -240,7 +240,9 @@ pub enum PullError {
     /// or crashed: its leases are gone), or — for a hand-off that names only the engine id —
     /// no such rank is registered (yet). Nothing was sent to the engine. Advice: retry from a
     /// fresh hand-off.
-    #[error("engine unknown to discovery: engine {engine} rank {rank}: {detail} (kind=engine_not_registered)")]
+    #[error(
+        "engine unknown to discovery: engine {engine} rank {rank}: {detail} (kind=engine_not_registered)"
+    )]
     EngineNotRegistered {
         /// The engine id the hand-off names.
         engine: String,
