@@ -86,6 +86,13 @@ eval "$ucx_env"
 
 echo "== loopback smoke run (pulled, released and expired children; exits non-zero on any mismatch)"
 cargo run --locked --example loopback -- --n 3 --cancel-child 1 --skip-child 2 --lease-ms 500 --json
+# The getting-started guide's expected output of the main job: its first and last lines (the
+# children's order and the speed vary).
+loopback_out=$(cargo run -q --locked --example loopback)
+echo "$loopback_out"
+diff <(sed -n '/^ *kvxfer loopback over tcp/p; /^ *leases: /p' docs/src/guides/getting-started.md | sed 's/^ *//') \
+    <(grep -E '^ *(kvxfer loopback over tcp|leases: )' <<<"$loopback_out" | sed 's/^ *//') ||
+    { echo "the loopback example's output differs from docs/src/guides/getting-started.md" >&2; exit 1; }
 cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
 echo "== tokio host smoke run (prefill, decode and router tasks on one runtime; every child's hand-off routed)"
 cargo run --locked --example tokio_host -- --n 4 --cancel-child 1 --json
