@@ -36,10 +36,14 @@ phases), pasted as they are; ``where`` keeps only the runs whose keys equal its 
 column then takes ``[min, max]`` over the runs of its first key present (``keys``, default
 ``[figure]``; dotted keys reach into nested objects, ``prefill.ucx_version``), or their
 median with ``"agg": "median"`` (``key`` names the bench key then), rounded to ``digits``
-(default 2). A figure in ``figures`` wins over the runs. Numbers typed into ``figures``
-render as typed (``0.9`` stays ``0.9``).
+(default 2) but never to more decimals than the runs were measured with (runs of 11.4 and
+32.6 give ``11.4–32.6``). A figure in ``figures`` wins over the runs. Numbers render as
+typed: the files are read with their decimals kept, so type ``9.30`` for a figure measured
+to two decimals (``9.30`` stays ``9.30``, ``0.9`` stays ``0.9``). The two ends of a range
+always show as many decimals as each other (``[3.8, 5.16]`` renders ``3.80–5.16``).
 
-Quoting a figure elsewhere (README.md, ARCHITECTURE.md, docs/src/**/*.md)::
+Quoting a figure elsewhere (README.md, ARCHITECTURE.md, CHANGELOG.md, docs/DESIGN.md,
+docs/src/**/*.md)::
 
     <!-- fig ucx-shared-memory/113-ucx-2M/gib_per_s -->8.32–10.29 GiB/s<!-- /fig -->
 
@@ -59,6 +63,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import pathlib
 import re
@@ -70,10 +75,11 @@ BEGIN = re.compile(r"^<!-- BEGIN GENERATED: ([\w.-]+) -->$")
 END = "<!-- END GENERATED: {} -->"
 FIG = re.compile(r"<!-- fig ([\w.-]+)/([\w.:-]+)/([\w.:-]+) -->(.*?)<!-- /fig -->", re.S)
 
-# Where quoted figures are checked: these files and every Markdown file under docs/src,
-# except the page that includes BENCHMARKING.md. BENCHMARKING.md itself is checked outside
-# its generated regions.
-QUOTING = ("README.md", "ARCHITECTURE.md")
+# Where quoted figures are checked: these files (the user-facing Markdown outside the book;
+# docs/DESIGN.md is included into it) and every Markdown file under docs/src, except the page
+# that includes BENCHMARKING.md. BENCHMARKING.md itself is checked outside its generated
+# regions.
+QUOTING = ("README.md", "ARCHITECTURE.md", "CHANGELOG.md", "docs/DESIGN.md")
 BOOK = "docs/src"
 SKIP = {"docs/src/reference/benchmarks.md"}
 
@@ -81,24 +87,46 @@ SKIP = {"docs/src/reference/benchmarks.md"}
 # every unmarked figure fails.
 KNOWN_UNMARKED: set[tuple[str, str]] = set()
 
-NUM = r"(?<!±)[~≈]?\d[\d,]*(?:\.\d+)?(?:\s*(?:–|-|to)\s*[~≈]?\d[\d,]*(?:\.\d+)?)?"
-# Throughput and CPU cost: always a measurement.
+_N = r"(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+NUM = r"(?<!±)[~≈]?" + _N + r"(?:\s*(?:–|-|to)\s*[~≈]?" + _N + r")?"
+# Throughput and CPU cost: always a measurement (µs: U+00B5 or the Greek U+03BC).
 ALWAYS = re.compile(
-    r"(?<![\w.])" + NUM + r"\s*(?:GiB/s|MiB/s|GB/s|Gbit/s|Gb/s|µs|s/GiB|requests/s|pulls/s|req/s)(?!\w)"
+    r"(?<![\w.])" + NUM + r"\s*(?:GiB/s|MiB/s|GB/s|MB/s|[µμ]s|s/GiB|requests/s|pulls/s|req/s)(?!\w)"
+)
+# A link speed is a specification ("a 100 Gbit/s NIC") unless the line speaks of a measurement.
+LINK = re.compile(r"(?<![\w.])" + NUM + r"\s*(?:Gbit/s|Gb/s|Mbit/s|Mb/s)(?!\w)")
+LINK_CONTEXT = re.compile(r"measur|moved|reach|achiev|delivered|throughput|ran at|kvxfer-bench|raw|against", re.I)
+LINK_AFTER = re.compile(
+    r"^\s*(?:\w+\s+)?(?:NIC|link|port|network|Ethernet|InfiniBand|RoCE|card|adapter)s?\b", re.I
 )
 # Latency in ms, ratios and percentages: only in a line that speaks of performance
 # (timeouts, intervals and sizes elsewhere are configuration, not figures).
 MS = re.compile(r"(?<![\w.])" + NUM + r"\s*ms\b")
 MS_CONTEXT = re.compile(r"p50|p99|latency|round trip|hand-off|per request|per pull|wall", re.I)
-RATIO = re.compile(r"(?<![\w.])(?:" + NUM + r"x\b|x\d+(?:\.\d+)?\b)")
+# 1.5x, 1.5×, x1.10 (a prefix x needs decimals or thousands, so "x86" and "PCIe x16" are not ratios).
+RATIO = re.compile(
+    r"(?<![\w.])(?:" + NUM + r"(?:x\b|×)|[x×](?:\d+\.\d+|\d{1,3}(?:,\d{3})+)(?![\w.]))"
+)
 RATIO_CONTEXT = re.compile(r"raw|memcpy|NIXL|baseline|p99|p50|faster|slower|round trip|big transfer", re.I)
 PCT = re.compile(r"(?<![\w.])" + NUM + r"\s*%")
 PCT_CONTEXT = re.compile(r"CPU|throughput|samples|p50|p99|faster|slower|latency|hand-off", re.I)
-# A number right after these is a bound or a goal, not a measurement ("slower than 1 MiB/s",
-# "`min_transfer_rate` | 1 MiB/s", "≥ 0.9x", "the 2x goal").
-BOUND_BEFORE = re.compile(r"than|≥|≤|at least|at most|_rate|goal|target|limit|every|ttl|timeout|interval", re.I)
+# A number after these (within 40 characters, whole words; identifiers such as `lease_ttl`
+# count) is a bound or a goal, not a measurement ("slower than 1 MiB/s", "`min_transfer_rate`
+# | 1 MiB/s", "≥ 0.9x", "the 2x goal").
+_W = r"(?<![A-Za-z])(?:{})(?![A-Za-z])"
+BOUND_BEFORE = re.compile(
+    _W.format(r"than|at least|at most|goals?|targets?|limits?|ttl|timeouts?") + r"|≥|≤|_rate(?![A-Za-z])", re.I
+)
+# A number right after these is configuration ("sleeps 100 µs", "a heartbeat every 100 ms",
+# "an interval of 250 ms").
+CONFIG_BEFORE = re.compile(
+    _W.format(
+        r"sleeps?|slept|sleeping|waits?|waited|waiting|intervals?|every|polls?|polling|period|set to|defaults? to"
+    )
+    + r"(?:\s+(?:for|of|to|up to|at most|about|is|=))?\s*[:=]?\s*$",
+    re.I,
+)
 BOUND_AFTER = re.compile(r"^\S*\s*(?:goal|target)", re.I)
-
 
 class Results:
     """Every results file of a checkout, by path."""
@@ -109,7 +137,7 @@ class Results:
         self.files: dict[str, dict[str, Any]] = {}
         self.machines: dict[str, dict[str, str]] = {}
         for f in sorted(folder.glob("*.json")):
-            data = json.loads(f.read_text(encoding="utf-8"))
+            data = json.loads(f.read_text(encoding="utf-8"), parse_float=decimal.Decimal)
             if f.stem == "machines":
                 self.machines = data["machines"]
                 continue
@@ -146,6 +174,26 @@ def _dig(obj: Any, dotted: str) -> Any:
     return obj
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, decimal.Decimal)) and not isinstance(v, bool)
+
+
+def _decimals(v: Any) -> int:
+    """How many decimals a number was typed or measured with."""
+    if isinstance(v, decimal.Decimal):
+        exp = v.as_tuple().exponent
+        return -exp if isinstance(exp, int) and exp < 0 else 0
+    if isinstance(v, float):
+        text = repr(v)
+        return len(text.split(".")[1]) if "." in text and "e" not in text else 0
+    return 0
+
+
+def _round(v: Any, places: int) -> decimal.Decimal:
+    q = decimal.Decimal(1).scaleb(-places)
+    return decimal.Decimal(str(v)).quantize(q, rounding=decimal.ROUND_HALF_EVEN)
+
+
 def _from_runs(row: dict[str, Any], col: dict[str, Any]) -> tuple[Any, bool]:
     runs = [r for r in row.get("runs", []) if all(_dig(r, k) == v for k, v in row.get("where", {}).items())]
     keys = [col["key"]] if "key" in col else col.get("keys", [col["figure"]])
@@ -154,11 +202,12 @@ def _from_runs(row: dict[str, Any], col: dict[str, Any]) -> tuple[Any, bool]:
         values = [v for v in values if v is not None]
         if not values:
             continue
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            digits = col.get("digits", 2)
+        if all(_is_number(v) for v in values):
+            # At most `digits` decimals, never more than the runs were measured with.
+            places = min(col.get("digits", 2), max(_decimals(v) for v in values))
             if col.get("agg") == "median":
-                return round(statistics.median(values), digits), True
-            lo, hi = round(min(values), digits), round(max(values), digits)
+                return _round(statistics.median(decimal.Decimal(str(v)) for v in values), places), True
+            lo, hi = _round(min(values), places), _round(max(values), places)
             return (lo if lo == hi else [lo, hi]), True
         texts = []
         for v in values:
@@ -179,32 +228,33 @@ def value(row: dict[str, Any], col: dict[str, Any]) -> tuple[Any, bool]:
     return _from_runs(row, col)
 
 
-def fmt_number(v: Any, digits: int | None) -> str:
+def fmt_number(v: Any, places: int | None = None) -> str:
+    """A number as typed (or with `places` decimals), thousands separated."""
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, int):
         return f"{v:,}"
-    if isinstance(v, float):
-        if digits is not None:
-            return f"{v:,.{digits}f}"
-        return f"{v:,}"
+    if _is_number(v):
+        d = _round(v, _decimals(v) if places is None else places)
+        return f"{d:,f}"
     return str(v)
 
 
 def cell(row: dict[str, Any], col: dict[str, Any]) -> str:
     """A table cell as the table shows it ("" when the row has no such figure)."""
-    v, computed = value(row, col)
+    v, _ = value(row, col)
     if v is None:
         return ""
-    digits = col.get("digits", 2) if computed else None
     if isinstance(v, str):
         text = v
     else:
         if isinstance(v, list):
-            lo, hi = (fmt_number(x, digits) for x in v)
+            # Both ends with as many decimals as each other (2.82–9.00, not 2.82–9.0).
+            places = max(_decimals(x) for x in v)
+            lo, hi = (fmt_number(x if isinstance(x, bool) else decimal.Decimal(str(x)), places) for x in v)
             text = lo if lo == hi else f"{lo}–{hi}"
         else:
-            text = fmt_number(v, digits)
+            text = fmt_number(v)
         text = col.get("prefix", "") + text + col.get("suffix", "")
     if col.get("row_unit") and row.get("unit"):
         text += ("" if row["unit"] == "%" else " ") + row["unit"]
@@ -356,7 +406,7 @@ def render(results: Results, text: str) -> tuple[str, list[str], list[str]]:
 
 
 def _blank_code(text: str) -> str:
-    """Fenced code blocks and inline code spans blanked, line structure kept."""
+    """Fenced code blocks and inline code spans blanked, line structure and lengths kept."""
     out = []
     fence = None
     for line in text.split("\n"):
@@ -370,7 +420,7 @@ def _blank_code(text: str) -> str:
                 fence = None
             out.append("")
             continue
-        out.append(re.sub(r"(`+)(?:(?!\1).)+?\1", " ", line))
+        out.append(re.sub(r"(`+)(?:(?!\1).)+?\1", lambda m: " " * len(m.group(0)), line))
     return "\n".join(out)
 
 
@@ -402,27 +452,31 @@ def check_quotes(results: Results, rel: str, text: str, generated: bool = False)
         if quoted not in allowed:
             problems.append(f"{rel}:{line}: {path}/{row_id}/{figure} quotes {quoted!r}, the results say {want!r}")
     # Unmarked figures: outside code, comments, marked quotes (and generated regions).
-    rest = FIG.sub(_blank, text)
+    kept = FIG.sub(_blank, text)
     if generated:
-        rest = re.sub(r"<!-- BEGIN GENERATED: [\w.-]+ -->.*?<!-- END GENERATED: [\w.-]+ -->", _blank, rest, flags=re.S)
-    rest = re.sub(r"<!--.*?-->", _blank, rest, flags=re.S)
-    rest = _blank_code(rest)
-    lines = rest.split("\n")
-    originals = text.split("\n")
+        kept = re.sub(r"<!-- BEGIN GENERATED: [\w.-]+ -->.*?<!-- END GENERATED: [\w.-]+ -->", _blank, kept, flags=re.S)
+    kept = re.sub(r"<!--.*?-->", _blank, kept, flags=re.S)
+    # Figures are looked for outside code; the words before one are read with the code kept
+    # (`min_transfer_rate` | 1 MiB/s). Blanking keeps every position.
+    with_code = kept.split("\n")
+    lines = _blank_code(kept).split("\n")
     for n, line in enumerate(lines, 1):
         # A line's context: it and its neighbours (a sentence wraps).
         near = " ".join(lines[max(n - 2, 0) : n + 1])
         found = list(ALWAYS.finditer(line))
+        if LINK_CONTEXT.search(near):
+            found += [m for m in LINK.finditer(line) if not LINK_AFTER.search(line[m.end() :])]
         if MS_CONTEXT.search(near):
             found += MS.finditer(line)
         if RATIO_CONTEXT.search(near):
             found += RATIO.finditer(line)
         if PCT_CONTEXT.search(near):
             found += PCT.finditer(line)
-        original = originals[n - 1]
-        for m in found:
-            before = original[: original.find(m.group(0).strip())][-40:] if m.group(0).strip() in original else line[: m.start()][-40:]
-            if BOUND_BEFORE.search(before) or BOUND_AFTER.search(line[m.end() :]):
+        for m in sorted(found, key=lambda m: m.start()):
+            before = with_code[n - 1][: m.start()]
+            if BOUND_BEFORE.search(before[-40:]) or CONFIG_BEFORE.search(before):
+                continue
+            if BOUND_AFTER.search(line[m.end() :]):
                 continue
             f = m.group(0).strip()
             if (rel, f) not in KNOWN_UNMARKED:
@@ -459,7 +513,12 @@ def main() -> int:
             target.write_text(new, encoding="utf-8")
         print(f"BENCHMARKING.md: {len(changed)} region(s) rewritten" + (f" ({', '.join(changed)})" if changed else ""))
         return 0
-    problems += [f"BENCHMARKING.md: region {name} differs from bench-results/{name}.json (run scripts/render-benchmarks.py)" for name in changed]
+    problems += [
+        f"BENCHMARKING.md: region {name} differs from "
+        + (f"bench-results/{name}.json" if name in results.files else "bench-results/")
+        + " (run scripts/render-benchmarks.py)"
+        for name in changed
+    ]
     problems += check_quotes(results, "BENCHMARKING.md", text, generated=True)
     checked = 1
     for f in quoting_files(root):
