@@ -94,25 +94,6 @@ pub(crate) fn s(py: Python<'_>, v: &str) -> Py<PyAny> {
     v.into_pyobject(py).map(|o| o.into_any().unbind()).unwrap_or_else(|_| py.None())
 }
 
-/// The snake-case name of a `SubmitError` variant.
-fn submit_kind(e: &kvxfer::SubmitError) -> &'static str {
-    use kvxfer::SubmitError as S;
-    match e {
-        S::Result(_) => "incomplete_result",
-        S::LocalBlockLists { .. } => "local_block_lists",
-        S::BadChild { .. } => "bad_child",
-        S::NothingSelected { .. } => "nothing_selected",
-        S::Plan { .. } => "plan",
-        S::Unfit { .. } => "unfit",
-        S::GroupCount { .. } => "group_count",
-        S::MixedEngines { .. } => "mixed_engines",
-        S::ShuttingDown { .. } => "shutting_down",
-        S::LocalBlocksBusy { .. } => "local_blocks_busy",
-        S::NoAddress { .. } => "no_address",
-        _ => "other",
-    }
-}
-
 /// The `field` of a params error (the `kv_transfer_params` key it names), if any.
 fn params_field(e: &kvxfer_core::ParamsError) -> Option<String> {
     use kvxfer_core::ParamsError as P;
@@ -143,7 +124,7 @@ pub(crate) fn to_py(py: Python<'_>, e: kvxfer::Error) -> PyErr {
         kvxfer::Error::Core(C::Plan(_)) => raise::<SubmitError>(py, msg, &[("kind", s(py, "plan"))]),
         kvxfer::Error::Core(_) => raise::<KvxferError>(py, msg, &[]),
         kvxfer::Error::Mem(_) => raise::<RegistrationError>(py, msg, &[]),
-        kvxfer::Error::Submit(se) => raise::<SubmitError>(py, msg, &[("kind", s(py, submit_kind(se)))]),
+        kvxfer::Error::Submit(se) => raise::<SubmitError>(py, msg, &[("kind", s(py, se.kind()))]),
         kvxfer::Error::ShapeMismatch(_) => raise::<LayoutError>(py, msg, &[("field", s(py, "shape"))]),
         kvxfer::Error::Key(_) | kvxfer::Error::Unsupported(_) | kvxfer::Error::InsideRuntime { .. } => {
             raise::<ConfigError>(py, msg, &[])

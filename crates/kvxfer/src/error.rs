@@ -87,10 +87,10 @@ impl From<HandoffError> for Error {
 #[non_exhaustive]
 pub enum SubmitError {
     /// The prefill result is not exactly the children `0..n` (names what is missing).
-    #[error(transparent)]
+    #[error("{0} (kind=incomplete_result)")]
     Result(#[from] HandoffError),
     /// Not one list of local blocks per child.
-    #[error("prefill result for {parent} has {n} children but {given} lists of local blocks were given")]
+    #[error("prefill result for {parent} has {n} children but {given} lists of local blocks were given (kind=local_block_lists)")]
     LocalBlockLists {
         /// The parent request id.
         parent: String,
@@ -100,7 +100,7 @@ pub enum SubmitError {
         given: usize,
     },
     /// A selected child index is not below n, or is selected twice.
-    #[error("prefill result for {parent} with n = {n}: child {index} is out of range or selected twice")]
+    #[error("prefill result for {parent} with n = {n}: child {index} is out of range or selected twice (kind=bad_child)")]
     BadChild {
         /// The parent request id.
         parent: String,
@@ -110,13 +110,13 @@ pub enum SubmitError {
         index: u32,
     },
     /// No child selected.
-    #[error("prefill result for {parent}: no child selected")]
+    #[error("prefill result for {parent}: no child selected (kind=nothing_selected)")]
     NothingSelected {
         /// The parent request id.
         parent: String,
     },
     /// A child's local blocks do not fit the plan (count, layout, conflicting destinations).
-    #[error("prefill result for {parent}: {source}")]
+    #[error("prefill result for {parent}: {source} (kind=plan)")]
     Plan {
         /// The parent request id.
         parent: String,
@@ -127,7 +127,7 @@ pub enum SubmitError {
     /// The results do not fit together (the per-rank results of
     /// [`crate::DecodeAgent::submit_ranks`], or this agent has no KV-cache shape for them, or
     /// the KV-cache groups' blocks cannot be numbered with block ids).
-    #[error("prefill results for {parent}: {detail}")]
+    #[error("prefill results for {parent}: {detail} (kind=unfit)")]
     Unfit {
         /// The parent request id.
         parent: String,
@@ -138,7 +138,7 @@ pub enum SubmitError {
     /// KV-cache group of this agent's memory.
     #[error(
         "prefill result for {parent}: child {child} lists {handoff} KV-cache group(s) and {given} local list(s) \
-         were given; this agent's memory has {local} group(s)"
+         were given; this agent's memory has {local} group(s) (kind=group_count)"
     )]
     GroupCount {
         /// The parent request id.
@@ -153,7 +153,7 @@ pub enum SubmitError {
         local: usize,
     },
     /// The children do not all come from one prefill engine.
-    #[error("prefill result for {parent}: children come from several engines ({engines:?}); submit one result per engine")]
+    #[error("prefill result for {parent}: children come from several engines ({engines:?}); submit one result per engine (kind=mixed_engines)")]
     MixedEngines {
         /// The parent request id.
         parent: String,
@@ -161,7 +161,7 @@ pub enum SubmitError {
         engines: Vec<String>,
     },
     /// The agent is shutting down and takes no new pulls.
-    #[error("prefill result for {parent}: the decode agent is shutting down")]
+    #[error("prefill result for {parent}: the decode agent is shutting down (kind=shutting_down)")]
     ShuttingDown {
         /// The parent request id.
         parent: String,
@@ -170,7 +170,7 @@ pub enum SubmitError {
     /// discovery to resolve it (`AgentConfig::cluster`, the `cluster` feature).
     #[error(
         "prefill result for {parent}: the hand-offs name only engine {engine} (no host or port), and this \
-         decode agent runs no discovery to resolve it"
+         decode agent runs no discovery to resolve it (kind=no_address)"
     )]
     NoAddress {
         /// The parent request id.
@@ -180,7 +180,7 @@ pub enum SubmitError {
     },
     /// Local blocks already being written by another pull.
     #[error(
-        "prefill result for {parent}: local blocks {blocks:?} are destinations of a pull still under way"
+        "prefill result for {parent}: local blocks {blocks:?} are destinations of a pull still under way (kind=local_blocks_busy)"
     )]
     LocalBlocksBusy {
         /// The parent request id.
@@ -188,4 +188,60 @@ pub enum SubmitError {
         /// The busy blocks (at most 16).
         blocks: Vec<BlockId>,
     },
+}
+
+impl SubmitError {
+    /// The snake-case name of the variant (`local_blocks_busy`, ...): the `kind` its message
+    /// ends with and the Python binding's `SubmitError` carries.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SubmitError::Result(_) => "incomplete_result",
+            SubmitError::LocalBlockLists { .. } => "local_block_lists",
+            SubmitError::BadChild { .. } => "bad_child",
+            SubmitError::NothingSelected { .. } => "nothing_selected",
+            SubmitError::Plan { .. } => "plan",
+            SubmitError::Unfit { .. } => "unfit",
+            SubmitError::GroupCount { .. } => "group_count",
+            SubmitError::MixedEngines { .. } => "mixed_engines",
+            SubmitError::ShuttingDown { .. } => "shutting_down",
+            SubmitError::NoAddress { .. } => "no_address",
+            SubmitError::LocalBlocksBusy { .. } => "local_blocks_busy",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One submit error of every kind (`kind()`'s match fails to compile when one is added).
+    fn one_of_each() -> Vec<SubmitError> {
+        let parent = || "cmpl-1".to_owned();
+        vec![
+            SubmitError::Result(HandoffError::MissingField("remote_host")),
+            SubmitError::LocalBlockLists { parent: parent(), n: 2, given: 1 },
+            SubmitError::BadChild { parent: parent(), n: 2, index: 2 },
+            SubmitError::NothingSelected { parent: parent() },
+            SubmitError::Plan { parent: parent(), source: PlanError::LengthMismatch { remote: 2, local: 1 } },
+            SubmitError::Unfit { parent: parent(), detail: "no KV-cache shape".into() },
+            SubmitError::GroupCount { parent: parent(), child: 0, handoff: 2, given: 1, local: 2 },
+            SubmitError::MixedEngines { parent: parent(), engines: vec!["a".into(), "b".into()] },
+            SubmitError::ShuttingDown { parent: parent() },
+            SubmitError::NoAddress { parent: parent(), engine: "e".into() },
+            SubmitError::LocalBlocksBusy { parent: parent(), blocks: vec![3] },
+        ]
+    }
+
+    #[test]
+    fn every_submit_error_names_its_kind_and_the_troubleshooting_guide_has_it() {
+        let guide = include_str!("../../../docs/src/guides/troubleshooting.md");
+        let all = one_of_each();
+        let kinds: std::collections::HashSet<_> = all.iter().map(SubmitError::kind).collect();
+        assert_eq!(kinds.len(), all.len(), "one example per kind");
+        for e in &all {
+            let tag = format!("(kind={})", e.kind());
+            assert!(e.to_string().ends_with(&tag), "{e}");
+            assert!(guide.contains(&format!("`{tag}`")), "troubleshooting.md does not list {tag}");
+        }
+    }
 }
