@@ -63,6 +63,8 @@ def test_children_that_do_not_fit_together_are_refused_before_any_io(prefill, de
         with pytest.raises(kvxfer.SubmitError) as e:
             call()
         assert e.value.kind == kind, (kind, str(e.value))
+        # The message a log shows ends with its kind, whoever refused (binding or engine).
+        assert str(e.value).endswith(f"(kind={kind})"), str(e.value)
     minted = unarmed(prefill, "U", [1])
     pull = decode.submit([minted], [[5]])  # its read waits for the arm
     with pytest.raises(kvxfer.SubmitError) as e:

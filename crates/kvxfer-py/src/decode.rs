@@ -257,7 +257,9 @@ fn parse_children<L>(
     children: &[Bound<'_, PyAny>],
     local_blocks: Vec<L>,
 ) -> PyResult<(String, Children<L>)> {
-    let submit_err = |kind: &str, msg: String| raise::<SubmitError>(py, msg, &[("kind", s(py, kind))]);
+    let submit_err = |kind: &str, msg: String| {
+        raise::<SubmitError>(py, format!("{msg} (kind={kind})"), &[("kind", s(py, kind))])
+    };
     if children.is_empty() {
         return Err(submit_err("nothing_selected", "submit: no children given".into()));
     }
@@ -413,7 +415,7 @@ impl DecodeAgent {
         let Some(result) = results.into_iter().next() else {
             return Err(raise::<SubmitError>(
                 py,
-                "submit: no children given".into(),
+                "submit: no children given (kind=nothing_selected)".into(),
                 &[("kind", s(py, "nothing_selected"))],
             ));
         };
@@ -441,7 +443,9 @@ impl DecodeAgent {
         local_blocks: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Pull> {
         let local_blocks = BlockLists::extract_each(&local_blocks)?;
-        let submit_err = |kind: &str, msg: String| raise::<SubmitError>(py, msg, &[("kind", s(py, kind))]);
+        let submit_err = |kind: &str, msg: String| {
+            raise::<SubmitError>(py, format!("{msg} (kind={kind})"), &[("kind", s(py, kind))])
+        };
         if ranks.is_empty() {
             return Err(submit_err("nothing_selected", "submit_ranks: no prefill ranks given".into()));
         }
@@ -509,7 +513,8 @@ impl DecodeAgent {
     fn cancel(&self, remote_request_id: &str) -> bool {
         // A pull still under way: a finished one Python still holds may name the same child
         // (a request retried under its id).
-        for pull in self.live_pulls().into_iter().filter(|p| p.lock().totals.is_none()) {
+        // Newest first: a request retried under its id is the latest pull naming it.
+        for pull in self.live_pulls().into_iter().rev().filter(|p| p.lock().totals.is_none()) {
             if let Some(j) = pull
                 .children
                 .iter()
@@ -599,9 +604,21 @@ impl DecodeAgent {
 
     /// Blocks of failed-and-held children (a one-sided read that could not be stopped) that
     /// are free again, without waiting: dicts with `parent_request_id`, `children`,
-    /// `local_blocks`. (The TCP data path of this wheel never holds blocks.)
+    /// `local_blocks` (as the reports give them: a list, or for a memory of several KV-cache
+    /// groups one list per group). (The TCP data path never holds blocks.)
     fn poll_reclaimed<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let (agent, _) = self.agent(py)?;
+        // The engine numbers the blocks of several groups in one flat space: group g's block
+        // b is `base[g] + b`, `base[g]` the blocks of the groups before it.
+        let bases: Vec<u64> = agent
+            .memory()
+            .group_layouts()
+            .scan(0u64, |next, l| {
+                let base = *next;
+                *next += u64::from(l.num_blocks());
+                Some(base)
+            })
+            .collect();
         agent
             .reclaimed()
             .try_iter()
@@ -609,7 +626,16 @@ impl DecodeAgent {
                 let d = PyDict::new(py);
                 d.set_item("parent_request_id", r.parent_request_id)?;
                 d.set_item("children", r.children)?;
-                d.set_item("local_blocks", r.local_blocks)?;
+                if bases.len() > 1 {
+                    let mut groups = vec![Vec::<u64>::new(); bases.len()];
+                    for flat in r.local_blocks.iter().map(|&b| u64::from(b)) {
+                        let g = bases.partition_point(|&base| base <= flat).saturating_sub(1);
+                        groups[g].push(flat - bases[g]);
+                    }
+                    d.set_item("local_blocks", groups)?;
+                } else {
+                    d.set_item("local_blocks", r.local_blocks)?;
+                }
                 Ok(d)
             })
             .collect()
@@ -864,7 +890,7 @@ impl Pull {
         let Some(j) = self.state.children.iter().position(|c| c.child_index == child_index) else {
             return Err(raise::<SubmitError>(
                 py,
-                format!("pull of {} has no child {child_index}", self.state.parent),
+                format!("pull of {} has no child {child_index} (kind=bad_child)", self.state.parent),
                 &[("kind", s(py, "bad_child"))],
             ));
         };

@@ -121,7 +121,9 @@ pub(crate) fn to_py(py: Python<'_>, e: kvxfer::Error) -> PyErr {
         kvxfer::Error::Core(C::Params(p)) => params_error(py, "", p),
         kvxfer::Error::Core(C::Handoff(_)) => raise::<ParamsError>(py, msg, &[("field", py.None())]),
         kvxfer::Error::Core(C::Layout(_)) => raise::<LayoutError>(py, msg, &[]),
-        kvxfer::Error::Core(C::Plan(_)) => raise::<SubmitError>(py, msg, &[("kind", s(py, "plan"))]),
+        kvxfer::Error::Core(C::Plan(_)) => {
+            raise::<SubmitError>(py, format!("{msg} (kind=plan)"), &[("kind", s(py, "plan"))])
+        }
         kvxfer::Error::Core(_) => raise::<KvxferError>(py, msg, &[]),
         kvxfer::Error::Mem(_) => raise::<RegistrationError>(py, msg, &[]),
         kvxfer::Error::Submit(se) => raise::<SubmitError>(py, msg, &[("kind", s(py, se.kind()))]),

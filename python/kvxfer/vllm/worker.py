@@ -65,6 +65,79 @@ def same_order(a: str, b: str) -> bool:
     return [d for d in la if d in common] == [d for d in lb if d in common]
 
 
+
+def _block_keys(local_blocks: Any) -> set[tuple[int, int]]:
+    """(group, block id) of every block of a report's (or a reclaim's) local blocks: a flat
+    list is group 0; a list of lists, one per KV-cache group."""
+    if local_blocks and isinstance(local_blocks[0], (list, tuple)):
+        return {(g, int(b)) for g, ids in enumerate(local_blocks) for b in ids}
+    return {(0, int(b)) for b in local_blocks or ()}
+
+
+class HeldLoads:
+    """Decode requests whose pull ended ``failed_blocks_held``: a one-sided (UCX) read into
+    their blocks could not be stopped, so vLLM must neither recompute into them nor free
+    them yet. A request is ready (to be reported as a failed load) once the decode agent
+    has reclaimed every one of its blocks (``DecodeAgent.poll_reclaimed``), matched by its
+    parent and its (group, block) ids only — never by elimination, so no request is
+    reported while a block of its own may still be written. Reclaimed blocks may come
+    before their request's report; blocks no request claims are forgotten after
+    ``FORGET_AFTER``, with a warning."""
+
+    def __init__(self) -> None:
+        # request id -> (the pull's parent, its (group, block) keys, its report, since).
+        self._held: dict[str, tuple[str, set[tuple[int, int]], dict[str, Any], float]] = {}
+        # parent -> (last reclaimed at, keys reclaimed and not yet matched).
+        self._reclaimed: dict[str, tuple[float, set[tuple[int, int]]]] = {}
+        self._warned: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._held or self._reclaimed)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, rid: str, report: dict[str, Any], now: float) -> None:
+        """Request ``rid``'s pull reported ``failed_blocks_held`` (``report``)."""
+        parent = str(report.get("parent_request_id", ""))
+        self._held[rid] = (parent, _block_keys(report["local_blocks"]), report, now)
+
+    def reclaimed(self, parent: str, local_blocks: Any, now: float) -> None:
+        """The agent reclaimed ``local_blocks`` of a pull of ``parent``."""
+        _, keys = self._reclaimed.get(parent, (now, set()))
+        self._reclaimed[parent] = (now, keys | _block_keys(local_blocks))
+
+    def ready(self, now: float) -> list[tuple[str, dict[str, Any]]]:
+        """The held requests all of whose blocks are back, with their reports (forgotten
+        here)."""
+        out = []
+        for rid, (parent, keys, report, since) in list(self._held.items()):
+            freed = self._reclaimed.get(parent)
+            if freed is None or not keys <= freed[1]:
+                if now - since >= FORGET_AFTER and rid not in self._warned:
+                    self._warned.add(rid)
+                    logger.warning(
+                        "kvxfer: the blocks of %s are still held after %.0f s: the read UCX could not stop "
+                        "has not completed (the request waits for its KV until it does)",
+                        rid,
+                        now - since,
+                    )
+                continue
+            freed[1].difference_update(keys)
+            del self._held[rid]
+            self._warned.discard(rid)
+            logger.info("kvxfer: the blocks of %s are free again; reported as a failed load", rid)
+            out.append((rid, report))
+        for parent, (last, keys) in list(self._reclaimed.items()):
+            if not keys:
+                del self._reclaimed[parent]
+            elif now - last >= FORGET_AFTER:
+                logger.warning(
+                    "kvxfer: %d reclaimed block(s) of %s matched no held request; forgotten", len(keys), parent
+                )
+                del self._reclaimed[parent]
+        return out
+
 class LayoutMismatch(ValueError):
     """The prefill's KV cache orders a block's bytes otherwise than this one."""
 
@@ -272,14 +345,8 @@ class KvxferWorker:
         # then those of the last get_finished.
         self._failed_recving: set[str] = set()
         self.last_failed_recving: set[str] = set()
-        # Requests whose pull ended failed_blocks_held: a one-sided (UCX) read into their
-        # blocks could not be stopped, so vLLM must not reuse or recompute into them yet.
-        # They are reported (failed) once the agent reclaims the blocks: request id ->
-        # (the pull's parent, its local block ids, its report).
-        self._held: dict[str, tuple[str, set[int], dict[str, Any]]] = {}
-        # Reclaimed blocks no held pull matched yet (its report may come a step later):
-        # (when, parent, block ids).
-        self._reclaimed: list[tuple[float, str, set[int]]] = []
+        # Requests whose pull ended failed_blocks_held, reported once their blocks are back.
+        self._held = HeldLoads()
         # Finished pulls and lease ends since vLLM last read the stats.
         self.transfers: list[dict[str, Any]] = []
         self.lease_ends: list[str] = []
@@ -881,7 +948,7 @@ class KvxferWorker:
                         r["error"].advice,
                         r["error"],
                     )
-                    self._held[rid] = (r.get("parent_request_id", ""), set(all_ids(r["local_blocks"])), r)
+                    self._held.hold(rid, r, time.monotonic())
                 elif failed:
                     logger.warning("kvxfer: pulling %s failed (advice=%s): %s", rid, r["error"].advice, r["error"])
                     self._load_errors.update(all_ids(r["local_blocks"]))
@@ -907,35 +974,18 @@ class KvxferWorker:
                 self.transfers.append(r)
                 if not held:
                     self._done_recving.add(rid)
-            if self._held or self._reclaimed:
-                self._reclaim_held()
+            if self._held:
+                now = time.monotonic()
+                for rec in self.decode.poll_reclaimed():
+                    self._held.reclaimed(rec["parent_request_id"], rec["local_blocks"], now)
+                for rid, r in self._held.ready(now):
+                    # Every block is back: a failed load, vLLM's load-failure policy applies.
+                    self._load_errors.update(all_ids(r["local_blocks"]))
+                    self._failed_recving.add(rid)
+                    self._done_recving.add(rid)
         recving, self._done_recving = self._done_recving, set()
         self.last_failed_recving, self._failed_recving = self._failed_recving, set()
         return (sending or None), (recving or None)
-
-    def _reclaim_held(self) -> None:
-        """Reports the held pulls whose blocks the decode agent reclaimed (the read that could
-        not be stopped completed): failed, their blocks load errors, so vLLM recomputes."""
-        assert self.decode is not None
-        now = time.monotonic()
-        self._reclaimed += [
-            (now, rec["parent_request_id"], set(rec["local_blocks"])) for rec in self.decode.poll_reclaimed()
-        ]
-        unmatched = []
-        for since, parent, freed in self._reclaimed:
-            of_parent = [rid for rid, (p, _, _) in self._held.items() if p == parent]
-            matched = [rid for rid in of_parent if self._held[rid][1] <= freed]
-            if not matched and len(of_parent) == 1:
-                matched = of_parent  # one held pull of this parent: these are its blocks
-            for rid in matched:
-                _, _, r = self._held.pop(rid)
-                logger.info("kvxfer: the blocks of %s are free again; reported failed (vLLM recomputes)", rid)
-                self._load_errors.update(all_ids(r["local_blocks"]))
-                self._failed_recving.add(rid)
-                self._done_recving.add(rid)
-            if not matched and now - since < FORGET_AFTER:
-                unmatched.append((since, parent, freed))
-        self._reclaimed = unmatched
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of failed pulls — for one KV-cache group only: block ids repeat across
