@@ -66,7 +66,7 @@ pub enum MismatchField {
 pub enum PullError {
     /// No connection to the prefill agent could be opened (refused, unreachable, timed
     /// out). Advice: retry from a fresh hand-off (another prefill worker).
-    #[error("no connection to the prefill agent: {detail} (kind=connect)")]
+    #[error("no connection to the peer: {detail} (kind=connect)")]
     Connect {
         /// The prefill agent's address.
         peer: String,
@@ -76,7 +76,7 @@ pub enum PullError {
     /// The handshake failed because the two agents are not compatible: protocol versions or
     /// layout compatibility hashes differ. Advice: recompute (this pair will never
     /// transfer; fix the deployment).
-    #[error("incompatible prefill agent: handshake with {peer} refused: {message} (kind=incompatible)")]
+    #[error("incompatible peer: handshake with {peer} refused: {message} (kind=incompatible)")]
     Incompatible {
         /// The prefill agent's address.
         peer: String,
@@ -92,7 +92,7 @@ pub enum PullError {
     },
     /// The peer refused the handshake for another reason (it is over its connection
     /// limits, or sent something malformed). Advice: retry from a fresh hand-off.
-    #[error("prefill agent refused the handshake: {peer}: {message} (kind=handshake_refused)")]
+    #[error("handshake refused by the peer: {peer}: {message} (kind=handshake_refused)")]
     HandshakeRefused {
         /// The prefill agent's address.
         peer: String,
@@ -101,7 +101,7 @@ pub enum PullError {
     },
     /// The authenticated handshake failed: no cluster key on one side, different keys, or
     /// a replayed handshake. Advice: recompute (and fix the cluster keys).
-    #[error("authentication with the prefill agent failed: {detail} (kind=authentication)")]
+    #[error("authentication with the peer failed: {detail} (kind=authentication)")]
     Authentication {
         /// The prefill agent's address.
         peer: String,
@@ -133,7 +133,7 @@ pub enum PullError {
     /// The prefill side has no live lease with this id and token (never made, or ended long
     /// ago, or a wrong token: the peer does not say which). Advice: retry from a fresh
     /// hand-off.
-    #[error("no such lease at the prefill agent: {peer} refused the read of {remote_request_id}: {message} (kind=lease_unknown)")]
+    #[error("no such lease at the peer: {peer} refused the read of {remote_request_id}: {message} (kind=lease_unknown)")]
     LeaseUnknown {
         /// The prefill agent's address.
         peer: String,
@@ -173,7 +173,7 @@ pub enum PullError {
     },
     /// The peer stopped answering or moving bytes within the I/O timeout (or a read's
     /// overall deadline). Advice: retry from a fresh hand-off.
-    #[error("no progress from the prefill agent: {detail} (kind=timeout)")]
+    #[error("no progress from the peer: {detail} (kind=timeout)")]
     Timeout {
         /// The prefill agent's address.
         peer: String,
@@ -199,7 +199,7 @@ pub enum PullError {
     },
     /// The hand-off names remote blocks outside the prefill agent's layout. Advice:
     /// recompute (the hand-off is wrong).
-    #[error("remote blocks outside the prefill layout: block ids {ids:?} are outside the prefill layout of {num_blocks} blocks (kind=remote_blocks_out_of_range)")]
+    #[error("remote blocks out of range: block ids {ids:?} are outside the prefill layout of {num_blocks} blocks (kind=remote_blocks_out_of_range)")]
     RemoteBlocksOutOfRange {
         /// The offending ids (at most 16).
         ids: Vec<BlockId>,
@@ -315,19 +315,19 @@ impl PullError {
     /// failure quotes its cause: its message holds two `kind=`, the last one its own.)
     pub fn summary(&self) -> &'static str {
         match self {
-            PullError::Connect { .. } => "no connection to the prefill agent",
-            PullError::Incompatible { .. } => "incompatible prefill agent",
-            PullError::HandshakeRefused { .. } => "prefill agent refused the handshake",
-            PullError::Authentication { .. } => "authentication with the prefill agent failed",
+            PullError::Connect { .. } => "no connection to the peer",
+            PullError::Incompatible { .. } => "incompatible peer",
+            PullError::HandshakeRefused { .. } => "handshake refused by the peer",
+            PullError::Authentication { .. } => "authentication with the peer failed",
             PullError::PeerRestarted { .. } => "stale hand-off",
-            PullError::LeaseUnknown { .. } => "no such lease at the prefill agent",
+            PullError::LeaseUnknown { .. } => "no such lease at the peer",
             PullError::LeaseEnded { .. } => "lease ended before it was read",
             PullError::Refused { .. } => "request not served",
             PullError::Integrity { .. } => "corrupt payload",
-            PullError::Timeout { .. } => "no progress from the prefill agent",
+            PullError::Timeout { .. } => "no progress from the peer",
             PullError::ConnectionLost { .. } => "connection lost",
             PullError::Protocol { .. } => "protocol error",
-            PullError::RemoteBlocksOutOfRange { .. } => "remote blocks outside the prefill layout",
+            PullError::RemoteBlocksOutOfRange { .. } => "remote blocks out of range",
             PullError::TransportUnavailable { .. } => "data path unavailable",
             PullError::UcxRead { .. } => "UCX read failed",
             PullError::PinNotHeld { .. } => "pin not held through the read",

@@ -332,7 +332,7 @@ fn a_siblings_failure_fails_the_children_that_share_its_blocks() {
     assert!(matches!(error, PullError::SiblingFailed { sibling: 0, .. }), "{error:?}");
     assert_eq!(error.root_cause(), &timeout("p:1"));
     assert_eq!(error.advice(), Advice::RetryFreshHandoff);
-    assert!(error.to_string().contains("sibling 0, which failed: no progress from the prefill agent: connection to p:1: timed out (kind=timeout) (kind=sibling_failed)"), "{error}");
+    assert!(error.to_string().contains("sibling 0, which failed: no progress from the peer: connection to p:1: timed out (kind=timeout) (kind=sibling_failed)"), "{error}");
 }
 
 #[test]
