@@ -95,7 +95,11 @@ diff <(sed -n '/^ *kvxfer loopback over tcp/p; /^ *leases: /p' docs/src/guides/g
     { echo "the loopback example's output differs from docs/src/guides/getting-started.md" >&2; exit 1; }
 cargo run --locked --features kvxfer/ucx --example loopback -- --transport ucx --ucx-tls posix,sysv,cma,self --n 3 --cancel-child 1 --json
 echo "== tokio host smoke run (prefill, decode and router tasks on one runtime; every child's hand-off routed)"
-cargo run --locked --example tokio_host -- --n 4 --cancel-child 1 --json
+tokio_out=$(cargo run -q --locked --example tokio_host -- --n 4 --cancel-child 1 --json)
+echo "$tokio_out"
+# The embedding guide shows this line as the command's output.
+grep -qxF "$(grep -m1 '^{"children":4' docs/src/guides/embedding.md)" <<<"$tokio_out" ||
+    { echo "the tokio host example's output differs from docs/src/guides/embedding.md" >&2; exit 1; }
 echo "== the cluster guide's etcd with TLS, client certificates and authentication (scripts/etcd-tls-auth-example.sh)"
 # (kvxfer-register was built with kvxfer-cluster's integration tests above.)
 bash scripts/etcd-tls-auth-example.sh "$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug/kvxfer-register"
