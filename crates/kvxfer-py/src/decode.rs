@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio_util::task::TaskTracker;
 
-use crate::errors::{pull_error, raise, s, to_py, AgentClosedError, ConfigError, SubmitError};
+use crate::errors::{pull_error, raise, submit_error, to_py, AgentClosedError, ConfigError};
 use crate::host::{runtime, Hosted};
 use crate::keeper::Keeper;
 use crate::memory::Memory;
@@ -257,9 +257,7 @@ fn parse_children<L>(
     children: &[Bound<'_, PyAny>],
     local_blocks: Vec<L>,
 ) -> PyResult<(String, Children<L>)> {
-    let submit_err = |kind: &str, msg: String| {
-        raise::<SubmitError>(py, format!("{msg} (kind={kind})"), &[("kind", s(py, kind))])
-    };
+    let submit_err = |kind: &str, msg: String| submit_error(py, kind, msg);
     if children.is_empty() {
         return Err(submit_err("nothing_selected", "submit: no children given".into()));
     }
@@ -413,11 +411,7 @@ impl DecodeAgent {
         let (results, info) =
             renumbered(py, &parent, pairs.into_iter().map(|(h, l)| (vec![h], l)).collect())?;
         let Some(result) = results.into_iter().next() else {
-            return Err(raise::<SubmitError>(
-                py,
-                "submit: no children given (kind=nothing_selected)".into(),
-                &[("kind", s(py, "nothing_selected"))],
-            ));
+            return Err(submit_error(py, "nothing_selected", "submit: no children given"));
         };
         let local = info.iter().map(|c| c.local.groups()).collect();
         let (agent, rt) = self.agent(py)?;
@@ -443,9 +437,7 @@ impl DecodeAgent {
         local_blocks: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Pull> {
         let local_blocks = BlockLists::extract_each(&local_blocks)?;
-        let submit_err = |kind: &str, msg: String| {
-            raise::<SubmitError>(py, format!("{msg} (kind={kind})"), &[("kind", s(py, kind))])
-        };
+        let submit_err = |kind: &str, msg: String| submit_error(py, kind, msg);
         if ranks.is_empty() {
             return Err(submit_err("nothing_selected", "submit_ranks: no prefill ranks given".into()));
         }
@@ -511,9 +503,8 @@ impl DecodeAgent {
     /// under way has it: its lease is released (or ends as it already had), and its local
     /// blocks are not written after its report. Returns whether such a pull had it.
     fn cancel(&self, remote_request_id: &str) -> bool {
-        // A pull still under way: a finished one Python still holds may name the same child
-        // (a request retried under its id).
-        // Newest first: a request retried under its id is the latest pull naming it.
+        // Pulls still under way, newest first: a request retried under its id is the latest
+        // pull naming it (a finished one Python still holds may name it too).
         for pull in self.live_pulls().into_iter().rev().filter(|p| p.lock().totals.is_none()) {
             if let Some(j) = pull
                 .children
@@ -888,10 +879,10 @@ impl Pull {
     /// its report. Ignored once it reported.
     fn cancel_child(&self, py: Python<'_>, child_index: u32) -> PyResult<()> {
         let Some(j) = self.state.children.iter().position(|c| c.child_index == child_index) else {
-            return Err(raise::<SubmitError>(
+            return Err(submit_error(
                 py,
-                format!("pull of {} has no child {child_index} (kind=bad_child)", self.state.parent),
-                &[("kind", s(py, "bad_child"))],
+                "bad_child",
+                format_args!("pull of {} has no child {child_index}", self.state.parent),
             ));
         };
         self.state.canceller.cancel_child(j as u32);

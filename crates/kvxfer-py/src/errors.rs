@@ -89,6 +89,12 @@ pub(crate) fn raise<T: PyTypeInfo>(py: Python<'_>, message: String, attrs: &[(&s
     err
 }
 
+/// A `SubmitError` the binding raises itself, of `kind`: its message ends with the kind, as
+/// the engine's submit errors do.
+pub(crate) fn submit_error(py: Python<'_>, kind: &str, message: impl std::fmt::Display) -> PyErr {
+    raise::<SubmitError>(py, format!("{message} (kind={kind})"), &[("kind", s(py, kind))])
+}
+
 /// A string attribute value.
 pub(crate) fn s(py: Python<'_>, v: &str) -> Py<PyAny> {
     v.into_pyobject(py).map(|o| o.into_any().unbind()).unwrap_or_else(|_| py.None())
@@ -121,9 +127,7 @@ pub(crate) fn to_py(py: Python<'_>, e: kvxfer::Error) -> PyErr {
         kvxfer::Error::Core(C::Params(p)) => params_error(py, "", p),
         kvxfer::Error::Core(C::Handoff(_)) => raise::<ParamsError>(py, msg, &[("field", py.None())]),
         kvxfer::Error::Core(C::Layout(_)) => raise::<LayoutError>(py, msg, &[]),
-        kvxfer::Error::Core(C::Plan(_)) => {
-            raise::<SubmitError>(py, format!("{msg} (kind=plan)"), &[("kind", s(py, "plan"))])
-        }
+        kvxfer::Error::Core(C::Plan(_)) => submit_error(py, "plan", msg),
         kvxfer::Error::Core(_) => raise::<KvxferError>(py, msg, &[]),
         kvxfer::Error::Mem(_) => raise::<RegistrationError>(py, msg, &[]),
         kvxfer::Error::Submit(se) => raise::<SubmitError>(py, msg, &[("kind", s(py, se.kind()))]),

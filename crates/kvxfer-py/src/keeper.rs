@@ -60,20 +60,23 @@ impl Keeper {
         }
     }
 
+    /// Whether a pooled connection is worth reusing: the peer has not closed it and it has
+    /// been idle for less than half the idle timeout.
+    fn reusable(&self, conn: &Connection, since: Instant) -> bool {
+        !conn.closed_by_peer() && since.elapsed() < self.limits.idle_timeout / 2
+    }
+
     /// A connection to the prefill agent at `addr`: a pooled one the peer has not closed and
     /// that has been idle for less than half the idle timeout, or (`fresh`, or none pooled) a
     /// new one.
     async fn connection(&self, addr: &str, fresh: bool) -> Option<Connection> {
-        let max_idle = self.limits.idle_timeout / 2;
         let pooled = {
             let mut conns = self.conns.lock().await;
             let pooled = conns.remove(addr);
             self.pooled.store(conns.len() as u64, Ordering::Relaxed);
             pooled
         };
-        if let Some((c, _)) =
-            pooled.filter(|(c, since)| !fresh && !c.closed_by_peer() && since.elapsed() < max_idle)
-        {
+        if let Some((c, _)) = pooled.filter(|(c, since)| !fresh && self.reusable(c, *since)) {
             return Some(c);
         }
         match Connection::connect_with_key(addr, &self.hello, self.key.as_ref(), self.limits).await {
@@ -90,9 +93,8 @@ impl Keeper {
     /// a prefill agent that went away — a restart on a new port, a host replaced — leaves
     /// no connection behind for as long as this agent runs.
     async fn pool(&self, addr: &str, conn: Connection) {
-        let max_idle = self.limits.idle_timeout / 2;
         let mut conns = self.conns.lock().await;
-        conns.retain(|_, (c, since)| !c.closed_by_peer() && since.elapsed() < max_idle);
+        conns.retain(|_, (c, since)| self.reusable(c, *since));
         conns.insert(addr.to_owned(), (conn, Instant::now()));
         self.pooled.store(conns.len() as u64, Ordering::Relaxed);
     }
