@@ -79,12 +79,27 @@ fn join_all(threads: Vec<std::thread::JoinHandle<std::io::Result<usize>>>) -> Re
     first_err.map_or(Ok(bytes), Err)
 }
 
+/// One raw TCP run's window: its GiB/s and this machine's busy CPU seconds over it
+/// ([`crate::procstat::machine_busy_seconds`]: the kernel threads that finish loopback's
+/// receive work included), from the go to the last byte read, every buffer still held (their
+/// allocation and freeing are not the transfer's).
+#[derive(Debug)]
+pub(crate) struct RawWindow {
+    pub(crate) gib_per_s: f64,
+    pub(crate) machine_cpu_seconds: Option<f64>,
+}
+
+/// The machine's busy CPU seconds from `before` to now.
+fn machine_since(before: Option<f64>) -> Option<f64> {
+    Some(crate::procstat::machine_busy_seconds()? - before?)
+}
+
 /// Raw TCP, one process: `connections` sockets on 127.0.0.1 moving `total` bytes from one
 /// buffer to another, written as kvxfer's server writes ([`RAW_WRITE_BYTES`]) and read
 /// `read_span` bytes at a time (kvxfer's read of one child), no protocol, a sender and a
 /// receiver thread per socket. Buffers are allocated and touched and connections made
-/// before the clock starts.
-pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) -> Result<f64, String> {
+/// before the clock starts, and freed after it stops.
+pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) -> Result<RawWindow, String> {
     let connections = connections.max(1);
     let per = (total / connections as u64) as usize;
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
@@ -95,43 +110,52 @@ pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) 
     let servers: Vec<TcpStream> = (0..connections)
         .map(|_| listener.accept().map(|(s, _)| s).map_err(|e| e.to_string()))
         .collect::<Result<_, _>>()?;
-    // Senders, receivers and this thread start together.
+    // Senders, receivers and this thread start together, and end together: every thread
+    // holds its buffer until this one has read the clocks.
     let start = Arc::new(Barrier::new(2 * connections + 1));
+    let end = Arc::new(Barrier::new(2 * connections + 1));
     let mut threads = Vec::new();
     for mut s in servers {
-        let start = start.clone();
+        let (start, end) = (start.clone(), end.clone());
         threads.push(std::thread::spawn(move || {
             let src = vec![0x5au8; per];
             start.wait();
-            counted(&RAW_TCP_SEND_NS, || write_like_kvxfer(&mut s, &src)).map(|()| 0)
+            let sent = counted(&RAW_TCP_SEND_NS, || write_like_kvxfer(&mut s, &src)).map(|()| 0);
+            end.wait();
+            sent
         }));
     }
-    let readers = receive(clients, per, read_span, &start);
+    let readers = receive(clients, per, read_span, &start, &end);
     threads.extend(readers);
     start.wait();
-    let t0 = Instant::now();
+    let (t0, machine0) = (Instant::now(), crate::procstat::machine_busy_seconds());
+    end.wait();
+    let (secs, machine_cpu_seconds) = (t0.elapsed().as_secs_f64(), machine_since(machine0));
     let read = join_all(threads)?;
-    Ok(gib_per_s(read, t0.elapsed().as_secs_f64()))
+    Ok(RawWindow { gib_per_s: gib_per_s(read, secs), machine_cpu_seconds })
 }
 
 /// Receiver threads, one per socket, each filling `per` bytes once `start` opens and
-/// returning the bytes read or the error that stopped it; a socket with a `serve` source at
-/// the other end is first sent one byte (its go).
+/// returning the bytes read or the error that stopped it, its buffer and socket held until
+/// `end` opens; a socket with a `serve` source at the other end is first sent one byte (its
+/// go), and its closing tells the source to free its buffer.
 fn receive(
     sockets: Vec<TcpStream>,
     per: usize,
     read_span: u64,
     start: &Arc<Barrier>,
+    end: &Arc<Barrier>,
 ) -> Vec<std::thread::JoinHandle<std::io::Result<usize>>> {
     sockets
         .into_iter()
         .map(|mut s| {
-            let start = start.clone();
+            let (start, end) = (start.clone(), end.clone());
             std::thread::spawn(move || {
                 let mut dst = vec![1u8; per];
                 start.wait();
                 let read = counted(&RAW_TCP_RECEIVE_NS, || read_like_kvxfer(&mut s, &mut dst, read_span));
                 std::hint::black_box(&dst);
+                end.wait();
                 read
             })
         })
@@ -141,7 +165,8 @@ fn receive(
 /// The `serve` half of the two-process raw TCP baseline: listens on 127.0.0.1, and for
 /// each of `connections` sockets accepted sends its share of `total` bytes (buffers
 /// allocated and touched before this returns) as kvxfer's server writes, once the socket's
-/// peer sent one byte. Returns the address to connect to.
+/// peer sent one byte; each buffer is freed once its peer closed the socket (after the
+/// peer's clocks were read). Returns the address to connect to.
 pub(crate) fn raw_tcp_source(total: u64, connections: usize) -> Result<String, String> {
     let connections = connections.max(1);
     let per = (total / connections as u64) as usize;
@@ -160,7 +185,11 @@ pub(crate) fn raw_tcp_source(total: u64, connections: usize) -> Result<String, S
                 RAW_TCP_SENDERS_DONE.fetch_add(1, Ordering::SeqCst);
                 if let Err(e) = sent {
                     eprintln!("kvxfer-bench serve: raw tcp source: {e}");
+                    return;
                 }
+                // Held until the peer hangs up (its end of the run), read or error alike.
+                let _ = s.read(&mut go);
+                drop(src);
             });
         }
     });
@@ -175,7 +204,7 @@ pub(crate) fn raw_tcp_sink_gib_per_s(
     total: u64,
     connections: usize,
     read_span: u64,
-) -> Result<f64, String> {
+) -> Result<RawWindow, String> {
     let connections = connections.max(1);
     let per = (total / connections as u64) as usize;
     let sockets: Vec<TcpStream> = (0..connections)
@@ -184,19 +213,23 @@ pub(crate) fn raw_tcp_sink_gib_per_s(
     let mut goes =
         sockets.iter().map(TcpStream::try_clone).collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
     let start = Arc::new(Barrier::new(connections + 1));
-    let threads = receive(sockets, per, read_span, &start);
+    let end = Arc::new(Barrier::new(connections + 1));
+    let threads = receive(sockets, per, read_span, &start, &end);
     start.wait();
-    let t0 = Instant::now();
+    let (t0, machine0) = (Instant::now(), crate::procstat::machine_busy_seconds());
     let go =
         goes.iter_mut().try_for_each(|g| g.write_all(&[1])).map_err(|e| format!("raw source {addr}: {e}"));
     if go.is_err() {
         // Sockets that got no go would wait for ever: end every receiver's read.
         goes.iter().for_each(|g| drop(g.shutdown(std::net::Shutdown::Both)));
     }
+    end.wait();
+    let (secs, machine_cpu_seconds) = (t0.elapsed().as_secs_f64(), machine_since(machine0));
+    // The go clones hold the sockets open: dropped, the sources see the end and free.
+    drop(goes);
     let read = join_all(threads);
-    let secs = t0.elapsed().as_secs_f64();
     go?;
-    Ok(gib_per_s(read?, secs))
+    Ok(RawWindow { gib_per_s: gib_per_s(read?, secs), machine_cpu_seconds })
 }
 
 /// Requests a [`raw_rtt_responder`] of this process answered (all of them, every block
@@ -337,7 +370,7 @@ mod tests {
     #[test]
     fn a_raw_run_counts_the_bytes_it_read() {
         let addr = raw_tcp_source(1 << 20, 2).expect("source");
-        let got = raw_tcp_sink_gib_per_s(&addr, 1 << 20, 2, 64 << 10).expect("raw run");
+        let got = raw_tcp_sink_gib_per_s(&addr, 1 << 20, 2, 64 << 10).expect("raw run").gib_per_s;
         assert!(got.is_finite() && got > 0.0, "{got}");
     }
 }

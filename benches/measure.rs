@@ -68,6 +68,12 @@ pub(crate) struct Measured {
     /// `--baseline`: the CPU seconds per GiB of each of those runs: its sending end (the
     /// prefill side's) and its receiving end (the decode side's).
     pub(crate) raw_tcp_cpu_runs: Vec<[f64; 2]>,
+    /// This machine's busy CPU seconds per GiB over kvxfer's measured iterations (every
+    /// process and kernel thread: see [`crate::procstat::machine_busy_seconds`]); `None`
+    /// where `/proc/stat` is unreadable.
+    pub(crate) machine_cpu_s_per_gib: Option<f64>,
+    /// `--baseline`: the same over each raw TCP run.
+    pub(crate) raw_tcp_machine_cpu_runs: Vec<f64>,
 }
 
 impl Measured {
@@ -118,6 +124,8 @@ pub(crate) fn run_block_size(
     let mut latency_iter_bytes = Vec::new();
     let mut raw_rtt_us = Vec::new();
     let (mut iter_gib_per_s, mut raw_tcp_runs, mut raw_tcp_cpu_runs) = (Vec::new(), Vec::new(), Vec::new());
+    let mut raw_machine = Vec::new();
+    let mut machine_spent = Some(0.0f64);
     // One child's bytes: what kvxfer's read of a child spans, and the raw run's read size.
     let read_span = u64::from(bpc) * block * u64::from(run.segments());
     for iter in 0..run.warmup + run.iters {
@@ -166,6 +174,7 @@ pub(crate) fn run_block_size(
             let (secs, iter_bytes) = (t0.elapsed().as_secs_f64(), bytes - bytes_before);
             seconds += secs;
             let local = ProcessCounters::now().since(local0);
+            machine_spent = machine_spent.zip(local.machine_busy_seconds).map(|(total, m)| total + m);
             spent.cpu_seconds += local.cpu_seconds;
             spent.context_switches += local.context_switches;
             prefill_spent = match (prefill_spent, source.prefill_process().zip(prefill0)) {
@@ -174,6 +183,7 @@ pub(crate) fn run_block_size(
                     Some(ProcessCounters {
                         cpu_seconds: total.cpu_seconds + p.cpu_seconds,
                         context_switches: total.context_switches + p.context_switches,
+                        machine_busy_seconds: None,
                     })
                 }
                 _ => None,
@@ -191,6 +201,7 @@ pub(crate) fn run_block_size(
                         read_span,
                         &mut raw_tcp_runs,
                         &mut raw_tcp_cpu_runs,
+                        &mut raw_machine,
                     )?;
                 } else {
                     latency_iter_bytes.push(iter_bytes);
@@ -202,7 +213,15 @@ pub(crate) fn run_block_size(
     // raw run between two hand-offs (threads started, connections made) delayed the next
     // hand-off about 4x (p50 ~200 µs against ~50 µs without, one process, load 10).
     for iter_bytes in latency_iter_bytes {
-        raw_run(source, iter_bytes, run.connections, read_span, &mut raw_tcp_runs, &mut raw_tcp_cpu_runs)?;
+        raw_run(
+            source,
+            iter_bytes,
+            run.connections,
+            read_span,
+            &mut raw_tcp_runs,
+            &mut raw_tcp_cpu_runs,
+            &mut raw_machine,
+        )?;
     }
     if show_progress {
         eprintln!();
@@ -263,11 +282,14 @@ pub(crate) fn run_block_size(
         iter_gib_per_s,
         raw_tcp_runs,
         raw_tcp_cpu_runs,
+        machine_cpu_s_per_gib: machine_spent.map(|s| s / gib.max(1e-12)),
+        raw_tcp_machine_cpu_runs: raw_machine,
     })
 }
 
 /// One raw TCP run of `bytes` (read `read_span` at a time): its GiB/s into `rates`, its
-/// CPU per GiB (sending end, receiving end) into `cpu`.
+/// CPU per GiB (sending end, receiving end) into `cpu`, and this machine's busy CPU per GiB
+/// over the run into `machine` (nothing where `/proc/stat` is unreadable).
 fn raw_run(
     source: &mut dyn LeaseSource,
     bytes: u64,
@@ -275,8 +297,12 @@ fn raw_run(
     read_span: u64,
     rates: &mut Vec<f64>,
     cpu: &mut Vec<[f64; 2]>,
+    machine: &mut Vec<f64>,
 ) -> Result<(), String> {
     let r = source.raw_tcp_run(bytes, connections, read_span)?;
+    if let Some(busy) = r.machine_cpu_seconds {
+        machine.push(busy / (bytes as f64 / f64::from(1u32 << 30)).max(1e-12));
+    }
     rates.push(r.gib_per_s);
     cpu.push(r.cpu_s_per_gib(bytes));
     Ok(())

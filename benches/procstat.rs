@@ -82,3 +82,19 @@ pub(crate) fn thread_cpu_ns() -> u64 {
     }
     u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
 }
+
+/// CPU seconds every CPU of this machine has been busy so far (`/proc/stat`'s `cpu` line:
+/// user, nice, system, irq and softirq; idle, iowait and steal left out): every process and
+/// every kernel thread, the `ksoftirqd` threads that finish loopback TCP's receive work
+/// included, which neither process's own counters see. `None` where `/proc/stat` is
+/// unreadable. Resolution: one clock tick (10 ms) per CPU.
+pub(crate) fn machine_busy_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let ticks: Vec<u64> = line.split_whitespace().skip(1).map_while(|v| v.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal ...
+    let busy = [0, 1, 2, 5, 6].iter().map(|&i| ticks.get(i).copied()).sum::<Option<u64>>()?;
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| busy as f64 / hz as f64)
+}

@@ -60,9 +60,14 @@ pub(crate) trait LeaseSource {
     /// with the CPU seconds its sending and receiving threads took, both ends.
     fn raw_tcp_run(&mut self, total: u64, connections: usize, read_span: u64) -> Result<RawTcpRun, String> {
         let (sent0, received0) = crate::baselines::raw_tcp_cpu_seconds();
-        let gib_per_s = crate::baselines::raw_tcp_gib_per_s(total, connections, read_span)?;
+        let w = crate::baselines::raw_tcp_gib_per_s(total, connections, read_span)?;
         let (sent, received) = crate::baselines::raw_tcp_cpu_seconds();
-        Ok(RawTcpRun { gib_per_s, send_cpu_seconds: sent - sent0, receive_cpu_seconds: received - received0 })
+        Ok(RawTcpRun {
+            gib_per_s: w.gib_per_s,
+            send_cpu_seconds: sent - sent0,
+            receive_cpu_seconds: received - received0,
+            machine_cpu_seconds: w.machine_cpu_seconds,
+        })
     }
     /// The prefill process's CPU seconds and context switches so far when it is another
     /// process (`serve`); `None` when the agents share this one (whose counters hold both).
@@ -96,6 +101,8 @@ pub(crate) struct RawTcpRun {
     pub(crate) send_cpu_seconds: f64,
     /// CPU of the threads receiving them (the decode side's end).
     pub(crate) receive_cpu_seconds: f64,
+    /// This machine's busy CPU over the run (`None` where `/proc/stat` is unreadable).
+    pub(crate) machine_cpu_seconds: Option<f64>,
 }
 
 impl RawTcpRun {
@@ -113,18 +120,29 @@ pub(crate) struct ProcessCounters {
     pub(crate) cpu_seconds: f64,
     /// Voluntary and involuntary context switches, every thread.
     pub(crate) context_switches: u64,
+    /// Read in this process only: the machine's busy CPU seconds, every process and kernel
+    /// thread ([`crate::procstat::machine_busy_seconds`]).
+    pub(crate) machine_busy_seconds: Option<f64>,
 }
 
 impl ProcessCounters {
     /// This process's counters now.
     pub(crate) fn now() -> Self {
-        Self { cpu_seconds: cpu_seconds(), context_switches: crate::procstat::context_switches() }
+        Self {
+            cpu_seconds: cpu_seconds(),
+            context_switches: crate::procstat::context_switches(),
+            machine_busy_seconds: crate::procstat::machine_busy_seconds(),
+        }
     }
     /// What the process spent from `earlier` to `self`.
     pub(crate) fn since(self, earlier: Self) -> Self {
         Self {
             cpu_seconds: self.cpu_seconds - earlier.cpu_seconds,
             context_switches: self.context_switches.saturating_sub(earlier.context_switches),
+            machine_busy_seconds: self
+                .machine_busy_seconds
+                .zip(earlier.machine_busy_seconds)
+                .map(|(a, b)| a - b),
         }
     }
 }
@@ -410,7 +428,7 @@ impl LeaseSource for RemoteSource {
                 .zip(v.get("raw_tcp_senders_done").and_then(Value::as_u64))
         };
         let (before, received0) = (remote(self), crate::baselines::raw_tcp_cpu_seconds().1);
-        let gib_per_s = crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)?;
+        let w = crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)?;
         let received = crate::baselines::raw_tcp_cpu_seconds().1 - received0;
         let (sent0, done0) = before.ok_or("serve sent no raw tcp CPU count")?;
         // Each sender adds its CPU once its last write returned, which may be after the last
@@ -429,13 +447,19 @@ impl LeaseSource for RemoteSource {
             }
             std::thread::sleep(Duration::from_millis(1));
         };
-        Ok(RawTcpRun { gib_per_s, send_cpu_seconds: sent, receive_cpu_seconds: received })
+        Ok(RawTcpRun {
+            gib_per_s: w.gib_per_s,
+            send_cpu_seconds: sent,
+            receive_cpu_seconds: received,
+            machine_cpu_seconds: w.machine_cpu_seconds,
+        })
     }
     fn prefill_process(&mut self) -> Option<ProcessCounters> {
         let s = self.stats();
         Some(ProcessCounters {
             cpu_seconds: s.get("cpu_seconds")?.as_f64()?,
             context_switches: s.get("context_switches")?.as_u64()?,
+            machine_busy_seconds: None,
         })
     }
     fn raw_rtt(&mut self, block: u64) -> Result<crate::baselines::RawRtt, String> {

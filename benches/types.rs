@@ -35,6 +35,10 @@ pub(crate) struct Loaded {
     /// `--baseline`: the raw TCP run's sending and receiving CPU per request, µs (the same
     /// bytes per request).
     pub(crate) raw_tcp_us_per_request: Option<[f64; 2]>,
+    /// This machine's busy CPU per request over the measured window, µs (every process and
+    /// kernel thread; `None` where `/proc/stat` is unreadable), and over the raw run.
+    pub(crate) machine_cpu_us_per_request: Option<f64>,
+    pub(crate) raw_tcp_machine_cpu_us_per_request: Option<f64>,
     /// Mean time of the lease calls per parent (in two processes, control round trips to
     /// `serve`, `--lease-batch` parents each): the submitting thread's own cost.
     pub(crate) lease_call_us: f64,

@@ -495,6 +495,7 @@ pub(crate) fn run_level(
             gib_per_s: r.gib_per_s,
             send_cpu_seconds: r.send_cpu_seconds * scale,
             receive_cpu_seconds: r.receive_cpu_seconds * scale,
+            machine_cpu_seconds: r.machine_cpu_seconds.map(|m| m * scale),
         })
     } else {
         None
@@ -524,6 +525,8 @@ pub(crate) fn run_level(
         switches_per_request: local.context_switches as f64 / (requests.max(1) as f64),
         prefill_switches_per_request: prefill.map(|p| p.context_switches as f64 / (requests.max(1) as f64)),
         raw_tcp_us_per_request: raw.map(|r| [per_req(r.send_cpu_seconds), per_req(r.receive_cpu_seconds)]),
+        machine_cpu_us_per_request: local.machine_busy_seconds.map(per_req),
+        raw_tcp_machine_cpu_us_per_request: raw.and_then(|r| r.machine_cpu_seconds).map(per_req),
         lease_call_us: pool.calls_secs * 1e6 / (pool.leased.max(1) as f64),
         submit_lag_us: [
             percentile(&submit_lag, 0.5),
@@ -659,6 +662,14 @@ pub(crate) fn bench_many(
                         j["prefill_cpu_us_above_raw_send"] = json!(prefill - send);
                     }
                 }
+                // This machine's busy CPU (every process and kernel thread, /proc/stat) over the
+                // measured window, and over the raw run scaled to the same bytes.
+                j["machine_cpu_us_per_request"] = json!(l.machine_cpu_us_per_request);
+                j["raw_tcp_machine_cpu_us_per_request"] = json!(l.raw_tcp_machine_cpu_us_per_request);
+                j["ratio_machine_cpu_vs_raw_tcp"] = json!(l
+                    .machine_cpu_us_per_request
+                    .zip(l.raw_tcp_machine_cpu_us_per_request.filter(|&r| r > 0.0))
+                    .map(|(k, r)| k / r));
                 // The open loop's own figures (null in the closed loop).
                 let open = |v: Value| if offered.is_some() { v } else { Value::Null };
                 j["offered_per_s"] = json!(offered);
