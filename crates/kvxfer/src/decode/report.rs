@@ -362,9 +362,16 @@ impl PullHandle {
         self.finished_timed().await.0
     }
 
-    /// Waits for every child's report, and says when each one arrived (same order as
-    /// `PullReport::children`): for hand-off latency figures.
+    /// Waits for every child's report, and says when each one reached this caller (same
+    /// order as `PullReport::children`; the reports a stream gave when it gave them, the rest
+    /// when the whole pull ended; `ChildReport::completed_at` says when each child ended in
+    /// the agent): for hand-off latency figures.
     pub async fn finished_timed(mut self) -> (PullReport, Vec<Instant>) {
+        // The pull task sends every child's report before its totals: waiting for the totals
+        // first wakes the caller once per pull, not once per child (a blocking caller's
+        // thread is woken each time), and the reports are then all in the channel. Totals
+        // that never come (the task vanished with its runtime) end the wait as well.
+        let totals = (&mut self.done).await;
         while self.seen.len() < self.count {
             let r = match self.reports.recv().await {
                 Some(r) => r,
@@ -377,7 +384,7 @@ impl PullHandle {
         }
         let mut children = std::mem::take(&mut self.seen);
         children.sort_by_key(|c| c.0.child_index);
-        let (wire_bytes, delivered_bytes, elapsed) = (&mut self.done).await.unwrap_or_default();
+        let (wire_bytes, delivered_bytes, elapsed) = totals.unwrap_or_default();
         let (children, arrived) = children.into_iter().unzip();
         let report =
             PullReport { parent_request_id: self.parent, children, wire_bytes, delivered_bytes, elapsed };
@@ -432,5 +439,73 @@ impl IntoFuture for PullHandle {
 
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(self.finished())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    fn done_report(index: u32) -> ChildReport {
+        ChildReport {
+            child_index: index,
+            remote_request_id: format!("p-{index}"),
+            outcome: ChildOutcome::Done { bytes_delivered: 4, acknowledged: true },
+            completed_at: Instant::now(),
+            path: None,
+        }
+    }
+
+    fn expected(n: u32) -> Vec<(u32, String, Vec<BlockId>)> {
+        (0..n).map(|i| (i, format!("p-{i}"), vec![i])).collect()
+    }
+
+    /// Reports sent before the totals (the pull task's order) all reach `finished`, with the
+    /// totals, child 0 first — those a stream took first included.
+    #[tokio::test]
+    async fn finished_gives_every_report_sent_before_the_totals() {
+        let (mut handle, ch) = PullHandle::new("p".into(), expected(3));
+        for i in [2, 0, 1] {
+            ch.reports.send(done_report(i)).expect("send");
+        }
+        assert_eq!(handle.next().await.map(|r| r.child_index), Some(2));
+        ch.done.send((12, 12, Duration::from_millis(1))).expect("done");
+        let report = handle.finished().await;
+        assert!(report.all_done());
+        assert_eq!(report.children.iter().map(|c| c.child_index).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!((report.wire_bytes, report.delivered_bytes), (12, 12));
+    }
+
+    /// A pull task that vanished (its channels dropped, no totals) after reporting one
+    /// child: `finished` still ends, the others reported failed because the agent shut down.
+    #[tokio::test]
+    async fn finished_ends_when_the_pull_task_vanishes_without_totals() {
+        let (handle, ch) = PullHandle::new("p".into(), expected(2));
+        ch.reports.send(done_report(1)).expect("send");
+        drop(ch);
+        let (report, arrived) = handle.finished_timed().await;
+        assert_eq!(arrived.len(), 2);
+        assert!(matches!(report.children[1].outcome, ChildOutcome::Done { .. }));
+        assert!(matches!(
+            &report.children[0].outcome,
+            ChildOutcome::Failed { error: PullError::Shutdown, invalid_local_blocks } if invalid_local_blocks == &[0]
+        ));
+        assert_eq!(report.wire_bytes, 0);
+    }
+
+    /// Totals that came before a report (not the task's order, but not a hang either): the
+    /// late report is still waited for.
+    #[tokio::test]
+    async fn a_report_after_the_totals_is_still_waited_for() {
+        let (handle, ch) = PullHandle::new("p".into(), expected(1));
+        ch.done.send((4, 4, Duration::ZERO)).expect("done");
+        let late = tokio::spawn(async move {
+            tokio::task::yield_now().await;
+            ch.reports.send(done_report(0)).expect("send");
+        });
+        let report = handle.finished().await;
+        late.await.expect("late");
+        assert!(report.all_done());
     }
 }
