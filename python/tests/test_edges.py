@@ -312,3 +312,51 @@ def test_a_shutdown_racing_a_waiting_call_ends_it_without_a_panic(patient_prefil
         assert got in ([], ["error"]), got
     else:
         assert isinstance(got, kvxfer.AgentClosedError) or got == [False], repr(got)
+
+
+# ---- a params dict read directly and as JSON text: one result
+
+
+class _Port(int):
+    """An int subclass (as an IntEnum is): json.dumps writes it as a number."""
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d,
+        lambda d: {**d, "remote_block_ids": tuple(d["remote_block_ids"])},
+        lambda d: {**d, "remote_port": str(d["remote_port"])},
+        lambda d: {**d, "remote_port": _Port(d["remote_port"])},
+        lambda d: {**d, "remote_port": float(d["remote_port"])},
+        lambda d: {**d, "remote_port": np.int64(d["remote_port"])},
+        lambda d: {**d, "remote_port": True},
+        lambda d: {**d, "remote_port": float("nan")},
+        lambda d: {**d, "remote_port": 2**70},
+        lambda d: {**d, "kvxfer_lease_token": b"\x00" * 16},
+        lambda d: {**d, "remote_block_ids": [1, "2"]},
+        lambda d: {**d, 7: "an int key"},
+        lambda d: {**d, "future_field": {"nested": [1, 2.5, None, {"deep": True}]}},
+        lambda d: {k: v for k, v in d.items() if k != "kvxfer_lease_token"},
+    ],
+)
+def test_a_params_dict_reads_as_its_json_text_does(prefill, change):
+    """The binding reads a dict of plain JSON types directly, and anything else through
+    json.dumps: either way the result, or the error, is the text's."""
+    import json
+
+    params = change(prefill.lease("J", 0, 1, [1]).to_params())
+
+    def outcome(arg):
+        try:
+            return ("ok", kvxfer.Handoff.from_params(arg).to_params())
+        except Exception as e:  # noqa: BLE001 - the error itself is compared
+            return ("error", type(e), str(e).split(" at line ")[0])
+
+    try:
+        text = json.dumps(params)
+    except (TypeError, ValueError) as e:
+        got = outcome(params)
+        assert got[0] == "error" and got[1] is kvxfer.ParamsError, (got, e)
+        return
+    assert outcome(params) == outcome(text)

@@ -111,6 +111,13 @@ impl KvTransferParams {
         Ok(p)
     }
 
+    /// Parses the dict from a JSON value already built (an embedding that holds the dict as
+    /// data, not text: the Python binding), with the same field rules as [`Self::from_json`].
+    pub fn from_value(v: serde_json::Value) -> Result<Self, ParamsError> {
+        serde_path_to_error::deserialize(v)
+            .map_err(|e| ParamsError::Json { field: e.path().to_string(), source: e.into_inner() })
+    }
+
     /// Writes the dict as JSON.
     pub fn to_json(&self) -> String {
         // Serializing plain data to a string cannot fail.
@@ -255,6 +262,29 @@ mod tests {
         let back: serde_json::Value = serde_json::from_str(&p.to_json()).expect("json");
         assert_eq!(back["some_future_field"]["x"], 1);
         assert_eq!(back["remote_host"], serde_json::Value::Null);
+    }
+
+    /// A dict given as a JSON value parses as its text does, and a bad field is named alike.
+    #[test]
+    fn a_json_value_parses_as_its_text() {
+        for text in
+            [DECODE_SIDE, r#"{"remote_block_ids": [[1, 2], [7]], "remote_port": "5559", "x": {"y": [1]}}"#]
+        {
+            let v: serde_json::Value = serde_json::from_str(text).expect("json");
+            assert_eq!(
+                KvTransferParams::from_value(v).expect("value"),
+                KvTransferParams::from_json(text).expect("text")
+            );
+        }
+        let bad = r#"{"remote_block_ids": [1, "two"]}"#;
+        let field = |e: ParamsError| match e {
+            ParamsError::Json { field, .. } => field,
+            other => panic!("{other:?}"),
+        };
+        let from_text = field(KvTransferParams::from_json(bad).expect_err("text"));
+        let from_value =
+            field(KvTransferParams::from_value(serde_json::from_str(bad).expect("json")).expect_err("value"));
+        assert_eq!(from_value, from_text);
     }
 
     #[test]

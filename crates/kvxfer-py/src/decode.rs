@@ -214,8 +214,8 @@ impl TrackedPulls {
 async fn forward(mut handle: kvxfer::PullHandle, state: Arc<PullState>, shared: Arc<Shared>) {
     while let Some(r) = handle.next().await {
         let data = state.report(r);
+        // `Pull.wait` waits for the totals below: no wake-up of it per report.
         state.lock().reports.push(data.clone());
-        state.changed.notify_all();
         if let Some(q) = &shared.queue {
             q.reports.lock().unwrap_or_else(|p| p.into_inner()).push_back(data);
             q.arrived.notify_all();

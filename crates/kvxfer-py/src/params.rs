@@ -1,13 +1,14 @@
-//! vLLM's `kv_transfer_params` dict across the boundary, and [`Handoff`]. A dict travels
-//! as JSON through Python's `json` module and is parsed by the core's
-//! `KvTransferParams::from_json` — the same parser, with the same field-naming errors, as
-//! every other kvxfer entry point.
+//! vLLM's `kv_transfer_params` dict across the boundary, and [`Handoff`]. A dict of plain
+//! JSON types is read into a JSON value directly (no text in between) and parsed by the
+//! core's `KvTransferParams::from_value`; anything else, and any dict that fails there,
+//! travels as JSON text through Python's `json` module to `KvTransferParams::from_json` —
+//! the same parser, with the same field-naming errors, as every other kvxfer entry point.
 
 use std::time::Duration;
 
 use kvxfer_core::{ChildHandoff, KvTransferParams};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use crate::errors::{params_error, raise, ParamsError};
 
@@ -51,10 +52,58 @@ impl BlockLists {
     }
 }
 
+/// Nesting deeper than this is left to the JSON path (whose own limits then apply).
+const MAX_PLAIN_DEPTH: usize = 32;
+
+/// `obj` as the JSON value `json.dumps` would write for it, when it is made only of the
+/// exact built-in types that map one to one (dict with str keys, list, tuple, str, int
+/// within 64 bits, finite float, bool, None); `None` for anything else — a subclass, a
+/// non-str key, a NaN, a huge int — which the JSON path then handles exactly as before.
+fn plain_json(obj: &Bound<'_, PyAny>, depth: usize) -> Option<serde_json::Value> {
+    use serde_json::Value;
+    if depth > MAX_PLAIN_DEPTH {
+        return None;
+    }
+    if obj.is_none() {
+        Some(Value::Null)
+    } else if let Ok(s) = obj.cast_exact::<PyString>() {
+        Some(Value::String(s.to_cow().ok()?.into_owned()))
+    } else if let Ok(b) = obj.cast_exact::<PyBool>() {
+        Some(Value::Bool(b.is_true()))
+    } else if let Ok(i) = obj.cast_exact::<PyInt>() {
+        match i.extract::<i64>() {
+            Ok(v) => Some(Value::from(v)),
+            Err(_) => i.extract::<u64>().ok().map(Value::from),
+        }
+    } else if let Ok(d) = obj.cast_exact::<PyDict>() {
+        let mut map = serde_json::Map::with_capacity(d.len());
+        for (k, v) in d.iter() {
+            let k = k.cast_exact::<PyString>().ok()?.to_cow().ok()?.into_owned();
+            map.insert(k, plain_json(&v, depth + 1)?);
+        }
+        Some(Value::Object(map))
+    } else if let Ok(l) = obj.cast_exact::<PyList>() {
+        l.iter().map(|v| plain_json(&v, depth + 1)).collect::<Option<Vec<_>>>().map(Value::Array)
+    } else if let Ok(t) = obj.cast_exact::<PyTuple>() {
+        t.iter().map(|v| plain_json(&v, depth + 1)).collect::<Option<Vec<_>>>().map(Value::Array)
+    } else if let Ok(f) = obj.cast_exact::<PyFloat>() {
+        serde_json::Number::from_f64(f.value()).map(Value::Number)
+    } else {
+        None
+    }
+}
+
 /// `kv_transfer_params` from a dict (or its JSON text). `context` prefixes error messages
 /// (e.g. `"children[2]: "`).
 pub(crate) fn from_py(obj: &Bound<'_, PyAny>, context: &str) -> PyResult<KvTransferParams> {
     let py = obj.py();
+    // The direct path: a dict of plain JSON types that parses. Otherwise (or on an error,
+    // whose message then comes from the text path as it always has) the text path.
+    if obj.cast_exact::<PyDict>().is_ok() {
+        if let Some(Ok(p)) = plain_json(obj, 0).map(KvTransferParams::from_value) {
+            return Ok(p);
+        }
+    }
     let text: String = if let Ok(s) = obj.cast::<PyString>() {
         s.extract::<String>()?
     } else if obj.cast::<PyDict>().is_ok() {
