@@ -98,3 +98,14 @@ pub(crate) fn machine_busy_seconds() -> Option<f64> {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     (hz > 0).then(|| busy as f64 / hz as f64)
 }
+
+/// The CPUs this process may run on (`Cpus_allowed_list` of `/proc/self/status`, e.g.
+/// `0-1`, or `1` when pinned), empty when unreadable.
+pub(crate) fn cpus_allowed() -> String {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return String::new() };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_default()
+}

@@ -141,6 +141,9 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 // covers `serve` where it runs on this machine, and the kernel threads that
                 // finish loopback TCP's receive work, which neither process's counters see.
                 "machine_cpu_s_per_gib": m.machine_cpu_s_per_gib,
+                // The CPUs this process may run on (`prefill.cpus`: serve's), e.g. pinned by
+                // bench-two-process.sh --pull-cpus / --serve-cpus.
+                "cpus": crate::procstat::cpus_allowed(),
                 // Submit → report: the hand-off without the bench's lease request.
                 "submit_p10_us": m.submit_us[0], "submit_p50_us": m.submit_us[1], "submit_p99_us": m.submit_us[2],
             });

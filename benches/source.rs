@@ -202,6 +202,7 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
            "expired": s.leases.expired, "unrecognized": s.leases.unrecognized, "bytes_served": s.server.bytes_served,
            "crc_bytes_precomputed": s.server.crc_bytes_precomputed,
            "offers_ucx": a.offers_ucx(), "cpu_seconds": cpu_seconds(),
+           "cpus": crate::procstat::cpus_allowed(),
            "context_switches": crate::procstat::context_switches(),
            "raw_tcp_send_cpu_seconds": crate::baselines::raw_tcp_cpu_seconds().0,
            "raw_tcp_senders_done": crate::baselines::raw_tcp_senders_done(),

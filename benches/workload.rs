@@ -665,6 +665,7 @@ pub(crate) fn bench_many(
                 // This machine's busy CPU (every process and kernel thread, /proc/stat) over the
                 // measured window, and over the raw run scaled to the same bytes.
                 j["machine_cpu_us_per_request"] = json!(l.machine_cpu_us_per_request);
+                j["cpus"] = json!(crate::procstat::cpus_allowed());
                 j["raw_tcp_machine_cpu_us_per_request"] = json!(l.raw_tcp_machine_cpu_us_per_request);
                 j["ratio_machine_cpu_vs_raw_tcp"] = json!(l
                     .machine_cpu_us_per_request

@@ -13,6 +13,12 @@
 # CARGO_TARGET_DIR says otherwise, so the system build is not invalidated) and both
 # processes run with $UCX_HOME/lib first in LD_LIBRARY_PATH (a KVXFER_BENCH binary too).
 # The JSON's `ucx_version` (and `prefill.ucx_version`) is the libucp each process loaded.
+#
+# --serve-cpus LIST / --pull-cpus LIST (taskset's CPU lists, taken by this script) pin each
+# process to its own cores, as two hosts would have them. Unpinned on loopback, the raw TCP
+# baseline's sending and receiving threads of one connection often share a core, where the
+# receiver copies bytes the sender copied a moment before from cache: with two connections
+# on two cores that halves raw TCP's counted CPU, a discount two hosts never see.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${UCX_HOME:-}" ]; then
@@ -38,7 +44,22 @@ unset UCX_HOME
 # The serve side takes the transport flags, --worker-threads and --memory (pull takes them
 # too; it checks that `serve` used the --memory it names).
 serve_args=()
-args=("$@")
+serve_pin=()
+pull_pin=()
+args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --serve-cpus|--pull-cpus)
+            if [ $# -lt 2 ]; then
+                echo "bench-two-process.sh: $1 needs a CPU list (e.g. 0 or 0-1)" >&2
+                exit 2
+            fi
+            if [ "$1" = --serve-cpus ]; then serve_pin=(taskset -c "$2"); else pull_pin=(taskset -c "$2"); fi
+            shift 2
+            ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[$i]}" in
         --transport|--ucx-tls|--worker-threads|--memory) serve_args+=("${args[$i]}" "${args[$((i + 1))]}") ;;
@@ -49,10 +70,10 @@ done
 
 fifo=$(mktemp -u)
 mkfifo "$fifo"
-"$bin" serve --listen 127.0.0.1:0 --runs 1 "${serve_args[@]}" > "$fifo" &
+"${serve_pin[@]}" "$bin" serve --listen 127.0.0.1:0 --runs 1 "${serve_args[@]}" > "$fifo" &
 serve_pid=$!
 trap 'kill $serve_pid 2>/dev/null || true; rm -f "$fifo"' EXIT
 read -r line < "$fifo"
 addr=${line##* }
-"$bin" pull --peer "$addr" "$@"
+"${pull_pin[@]}" "$bin" pull --peer "$addr" "${args[@]}"
 wait $serve_pid
