@@ -312,6 +312,9 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
     # thread (the agent's runtime included): CLOCK_PROCESS_CPUTIME_ID (time.process_time,
     # exact, not tick-sampled); and its context switches (getrusage).
     cpu_s = 0.0
+    # The calling thread's own share (CLOCK_THREAD_CPUTIME_ID): in submit, and in wait; the
+    # rest of cpu_s is the agent's runtime thread(s).
+    submit_s = wait_s = 0.0
     switches = 0
     with contextlib.ExitStack() as stack:
         peers = LatencyPeers(args, block)
@@ -337,12 +340,16 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
             params = peers.ask({"op": "lease", "parent": f"lat-{it}", "blocks": [[b]]})["params"]
             dst[b * block : (b + 1) * block] = 0
             r0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
-            t0 = time.perf_counter()
-            reports = decode.submit(params, [[b]]).wait(timeout=LatencyPeers.TIMEOUT)
-            t1 = time.perf_counter()
+            t0, th0 = time.perf_counter(), time.thread_time()
+            pull = decode.submit(params, [[b]])
+            th1 = time.thread_time()
+            reports = pull.wait(timeout=LatencyPeers.TIMEOUT)
+            t1, th2 = time.perf_counter(), time.thread_time()
             c1, r1 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
             if it >= args.warmup:
                 cpu_s += c1 - c0
+                submit_s += th1 - th0
+                wait_s += th2 - th1
                 switches += (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw)
             raw.sendall(request)
             got = raw.recv_into(answer, block, socket.MSG_WAITALL)
@@ -382,6 +389,9 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
         "handoff_vs_raw_rtt_paired_p10": percentile(ratios, 0.1),
         "decode_cpu_us_per_handoff": round(cpu_s * 1e6 / max(args.iters, 1), 1),
         "decode_context_switches_per_handoff": round(switches / max(args.iters, 1), 2),
+        "decode_caller_submit_cpu_us": round(submit_s * 1e6 / max(args.iters, 1), 1),
+        "decode_caller_wait_cpu_us": round(wait_s * 1e6 / max(args.iters, 1), 1),
+        "decode_runtime_cpu_us": round((cpu_s - submit_s - wait_s) * 1e6 / max(args.iters, 1), 1),
         "verified": True,
         "prefill": {k: leases[k] for k in ("leased", "pulled", "released", "expired")},
     }

@@ -32,6 +32,10 @@ def test_the_latency_benchmark_pairs_each_hand_off_with_a_raw_round_trip():
     assert row["handoff_vs_raw_rtt_paired_p50"] > 0
     # Counted CPU of the decode process per hand-off (submit to report), and its switches.
     assert row["decode_cpu_us_per_handoff"] > 0 and row["decode_context_switches_per_handoff"] >= 0
+    # Split by thread: the caller in submit and in wait, the rest the agent's runtime.
+    split = [row[k] for k in ("decode_caller_submit_cpu_us", "decode_caller_wait_cpu_us", "decode_runtime_cpu_us")]
+    assert split[0] > 0 and split[1] >= 0
+    assert abs(sum(split) - row["decode_cpu_us_per_handoff"]) <= 0.5, (split, row["decode_cpu_us_per_handoff"])
     # Every lease of the run was pulled, none released or expired.
     assert row["prefill"] == {"leased": 32, "pulled": 32, "released": 0, "expired": 0}
     # Every pulled block was checked, and each lone child's notify rode behind its read.
