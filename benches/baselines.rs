@@ -51,6 +51,20 @@ pub(crate) fn raw_tcp_senders_done() -> u64 {
     RAW_TCP_SENDERS_DONE.load(Ordering::SeqCst)
 }
 
+/// Sources of this process that have freed their buffer (once their peer hung up, after its
+/// clocks were read): a `pull` waits for a run's sources to reach it before its next
+/// iteration, so freeing 512 MiB is not counted as kvxfer's.
+static RAW_TCP_SOURCES_FREED: AtomicU64 = AtomicU64::new(0);
+
+/// [`RAW_TCP_SOURCES_FREED`] now.
+pub(crate) fn raw_tcp_sources_freed() -> u64 {
+    RAW_TCP_SOURCES_FREED.load(Ordering::SeqCst)
+}
+
+/// Windows shorter than this give no machine-wide figure: `/proc/stat` counts in 10 ms
+/// ticks, too coarse for them.
+pub(crate) const MIN_MACHINE_WINDOW_SECS: f64 = 0.25;
+
 /// Runs `f` on this thread, adding the CPU it took to `counter`.
 fn counted<T>(counter: &AtomicU64, f: impl FnOnce() -> T) -> T {
     let t0 = crate::procstat::thread_cpu_ns();
@@ -89,9 +103,11 @@ pub(crate) struct RawWindow {
     pub(crate) machine_cpu_seconds: Option<f64>,
 }
 
-/// The machine's busy CPU seconds from `before` to now.
-fn machine_since(before: Option<f64>) -> Option<f64> {
-    Some(crate::procstat::machine_busy_seconds()? - before?)
+/// The machine's busy CPU seconds from `before` to now, over a window of `secs`; `None`
+/// for a window too short for `/proc/stat`'s ticks ([`MIN_MACHINE_WINDOW_SECS`]).
+fn machine_since(before: Option<f64>, secs: f64) -> Option<f64> {
+    let busy = crate::procstat::machine_busy_seconds()? - before?;
+    (secs >= MIN_MACHINE_WINDOW_SECS).then_some(busy)
 }
 
 /// Raw TCP, one process: `connections` sockets on 127.0.0.1 moving `total` bytes from one
@@ -130,7 +146,8 @@ pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) 
     start.wait();
     let (t0, machine0) = (Instant::now(), crate::procstat::machine_busy_seconds());
     end.wait();
-    let (secs, machine_cpu_seconds) = (t0.elapsed().as_secs_f64(), machine_since(machine0));
+    let secs = t0.elapsed().as_secs_f64();
+    let machine_cpu_seconds = machine_since(machine0, secs);
     let read = join_all(threads)?;
     Ok(RawWindow { gib_per_s: gib_per_s(read, secs), machine_cpu_seconds })
 }
@@ -155,6 +172,11 @@ fn receive(
                 start.wait();
                 let read = counted(&RAW_TCP_RECEIVE_NS, || read_like_kvxfer(&mut s, &mut dst, read_span));
                 std::hint::black_box(&dst);
+                if read.is_err() {
+                    // A sender blocked writing to this socket must see its end before the
+                    // barrier, or neither reaches it.
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                }
                 end.wait();
                 read
             })
@@ -185,11 +207,12 @@ pub(crate) fn raw_tcp_source(total: u64, connections: usize) -> Result<String, S
                 RAW_TCP_SENDERS_DONE.fetch_add(1, Ordering::SeqCst);
                 if let Err(e) = sent {
                     eprintln!("kvxfer-bench serve: raw tcp source: {e}");
-                    return;
+                } else {
+                    // Held until the peer hangs up (its end of the run), read or error alike.
+                    let _ = s.read(&mut go);
                 }
-                // Held until the peer hangs up (its end of the run), read or error alike.
-                let _ = s.read(&mut go);
                 drop(src);
+                RAW_TCP_SOURCES_FREED.fetch_add(1, Ordering::SeqCst);
             });
         }
     });
@@ -224,7 +247,8 @@ pub(crate) fn raw_tcp_sink_gib_per_s(
         goes.iter().for_each(|g| drop(g.shutdown(std::net::Shutdown::Both)));
     }
     end.wait();
-    let (secs, machine_cpu_seconds) = (t0.elapsed().as_secs_f64(), machine_since(machine0));
+    let secs = t0.elapsed().as_secs_f64();
+    let machine_cpu_seconds = machine_since(machine0, secs);
     // The go clones hold the sockets open: dropped, the sources see the end and free.
     drop(goes);
     let read = join_all(threads);

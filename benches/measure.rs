@@ -161,7 +161,10 @@ pub(crate) fn run_block_size(
                     ));
                 }
                 if measured {
-                    latencies.push(at.duration_since(lease_start).as_secs_f64() * 1e6);
+                    // Lease → the child's end in the agent (its own stamp: these parents are
+                    // waited for in turn, so when this thread takes a report says little);
+                    // submit → the report reaching this thread, as a decode engine sees it.
+                    latencies.push(c.completed_at.saturating_duration_since(lease_start).as_secs_f64() * 1e6);
                     submit_latencies.push(at.duration_since(submitted).as_secs_f64() * 1e6);
                 }
             }
@@ -282,7 +285,10 @@ pub(crate) fn run_block_size(
         iter_gib_per_s,
         raw_tcp_runs,
         raw_tcp_cpu_runs,
-        machine_cpu_s_per_gib: machine_spent.map(|s| s / gib.max(1e-12)),
+        // Too short a window for /proc/stat's 10 ms ticks gives none.
+        machine_cpu_s_per_gib: machine_spent
+            .filter(|_| seconds >= crate::baselines::MIN_MACHINE_WINDOW_SECS)
+            .map(|s| s / gib.max(1e-12)),
         raw_tcp_machine_cpu_runs: raw_machine,
     })
 }

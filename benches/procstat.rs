@@ -109,3 +109,20 @@ pub(crate) fn cpus_allowed() -> String {
         .map(|v| v.trim().to_owned())
         .unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    /// The machine's busy CPU grows by at least what this thread burns (others only add).
+    #[test]
+    fn the_machine_counts_at_least_this_threads_cpu() {
+        let before = super::machine_busy_seconds().expect("/proc/stat");
+        let t0 = super::thread_cpu_ns();
+        let mut x = 0u64;
+        while super::thread_cpu_ns() - t0 < 300_000_000 {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let grew = super::machine_busy_seconds().expect("/proc/stat") - before;
+        // 0.3 s burnt, less two 10 ms ticks of rounding.
+        assert!(grew >= 0.28, "the machine counted {grew} s busy while this thread burnt 0.3 s");
+    }
+}

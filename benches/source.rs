@@ -206,6 +206,7 @@ pub(crate) fn prefill_stats(a: &PrefillAgent) -> Value {
            "context_switches": crate::procstat::context_switches(),
            "raw_tcp_send_cpu_seconds": crate::baselines::raw_tcp_cpu_seconds().0,
            "raw_tcp_senders_done": crate::baselines::raw_tcp_senders_done(),
+           "raw_tcp_sources_freed": crate::baselines::raw_tcp_sources_freed(),
            "rss_kib": crate::procstat::rss_kib(), "rss_peak_kib": crate::procstat::peak_rss_kib(),
            "fds": crate::procstat::open_fds(),
            "raw_rtt_rounds_served": crate::baselines::raw_rtt_rounds_served(),
@@ -422,28 +423,33 @@ impl LeaseSource for RemoteSource {
     fn raw_tcp_run(&mut self, total: u64, connections: usize, read_span: u64) -> Result<RawTcpRun, String> {
         let v = self.call(json!({"op": "raw_tcp_source", "bytes": total, "connections": connections}))?;
         let addr = v.get("addr").and_then(Value::as_str).ok_or("serve sent no raw source address")?;
+        // (sending CPU, senders done, sources freed) so far in `serve`.
         let remote = |s: &mut Self| {
             let v = s.stats();
-            v.get("raw_tcp_send_cpu_seconds")
-                .and_then(Value::as_f64)
-                .zip(v.get("raw_tcp_senders_done").and_then(Value::as_u64))
+            let sent = v.get("raw_tcp_send_cpu_seconds").and_then(Value::as_f64)?;
+            let done = v.get("raw_tcp_senders_done").and_then(Value::as_u64)?;
+            Some((sent, done, v.get("raw_tcp_sources_freed").and_then(Value::as_u64)?))
         };
         let (before, received0) = (remote(self), crate::baselines::raw_tcp_cpu_seconds().1);
         let w = crate::baselines::raw_tcp_sink_gib_per_s(addr, total, connections, read_span)?;
         let received = crate::baselines::raw_tcp_cpu_seconds().1 - received0;
-        let (sent0, done0) = before.ok_or("serve sent no raw tcp CPU count")?;
+        let (sent0, done0, freed0) = before.ok_or("serve sent no raw tcp CPU count")?;
         // Each sender adds its CPU once its last write returned, which may be after the last
-        // bytes were read here: wait (a while at most) until every sender of this run has.
+        // bytes were read here, and frees its buffer once this side hung up: wait (a while
+        // at most) until every sender of this run has done both, so neither lands in what
+        // comes next (kvxfer's next iteration).
         let deadline = Instant::now() + Duration::from_secs(10);
+        let n = connections.max(1) as u64;
         let sent = loop {
-            let (sent, done) = remote(self).ok_or("serve sent no raw tcp CPU count")?;
-            if done >= done0 + connections.max(1) as u64 {
+            let (sent, done, freed) = remote(self).ok_or("serve sent no raw tcp CPU count")?;
+            if done >= done0 + n && freed >= freed0 + n {
                 break sent - sent0;
             }
             if Instant::now() > deadline {
                 return Err(format!(
-                    "serve's raw tcp senders did not finish ({} of {connections})",
-                    done - done0
+                    "serve's raw tcp senders did not finish ({} of {connections} done, {} freed)",
+                    done - done0,
+                    freed - freed0
                 ));
             }
             std::thread::sleep(Duration::from_millis(1));

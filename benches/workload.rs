@@ -525,7 +525,10 @@ pub(crate) fn run_level(
         switches_per_request: local.context_switches as f64 / (requests.max(1) as f64),
         prefill_switches_per_request: prefill.map(|p| p.context_switches as f64 / (requests.max(1) as f64)),
         raw_tcp_us_per_request: raw.map(|r| [per_req(r.send_cpu_seconds), per_req(r.receive_cpu_seconds)]),
-        machine_cpu_us_per_request: local.machine_busy_seconds.map(per_req),
+        machine_cpu_us_per_request: local
+            .machine_busy_seconds
+            .filter(|_| secs >= crate::baselines::MIN_MACHINE_WINDOW_SECS)
+            .map(per_req),
         raw_tcp_machine_cpu_us_per_request: raw.and_then(|r| r.machine_cpu_seconds).map(per_req),
         lease_call_us: pool.calls_secs * 1e6 / (pool.leased.max(1) as f64),
         submit_lag_us: [

@@ -15,10 +15,10 @@
 # The JSON's `ucx_version` (and `prefill.ucx_version`) is the libucp each process loaded.
 #
 # --serve-cpus LIST / --pull-cpus LIST (taskset's CPU lists, taken by this script) pin each
-# process to its own cores, as two hosts would have them. Unpinned on loopback, the raw TCP
-# baseline's sending and receiving threads of one connection often share a core, where the
-# receiver copies bytes the sender copied a moment before from cache: with two connections
-# on two cores that halves raw TCP's counted CPU, a discount two hosts never see.
+# process to its own cores, as two hosts would have them. Unpinned on loopback with two
+# connections, the raw TCP baseline's sending threads count about half the CPU they count
+# pinned (where the loopback's receive work lands when both ends can share a core), and
+# kvxfer's prefill does not get that discount: the CPU goals are judged pinned.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${UCX_HOME:-}" ]; then
@@ -57,6 +57,8 @@ while [ $# -gt 0 ]; do
             if [ "$1" = --serve-cpus ]; then serve_pin=(taskset -c "$2"); else pull_pin=(taskset -c "$2"); fi
             shift 2
             ;;
+        --serve-cpus=*) serve_pin=(taskset -c "${1#*=}"); shift ;;
+        --pull-cpus=*) pull_pin=(taskset -c "${1#*=}"); shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
