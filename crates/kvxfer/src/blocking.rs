@@ -411,8 +411,10 @@ impl PullHandle {
         self.wait_timed().0
     }
 
-    /// Waits for every child's report, and says when each one arrived (same order as
-    /// `PullReport::children`): for hand-off latency figures.
+    /// Waits for every child's report, and says when each one reached this caller (same
+    /// order as `PullReport::children`; those not taken with [`Self::next_report`] before,
+    /// when the whole pull ended — `ChildReport::completed_at` says when each child ended in
+    /// the agent): for hand-off latency figures.
     pub fn wait_timed(self) -> (PullReport, Vec<Instant>) {
         let inner = self.inner.into_inner().unwrap_or_else(|p| p.into_inner());
         wait(&self.handle, inner.finished_timed())

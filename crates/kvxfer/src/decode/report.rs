@@ -470,11 +470,15 @@ mod tests {
             ch.reports.send(done_report(i)).expect("send");
         }
         assert_eq!(handle.next().await.map(|r| r.child_index), Some(2));
+        let streamed = Instant::now();
         ch.done.send((12, 12, Duration::from_millis(1))).expect("done");
-        let report = handle.finished().await;
+        let (report, arrived) = handle.finished_timed().await;
         assert!(report.all_done());
         assert_eq!(report.children.iter().map(|c| c.child_index).collect::<Vec<_>>(), [0, 1, 2]);
         assert_eq!((report.wire_bytes, report.delivered_bytes), (12, 12));
+        // The streamed report keeps when the stream gave it; the others reached this caller
+        // with the totals, after it.
+        assert!(arrived[2] <= streamed && arrived[0] >= streamed && arrived[1] >= streamed, "{arrived:?}");
     }
 
     /// A pull task that vanished (its channels dropped, no totals) after reporting one
