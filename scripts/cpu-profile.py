@@ -4,13 +4,14 @@ with ``perf record`` once they are up (after ``--after`` seconds, for ``--second
 prints one JSON line per process with the share of its samples in each category:
 
 - ``crc32c``: the integrity check's CRC-32C;
+- ``scheduling``: the kernel switching threads, waking others, putting one to sleep (futex,
+  epoll, eventfd), whoever's code asked (an engine's thread waiting for a pull included);
 - ``harness``: the benchmark's own work (``kvxfer_bench::``, its byte patterns and their
   check, or the Python benchmark's interpreter frames, where the stack shows them) outside
-  kvxfer's calls, the kernel's work on its behalf included (its lease requests' sockets);
+  kvxfer's calls, the kernel's work on its behalf included (its lease requests' sockets),
+  but not its sleeps and wake-ups (``scheduling``);
 - ``payload_copy``: the kernel copying payload bytes to or from user memory;
 - ``allocator``: malloc and free;
-- ``scheduling``: context switches, wake-ups of other threads, waits (futex, epoll,
-  eventfd), the scheduler;
 - ``kernel_other``: the rest of the kernel (the TCP/IP stack and syscall entry, mostly);
 - ``python``: the Python interpreter (``libpython``) outside kvxfer's calls;
 - ``user_other``: the rest of user space (kvxfer, tokio, libc).
@@ -51,10 +52,10 @@ from collections import Counter
 # "any" any frame of the stack.
 CATEGORIES: list[tuple[str, str, str]] = [
     ("crc32c", r"crc32|crc_fast|crc32c", "any"),
+    ("scheduling", r"(finish_task_switch|__schedule|schedule\b|try_to_wake_up|futex|do_epoll_wait|ep_poll|eventfd|pick_next_task|dequeue_task|enqueue_task|ttwu|__wake_up).*\[kernel\.kallsyms\]", "any"),
     ("harness", r"kvxfer_bench::|kvxfer_mem::pattern::|kvxfer/bench\.py|_PyEval_EvalFrame", "harness"),
     ("payload_copy", r"_copy_to_iter|_copy_from_iter|copy_user|rep_movs_alternative|copy_page_to_iter|copy_page_from_iter", "leaf"),
     ("allocator", r"^(_int_malloc|_int_free|malloc|cfree|free|__libc_free|__libc_malloc|unlink_chunk|malloc_consolidate|tcache_get|tcache_put|_int_realloc|realloc|__rustc::__rdl_alloc|__rustc::__rdl_dealloc)\b|__GI___libc_free|__GI___libc_malloc", "leaf"),
-    ("scheduling", r"(finish_task_switch|__schedule|schedule\b|try_to_wake_up|futex|do_epoll_wait|ep_poll|eventfd|pick_next_task|dequeue_task|enqueue_task|ttwu|__wake_up).*\[kernel\.kallsyms\]", "any"),
     ("kernel_other", r"\[kernel\.kallsyms\]", "leaf"),
     ("python", r"libpython", "leaf"),
 ]
@@ -102,23 +103,63 @@ def category(stack: list[str]) -> str:
     return "user_other"
 
 
-def cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
+def descendants(root: int) -> set[int]:
+    """Every process below ``root`` now (from each process's parent in /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
 
 
-def find_pid(pattern: str, deadline: float) -> int:
+def find_pid(pattern: str, command: subprocess.Popen[str], deadline: float) -> int:
+    """The process ``command`` started (or itself) whose command line matches ``pattern``
+    (``pgrep -f``), the deepest one if several do (a wrapper's command line can name the
+    pattern too)."""
+    root = command.pid
     while time.monotonic() < deadline:
         out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-        # Not this script (its own command line names the pattern), nor perf.
-        theirs = [int(p) for p in out if int(p) != os.getpid() and "perf" not in cmdline(int(p))[:1]]
+        below = descendants(root) | {root}
+        theirs = [int(p) for p in out if int(p) in below]
         if theirs:
-            return theirs[0]
+            # A wrapper (bash -c, timeout) is an ancestor of what it runs: take the one
+            # with no other match below it.
+            leaves = [p for p in theirs if not (descendants(p) & set(theirs))]
+            return (leaves or theirs)[0]
+        if command.poll() is not None:
+            break
         time.sleep(0.05)
-    raise SystemExit(f"cpu-profile: no process matching {pattern!r} appeared")
+    raise SystemExit(f"cpu-profile: no process matching {pattern!r} appeared under the command")
+
+
+def stop(group: subprocess.Popen[str]) -> None:
+    """Stops the command and every process it started (its own process group)."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        if group.poll() is not None and not descendants(group.pid):
+            return
+        try:
+            os.killpg(group.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            group.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def main() -> None:
@@ -141,11 +182,12 @@ def main() -> None:
     procs = dict(p.split("=", 1) for p in args.proc)
     unit_keys = dict(c.split("=", 1) for c in args.unit_key)
     tmp = tempfile.mkdtemp(prefix="kvxfer-cpu-profile-")
-    bench = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    # In a process group of its own, so a failure stops everything it started.
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
     recorders = {}
     try:
         deadline = time.monotonic() + 60
-        pids = {name: find_pid(pattern, deadline) for name, pattern in procs.items()}
+        pids = {name: find_pid(pattern, bench, deadline) for name, pattern in procs.items()}
         time.sleep(args.after)
         for name, pid in pids.items():
             data = os.path.join(tmp, f"{name}.data")
@@ -189,8 +231,10 @@ def main() -> None:
         # The run's own output (its counted CPU among it), for the µs per category.
         sys.stderr.write(bench_out or "")
     finally:
-        if bench.poll() is None:
-            bench.kill()
+        for _, r in recorders.values():
+            if r.poll() is None:
+                r.kill()
+        stop(bench)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -48,6 +48,9 @@ def test_each_sample_lands_in_the_first_category_that_matches():
             # kvxfer's own code under a bench thread that drives the runtime: not the bench's.
             stack(f"kvxfer_core::pull::PullMachine::progress {BIN}", f"kvxfer_bench::workload::next_until {BIN}"),
             stack(f"tokio::runtime::scheduler::current_thread::CoreGuard::block_on {BIN}", f"kvxfer_bench::workload::next_until {BIN}"),
+            # An engine's thread (the bench's) asleep waiting for a pull: scheduling, not the bench.
+            stack(f"finish_task_switch.isra.0 {K}", f"__schedule {K}", f"futex_wait {K}", f"syscall {LIBC}",
+                  f"std::thread::park {BIN}", f"kvxfer_bench::workload::next_until {BIN}"),
         ]
     )
     assert categories(text) == [
@@ -61,6 +64,7 @@ def test_each_sample_lands_in_the_first_category_that_matches():
         "harness",
         "user_other",
         "user_other",
+        "scheduling",
     ]
 
 
