@@ -313,7 +313,8 @@ def run_latency(args: argparse.Namespace, block: int) -> dict[str, Any]:
     # exact, not tick-sampled); and its context switches (getrusage).
     cpu_s = 0.0
     # The calling thread's own share (CLOCK_THREAD_CPUTIME_ID): in submit, and in wait; the
-    # rest of cpu_s is the agent's runtime thread(s).
+    # rest of cpu_s is every other thread of the process over the same windows (the agent's
+    # runtime thread or threads, mostly).
     submit_s = wait_s = 0.0
     switches = 0
     with contextlib.ExitStack() as stack:
