@@ -81,3 +81,15 @@ def test_json_block(where, text):
         assert value["kv_role"] in ("kv_producer", "kv_consumer", "kv_both"), where
         extra = value.get("kv_connector_extra_config", {})
         assert all(k.startswith("kvxfer_") for k in extra), where
+
+
+def test_every_expected_output_block_is_checked_by_a_test():
+    """A guide's ``<!-- output: NAME -->`` block (what a command prints) is compared with the
+    real output by a test naming it (python/tests/real_vllm/guide_output.py's checks), so it
+    cannot go stale unnoticed."""
+    names = {n for p in DOCS.rglob("*.md") for n in re.findall(r"<!-- output: ([\w-]+) -->", p.read_text())}
+    assert names, "no expected-output block in the book"
+    tests = pathlib.Path(__file__).resolve().parent
+    text = "\n".join(p.read_text() for p in tests.rglob("*.py") if p.name != "test_docs_snippets.py")
+    unchecked = sorted(n for n in names if f'"{n}"' not in text)
+    assert not unchecked, f"expected-output blocks no test compares with real output: {unchecked}"

@@ -419,3 +419,37 @@ def test_chat_n4_non_streaming_and_streaming(stack):
         assert finish == {i: "length" for i in range(N)}
         assert streamed == tokens_of(client(stack.prefill_url).chat.completions.create(**req))
         check.all_pulled(2 * N)
+
+
+def test_the_guide_shows_what_the_router_and_engines_print(stack):
+    """docs/src/guides/vllm.md's expected output, against this stack's: the completion of the
+    guide's n = 4 request through the router, the `/metrics` lines its greps find on each
+    engine, and the connector's data-path line in the engine logs."""
+    if NO_CONNECTOR:
+        pytest.skip("no connector: no kvxfer lines to compare")
+    from guide_output import check_lines, check_metrics
+
+    with explained(stack):
+        body = json.dumps({"model": "tiny", "prompt": "Hello", "n": N, "max_tokens": 16, "seed": 1}).encode()
+        req = urllib.request.Request(
+            stack.router_url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            completion = resp.read().decode()
+        check_lines("vllm.md", "vllm-completion", completion, "tiny")
+        for url, name, grep in (
+            (stack.prefill_url, "vllm-prefill-metrics", r"^vllm:kvxfer_leases_(pulled|released|expired)_total"),
+            (stack.decode_url, "vllm-decode-metrics", r"^vllm:kvxfer_pulls_done_total"),
+        ):
+            # The connector's counters reach /metrics with vLLM's stats, every step or so.
+            deadline = time.monotonic() + 30
+            while True:
+                status, text = http_get(url + "/metrics")
+                assert status == 200, text
+                found = "\n".join(ln for ln in text.splitlines() if re.match(grep, ln))
+                if found or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            check_metrics("vllm.md", name, found)
+        check_lines("vllm.md", "vllm-data-path-log", stack.procs[1].log(), "tiny")
+        check_lines("vllm.md", "vllm-router-log", stack.procs[2].log(), "tiny")

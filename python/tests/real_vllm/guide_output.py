@@ -1,0 +1,77 @@
+"""What a guide shows a command printing, checked against what the real stack printed.
+
+A guide marks an expected-output block with an HTML comment right before its fence::
+
+    <!-- output: vllm-prefill-metrics -->
+    ```text
+    vllm:kvxfer_leases_pulled_total{engine="0",model_name="MODEL"} 1.0
+    ```
+
+Two kinds of check:
+
+- :func:`check_metrics`: each quoted Prometheus sample line names a metric, with the same
+  label names, that the real ``/metrics`` text has (label values and the sample's value are
+  the reader's own: they depend on the model and on what was sent before);
+- :func:`check_lines`: each quoted line matches some real line, ``…`` standing for any text
+  and ``MODEL`` for the model's name.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+GUIDES = pathlib.Path(__file__).resolve().parents[3] / "docs" / "src" / "guides"
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+\S+$")
+
+
+def quoted(guide: str, name: str) -> list[str]:
+    """The lines of the fenced block right after ``<!-- output: name -->`` in a guide."""
+    text = (GUIDES / guide).read_text()
+    marker = f"<!-- output: {name} -->"
+    at = text.find(marker)
+    assert at >= 0, f"{guide} has no {marker}"
+    rest = text[at + len(marker):].lstrip("\n")
+    assert rest.startswith("```"), f"{guide}: {marker} is not followed by a fenced block"
+    body = rest.split("\n", 1)[1]
+    block = body[: body.index("```")]
+    lines = [ln for ln in block.splitlines() if ln.strip()]
+    assert lines, f"{guide}: the block after {marker} is empty"
+    return lines
+
+
+def shape(line: str) -> tuple[str, tuple[str, ...]] | None:
+    """(metric name, sorted label names) of a Prometheus sample line, None for others."""
+    m = SAMPLE.match(line.strip())
+    if not m:
+        return None
+    labels = tuple(sorted(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', m.group(3) or "")))
+    return m.group(1), labels
+
+
+def check_metrics(guide: str, name: str, real: str) -> None:
+    real_shapes = {s for s in map(shape, real.splitlines()) if s}
+    for line in quoted(guide, name):
+        s = shape(line)
+        assert s is not None, f"{guide} [{name}]: not a sample line: {line!r}"
+        assert s in real_shapes, (
+            f"{guide} [{name}] shows {line!r}, but the real /metrics has no {s[0]} with labels {s[1]}; "
+            f"it has: {sorted(x for x in real_shapes if x[0] == s[0]) or 'none of that name'}"
+        )
+
+
+def pattern(line: str, model: str) -> re.Pattern[str]:
+    """A quoted line as a regex: ``…`` any text, ``MODEL`` the model's name."""
+    parts = re.split(r"(…|MODEL)", line.strip())
+    rx = "".join(".*?" if p == "…" else re.escape(model) if p == "MODEL" else re.escape(p) for p in parts)
+    return re.compile(rx)
+
+
+def check_lines(guide: str, name: str, real: str, model: str) -> None:
+    real_lines = real.splitlines()
+    for line in quoted(guide, name):
+        rx = pattern(line, model)
+        assert any(rx.search(r) for r in real_lines), (
+            f"{guide} [{name}] shows {line!r}; no line printed matches it. Printed (last 40 lines):\n"
+            + "\n".join(real_lines[-40:])
+        )
