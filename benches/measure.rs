@@ -123,8 +123,7 @@ pub(crate) fn run_block_size(
     let latency_run = run.total_bytes < LATENCY_RUN_BYTES;
     let mut latency_iter_bytes = Vec::new();
     let mut raw_rtt_us = Vec::new();
-    let (mut iter_gib_per_s, mut raw_tcp_runs, mut raw_tcp_cpu_runs) = (Vec::new(), Vec::new(), Vec::new());
-    let mut raw_machine = Vec::new();
+    let (mut iter_gib_per_s, mut raw) = (Vec::new(), RawRuns::default());
     let mut machine_spent = Some(0.0f64);
     // One child's bytes: what kvxfer's read of a child spans, and the raw run's read size.
     let read_span = u64::from(bpc) * block * u64::from(run.segments());
@@ -197,15 +196,7 @@ pub(crate) fn run_block_size(
                 // The bandwidth ceiling interleaved too, so each iteration has its own —
                 // except in a latency run, see below.
                 if !latency_run {
-                    raw_run(
-                        source,
-                        iter_bytes,
-                        run.connections,
-                        read_span,
-                        &mut raw_tcp_runs,
-                        &mut raw_tcp_cpu_runs,
-                        &mut raw_machine,
-                    )?;
+                    raw.run(source, iter_bytes, run.connections, read_span)?;
                 } else {
                     latency_iter_bytes.push(iter_bytes);
                 }
@@ -216,15 +207,7 @@ pub(crate) fn run_block_size(
     // raw run between two hand-offs (threads started, connections made) delayed the next
     // hand-off about 4x (p50 ~200 µs against ~50 µs without, one process, load 10).
     for iter_bytes in latency_iter_bytes {
-        raw_run(
-            source,
-            iter_bytes,
-            run.connections,
-            read_span,
-            &mut raw_tcp_runs,
-            &mut raw_tcp_cpu_runs,
-            &mut raw_machine,
-        )?;
+        raw.run(source, iter_bytes, run.connections, read_span)?;
     }
     if show_progress {
         eprintln!();
@@ -283,35 +266,42 @@ pub(crate) fn run_block_size(
         prefill: source.stats(),
         raw_rtt_us,
         iter_gib_per_s,
-        raw_tcp_runs,
-        raw_tcp_cpu_runs,
+        raw_tcp_runs: raw.rates,
+        raw_tcp_cpu_runs: raw.cpu,
         // Too short a window for /proc/stat's 10 ms ticks gives none.
         machine_cpu_s_per_gib: machine_spent
             .filter(|_| seconds >= crate::baselines::MIN_MACHINE_WINDOW_SECS)
             .map(|s| s / gib.max(1e-12)),
-        raw_tcp_machine_cpu_runs: raw_machine,
+        raw_tcp_machine_cpu_runs: raw.machine,
     })
 }
 
-/// One raw TCP run of `bytes` (read `read_span` at a time): its GiB/s into `rates`, its
-/// CPU per GiB (sending end, receiving end) into `cpu`, and this machine's busy CPU per GiB
-/// over the run into `machine` (nothing where `/proc/stat` is unreadable).
-fn raw_run(
-    source: &mut dyn LeaseSource,
-    bytes: u64,
-    connections: usize,
-    read_span: u64,
-    rates: &mut Vec<f64>,
-    cpu: &mut Vec<[f64; 2]>,
-    machine: &mut Vec<f64>,
-) -> Result<(), String> {
-    let r = source.raw_tcp_run(bytes, connections, read_span)?;
-    if let Some(busy) = r.machine_cpu_seconds {
-        machine.push(busy / (bytes as f64 / f64::from(1u32 << 30)).max(1e-12));
+/// The raw TCP runs of a block size: GiB/s, CPU per GiB (sending end, receiving end), and
+/// the machine's busy CPU per GiB (when the window was long enough to count), each run.
+#[derive(Default)]
+struct RawRuns {
+    rates: Vec<f64>,
+    cpu: Vec<[f64; 2]>,
+    machine: Vec<f64>,
+}
+
+impl RawRuns {
+    /// One raw TCP run of `bytes` (read `read_span` at a time), added to the others.
+    fn run(
+        &mut self,
+        source: &mut dyn LeaseSource,
+        bytes: u64,
+        connections: usize,
+        read_span: u64,
+    ) -> Result<(), String> {
+        let r = source.raw_tcp_run(bytes, connections, read_span)?;
+        if let Some(busy) = r.machine_cpu_seconds {
+            self.machine.push(busy / (bytes as f64 / f64::from(1u32 << 30)).max(1e-12));
+        }
+        self.rates.push(r.gib_per_s);
+        self.cpu.push(r.cpu_s_per_gib(bytes));
+        Ok(())
     }
-    rates.push(r.gib_per_s);
-    cpu.push(r.cpu_s_per_gib(bytes));
-    Ok(())
 }
 
 /// A decode agent as the bench drives it: the blocking facade (the caller's thread submits

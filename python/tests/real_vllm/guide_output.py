@@ -18,8 +18,11 @@ Two kinds of check:
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
+import time
+import urllib.request
 
 GUIDES = pathlib.Path(__file__).resolve().parents[3] / "docs" / "src" / "guides"
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+\S+$")
@@ -75,3 +78,32 @@ def check_lines(guide: str, name: str, real: str, model: str) -> None:
             f"{guide} [{name}] shows {line!r}; no line printed matches it. Printed (last 40 lines):\n"
             + "\n".join(real_lines[-40:])
         )
+
+
+# The guides' request (`curl ... -d '{"model":"MODEL","prompt":"Hello","n":4,...}'`) and
+# their greps of each engine's /metrics.
+PREFILL_GREP = r"^vllm:kvxfer_leases_(pulled|released|expired)_total"
+DECODE_GREP = r"^vllm:kvxfer_pulls_done_total"
+
+
+def guide_completion(base_url: str, model: str) -> str:
+    """The body a server at ``base_url`` answers the guides' n = 4 completion request with."""
+    body = json.dumps({"model": model, "prompt": "Hello", "n": 4, "max_tokens": 16, "seed": 1}).encode()
+    req = urllib.request.Request(
+        base_url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return resp.read().decode()
+
+
+def grepped_metrics(url: str, grep: str, wait: float = 30.0) -> str:
+    """The lines of ``url``'s /metrics that match ``grep``, waiting up to ``wait`` seconds for
+    any (vLLM exports the connector's counters with its stats, every step or so)."""
+    deadline = time.monotonic() + wait
+    while True:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        found = "\n".join(ln for ln in text.splitlines() if re.match(grep, ln))
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)

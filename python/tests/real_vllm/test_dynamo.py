@@ -247,23 +247,9 @@ def test_the_guide_shows_what_dynamo_prints(stack):
     """docs/src/guides/dynamo.md's expected output, against this stack's: the completion of
     the guide's n = 4 request through Dynamo's frontend, and the kvxfer `/metrics` lines its
     greps find on each worker's system port (Dynamo's labels)."""
-    import re
-    import urllib.request
-
-    from guide_output import check_lines, check_metrics
+    from guide_output import DECODE_GREP, PREFILL_GREP, check_lines, check_metrics, grepped_metrics, guide_completion
 
     with explained(stack):
-        body = json.dumps({"model": "tiny", "prompt": "Hello", "n": N, "max_tokens": 16, "seed": 1}).encode()
-        req = urllib.request.Request(
-            stack.frontend + "/v1/completions", data=body, headers={"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            completion = resp.read().decode()
-        check_lines("dynamo.md", "dynamo-completion", completion, "tiny")
-        for worker, name, grep in (
-            ("prefill", "dynamo-prefill-metrics", r"^vllm:kvxfer_leases_(pulled|released|expired)_total"),
-            ("decode", "dynamo-decode-metrics", r"^vllm:kvxfer_pulls_done_total"),
-        ):
-            status, text = http_get(stack.system[worker] + "/metrics")
-            assert status == 200, text
-            check_metrics("dynamo.md", name, "\n".join(ln for ln in text.splitlines() if re.match(grep, ln)))
+        check_lines("dynamo.md", "dynamo-completion", guide_completion(stack.frontend, "tiny"), "tiny")
+        check_metrics("dynamo.md", "dynamo-prefill-metrics", grepped_metrics(stack.system["prefill"], PREFILL_GREP))
+        check_metrics("dynamo.md", "dynamo-decode-metrics", grepped_metrics(stack.system["decode"], DECODE_GREP))

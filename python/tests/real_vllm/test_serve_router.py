@@ -427,29 +427,11 @@ def test_the_guide_shows_what_the_router_and_engines_print(stack):
     engine, and the connector's data-path line in the engine logs."""
     if NO_CONNECTOR:
         pytest.skip("no connector: no kvxfer lines to compare")
-    from guide_output import check_lines, check_metrics
+    from guide_output import DECODE_GREP, PREFILL_GREP, check_lines, check_metrics, grepped_metrics, guide_completion
 
     with explained(stack):
-        body = json.dumps({"model": "tiny", "prompt": "Hello", "n": N, "max_tokens": 16, "seed": 1}).encode()
-        req = urllib.request.Request(
-            stack.router_url + "/v1/completions", data=body, headers={"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            completion = resp.read().decode()
-        check_lines("vllm.md", "vllm-completion", completion, "tiny")
-        for url, name, grep in (
-            (stack.prefill_url, "vllm-prefill-metrics", r"^vllm:kvxfer_leases_(pulled|released|expired)_total"),
-            (stack.decode_url, "vllm-decode-metrics", r"^vllm:kvxfer_pulls_done_total"),
-        ):
-            # The connector's counters reach /metrics with vLLM's stats, every step or so.
-            deadline = time.monotonic() + 30
-            while True:
-                status, text = http_get(url + "/metrics")
-                assert status == 200, text
-                found = "\n".join(ln for ln in text.splitlines() if re.match(grep, ln))
-                if found or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            check_metrics("vllm.md", name, found)
+        check_lines("vllm.md", "vllm-completion", guide_completion(stack.router_url, "tiny"), "tiny")
+        check_metrics("vllm.md", "vllm-prefill-metrics", grepped_metrics(stack.prefill_url, PREFILL_GREP))
+        check_metrics("vllm.md", "vllm-decode-metrics", grepped_metrics(stack.decode_url, DECODE_GREP))
         check_lines("vllm.md", "vllm-data-path-log", stack.procs[1].log(), "tiny")
         check_lines("vllm.md", "vllm-router-log", stack.procs[2].log(), "tiny")
