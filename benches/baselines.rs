@@ -61,8 +61,8 @@ pub(crate) fn raw_tcp_sources_freed() -> u64 {
     RAW_TCP_SOURCES_FREED.load(Ordering::SeqCst)
 }
 
-/// Windows shorter than this give no machine-wide figure: `/proc/stat` counts in 10 ms
-/// ticks, too coarse for them.
+/// Windows shorter than this in all (a figure's windows summed) give no machine-wide
+/// figure: `/proc/stat` counts in 10 ms ticks, too coarse for them.
 pub(crate) const MIN_MACHINE_WINDOW_SECS: f64 = 0.25;
 
 /// Runs `f` on this thread, adding the CPU it took to `counter`.
@@ -101,13 +101,15 @@ fn join_all(threads: Vec<std::thread::JoinHandle<std::io::Result<usize>>>) -> Re
 pub(crate) struct RawWindow {
     pub(crate) gib_per_s: f64,
     pub(crate) machine_cpu_seconds: Option<f64>,
+    /// The window's length (the go to the last byte read), for judging whether `/proc/stat`'s
+    /// 10 ms ticks resolve it ([`MIN_MACHINE_WINDOW_SECS`]; callers sum windows first).
+    pub(crate) secs: f64,
 }
 
-/// The machine's busy CPU seconds from `before` to now, over a window of `secs`; `None`
-/// for a window too short for `/proc/stat`'s ticks ([`MIN_MACHINE_WINDOW_SECS`]).
-fn machine_since(before: Option<f64>, secs: f64) -> Option<f64> {
-    let busy = crate::procstat::machine_busy_seconds()? - before?;
-    (secs >= MIN_MACHINE_WINDOW_SECS).then_some(busy)
+/// The machine's busy CPU seconds from `before` to now (tick-resolution: judge the window's
+/// length, or the sum of several, against [`MIN_MACHINE_WINDOW_SECS`]).
+fn machine_since(before: Option<f64>) -> Option<f64> {
+    Some(crate::procstat::machine_busy_seconds()? - before?)
 }
 
 /// Raw TCP, one process: `connections` sockets on 127.0.0.1 moving `total` bytes from one
@@ -137,6 +139,10 @@ pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) 
             let src = vec![0x5au8; per];
             start.wait();
             let sent = counted(&RAW_TCP_SEND_NS, || write_like_kvxfer(&mut s, &src)).map(|()| 0);
+            if sent.is_err() {
+                // Likewise for a receiver still reading from it.
+                drop(s);
+            }
             end.wait();
             sent
         }));
@@ -147,9 +153,9 @@ pub(crate) fn raw_tcp_gib_per_s(total: u64, connections: usize, read_span: u64) 
     let (t0, machine0) = (Instant::now(), crate::procstat::machine_busy_seconds());
     end.wait();
     let secs = t0.elapsed().as_secs_f64();
-    let machine_cpu_seconds = machine_since(machine0, secs);
+    let machine_cpu_seconds = machine_since(machine0);
     let read = join_all(threads)?;
-    Ok(RawWindow { gib_per_s: gib_per_s(read, secs), machine_cpu_seconds })
+    Ok(RawWindow { gib_per_s: gib_per_s(read, secs), machine_cpu_seconds, secs })
 }
 
 /// Receiver threads, one per socket, each filling `per` bytes once `start` opens and
@@ -173,9 +179,9 @@ fn receive(
                 let read = counted(&RAW_TCP_RECEIVE_NS, || read_like_kvxfer(&mut s, &mut dst, read_span));
                 std::hint::black_box(&dst);
                 if read.is_err() {
-                    // A sender blocked writing to this socket must see its end before the
-                    // barrier, or neither reaches it.
-                    let _ = s.shutdown(std::net::Shutdown::Both);
+                    // A sender blocked writing to this socket must see it closed before the
+                    // barrier (a close with unread bytes resets it), or neither reaches it.
+                    drop(s);
                 }
                 end.wait();
                 read
@@ -248,12 +254,12 @@ pub(crate) fn raw_tcp_sink_gib_per_s(
     }
     end.wait();
     let secs = t0.elapsed().as_secs_f64();
-    let machine_cpu_seconds = machine_since(machine0, secs);
+    let machine_cpu_seconds = machine_since(machine0);
     // The go clones hold the sockets open: dropped, the sources see the end and free.
     drop(goes);
     let read = join_all(threads);
     go?;
-    Ok(RawWindow { gib_per_s: gib_per_s(read?, secs), machine_cpu_seconds })
+    Ok(RawWindow { gib_per_s: gib_per_s(read?, secs), machine_cpu_seconds, secs })
 }
 
 /// Requests a [`raw_rtt_responder`] of this process answered (all of them, every block

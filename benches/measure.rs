@@ -74,6 +74,9 @@ pub(crate) struct Measured {
     pub(crate) machine_cpu_s_per_gib: Option<f64>,
     /// `--baseline`: the same over each raw TCP run.
     pub(crate) raw_tcp_machine_cpu_runs: Vec<f64>,
+    /// The raw runs' windows, summed: their machine-wide median is reported only when this
+    /// is long enough for `/proc/stat`'s ticks.
+    pub(crate) raw_tcp_window_secs: f64,
 }
 
 impl Measured {
@@ -163,6 +166,10 @@ pub(crate) fn run_block_size(
                     // Lease → the child's end in the agent (its own stamp: these parents are
                     // waited for in turn, so when this thread takes a report says little);
                     // submit → the report reaching this thread, as a decode engine sees it.
+                    debug_assert!(
+                        c.completed_at >= lease_start,
+                        "a child ended before its lease was asked for"
+                    );
                     latencies.push(c.completed_at.saturating_duration_since(lease_start).as_secs_f64() * 1e6);
                     submit_latencies.push(at.duration_since(submitted).as_secs_f64() * 1e6);
                 }
@@ -273,16 +280,18 @@ pub(crate) fn run_block_size(
             .filter(|_| seconds >= crate::baselines::MIN_MACHINE_WINDOW_SECS)
             .map(|s| s / gib.max(1e-12)),
         raw_tcp_machine_cpu_runs: raw.machine,
+        raw_tcp_window_secs: raw.window_secs,
     })
 }
 
 /// The raw TCP runs of a block size: GiB/s, CPU per GiB (sending end, receiving end), and
-/// the machine's busy CPU per GiB (when the window was long enough to count), each run.
+/// the machine's busy CPU per GiB, each run; and their windows summed.
 #[derive(Default)]
 struct RawRuns {
     rates: Vec<f64>,
     cpu: Vec<[f64; 2]>,
     machine: Vec<f64>,
+    window_secs: f64,
 }
 
 impl RawRuns {
@@ -300,6 +309,7 @@ impl RawRuns {
         }
         self.rates.push(r.gib_per_s);
         self.cpu.push(r.cpu_s_per_gib(bytes));
+        self.window_secs += r.window_secs;
         Ok(())
     }
 }

@@ -122,7 +122,9 @@ mod tests {
             x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
         }
         let grew = super::machine_busy_seconds().expect("/proc/stat") - before;
-        // 0.3 s burnt, less two 10 ms ticks of rounding.
-        assert!(grew >= 0.28, "the machine counted {grew} s busy while this thread burnt 0.3 s");
+        // 0.3 s burnt, less the ticks' rounding and what a VM's hypervisor took meanwhile
+        // (counted as steal, which the busy figure leaves out, where the guest's own thread
+        // clock does not).
+        assert!(grew >= 0.2, "the machine counted {grew} s busy while this thread burnt 0.3 s");
     }
 }

@@ -163,7 +163,10 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 j["raw_tcp_send_cpu_s_per_gib"] = json!(raw_send);
                 // The machine's busy CPU against the same over the raw runs: CPU against CPU
                 // where the processes' own counters miss the kernel's deferred work.
-                let raw_machine = (!m.raw_tcp_machine_cpu_runs.is_empty()).then(|| {
+                // The median of the runs' figures, when their windows together are long
+                // enough for /proc/stat's 10 ms ticks (each run's alone may not be).
+                let resolved = m.raw_tcp_window_secs >= crate::baselines::MIN_MACHINE_WINDOW_SECS;
+                let raw_machine = (resolved && !m.raw_tcp_machine_cpu_runs.is_empty()).then(|| {
                     let mut runs = m.raw_tcp_machine_cpu_runs.clone();
                     runs.sort_by(f64::total_cmp);
                     percentile(&runs, 0.5)

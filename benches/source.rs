@@ -67,6 +67,7 @@ pub(crate) trait LeaseSource {
             send_cpu_seconds: sent - sent0,
             receive_cpu_seconds: received - received0,
             machine_cpu_seconds: w.machine_cpu_seconds,
+            window_secs: w.secs,
         })
     }
     /// The prefill process's CPU seconds and context switches so far when it is another
@@ -103,6 +104,8 @@ pub(crate) struct RawTcpRun {
     pub(crate) receive_cpu_seconds: f64,
     /// This machine's busy CPU over the run (`None` where `/proc/stat` is unreadable).
     pub(crate) machine_cpu_seconds: Option<f64>,
+    /// The run's window, seconds (see [`crate::baselines::MIN_MACHINE_WINDOW_SECS`]).
+    pub(crate) window_secs: f64,
 }
 
 impl RawTcpRun {
@@ -459,6 +462,7 @@ impl LeaseSource for RemoteSource {
             send_cpu_seconds: sent,
             receive_cpu_seconds: received,
             machine_cpu_seconds: w.machine_cpu_seconds,
+            window_secs: w.secs,
         })
     }
     fn prefill_process(&mut self) -> Option<ProcessCounters> {

@@ -495,7 +495,12 @@ pub(crate) fn run_level(
             gib_per_s: r.gib_per_s,
             send_cpu_seconds: r.send_cpu_seconds * scale,
             receive_cpu_seconds: r.receive_cpu_seconds * scale,
-            machine_cpu_seconds: r.machine_cpu_seconds.map(|m| m * scale),
+            // Judged on the run's own window (one run of up to RAW_RUN_MAX_BYTES).
+            machine_cpu_seconds: r
+                .machine_cpu_seconds
+                .filter(|_| r.window_secs >= crate::baselines::MIN_MACHINE_WINDOW_SECS)
+                .map(|m| m * scale),
+            window_secs: r.window_secs,
         })
     } else {
         None

@@ -65,7 +65,7 @@ done
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[$i]}" in
         --transport|--ucx-tls|--worker-threads|--memory) serve_args+=("${args[$i]}" "${args[$((i + 1))]}") ;;
-        --memory=*) serve_args+=("${args[$i]}") ;;
+        --memory=*|--transport=*|--ucx-tls=*|--worker-threads=*) serve_args+=("${args[$i]}") ;;
         --ucx-peer-failure|--precompute-crcs) serve_args+=("${args[$i]}") ;;
     esac
 done

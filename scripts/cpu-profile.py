@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Where a benchmark's CPU goes: runs a command, samples the processes named by ``--proc``
-with ``perf record`` once they are up (after ``--after`` seconds, for ``--seconds``), and
+with ``perf record`` (from ``--after`` seconds after the start, for ``--seconds``), and
 prints one JSON line per process with the share of its samples in each category:
 
 - ``crc32c``: the integrity check's CRC-32C;
 - ``scheduling``: the kernel switching threads, waking others, putting one to sleep (futex,
-  epoll, eventfd), whoever's code asked (an engine's thread waiting for a pull included);
+  epoll, eventfd), whoever's code asked (an engine's thread waiting for a pull included;
+  interrupt work that runs as a switch re-enables interrupts lands here too);
 - ``harness``: the benchmark's own work (``kvxfer_bench::``, its byte patterns and their
   check, or the Python benchmark's interpreter frames, where the stack shows them) outside
   kvxfer's calls, the kernel's work on its behalf included (its lease requests' sockets),
@@ -126,47 +127,53 @@ def descendants(root: int) -> set[int]:
 
 
 def find_pid(pattern: str, command: subprocess.Popen[str], deadline: float) -> int:
-    """The process ``command`` started (or itself) whose command line matches ``pattern``
-    (``pgrep -f``), the deepest one if several do (a wrapper's command line can name the
-    pattern too)."""
+    """The one process ``command`` started (or itself) whose command line matches
+    ``pattern`` (``pgrep -f``) and has no other match below it (a wrapper such as
+    ``timeout`` or ``bash -c`` names the pattern too, above what it runs). Several such
+    processes are an error: a pattern that names one process is needed."""
     root = command.pid
     while time.monotonic() < deadline:
         out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         below = descendants(root) | {root}
-        theirs = [int(p) for p in out if int(p) in below]
-        if theirs:
-            # A wrapper (bash -c, timeout) is an ancestor of what it runs: take the one
-            # with no other match below it.
-            leaves = [p for p in theirs if not (descendants(p) & set(theirs))]
-            return (leaves or theirs)[0]
+        theirs = {int(p) for p in out if int(p) in below}
+        leaves = [p for p in theirs if not (descendants(p) & theirs)]
+        if len(leaves) > 1:
+            raise SystemExit(f"cpu-profile: {pattern!r} matches several processes ({sorted(leaves)}): name one")
+        if leaves:
+            return leaves[0]
         if command.poll() is not None:
             break
         time.sleep(0.05)
     raise SystemExit(f"cpu-profile: no process matching {pattern!r} appeared under the command")
 
 
-def stop(group: subprocess.Popen[str]) -> None:
-    """Stops the command and every process it started (its own process group)."""
+def stop(command: subprocess.Popen[str]) -> None:
+    """Stops the command and every process of its process group (its own: see main), those
+    whose parent already exited included: TERM, then KILL to whatever is left."""
     import signal
 
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-        if group.poll() is not None and not descendants(group.pid):
-            return
+    group = command.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(group.pid, sig)
+            os.killpg(group, sig)
         except ProcessLookupError:
-            return
-        try:
-            group.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            command.poll()  # reap the leader
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--proc", action="append", required=True, metavar="NAME=PATTERN",
                     help="a process to sample, found by `pgrep -f PATTERN` (repeatable)")
-    ap.add_argument("--after", type=float, default=1.0, help="seconds to wait once it is up (skips start-up)")
+    ap.add_argument("--after", type=float, default=1.0,
+                    help="seconds after the start before the processes are looked for and sampled (skips start-up)")
     ap.add_argument("--seconds", type=float, default=3.0, help="seconds to sample")
     ap.add_argument("--freq", type=int, default=499,
                     help="samples per second (perf's sampling is charged to the process: lower is lighter)")
@@ -186,9 +193,10 @@ def main() -> None:
     bench = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
     recorders = {}
     try:
+        # Found after the warm-up wait: by then a wrapper has started what it wraps.
+        time.sleep(args.after)
         deadline = time.monotonic() + 60
         pids = {name: find_pid(pattern, bench, deadline) for name, pattern in procs.items()}
-        time.sleep(args.after)
         for name, pid in pids.items():
             data = os.path.join(tmp, f"{name}.data")
             recorders[name] = (data, subprocess.Popen(

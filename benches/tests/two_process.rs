@@ -316,7 +316,8 @@ fn the_two_process_script_pins_each_process() {
     let status = std::fs::read_to_string("/proc/self/status").expect("status");
     let allowed =
         status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).expect("Cpus_allowed_list");
-    let cpu = allowed.trim().split([',', '-']).next().expect("a CPU").to_owned();
+    let cpu =
+        allowed.trim().split([',', '-']).next().filter(|c| !c.is_empty()).expect("an allowed CPU").to_owned();
     let out = Command::new("bash")
         .arg(script)
         .args([

@@ -85,11 +85,15 @@ def test_json_block(where, text):
 
 def test_every_expected_output_block_is_checked_by_a_test():
     """A guide's ``<!-- output: NAME -->`` block (what a command prints) is compared with the
-    real output by a test naming it (python/tests/real_vllm/guide_output.py's checks), so it
-    cannot go stale unnoticed."""
-    names = {n for p in DOCS.rglob("*.md") for n in re.findall(r"<!-- output: ([\w-]+) -->", p.read_text())}
-    assert names, "no expected-output block in the book"
+    real output by a test that names its guide and it (python/tests/real_vllm/guide_output.py's
+    checks: ``check_lines("vllm.md", "NAME", ...)``), so it cannot go stale unnoticed; and each
+    name marks one block only."""
+    blocks = [(p.name, n) for p in DOCS.rglob("*.md") for n in re.findall(r"<!-- output: ([\w-]+) -->", p.read_text())]
+    assert blocks, "no expected-output block in the book"
+    names = [n for _, n in blocks]
+    assert len(names) == len(set(names)), f"an output name marks several blocks: {sorted(names)}"
     tests = pathlib.Path(__file__).resolve().parent
     text = "\n".join(p.read_text() for p in tests.rglob("*.py") if p.name != "test_docs_snippets.py")
-    unchecked = sorted(n for n in names if f'"{n}"' not in text)
+    call = r'check_(?:lines|metrics|metric_deltas)\(\s*"{guide}",\s*"{name}"'
+    unchecked = [(g, n) for g, n in blocks if not re.search(call.format(guide=re.escape(g), name=re.escape(n)), text)]
     assert not unchecked, f"expected-output blocks no test compares with real output: {unchecked}"

@@ -7,11 +7,13 @@ A guide marks an expected-output block with an HTML comment right before its fen
     vllm:kvxfer_leases_pulled_total{engine="0",model_name="MODEL"} 1.0
     ```
 
-Two kinds of check:
+Three kinds of check:
 
 - :func:`check_metrics`: each quoted Prometheus sample line names a metric, with the same
-  label names, that the real ``/metrics`` text has (label values and the sample's value are
-  the reader's own: they depend on the model and on what was sent before);
+  label names, that the real ``/metrics`` text has (label values are the reader's own: they
+  depend on the model and the host);
+- :func:`check_metric_deltas`: as above, and each quoted value (what a fresh server shows
+  after the guide's one request) is what the real counter rose by over that request;
 - :func:`check_lines`: each quoted line matches some real line, ``…`` standing for any text
   and ``MODEL`` for the model's name.
 """
@@ -61,6 +63,34 @@ def check_metrics(guide: str, name: str, real: str) -> None:
             f"{guide} [{name}] shows {line!r}, but the real /metrics has no {s[0]} with labels {s[1]}; "
             f"it has: {sorted(x for x in real_shapes if x[0] == s[0]) or 'none of that name'}"
         )
+
+
+def values(text: str) -> dict[tuple[str, tuple[str, ...]], float]:
+    """Each series shape's value in Prometheus text (summed over label values)."""
+    out: dict[tuple[str, tuple[str, ...]], float] = {}
+    for line in text.splitlines():
+        s = shape(line)
+        if s:
+            out[s] = out.get(s, 0.0) + float(line.split()[-1])
+    return out
+
+
+def check_metric_deltas(guide: str, name: str, url: str, grep: str, before: str, wait: float = 30.0) -> None:
+    """The quoted lines' shapes are in ``url``'s /metrics, and each quoted value is how much
+    its series rose since ``before`` (the grepped text taken before the guide's request),
+    waiting up to ``wait`` seconds for the counters to get there."""
+    want = {shape(line): float(line.split()[-1]) for line in quoted(guide, name)}
+    assert None not in want, f"{guide} [{name}]: a quoted line is not a sample line"
+    start = values(before)
+    deadline = time.monotonic() + wait
+    while True:
+        now = grepped_metrics(url, grep, wait=0)
+        check_metrics(guide, name, now)
+        got = {s: values(now).get(s, 0.0) - start.get(s, 0.0) for s in want}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == want, f"{guide} [{name}]: over the guide's request the counters rose by {got}, the guide shows {want}"
 
 
 def pattern(line: str, model: str) -> re.Pattern[str]:

@@ -247,9 +247,11 @@ def test_the_guide_shows_what_dynamo_prints(stack):
     """docs/src/guides/dynamo.md's expected output, against this stack's: the completion of
     the guide's n = 4 request through Dynamo's frontend, and the kvxfer `/metrics` lines its
     greps find on each worker's system port (Dynamo's labels)."""
-    from guide_output import DECODE_GREP, PREFILL_GREP, check_lines, check_metrics, grepped_metrics, guide_completion
+    from guide_output import DECODE_GREP, PREFILL_GREP, check_lines, check_metric_deltas, grepped_metrics, guide_completion
 
     with explained(stack):
+        prefill, decode = stack.system["prefill"], stack.system["decode"]
+        before = {prefill: grepped_metrics(prefill, PREFILL_GREP, wait=0), decode: grepped_metrics(decode, DECODE_GREP, wait=0)}
         check_lines("dynamo.md", "dynamo-completion", guide_completion(stack.frontend, "tiny"), "tiny")
-        check_metrics("dynamo.md", "dynamo-prefill-metrics", grepped_metrics(stack.system["prefill"], PREFILL_GREP))
-        check_metrics("dynamo.md", "dynamo-decode-metrics", grepped_metrics(stack.system["decode"], DECODE_GREP))
+        check_metric_deltas("dynamo.md", "dynamo-prefill-metrics", prefill, PREFILL_GREP, before[prefill])
+        check_metric_deltas("dynamo.md", "dynamo-decode-metrics", decode, DECODE_GREP, before[decode])
