@@ -366,6 +366,12 @@ pub(crate) fn memcpy_gib_per_s(total: u64) -> f64 {
     total as f64 / f64::from(1u32 << 30) / secs
 }
 
+/// The median of unsorted samples ([`percentile`] 0.5 once sorted; 0 when there are none).
+pub(crate) fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    percentile(&samples, 0.5)
+}
+
 /// The `p` quantile (0..=1) of sorted samples (0 when there are none).
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

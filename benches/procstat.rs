@@ -2,14 +2,16 @@
 //! file descriptors — for the many-requests workload's "no growth with concurrency" figures;
 //! and the CPU time and context switches it used (the whole process, or one thread).
 
+/// A field of `/proc/self/status` (e.g. `VmRSS`, `Cpus_allowed_list`), its value trimmed;
+/// `None` when unreadable or absent.
+fn status_field(field: &str) -> Option<String> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status.lines().find_map(|l| Some(l.strip_prefix(field)?.strip_prefix(':')?.trim().to_owned()))
+}
+
 /// A `kB` field of `/proc/self/status` (e.g. `VmRSS`, `VmHWM`), in KiB; 0 when unreadable.
 fn status_kib(field: &str) -> u64 {
-    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
+    status_field(field).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
 }
 
 /// Resident memory now, KiB.
@@ -102,12 +104,7 @@ pub(crate) fn machine_busy_seconds() -> Option<f64> {
 /// The CPUs this process may run on (`Cpus_allowed_list` of `/proc/self/status`, e.g.
 /// `0-1`, or `1` when pinned), empty when unreadable.
 pub(crate) fn cpus_allowed() -> String {
-    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return String::new() };
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .map(|v| v.trim().to_owned())
-        .unwrap_or_default()
+    status_field("Cpus_allowed_list").unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 
-use crate::baselines::{memcpy_gib_per_s, percentile, rtt_distribution};
+use crate::baselines::{median, memcpy_gib_per_s, percentile, rtt_distribution};
 use crate::cli::RunArgs;
 use crate::measure::run_block_size;
 use crate::plot::{human, svg_plot, PlotRow};
@@ -79,9 +79,7 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
         let mut m = run_block_size(run, source, block)?;
         // Raw TCP: the median of the runs interleaved with kvxfer's iterations.
         let (raw, mem) = if run.baseline {
-            let mut runs = m.raw_tcp_runs.clone();
-            runs.sort_by(f64::total_cmp);
-            (Some(percentile(&runs, 0.5)), Some(memcpy_gib_per_s(run.total_bytes)))
+            (Some(median(m.raw_tcp_runs.clone())), Some(memcpy_gib_per_s(run.total_bytes)))
         } else {
             (None, None)
         };
@@ -103,11 +101,7 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
         let ratio = |b: Option<f64>| b.map(|b| m.gib_per_s / b);
         // CPU against CPU on the same bytes: both agents (both processes) against the raw
         // runs' sending and receiving threads, the median of the runs.
-        let raw_median = |f: fn(&[f64; 2]) -> f64| {
-            let mut runs: Vec<f64> = m.raw_tcp_cpu_runs.iter().map(f).collect();
-            runs.sort_by(f64::total_cmp);
-            percentile(&runs, 0.5)
-        };
+        let raw_median = |f: fn(&[f64; 2]) -> f64| median(m.raw_tcp_cpu_runs.iter().map(f).collect());
         let raw_cpu = run.baseline.then(|| raw_median(|r| r[0] + r[1]));
         let (raw_send, raw_receive) = (raw_median(|r| r[0]), raw_median(|r| r[1]));
         let cpu_both = m.cpu_s_per_gib_both();
@@ -166,11 +160,8 @@ pub(crate) fn bench(run: &RunArgs, source: &mut dyn LeaseSource, processes: &str
                 // The median of the runs' figures, when their windows together are long
                 // enough for /proc/stat's 10 ms ticks (each run's alone may not be).
                 let resolved = m.raw_tcp_window_secs >= crate::baselines::MIN_MACHINE_WINDOW_SECS;
-                let raw_machine = (resolved && !m.raw_tcp_machine_cpu_runs.is_empty()).then(|| {
-                    let mut runs = m.raw_tcp_machine_cpu_runs.clone();
-                    runs.sort_by(f64::total_cmp);
-                    percentile(&runs, 0.5)
-                });
+                let raw_machine = (resolved && !m.raw_tcp_machine_cpu_runs.is_empty())
+                    .then(|| median(m.raw_tcp_machine_cpu_runs.clone()));
                 j["raw_tcp_machine_cpu_s_per_gib"] = json!(raw_machine);
                 j["ratio_machine_cpu_vs_raw_tcp"] =
                     json!(m.machine_cpu_s_per_gib.zip(raw_machine.filter(|&r| r > 0.0)).map(|(k, r)| k / r));
